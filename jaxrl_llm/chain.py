@@ -1,0 +1,531 @@
+"""The reward → advantage chain as composable, optax-shaped transformations.
+
+The seed documents describe every policy-gradient algorithm for LLMs as one chain::
+
+    raw reward -> +KL -> return -> -baseline -> advantage -> normalize -> x grad log pi -> update
+
+This module makes each arrow a value. An :class:`AdvantageTransform` is a pair of pure functions
+``(init, update)`` exactly like ``optax.GradientTransformation``: ``init(rollout)`` builds the
+stage's state, ``update(signal_bgt, state, rollout)`` maps one token-level signal to the next and
+returns the new state. The signal starts as token rewards (the sequence reward sits on the last
+valid token) and leaves the chain as advantages. :func:`chain` composes stages left to right,
+:func:`stateless` lifts a pure function. The rollout is a read-only context (rewards, masks,
+log-probs, values) that every stage may consult but none may change.
+
+Stages in chain order:
+
+* reward shaping: :func:`clip_reward`, :func:`overlong_penalty`, :func:`kl_penalty`
+  (``r_t − β·KL_t``, with a fixed or adaptive β controller as the stage's state);
+* return (credit assignment): :func:`outcome_return` (the sequence's total reward on every token),
+  :func:`discounted_return` (reward-to-go with γ), :func:`gae` (γ, λ, critic values);
+* baseline: :func:`group_mean_baseline`, :func:`leave_one_out_baseline`,
+  :func:`length_weighted_baseline`, :func:`given_baseline`, :func:`critic_baseline`;
+* normalisation: :func:`group_std_scale`, :func:`batch_std_scale`, :func:`batch_whiten`.
+
+Baselines subtract a per-sequence constant from every token of the return. Group baselines need
+one number per sequence: the return at the sequence's first valid token (its whole return). For
+an outcome return every token carries that number, so this is the familiar
+``A_i = r_i − b_i`` broadcast over tokens.
+
+Every stage carries a :class:`StageInfo` (which arrow of the chain it is, and a sentence) from
+which :func:`jaxrl_llm.explain` answers the seed's five questions for any composition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import chex
+import jax.numpy as jnp
+
+from jaxrl_llm.core import _contracts as C
+from jaxrl_llm.core import baselines as _baselines
+from jaxrl_llm.core import kl as _kl
+from jaxrl_llm.core import masked as _masked
+from jaxrl_llm.core import normalization as _norm
+from jaxrl_llm.core import returns as _returns
+from jaxrl_llm.core import selection as _selection
+
+State = Any
+
+
+class Rollout(NamedTuple):
+    """What the sampler and the scorers produced for ``B`` prompts × ``G`` completions.
+
+    Attributes:
+      reward_bg: ``f32[B, G]`` sequence-level rewards (any float dtype; math is f32).
+      mask_bgt: ``bool[B, G, T]`` completion tokens that count (False on padding and on
+        observation/tool tokens of multi-turn rollouts).
+      mask_bg: ``bool[B, G]`` group membership: False for slots that are not real rollouts of the
+        prompt (variable group sizes with static shapes, or dropped by selection). ``None`` means
+        every slot is a member.
+      logp_old_bgt: ``f32[B, G, T]`` log-probs of the rollout (behaviour) policy; needed for
+        KL-in-reward and ratio-based losses.
+      logp_ref_bgt: ``f32[B, G, T]`` log-probs of the frozen reference policy.
+      value_bgt: ``f32[B, G, T]`` critic values (PPO/GAE).
+      baseline_b: ``f32[B]`` a given per-prompt baseline reward (ReMax: the greedy rollout's
+        reward).
+    """
+
+    reward_bg: chex.Array
+    mask_bgt: chex.Array
+    mask_bg: chex.Array | None = None
+    logp_old_bgt: chex.Array | None = None
+    logp_ref_bgt: chex.Array | None = None
+    value_bgt: chex.Array | None = None
+    baseline_b: chex.Array | None = None
+
+
+def member_mask(rollout: Rollout) -> chex.Array:
+    """``bool[B, G]`` group membership (all True when the rollout gives none)."""
+    if rollout.mask_bg is None:
+        return jnp.ones(rollout.reward_bg.shape, jnp.bool_)
+    return rollout.mask_bg
+
+
+def token_mask(rollout: Rollout) -> chex.Array:
+    """``bool[B, G, T]`` tokens that count: completion tokens of group members."""
+    return rollout.mask_bgt & member_mask(rollout)[..., None]
+
+
+def check_rollout(rollout: Rollout, *, fn: str = "Rollout") -> None:
+    """Trace-time contract for a rollout: ranks, dtypes and shapes, naming the bad field."""
+    C.check_rank(fn, "reward_bg", rollout.reward_bg, 2, "[B, G]")
+    C.check_float(fn, "reward_bg", rollout.reward_bg)
+    C.check_rank(fn, "mask_bgt", rollout.mask_bgt, 3, "[B, G, T]")
+    C.check_bool(fn, "mask_bgt", rollout.mask_bgt)
+    C.check_leading_shape(
+        fn, "mask_bgt", rollout.mask_bgt, tuple(rollout.reward_bg.shape), of="reward_bg"
+    )
+    if rollout.mask_bg is not None:
+        C.check_bool(fn, "mask_bg", rollout.mask_bg)
+        C.check_same_shape(fn, {"reward_bg": rollout.reward_bg, "mask_bg": rollout.mask_bg})
+    for name in ("logp_old_bgt", "logp_ref_bgt", "value_bgt"):
+        x = getattr(rollout, name)
+        if x is not None:
+            C.check_float(fn, name, x)
+            C.check_same_shape(fn, {"mask_bgt": rollout.mask_bgt, name: x})
+    if rollout.baseline_b is not None:
+        C.check_float(fn, "baseline_b", rollout.baseline_b)
+        C.check_rank(fn, "baseline_b", rollout.baseline_b, 1, "[B]")
+        C.check_leading_shape(
+            fn, "baseline_b", rollout.reward_bg[:, 0], tuple(rollout.baseline_b.shape), of="B"
+        )
+
+
+def require(rollout: Rollout, field: str, stage: str) -> chex.Array:
+    x = getattr(rollout, field)
+    if x is None:
+        raise ValueError(
+            f"{stage}: this stage needs `Rollout.{field}`, which is None; pass it when building "
+            f"the Rollout"
+        )
+    return x
+
+
+# --------------------------------------------------------------------------------------------
+# The transformation type and its combinators (optax's shape).
+
+
+class StageInfo(NamedTuple):
+    """Which arrow of the chain a stage is, and what it does, for :func:`jaxrl_llm.explain`.
+
+    ``kind`` is one of ``"reward"``, ``"kl"``, ``"return"``, ``"baseline"``, ``"normalize"``.
+    """
+
+    kind: str
+    text: str
+
+
+class AdvantageTransform(NamedTuple):
+    """A stage of the chain: ``init(rollout) -> state``, ``update(signal_bgt, state, rollout) ->
+    (signal_bgt, state)``. Both pure; all state lives in the returned pytree."""
+
+    init: Callable[[Rollout], State]
+    update: Callable[[chex.Array, State, Rollout], tuple[chex.Array, State]]
+    info: tuple[StageInfo, ...] = ()
+
+
+class EmptyState(NamedTuple):
+    """The state of a stateless stage."""
+
+
+def stateless(
+    fn: Callable[[chex.Array, Rollout], chex.Array], info: StageInfo | None = None
+) -> AdvantageTransform:
+    """Lifts ``fn(signal_bgt, rollout) -> signal_bgt`` to a stage with empty state."""
+
+    def init(rollout: Rollout) -> EmptyState:
+        del rollout
+        return EmptyState()
+
+    def update(signal_bgt, state, rollout):
+        return fn(signal_bgt, rollout), state
+
+    return AdvantageTransform(init, update, (info,) if info is not None else ())
+
+
+def chain(*stages: AdvantageTransform) -> AdvantageTransform:
+    """Composes stages left to right; the state is the tuple of the stages' states."""
+
+    def init(rollout: Rollout) -> tuple[State, ...]:
+        return tuple(stage.init(rollout) for stage in stages)
+
+    def update(signal_bgt, state, rollout):
+        if len(state) != len(stages):
+            raise ValueError(
+                f"chain: state has {len(state)} entries for {len(stages)} stages; build it with "
+                "the same chain's init"
+            )
+        new_state = []
+        for stage, stage_state in zip(stages, state, strict=True):
+            signal_bgt, stage_state = stage.update(signal_bgt, stage_state, rollout)
+            new_state.append(stage_state)
+        return signal_bgt, tuple(new_state)
+
+    info = tuple(i for stage in stages for i in stage.info)
+    return AdvantageTransform(init, update, info)
+
+
+def token_rewards(rollout: Rollout) -> chex.Array:
+    """The chain's input: ``f32[B, G, T]`` with each sequence reward on its last valid token.
+
+    A member whose completion is empty has no token to carry its reward: it gets no advantage
+    and takes no part in group statistics (:func:`scoring_members`).
+    """
+    check_rollout(rollout, fn="token_rewards")
+    return _masked.place_on_last_token(C.f32(rollout.reward_bg), token_mask(rollout))
+
+
+def _sequence_score(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
+    """One number per sequence: the signal at its first valid token (0 for empty ones)."""
+    return _masked.value_at_first_token(signal_bgt, token_mask(rollout))
+
+
+def scoring_members(rollout: Rollout) -> chex.Array:
+    """``bool[B, G]`` members that enter group statistics: members with at least one valid
+    completion token. An empty completion has no token to carry a return or an advantage, so
+    it takes no part in its group's baseline or std."""
+    return token_mask(rollout).any(-1)
+
+
+def _subtract_per_sequence(signal_bgt, baseline_bg, rollout):
+    return jnp.where(token_mask(rollout), signal_bgt - baseline_bg[..., None], 0.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Reward shaping.
+
+
+def clip_reward(low: float, high: float) -> AdvantageTransform:
+    """Clips token rewards to ``[low, high]`` (OpenRLHF clips scores to (−10, 10))."""
+
+    def fn(signal_bgt, rollout):
+        return jnp.where(token_mask(rollout), jnp.clip(signal_bgt, low, high), 0.0)
+
+    return stateless(fn, StageInfo("reward", f"score clipped to [{low:g}, {high:g}]"))
+
+
+def overlong_penalty(
+    *, max_length: int, buffer_length: int, penalty_factor: float = 1.0, cap: bool = True
+) -> AdvantageTransform:
+    """DAPO's soft overlong punishment added to the last token's reward (Yu et al. 2025,
+    arXiv:2503.14476); the length is the number of valid completion tokens."""
+
+    def fn(signal_bgt, rollout):
+        mask_bgt = token_mask(rollout)
+        length_bg = mask_bgt.sum(-1)
+        penalty_bg = _selection.overlong_reward_penalty(
+            length_bg,
+            max_length=max_length,
+            buffer_length=buffer_length,
+            penalty_factor=penalty_factor,
+            cap=cap,
+        )
+        return signal_bgt + _masked.place_on_last_token(penalty_bg, mask_bgt)
+
+    text = (
+        f"overlong penalty: completions longer than {max_length - buffer_length} tokens lose up "
+        f"to {penalty_factor:g} (linear over the last {buffer_length})"
+    )
+    return stateless(fn, StageInfo("reward", text))
+
+
+def kl_penalty(
+    beta: float | _kl.KLController, *, estimator: str | Callable = "k1", **estimator_kwargs
+) -> AdvantageTransform:
+    """KL folded into the token rewards: ``r_t ← r_t − β·KL_t(π_old ‖ π_ref)``.
+
+    ``KL_t`` is the chosen estimator of the per-token log-ratio ``logp_old − logp_ref`` between
+    the rollout policy and the reference (Ziegler et al. 2019, arXiv:1909.08593; Ouyang et al.
+    2022, arXiv:2203.02155). ``beta`` is a number (fixed controller) or a
+    :class:`~jaxrl_llm.core.kl.KLController` (e.g. the adaptive one); the stage's state is the
+    controller's, and after shaping the controller is updated with this batch's observed KL
+    (mean over sequences of the per-sequence mean KL) and ``n_steps = B·G``, as verl does.
+    """
+    controller = (
+        beta if isinstance(beta, _kl.KLController) else _kl.fixed_kl_controller(float(beta))
+    )
+    kl_fn = _kl.get_kl_estimator(estimator) if isinstance(estimator, str) else estimator
+    name = estimator if isinstance(estimator, str) else getattr(estimator, "__name__", "custom")
+
+    def init(rollout):
+        del rollout
+        return controller.init()
+
+    def update(signal_bgt, state, rollout):
+        logp_old = require(rollout, "logp_old_bgt", "kl_penalty")
+        logp_ref = require(rollout, "logp_ref_bgt", "kl_penalty")
+        mask_bgt = token_mask(rollout)
+        kl_bgt = jnp.where(mask_bgt, kl_fn(logp_old, logp_ref, **estimator_kwargs), 0.0)
+        shaped = _kl.kl_in_reward(signal_bgt, kl_bgt, mask_bgt, beta=state.beta)
+        observed = _kl.mean_sequence_kl(kl_bgt, mask_bgt)
+        n_steps = jnp.asarray(mask_bgt.shape[0] * mask_bgt.shape[1], jnp.float32)
+        return shaped, controller.update(state, observed, n_steps)
+
+    kind = "fixed" if not isinstance(beta, _kl.KLController) else "controller-driven"
+    text = f"in the reward: r_t − β·{name}(π_old ‖ π_ref) per token ({kind} β)"
+    if not isinstance(beta, _kl.KLController):
+        text += f", β = {float(beta):g}"
+    return AdvantageTransform(init, update, (StageInfo("kl", text),))
+
+
+# --------------------------------------------------------------------------------------------
+# Returns (credit assignment).
+
+
+def outcome_return() -> AdvantageTransform:
+    """Every valid token gets the sequence's total reward ``Σ_t r_t`` (verl's outcome estimators:
+    GRPO, RLOO, REINFORCE++-baseline sum token rewards, KL included, before grouping)."""
+
+    def fn(signal_bgt, rollout):
+        mask_bgt = token_mask(rollout)
+        total_bg = _masked.masked_sum(signal_bgt, mask_bgt, axis=-1)
+        return jnp.where(mask_bgt, total_bg[..., None], 0.0)
+
+    return stateless(fn, StageInfo("return", "outcome: the sequence's total reward on every token"))
+
+
+def discounted_return(gamma: float = 1.0) -> AdvantageTransform:
+    """Reward-to-go ``G_t = r_t + γ·G_{t+1}``; masked (observation) tokens carry ``G`` through."""
+
+    def fn(signal_bgt, rollout):
+        return _returns.discounted_returns(signal_bgt, token_mask(rollout), gamma=gamma)
+
+    return stateless(fn, StageInfo("return", f"reward-to-go G_t = r_t + γ·G_(t+1), γ = {gamma:g}"))
+
+
+def gae(gamma: float = 1.0, lam: float = 0.95) -> AdvantageTransform:
+    """Generalised advantage estimation with the rollout's critic values (Schulman et al. 2016,
+    arXiv:1506.02438). The critic is the baseline, inside the TD errors
+    ``δ_t = r_t + γV_(t+1) − V_t``."""
+
+    def fn(signal_bgt, rollout):
+        value_bgt = require(rollout, "value_bgt", "gae")
+        adv_bgt, _ = _returns.gae(
+            signal_bgt, C.f32(value_bgt), token_mask(rollout), gamma=gamma, lam=lam
+        )
+        return adv_bgt
+
+    return AdvantageTransform(
+        *stateless(fn)[:2],
+        (
+            StageInfo("return", f"GAE over TD errors, γ = {gamma:g}, λ = {lam:g}"),
+            StageInfo("baseline", "a learned critic V(s_t), inside GAE's TD errors"),
+        ),
+    )
+
+
+def gae_returns(rollout: Rollout, *, gamma: float = 1.0, lam: float = 0.95) -> chex.Array:
+    """The critic's regression targets ``R_t = A_t + V_t`` of GAE on the rollout's token rewards
+    (unwhitened), for the value loss. The KL shaping, if any, must be applied by the caller."""
+    value_bgt = require(rollout, "value_bgt", "gae_returns")
+    _, returns_bgt = _returns.gae(
+        token_rewards(rollout), C.f32(value_bgt), token_mask(rollout), gamma=gamma, lam=lam
+    )
+    return returns_bgt
+
+
+# --------------------------------------------------------------------------------------------
+# Baselines.
+
+
+def group_mean_baseline(*, singleton_baseline: float | None = None) -> AdvantageTransform:
+    """``A_i = R_i − mean_{j∈group} R_j`` (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300)."""
+
+    def fn(signal_bgt, rollout):
+        score_bg = _sequence_score(signal_bgt, rollout)
+        b_bg = _baselines.group_mean_baseline(
+            score_bg, scoring_members(rollout), singleton_baseline=singleton_baseline
+        )
+        return _subtract_per_sequence(signal_bgt, b_bg, rollout)
+
+    return stateless(fn, StageInfo("baseline", "the group mean of the G answers' returns"))
+
+
+def leave_one_out_baseline(*, singleton_baseline: float | None = None) -> AdvantageTransform:
+    """``A_i = R_i − mean_{j≠i} R_j`` (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740)."""
+
+    def fn(signal_bgt, rollout):
+        score_bg = _sequence_score(signal_bgt, rollout)
+        b_bg = _baselines.leave_one_out_baseline(
+            score_bg, scoring_members(rollout), singleton_baseline=singleton_baseline
+        )
+        return _subtract_per_sequence(signal_bgt, b_bg, rollout)
+
+    return stateless(fn, StageInfo("baseline", "the mean of the other G−1 answers (leave-one-out)"))
+
+
+def length_weighted_baseline(*, singleton_baseline: float | None = None) -> AdvantageTransform:
+    """OPO's length-weighted group mean ``b = Σ|y_j|R_j / Σ|y_j|`` (arXiv:2505.23585)."""
+
+    def fn(signal_bgt, rollout):
+        score_bg = _sequence_score(signal_bgt, rollout)
+        length_bg = token_mask(rollout).sum(-1).astype(jnp.float32)
+        b_bg = _baselines.length_weighted_baseline(
+            score_bg, length_bg, scoring_members(rollout), singleton_baseline=singleton_baseline
+        )
+        return _subtract_per_sequence(signal_bgt, b_bg, rollout)
+
+    return stateless(fn, StageInfo("baseline", "the length-weighted group mean (OPO)"))
+
+
+def given_baseline() -> AdvantageTransform:
+    """A per-prompt baseline supplied in ``Rollout.baseline_b``, e.g. ReMax's greedy rollout reward
+    (Li et al. 2023, arXiv:2310.10505)."""
+
+    def fn(signal_bgt, rollout):
+        baseline_b = require(rollout, "baseline_b", "given_baseline")
+        score_bg = _sequence_score(signal_bgt, rollout)
+        b_bg = _baselines.given_baseline(score_bg, C.f32(baseline_b), scoring_members(rollout))
+        return _subtract_per_sequence(signal_bgt, b_bg, rollout)
+
+    return stateless(fn, StageInfo("baseline", "a given per-prompt reward (ReMax: greedy rollout)"))
+
+
+def critic_baseline() -> AdvantageTransform:
+    """``A_t = G_t − V(s_t)`` with the rollout's critic values (REINFORCE with a learned
+    baseline; GAE with λ = 1)."""
+
+    def fn(signal_bgt, rollout):
+        value_bgt = require(rollout, "value_bgt", "critic_baseline")
+        mask_bgt = token_mask(rollout)
+        return jnp.where(
+            mask_bgt, signal_bgt - _baselines.critic_baseline(value_bgt, mask_bgt), 0.0
+        )
+
+    return stateless(fn, StageInfo("baseline", "a learned critic V(s_t) per token"))
+
+
+# --------------------------------------------------------------------------------------------
+# Normalisation.
+
+
+def group_std_scale(
+    *, ddof: int = 0, eps: float = 1e-6, singleton_std: float = 1.0
+) -> AdvantageTransform:
+    """Divides each sequence's signal by its group's std of returns plus ``eps`` (GRPO)."""
+
+    def fn(signal_bgt, rollout):
+        score_bg = _sequence_score(signal_bgt, rollout)
+        return _norm.scale_by_group_std(
+            signal_bgt,
+            score_bg,
+            scoring_members(rollout),
+            ddof=ddof,
+            eps=eps,
+            singleton_std=singleton_std,
+        )
+
+    text = f"per group: ÷ (std of the group's returns + {eps:g}), ddof = {ddof}"
+    return stateless(fn, StageInfo("normalize", text))
+
+
+def batch_std_scale(*, ddof: int = 0, eps: float = 1e-6) -> AdvantageTransform:
+    """Divides by the std of all member returns of the batch (TRL ``scale_rewards="batch"``)."""
+
+    def fn(signal_bgt, rollout):
+        score_bg = _sequence_score(signal_bgt, rollout)
+        return _norm.scale_by_batch_std(
+            signal_bgt, score_bg, scoring_members(rollout), ddof=ddof, eps=eps
+        )
+
+    text = f"batch: ÷ (std of all returns in the batch + {eps:g}), ddof = {ddof}"
+    return stateless(fn, StageInfo("normalize", text))
+
+
+def batch_whiten(
+    *,
+    ddof: int = 0,
+    eps: float = 1e-8,
+    eps_as_floor: bool = False,
+    shift_mean: bool = True,
+    axis_name: str | None = None,
+) -> AdvantageTransform:
+    """Whitens over every valid token of the (global) batch (REINFORCE++, Hu et al. 2025,
+    arXiv:2501.03262). Under ``jit`` on sharded inputs the statistics are global; inside
+    ``shard_map`` pass ``axis_name`` to ``psum`` them."""
+
+    def fn(signal_bgt, rollout):
+        return _norm.batch_whiten(
+            signal_bgt,
+            token_mask(rollout),
+            ddof=ddof,
+            eps=eps,
+            eps_as_floor=eps_as_floor,
+            shift_mean=shift_mean,
+            axis_name=axis_name,
+        )
+
+    where = "max(var, eps)" if eps_as_floor else "var + eps"
+    text = f"global batch whitening over all valid tokens: (A − μ)/√({where}), ddof = {ddof}"
+    if not shift_mean:
+        text += ", mean kept"
+    return stateless(fn, StageInfo("normalize", text))
+
+
+def apply(
+    transform: AdvantageTransform, rollout: Rollout, state: State | None = None
+) -> tuple[chex.Array, State]:
+    """Runs a chain on a rollout: token rewards in, ``(advantages_bgt, new_state)`` out.
+
+    Advantages are exactly 0 on padding and on non-members.
+    """
+    check_rollout(rollout, fn="apply")
+    if state is None:
+        state = transform.init(rollout)
+    signal_bgt = token_rewards(rollout)
+    adv_bgt, state = transform.update(signal_bgt, state, rollout)
+    return jnp.where(token_mask(rollout), adv_bgt, 0.0), state
+
+
+__all__ = [
+    "AdvantageTransform",
+    "EmptyState",
+    "Rollout",
+    "StageInfo",
+    "apply",
+    "batch_std_scale",
+    "batch_whiten",
+    "chain",
+    "check_rollout",
+    "clip_reward",
+    "critic_baseline",
+    "discounted_return",
+    "gae",
+    "gae_returns",
+    "given_baseline",
+    "group_mean_baseline",
+    "group_std_scale",
+    "kl_penalty",
+    "leave_one_out_baseline",
+    "length_weighted_baseline",
+    "member_mask",
+    "outcome_return",
+    "overlong_penalty",
+    "scoring_members",
+    "stateless",
+    "token_mask",
+    "token_rewards",
+]

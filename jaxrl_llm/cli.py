@@ -1,0 +1,64 @@
+"""The ``jaxrl-llm`` command line. String names are resolved here and nowhere below."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from jaxrl_llm import algorithms
+    from jaxrl_llm.explain import comparison_table, explain, format_explanation
+
+    if args.all:
+        print(comparison_table())
+        print()
+        for name in algorithms.RECIPES:
+            print(format_explanation(explain(algorithms.get(name, numerics=args.numerics))))
+            print()
+        return 0
+    if not args.algorithm:
+        print("jaxrl-llm explain: name an algorithm or pass --all", file=sys.stderr)
+        return 2
+    if args.algorithm not in algorithms.RECIPES:
+        print(
+            f"jaxrl-llm explain: unknown algorithm {args.algorithm!r}; available: "
+            f"{', '.join(algorithms.RECIPES)}",
+            file=sys.stderr,
+        )
+        return 2
+    print(format_explanation(explain(algorithms.get(args.algorithm, numerics=args.numerics))))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxrl-llm",
+        description="JAX-native reinforcement learning for language models.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    explain = sub.add_parser(
+        "explain",
+        help="answer the five questions (reward, KL, baseline, normalisation, "
+        "objective) for an algorithm",
+    )
+    explain.add_argument("algorithm", nargs="?", help="algorithm name, e.g. grpo")
+    explain.add_argument("--all", action="store_true", help="compare every algorithm")
+    explain.add_argument(
+        "--numerics",
+        default="default",
+        choices=["default", "verl", "trl", "openrlhf"],
+        help="numerical conventions preset",
+    )
+    explain.set_defaults(func=_explain)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Credit assignment over tokens: discounted returns and generalised advantage estimation.
+
+Each estimator is written for ONE sequence (rank-1 ``[T]`` arrays) as a backward
+``jax.lax.scan`` with a small local ``_body``, in the style of rlax's
+``truncated_generalized_advantage_estimation``; the ``*_t`` function is the documented
+primitive. The batched function lifts it with ``jax.vmap`` over every leading axis, which XLA
+runs as one scan over T whose body is vectorised over the batch (no Python loop over time).
+
+Masked tokens (right padding, or observation/tool spans inside a multi-turn completion) are
+skipped by the recursion: the running accumulators are carried through them unchanged, and
+their outputs are exactly 0. Rewards and values under the mask are never read, so they may be
+anything, NaN included. This is verl's semantics (``compute_gae_advantage_return`` and, since
+verl #7278/#7300, ``reinforce_plus_plus``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.core import _contracts
+
+
+def _check_unit_interval(fn: str, name: str, value: float) -> None:
+    if isinstance(value, int | float) and not 0.0 <= value <= 1.0:
+        raise ValueError(f"{fn}: argument `{name}` must be in [0, 1], got {value!r}")
+
+
+def _check_sequence(fn: str, arrays: dict[str, chex.Array], mask_name: str) -> None:
+    """Rank 1 float data and a bool mask, all of the same shape ``[T]``."""
+    for name, x in arrays.items():
+        _contracts.check_rank(fn, name, x, 1, "[T]")
+        if name == mask_name:
+            _contracts.check_bool(fn, name, x)
+        else:
+            _contracts.check_float(fn, name, x)
+    _contracts.check_same_shape(fn, arrays)
+
+
+def _check_batch(fn: str, arrays: dict[str, chex.Array], mask_name: str) -> None:
+    """Rank ≥ 1 float data and a bool mask, all of the same shape ``[..., T]``."""
+    for name, x in arrays.items():
+        if getattr(x, "ndim", 0) < 1:
+            raise ValueError(f"{fn}: argument `{name}` must have rank >= 1 [..., T]")
+        if name == mask_name:
+            _contracts.check_bool(fn, name, x)
+        else:
+            _contracts.check_float(fn, name, x)
+    _contracts.check_same_shape(fn, arrays)
+
+
+def _vmap_leading(fn: Callable, ndim: int) -> Callable:
+    """Lifts a function of ``[T]`` arrays to ``[..., T]`` arrays (``ndim − 1`` leading axes)."""
+    for _ in range(ndim - 1):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def discounted_returns_t(reward_t: chex.Array, mask_t: chex.Array, *, gamma: float) -> chex.Array:
+    """Discounted reward-to-go of one sequence, skipping masked tokens.
+
+        G_t = r_t + γ·G_{t'}   if m_t,   with t' the next valid token (G = 0 past the end)
+        G_t := G_{t+1}         if not m_t (carried through unchanged, no discount; output 0)
+
+    This is the return of REINFORCE (Williams 1992, "Simple statistical gradient-following
+    algorithms for connectionist reinforcement learning") and REINFORCE++ (Hu et al. 2025,
+    arXiv:2501.03262), with verl's multi-turn rule (#7278/#7300): an observation span between
+    two assistant turns neither resets nor discounts the return.
+
+    Args:
+      reward_t: float ``[T]`` token rewards (upcast to f32); entries under the mask are ignored.
+      mask_t: ``bool[T]``, True on the tokens the policy generated.
+      gamma: discount γ ∈ [0, 1].
+
+    Returns:
+      f32 ``[T]`` returns, 0 where ``mask_t`` is False.
+    """
+    fn = "discounted_returns_t"
+    _check_sequence(fn, {"reward_t": reward_t, "mask_t": mask_t}, "mask_t")
+    _check_unit_interval(fn, "gamma", gamma)
+
+    def _body(acc, xs):
+        r, m = xs
+        acc = jnp.where(m, r + gamma * acc, acc)
+        return acc, acc
+
+    reward_t = _contracts.f32(reward_t)
+    _, return_t = jax.lax.scan(_body, jnp.zeros((), jnp.float32), (reward_t, mask_t), reverse=True)
+    return jnp.where(mask_t, return_t, 0.0)
+
+
+def discounted_returns(reward_bgt: chex.Array, mask_bgt: chex.Array, *, gamma: float) -> chex.Array:
+    """``discounted_returns_t`` over every sequence of a batch (any leading shape).
+
+    Args:
+      reward_bgt: float ``[..., T]`` (e.g. ``[B, G, T]``), upcast to f32.
+      mask_bgt: ``bool``, same shape as ``reward_bgt``.
+      gamma: discount γ ∈ [0, 1].
+
+    Returns:
+      f32 ``[..., T]`` returns, 0 under the mask.
+    """
+    fn = "discounted_returns"
+    _check_batch(fn, {"reward_bgt": reward_bgt, "mask_bgt": mask_bgt}, "mask_bgt")
+    _check_unit_interval(fn, "gamma", gamma)
+    one = lambda r, m: discounted_returns_t(r, m, gamma=gamma)
+    return _vmap_leading(one, reward_bgt.ndim)(reward_bgt, mask_bgt)
+
+
+def gae_t(
+    reward_t: chex.Array,
+    value_t: chex.Array,
+    mask_t: chex.Array,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[chex.Array, chex.Array]:
+    """Generalised advantage estimation for one sequence, skipping masked tokens.
+
+    Schulman, Moritz, Levine, Jordan, Abbeel 2016, "High-Dimensional Continuous Control Using
+    Generalized Advantage Estimation", arXiv:1506.02438. With verl's masking semantics,
+    for t = T−1 … 0, starting from V_next = 0 and A_next = 0 (no bootstrap after the last token):
+
+        δ_t = r_t + γ·V_next − V_t
+        A_t = δ_t + γλ·A_next
+        if m_t:  V_next ← V_t,  A_next ← A_t      (else both are carried through unchanged)
+        R_t = A_t + V_t                              (the value target)
+
+    So V_next is the value of the next *valid* token and masked spans are invisible to the
+    recursion. λ = 1, V = 0 gives the discounted return; λ = 0 gives the one-step TD error.
+
+    Args:
+      reward_t: float ``[T]`` token rewards (upcast to f32); ignored under the mask.
+      value_t: float ``[T]`` critic values V(s_t); ignored under the mask.
+      mask_t: ``bool[T]``, True on the tokens the policy generated.
+      gamma: discount γ ∈ [0, 1].
+      lam: GAE λ ∈ [0, 1].
+
+    Returns:
+      ``(adv_t, return_t)``, both f32 ``[T]`` and 0 where ``mask_t`` is False.
+    """
+    fn = "gae_t"
+    _check_sequence(fn, {"reward_t": reward_t, "value_t": value_t, "mask_t": mask_t}, "mask_t")
+    _check_unit_interval(fn, "gamma", gamma)
+    _check_unit_interval(fn, "lam", lam)
+
+    def _body(carry, xs):
+        next_value, next_adv = carry
+        r, v, m = xs
+        adv = r + gamma * next_value - v + gamma * lam * next_adv
+        next_value = jnp.where(m, v, next_value)
+        next_adv = jnp.where(m, adv, next_adv)
+        return (next_value, next_adv), next_adv
+
+    reward_t, value_t = _contracts.f32(reward_t), _contracts.f32(value_t)
+    zero = jnp.zeros((), jnp.float32)
+    _, adv_t = jax.lax.scan(_body, (zero, zero), (reward_t, value_t, mask_t), reverse=True)
+    adv_t = jnp.where(mask_t, adv_t, 0.0)
+    return adv_t, jnp.where(mask_t, adv_t + value_t, 0.0)
+
+
+def gae(
+    reward_bgt: chex.Array,
+    value_bgt: chex.Array,
+    mask_bgt: chex.Array,
+    *,
+    gamma: float,
+    lam: float,
+) -> tuple[chex.Array, chex.Array]:
+    """``gae_t`` over every sequence of a batch (any leading shape).
+
+    Advantages are returned raw; whitening (verl, OpenRLHF) is a separate stage
+    (``masked.masked_whiten``).
+
+    Args:
+      reward_bgt: float ``[..., T]`` (e.g. ``[B, G, T]``), upcast to f32.
+      value_bgt: float ``[..., T]`` critic values, same shape.
+      mask_bgt: ``bool``, same shape.
+      gamma: discount γ ∈ [0, 1].
+      lam: GAE λ ∈ [0, 1].
+
+    Returns:
+      ``(adv_bgt, return_bgt)``, f32 ``[..., T]``, 0 under the mask.
+    """
+    fn = "gae"
+    _check_batch(
+        fn, {"reward_bgt": reward_bgt, "value_bgt": value_bgt, "mask_bgt": mask_bgt}, "mask_bgt"
+    )
+    _check_unit_interval(fn, "gamma", gamma)
+    _check_unit_interval(fn, "lam", lam)
+    one = lambda r, v, m: gae_t(r, v, m, gamma=gamma, lam=lam)
+    return _vmap_leading(one, reward_bgt.ndim)(reward_bgt, value_bgt, mask_bgt)

@@ -1,0 +1,156 @@
+"""Numerical conventions: this project's defaults and presets that reproduce verl, TRL, OpenRLHF.
+
+Peers agree on the formulas and disagree on small choices that change numbers: the ddof of a
+group std, where eps goes, whether whitening uses an eps inside the rsqrt or a variance floor,
+what a group of one sample gets, which clamps guard exp(), and the loss denominator. A
+:class:`Numerics` value names every such choice; recipes read it when they are *built* (never
+inside traced math) and pass plain keyword arguments down to ``jaxrl_llm.core``. See
+``docs/numerics.md`` for each difference with its formula, and
+``../shared/reference/estimators.md`` for where the peers' numbers come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Numerics:
+    """Every numerical convention a recipe depends on.
+
+    Attributes:
+      name: preset name, for logs and ``explain``.
+      group_std_ddof: ddof of the group std in GRPO-style normalisation.
+      group_std_eps: added to the group std: ``(r − μ)/(σ + eps)``.
+      group_singleton_baseline: baseline of a one-member group under the group mean; ``None``
+        means the member's own score (advantage 0), a number means that constant (verl: 0, so
+        ``A = r``).
+      loo_singleton_baseline: the same rule for leave-one-out (verl's loop RLOO: 0, so
+        ``A = r``; TRL and verl's vectorised RLOO: advantage 0).
+      singleton_std: the std used for a one-member group (no spread to measure).
+      whiten_ddof: ddof of the variance in batch whitening.
+      whiten_eps: eps of batch whitening.
+      whiten_eps_as_floor: ``rsqrt(max(var, eps))`` (OpenRLHF) instead of ``rsqrt(var + eps)``.
+      log_ratio_clamp: clamp of ``logπ − logπ_old`` before ``exp`` in PPO-style ratios.
+      gspo_log_ratio_clamp: clamp (upper) of GSPO's sequence log-ratio.
+      kl_log_ratio_clamp: clamp of ``−Δ`` inside k3's ``exp`` (verl 20).
+      kl_value_clamp: clamp of the KL estimate's value (verl 10 on k3; OpenRLHF 10 on all).
+      kl_value_clamp_all: apply ``kl_value_clamp`` to every estimator, not only k3.
+      dual_clip: dual-clip constant ``c`` for PPO with ``A < 0`` (verl: 3.0, always on).
+      reward_clip: clip of the sequence score before the chain (OpenRLHF ±10).
+      loss_agg_mode: loss aggregation for every recipe whose aggregation is not its defining
+        feature (all but Dr. GRPO and GSPO); ``None`` keeps each recipe's own (the paper's).
+    """
+
+    name: str = "jaxrl_llm"
+    group_std_ddof: int = 0
+    group_std_eps: float = 1e-6
+    group_singleton_baseline: float | None = None
+    loo_singleton_baseline: float | None = None
+    singleton_std: float = 1.0
+    whiten_ddof: int = 0
+    whiten_eps: float = 1e-8
+    whiten_eps_as_floor: bool = False
+    log_ratio_clamp: float | None = 20.0
+    gspo_log_ratio_clamp: float | None = 10.0
+    kl_log_ratio_clamp: float | None = 20.0
+    kl_value_clamp: float | None = None
+    kl_value_clamp_all: bool = False
+    dual_clip: float | None = None
+    reward_clip: tuple[float, float] | None = None
+    loss_agg_mode: str | None = None
+
+    def kl_kwargs(self, estimator: str) -> dict:
+        """Clamp keywords for a KL estimator under these conventions."""
+        base = estimator.rstrip("+")
+        is_k3 = base in ("k3", "low_var_kl")
+        kwargs = {}
+        if is_k3 and self.kl_log_ratio_clamp is not None:
+            kwargs["log_ratio_clamp"] = self.kl_log_ratio_clamp
+        if self.kl_value_clamp is not None and (is_k3 or self.kl_value_clamp_all):
+            kwargs["value_clamp"] = self.kl_value_clamp
+        return kwargs
+
+
+DEFAULT = Numerics()
+
+VERL = Numerics(
+    name="verl",
+    group_std_ddof=1,
+    group_std_eps=1e-6,
+    group_singleton_baseline=0.0,
+    loo_singleton_baseline=0.0,
+    singleton_std=1.0,
+    whiten_ddof=1,
+    whiten_eps=1e-8,
+    whiten_eps_as_floor=False,
+    log_ratio_clamp=20.0,
+    gspo_log_ratio_clamp=10.0,
+    kl_log_ratio_clamp=20.0,
+    kl_value_clamp=10.0,
+    kl_value_clamp_all=False,
+    dual_clip=3.0,
+    reward_clip=None,
+    loss_agg_mode="token-mean",
+)
+
+TRL = Numerics(
+    name="trl",
+    group_std_ddof=1,
+    group_std_eps=1e-4,
+    group_singleton_baseline=None,
+    loo_singleton_baseline=None,
+    singleton_std=1.0,
+    whiten_ddof=1,
+    whiten_eps=1e-8,
+    whiten_eps_as_floor=False,
+    log_ratio_clamp=None,
+    gspo_log_ratio_clamp=None,
+    kl_log_ratio_clamp=None,
+    kl_value_clamp=None,
+    dual_clip=None,
+    reward_clip=None,
+    loss_agg_mode="token-mean",
+)
+
+OPENRLHF = Numerics(
+    name="openrlhf",
+    group_std_ddof=1,
+    group_std_eps=1e-9,
+    group_singleton_baseline=None,
+    loo_singleton_baseline=None,
+    singleton_std=1.0,
+    whiten_ddof=0,
+    whiten_eps=1e-8,
+    whiten_eps_as_floor=True,
+    log_ratio_clamp=20.0,
+    gspo_log_ratio_clamp=None,
+    kl_log_ratio_clamp=None,
+    kl_value_clamp=10.0,
+    kl_value_clamp_all=True,
+    dual_clip=None,
+    reward_clip=(-10.0, 10.0),
+    loss_agg_mode="token-mean",
+)
+
+PRESETS: dict[str, Numerics] = {
+    "default": DEFAULT,
+    "jaxrl_llm": DEFAULT,
+    "verl": VERL,
+    "trl": TRL,
+    "openrlhf": OPENRLHF,
+}
+
+
+def resolve(numerics: Numerics | str | None) -> Numerics:
+    """A :class:`Numerics` from a preset name, an instance, or ``None`` (the default)."""
+    if numerics is None:
+        return DEFAULT
+    if isinstance(numerics, Numerics):
+        return numerics
+    if isinstance(numerics, str) and numerics in PRESETS:
+        return PRESETS[numerics]
+    raise ValueError(
+        f"numerics={numerics!r} is not a preset; expected one of {sorted(PRESETS)} or a "
+        "jaxrl_llm.numerics.Numerics instance"
+    )

@@ -1,0 +1,30 @@
+"""The README's promises: its install and test commands are the ones CI runs."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return [b.strip() for b in re.findall(r"```bash\n(.*?)```", text, flags=re.S)]
+
+
+def test_ci_runs_exactly_the_readme_commands():
+    blocks = _bash_blocks((ROOT / "README.md").read_text())
+    install, test, main_job = blocks[0], blocks[1], blocks[2]
+    ci_lines = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.lstrip().startswith(("#", "set ", "cd ", "export "))
+    ]
+    assert ci_lines == [install, test]
+    assert main_job.startswith("jaxrl-llm ")
+
+
+def test_main_job_command_runs():
+    from jaxrl_llm import cli
+
+    blocks = _bash_blocks((ROOT / "README.md").read_text())
+    argv = blocks[2].split()[1:]
+    assert cli.main(argv) == 0
