@@ -9,11 +9,12 @@ composable stages), :mod:`jaxrl_llm.algorithms` (named recipes), and :func:`expl
 questions for any recipe).
 """
 
-from jaxrl_llm import algorithms, chain, core, numerics
-from jaxrl_llm.algorithms import Recipe, compute_advantages, policy_objective, select
+from jaxrl_llm import algorithms, chain, core, numerics, objective
+from jaxrl_llm.algorithms import Recipe
 from jaxrl_llm.chain import Rollout
 from jaxrl_llm.explain import Explanation, comparison_table, explain
 from jaxrl_llm.numerics import Numerics
+from jaxrl_llm.objective import compute_advantages, policy_objective, select
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,7 @@ __all__ = [
     "core",
     "explain",
     "numerics",
+    "objective",
     "policy_objective",
     "select",
 ]

@@ -16,6 +16,7 @@ import jaxrl_llm as jrl
 from jaxrl_llm import algorithms as alg
 from jaxrl_llm import chain as ch
 from jaxrl_llm import numerics as nm
+from jaxrl_llm import objective
 from tests._ref_recipes import reference_advantages
 
 PRESETS = ("default", "verl", "trl", "openrlhf")
@@ -284,10 +285,10 @@ class Compilation(parameterized.TestCase):
         recipe = alg.grpo()
         r1 = random_rollout(4, 2, 3, 5)
         r2 = random_rollout(5, 2, 3, 5)
-        alg._compute_advantages_jit.clear_cache()
+        objective._compute_advantages_jit.clear_cache()
         jrl.compute_advantages(recipe, r1)
         jrl.compute_advantages(recipe, r2)
-        assert alg._compute_advantages_jit._cache_size() == 1
+        assert objective._compute_advantages_jit._cache_size() == 1
 
 
 def test_recipes_are_jittable_end_to_end():

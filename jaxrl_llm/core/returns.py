@@ -88,7 +88,10 @@ def discounted_returns_t(reward_t: chex.Array, mask_t: chex.Array, *, gamma: flo
         return acc, acc
 
     reward_t = _contracts.f32(reward_t)
-    _, return_t = jax.lax.scan(_body, jnp.zeros((), jnp.float32), (reward_t, mask_t), reverse=True)
+    # The initial carry is derived from the input so that, inside shard_map, it has the same
+    # (varying) manual-axis type as the carry the body returns.
+    zero = jnp.zeros_like(reward_t[0])
+    _, return_t = jax.lax.scan(_body, zero, (reward_t, mask_t), reverse=True)
     return jnp.where(mask_t, return_t, 0.0)
 
 
@@ -156,7 +159,7 @@ def gae_t(
         return (next_value, next_adv), next_adv
 
     reward_t, value_t = _contracts.f32(reward_t), _contracts.f32(value_t)
-    zero = jnp.zeros((), jnp.float32)
+    zero = jnp.zeros_like(reward_t[0])  # inherits shard_map's varying axes, see above
     _, adv_t = jax.lax.scan(_body, (zero, zero), (reward_t, value_t, mask_t), reverse=True)
     adv_t = jnp.where(mask_t, adv_t, 0.0)
     return adv_t, jnp.where(mask_t, adv_t + value_t, 0.0)
