@@ -314,3 +314,33 @@ def test_recipes_are_jittable_end_to_end():
         assert np.isfinite(float(value)), name
         assert bool(jnp.all(jnp.isfinite(grad))), name
         assert bool(jnp.all(jnp.where(ch.token_mask(rollout), True, grad == 0))), name
+
+
+class Preference(parameterized.TestCase):
+    batch = objective.PreferenceBatch(
+        logp_chosen_p=jnp.array([-4.0, -9.0]),
+        logp_rejected_p=jnp.array([-6.0, -7.0]),
+        len_chosen_p=jnp.array([4.0, 9.0]),
+        len_rejected_p=jnp.array([3.0, 7.0]),
+        ref_chosen_p=jnp.array([-5.0, -8.0]),
+        ref_rejected_p=jnp.array([-5.0, -8.0]),
+    )
+
+    def test_dpo_sigmoid_by_hand(self):
+        loss = alg.dpo(beta=0.1).preference_loss(self.batch)
+        margin = np.array([(1.0) - (-1.0), (-1.0) - (1.0)])  # ρ_w − ρ_l
+        np.testing.assert_allclose(loss, np.log1p(np.exp(-0.1 * margin)), rtol=1e-6)
+
+    @parameterized.parameters("sigmoid", "ipo", "hinge", "robust", "simpo")
+    def test_every_loss_type_is_finite_and_differentiable(self, loss_type):
+        recipe = alg.dpo(loss_type=loss_type, label_smoothing=0.1 if loss_type == "robust" else 0)
+        assert recipe.needs_reference == (loss_type != "simpo")
+        grad = jax.grad(
+            lambda lc: recipe.preference_loss(self.batch._replace(logp_chosen_p=lc)).mean()
+        )(self.batch.logp_chosen_p)
+        assert bool(jnp.all(jnp.isfinite(grad)))
+        assert bool(jnp.all(grad <= 0))  # raising log π(chosen) never increases the loss
+
+    def test_reference_required_unless_reference_free(self):
+        with pytest.raises(ValueError, match="reference"):
+            alg.dpo().preference_loss(self.batch._replace(ref_chosen_p=None))
