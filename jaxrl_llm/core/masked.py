@@ -226,7 +226,17 @@ def first_valid_index(mask: chex.Array) -> chex.Array:
     fn = "first_valid_index"
     _contracts.check_bool(fn, "mask", mask)
     _check_rank_at_least(fn, "mask", mask, 1)
-    return jnp.argmax(mask, axis=-1).astype(jnp.int32)
+    return _first_index_and_any(mask)[0]
+
+
+def _first_index_and_any(mask: chex.Array) -> tuple[chex.Array, chex.Array]:
+    # A max-reduction of (T − t) over valid t: XLA:CPU runs it ~2x faster than argmax's
+    # variadic (value, index) reduction, and the same pass says whether the row has any token.
+    size = mask.shape[-1]
+    iota = jax.lax.broadcasted_iota(jnp.int32, mask.shape, mask.ndim - 1)
+    from_end = jnp.max(jnp.where(mask, size - iota, 0), axis=-1)
+    has_any = from_end > 0
+    return jnp.where(has_any, size - from_end, 0), has_any
 
 
 def place_on_last_token(value_bg: chex.Array, mask_bgt: chex.Array) -> chex.Array:
@@ -273,6 +283,6 @@ def value_at_first_token(x_bgt: chex.Array, mask_bgt: chex.Array) -> chex.Array:
     _contracts.check_bool(fn, "mask_bgt", mask_bgt)
     _check_rank_at_least(fn, "x_bgt", x_bgt, 1)
     _contracts.check_same_shape(fn, {"x_bgt": x_bgt, "mask_bgt": mask_bgt})
-    first = first_valid_index(mask_bgt)[..., None]
-    value = jnp.take_along_axis(_contracts.f32(x_bgt), first, axis=-1)[..., 0]
-    return jnp.where(jnp.any(mask_bgt, axis=-1), value, 0.0)
+    first, has_any = _first_index_and_any(mask_bgt)
+    value = jnp.take_along_axis(_contracts.f32(x_bgt), first[..., None], axis=-1)[..., 0]
+    return jnp.where(has_any, value, 0.0)
