@@ -1,0 +1,79 @@
+"""Host-side rewards: verifiable answers, format and length shaping, user functions, reward models.
+
+The protocol is ``fn(prompts, completions, **fields) -> list[float]``, batched over ``N``
+samples; ``fields`` are per-sample dataset columns. Rewards are plain Python/NumPy and run on the
+host between rollout and update. The trainer builds one :class:`WeightedSum` from the config::
+
+    reward = build_reward([{"type": "integer_answer"}, {"type": "regex", "pattern": r"^\\d+$",
+                            "mode": "fullmatch", "weight": 0.1}])
+    reward_bg, out = score_groups(reward, prompts_b, completions_bg, {"answer": answers_b},
+                                  num_tokens_bg=num_tokens_bg)
+    out.metrics()  # reward/mean, reward/std, reward/<name>/mean, .../num_errors, accuracy
+
+See docs/rewards_and_data.md.
+"""
+
+from jaxrl_llm.rewards.answers import (
+    BoxedAnswer,
+    Gsm8kAnswer,
+    IntegerAnswer,
+    expected_number,
+    extract_boxed,
+    gsm8k_answer,
+    last_number,
+    math_answers_equal,
+    normalize_math_answer,
+    parse_number,
+)
+from jaxrl_llm.rewards.base import (
+    NUM_TOKENS_FIELD,
+    ON_ERROR_MODES,
+    RewardConfigError,
+    RewardError,
+    RewardFn,
+    checked_call,
+)
+from jaxrl_llm.rewards.combine import RewardOutput, RewardTerm, WeightedSum, score_groups
+from jaxrl_llm.rewards.external import RewardModelReward, load_callable
+from jaxrl_llm.rewards.registry import (
+    COMMON_KEYS,
+    REWARD_TYPES,
+    TYPE_ALIASES,
+    build_reward,
+    build_term,
+    reward_options,
+)
+from jaxrl_llm.rewards.shaping import LengthPenalty, RegexFormat
+
+__all__ = [
+    "COMMON_KEYS",
+    "NUM_TOKENS_FIELD",
+    "ON_ERROR_MODES",
+    "REWARD_TYPES",
+    "TYPE_ALIASES",
+    "BoxedAnswer",
+    "Gsm8kAnswer",
+    "IntegerAnswer",
+    "LengthPenalty",
+    "RegexFormat",
+    "RewardConfigError",
+    "RewardError",
+    "RewardFn",
+    "RewardModelReward",
+    "RewardOutput",
+    "RewardTerm",
+    "WeightedSum",
+    "build_reward",
+    "build_term",
+    "checked_call",
+    "expected_number",
+    "extract_boxed",
+    "gsm8k_answer",
+    "last_number",
+    "load_callable",
+    "math_answers_equal",
+    "normalize_math_answer",
+    "parse_number",
+    "reward_options",
+    "score_groups",
+]

@@ -1,0 +1,302 @@
+"""Verifiable answer rewards: integer/arithmetic, GSM8K ``#### n`` and ``\\boxed{...}`` answers.
+
+Each reward compares the answer found in a completion with the expected answer in a dataset
+field (``answer`` by default) and scores ``correct`` (1.0) or ``incorrect`` (0.0). A completion
+without a parsable answer is simply incorrect; an *expected* answer that cannot be parsed is a
+data error (``ValueError``, reported by :func:`jaxrl_llm.rewards.checked_call` with the sample).
+
+Numbers compare exactly as rationals (``fractions.Fraction``), so ``30``, ``30.0``, ``+30`` and
+``30.`` are the same answer, ``1,234`` is ``1234`` and ``0.1`` is exactly one tenth.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+from typing import Any
+
+from jaxrl_llm.rewards._validate import check_bool, check_field_name, check_real
+
+# A number: optional sign (ASCII or Unicode minus) not glued to a preceding word or number,
+# digits with optional thousands commas, optional decimals. "5-3" yields 5 and 3, not -3.
+_NUMBER_BODY = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?"
+_NUMBER_RE = re.compile(rf"(?<![\w.])[-+−]?{_NUMBER_BODY}")
+_FULL_NUMBER_RE = re.compile(rf"[-+−]?{_NUMBER_BODY}")
+_GSM8K_RE = re.compile(rf"####\s*\$?\s*([-+−]?\s*{_NUMBER_BODY})")
+
+
+def parse_number(text: str) -> Fraction | None:
+    """The number a whole string spells (``"-1,234.50"``), or ``None``.
+
+    Surrounding spaces, a leading ``$`` and a trailing period are allowed (``"$30."``).
+    """
+    text = text.strip().rstrip(".").strip()
+    text = text[1:].strip() if text.startswith("$") else text
+    if not _FULL_NUMBER_RE.fullmatch(text):
+        return None
+    return Fraction(text.replace(",", "").replace("−", "-"))
+
+
+def last_number(text: str) -> Fraction | None:
+    """The last number in ``text`` (``"so 3 - 10 = -7."`` → ``-7``), or ``None``.
+
+    Rules: thousands commas are part of a number (``1,234``), a sign counts only when it is not
+    glued to a preceding word or number (``5-3`` is ``5`` then ``3``; ``= -7`` is ``-7``), a
+    trailing period ends a sentence, not the number (``30.`` is ``30``).
+    """
+    matches = _NUMBER_RE.findall(text)
+    if not matches:
+        return None
+    return Fraction(matches[-1].replace(",", "").replace("−", "-"))
+
+
+def gsm8k_answer(text: str) -> Fraction | None:
+    """The number after the last ``####`` marker (GSM8K's answer format), or ``None``."""
+    matches = _GSM8K_RE.findall(text)
+    if not matches:
+        return None
+    return Fraction(re.sub(r"[\s,]", "", matches[-1]).replace("−", "-"))
+
+
+def expected_number(value: Any, *, field: str) -> Fraction:
+    """An expected answer as a number: an int/float, ``"72"``, or GSM8K's ``"... #### 72"``."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"expected answer in field {field!r} is {value!r}, not a number")
+    if isinstance(value, numbers.Integral):  # int, numpy ints
+        return Fraction(int(value))
+    if isinstance(value, numbers.Real):  # float, numpy floats: by their shortest repr
+        return Fraction(repr(float(value)))
+    if isinstance(value, str):
+        number = gsm8k_answer(value) if "####" in value else parse_number(value)
+        if number is not None:
+            return number
+    raise ValueError(f"expected answer {value!r} in field {field!r} is not a number")
+
+
+def _field(fields: dict[str, Any], field: str, reward: str) -> Sequence[Any]:
+    if field not in fields:
+        raise KeyError(
+            f"{reward} needs the dataset field {field!r} but got fields {sorted(fields)}; set "
+            f"`field:` in the reward config to the column holding the expected answer"
+        )
+    return fields[field]
+
+
+def _score_numbers(
+    completions: Sequence[str],
+    fields: dict[str, Any],
+    extract: Callable[[str], Fraction | None],
+    reward: Any,
+) -> list[float]:
+    expected = _field(fields, reward.field, type(reward).__name__)
+    out = []
+    for completion, value in zip(completions, expected, strict=True):
+        target = expected_number(value, field=reward.field)
+        out.append(reward.correct if extract(completion) == target else reward.incorrect)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class IntegerAnswer:
+    """Integer/arithmetic answer: the last number in the completion equals the expected one.
+
+    ``reward = correct if last_number(completion) == expected else incorrect`` (see
+    :func:`last_number` for the parsing rules; the comparison is exact).
+    """
+
+    field: str = "answer"
+    correct: float = 1.0
+    incorrect: float = 0.0
+
+    def __post_init__(self):
+        check_field_name("field", self.field)
+        check_real("correct", self.correct)
+        check_real("incorrect", self.incorrect)
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        return (self.field,)
+
+    def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
+        return _score_numbers(completions, fields, last_number, self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Gsm8kAnswer:
+    """GSM8K-style answer: the number after the completion's last ``####`` marker.
+
+    With ``strict=False`` a completion without the marker falls back to its last number.
+    The expected field may be the raw GSM8K solution (``"... #### 72"``) or just ``"72"``.
+    """
+
+    field: str = "answer"
+    correct: float = 1.0
+    incorrect: float = 0.0
+    strict: bool = True
+
+    def __post_init__(self):
+        check_field_name("field", self.field)
+        check_real("correct", self.correct)
+        check_real("incorrect", self.incorrect)
+        check_bool("strict", self.strict)
+
+    def _extract(self, completion: str) -> Fraction | None:
+        number = gsm8k_answer(completion)
+        if number is None and not self.strict:
+            number = last_number(completion)
+        return number
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        return (self.field,)
+
+    def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
+        return _score_numbers(completions, fields, self._extract, self)
+
+
+# --- \boxed{...} math answers -------------------------------------------------------------
+
+
+def _read_group(text: str, start: int) -> tuple[str, int] | None:
+    """The balanced ``{...}`` group opening at ``text[start]``: (contents, index after it)."""
+    if start >= len(text) or text[start] != "{":
+        return None
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1 : i], i + 1
+    return None
+
+
+def extract_boxed(text: str) -> str | None:
+    """Contents of the last ``\\boxed{...}`` (or ``\\fbox{...}``), nested braces kept; or None."""
+    best = -1
+    for command in ("\\boxed", "\\fbox"):
+        best = max(best, text.rfind(command + "{"))
+    if best < 0:
+        return None
+    group = _read_group(text, text.index("{", best))
+    return None if group is None else group[0]
+
+
+def _frac_argument(text: str, i: int) -> tuple[str, int] | None:
+    """A ``\\frac`` argument: a ``{...}`` group or a single character (``\\frac12``)."""
+    if i < len(text) and text[i] == "{":
+        return _read_group(text, i)
+    if i < len(text) and text[i] not in "}\\":
+        return text[i], i + 1
+    return None
+
+
+def _atom(text: str) -> str:
+    return text if re.fullmatch(r"-?[\w.]+", text) else f"({text})"
+
+
+def _replace_frac(text: str) -> str:
+    """``\\frac{a}{b}`` → ``a/b`` (``(a)/(b)`` when a side is not a single term), recursively."""
+    out, i = [], 0
+    while True:
+        j = text.find("\\frac", i)
+        if j < 0:
+            out.append(text[i:])
+            return "".join(out)
+        out.append(text[i:j])
+        num = _frac_argument(text, j + 5)
+        den = None if num is None else _frac_argument(text, num[1])
+        if num is None or den is None:
+            out.append(text[j:])
+            return "".join(out)
+        out.append(f"{_atom(_replace_frac(num[0]))}/{_atom(_replace_frac(den[0]))}")
+        i = den[1]
+
+
+_DROPPED = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "^\\circ", "^{\\circ}", "$")
+
+
+def normalize_math_answer(text: str) -> str:
+    """Simple normalisation of a math answer for string comparison.
+
+    Drops spaces, ``$``, ``\\left``/``\\right``, spacing commands and degree signs; reads
+    ``\\dfrac``/``\\tfrac`` as ``\\frac`` and writes ``\\frac{a}{b}`` as ``a/b``; drops a trailing
+    period, thousands commas of a plain number and trailing decimal zeros (``2.50`` → ``2.5``,
+    ``3.0`` → ``3``).
+    """
+    text = text.strip()
+    for token in _DROPPED:
+        text = text.replace(token, "")
+    text = re.sub(r"\s+", "", text)
+    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = _replace_frac(text).rstrip(".")
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", text):
+        text = text.replace(",", "")
+    text = re.sub(r"(\d)\.(\d*?)0+(?!\d)", lambda m: m[1] + ("." + m[2] if m[2] else ""), text)
+    return text
+
+
+_RATIONAL_RE = re.compile(r"\(?([-+]?\d+(?:\.\d+)?)\)?(?:/\(?(\d+(?:\.\d+)?)\)?)?")
+
+
+def _as_rational(text: str) -> Fraction | None:
+    negative = text.startswith("-") and text[1:2] == "("
+    match = _RATIONAL_RE.fullmatch(text[1:] if negative else text)
+    if match is None:
+        return None
+    value = Fraction(match[1])
+    if match[2] is not None:
+        if Fraction(match[2]) == 0:
+            return None
+        value /= Fraction(match[2])
+    return -value if negative else value
+
+
+def math_answers_equal(answer: str, expected: str) -> bool:
+    """Equal after :func:`normalize_math_answer`; plain numbers and fractions compare by value."""
+    a, b = normalize_math_answer(answer), normalize_math_answer(expected)
+    if a == b:
+        return True
+    ra, rb = _as_rational(a), _as_rational(b)
+    return ra is not None and ra == rb
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxedAnswer:
+    """``\\boxed{...}`` math answer: the completion's last boxed expression equals the expected.
+
+    The expected field may itself contain a ``\\boxed{...}`` (e.g. a MATH solution) or be the bare
+    answer. Comparison is :func:`math_answers_equal` (simple normalisation, not symbolic).
+    """
+
+    field: str = "answer"
+    correct: float = 1.0
+    incorrect: float = 0.0
+
+    def __post_init__(self):
+        check_field_name("field", self.field)
+        check_real("correct", self.correct)
+        check_real("incorrect", self.incorrect)
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        return (self.field,)
+
+    def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
+        expected = _field(fields, self.field, type(self).__name__)
+        out = []
+        for completion, value in zip(completions, expected, strict=True):
+            if value is None or isinstance(value, bool):
+                raise ValueError(f"expected answer in field {self.field!r} is {value!r}")
+            target = str(value)
+            target = extract_boxed(target) if "\\boxed" in target else target
+            if target is None or not target.strip():
+                raise ValueError(f"expected answer {value!r} in field {self.field!r} is empty")
+            found = extract_boxed(completion)
+            ok = found is not None and math_answers_equal(found, target)
+            out.append(self.correct if ok else self.incorrect)
+        return out

@@ -1,0 +1,256 @@
+"""The reward protocol and the checked call every reward goes through.
+
+A reward is any callable
+
+    fn(prompts: list[str], completions: list[str], **fields: list) -> Sequence[float]
+
+scoring ``N`` samples at once on the host. ``fields`` are per-sample dataset columns (e.g.
+``answer=["30", "12", ...]``), each a list of length ``N``; a reward takes the ones it needs and
+ignores the rest (hence ``**fields`` in every signature). The trainer also passes
+``completion_num_tokens`` (the number of tokens the policy generated for each completion).
+
+:func:`checked_call` is the only way the trainer calls a reward. A reward that raises, returns
+NaN/inf or a non-number, or returns the wrong number of scores is either
+
+* ``on_error="raise"`` (default): a :class:`RewardError` naming the reward, the sample index and
+  an excerpt of its prompt and completion. When a batched call raises, the samples are re-scored
+  one at a time to find the first one that fails;
+* ``on_error="zero"``: those samples score 0 and are counted (the count goes to the metrics).
+  A batched call that raises or returns the wrong count falls back to one call per sample, so one
+  bad sample costs only its own score.
+
+A reward may declare ``required_fields`` (a tuple of field names); a missing one is a wiring
+error and raises :class:`RewardError` whatever ``on_error`` says.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+OnError = Literal["raise", "zero"]
+ON_ERROR_MODES: tuple[str, ...] = ("raise", "zero")
+
+#: Field the trainer fills with each completion's generated token count.
+NUM_TOKENS_FIELD = "completion_num_tokens"
+
+_EXCERPT_CHARS = 60
+
+
+class RewardFn(Protocol):
+    """``fn(prompts, completions, **fields) -> list[float]``, one score per completion."""
+
+    def __call__(
+        self, prompts: list[str], completions: list[str], **fields: list[Any]
+    ) -> Sequence[float]: ...
+
+
+class RewardError(ValueError):
+    """A reward failed on a sample (raised, non-finite, non-number, wrong count).
+
+    Attributes:
+      reward: the reward's name (as in the config and the metrics).
+      index: index of the failing sample in the batch, or ``None`` for a batch-level failure.
+    """
+
+    def __init__(self, message: str, *, reward: str, index: int | None = None):
+        super().__init__(message)
+        self.reward = reward
+        self.index = index
+
+    def __reduce__(self):  # picklable across processes despite keyword-only arguments
+        return _rebuild_reward_error, (str(self), self.reward, self.index)
+
+
+def _rebuild_reward_error(message: str, reward: str, index: int | None) -> RewardError:
+    return RewardError(message, reward=reward, index=index)
+
+
+class RewardConfigError(ValueError):
+    """A reward could not be built from its config (unknown type or key, bad value, bad import)."""
+
+
+def excerpt(text: Any, limit: int = _EXCERPT_CHARS) -> str:
+    """``repr`` of the first ``limit`` characters of ``text`` (with an ellipsis when cut)."""
+    text = str(text)
+    if len(text) > limit:
+        return repr(text[:limit]) + "…"
+    return repr(text)
+
+
+def _sample_text(prompts: Sequence[str], completions: Sequence[str], i: int) -> str:
+    return f"sample {i} (prompt {excerpt(prompts[i])}, completion {excerpt(completions[i])})"
+
+
+def _as_values(raw: Any) -> list[Any] | None:
+    """The returned scores as a list, or ``None`` when they are not a 1-D sequence."""
+    if raw is None or isinstance(raw, str | bytes | Mapping):
+        return None
+    if hasattr(raw, "__array__"):
+        arr = np.asarray(raw)
+        return arr.tolist() if arr.ndim == 1 else None
+    try:
+        return list(raw)
+    except TypeError:
+        return None
+
+
+def _as_float(value: Any) -> float | None:
+    """A real number as float; ``None`` for anything else (strings, None, complex, ...)."""
+    if isinstance(value, numbers.Real | np.bool_ | np.integer | np.floating):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def _describe_count(values: list[Any] | None, raw: Any) -> str:
+    if values is None:
+        return f"a {type(raw).__name__}" + (
+            f" of shape {np.shape(raw)}" if hasattr(raw, "__array__") else ""
+        )
+    return f"{len(values)} scores"
+
+
+def check_inputs(
+    prompts: Sequence[str], completions: Sequence[str], fields: Mapping[str, Sequence[Any]]
+) -> int:
+    """Checks that prompts, completions and every field have one entry per sample; returns N."""
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"rewards: got {len(prompts)} prompts for {n} completions")
+    for key, column in fields.items():
+        if isinstance(column, str | bytes) or not hasattr(column, "__len__"):
+            raise ValueError(
+                f"rewards: field {key!r} must be a list with one value per sample, "
+                f"got {type(column).__name__}"
+            )
+        if len(column) != n:
+            raise ValueError(f"rewards: field {key!r} has {len(column)} values for {n} samples")
+    return n
+
+
+def checked_call(
+    fn: RewardFn,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    fields: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    name: str,
+    on_error: OnError = "raise",
+) -> tuple[np.ndarray, int]:
+    """Calls ``fn`` on a batch and validates what it returns.
+
+    Args:
+      fn: the reward.
+      prompts, completions: ``N`` strings each.
+      fields: per-sample columns, each of length ``N``, passed as keyword arguments.
+      name: the reward's name, used in error messages.
+      on_error: ``"raise"`` or ``"zero"`` (see the module docstring).
+
+    Returns:
+      ``(scores_n, num_errors)``: ``f32[N]`` finite scores and the number of samples scored 0
+      because of an error (always 0 with ``on_error="raise"``).
+
+    Raises:
+      RewardError: with ``on_error="raise"``, on the first failing sample.
+    """
+    if on_error not in ON_ERROR_MODES:
+        raise ValueError(f"on_error must be one of {ON_ERROR_MODES}, got {on_error!r}")
+    fields = dict(fields or {})
+    prompts, completions = list(prompts), list(completions)
+    n = check_inputs(prompts, completions, fields)
+    missing = [f for f in getattr(fn, "required_fields", ()) if f not in fields]
+    if missing:
+        # A wiring problem, not a bad sample: raised whatever on_error says.
+        raise RewardError(
+            f"reward {name!r} needs the field(s) {missing} but got fields {sorted(fields)}",
+            reward=name,
+        )
+    if n == 0:
+        return np.zeros((0,), np.float32), 0
+    try:
+        raw = fn(prompts, completions, **fields)
+    except Exception as exc:
+        return _one_by_one(fn, prompts, completions, fields, name, on_error, cause=exc)
+    values = _as_values(raw)
+    if values is None or len(values) != n:
+        if on_error == "raise":
+            raise RewardError(
+                f"reward {name!r} returned {_describe_count(values, raw)} for {n} samples; a "
+                f"reward must return one float per completion",
+                reward=name,
+            )
+        return _one_by_one(fn, prompts, completions, fields, name, on_error, cause=None)
+    scores = np.zeros((n,), np.float64)
+    num_errors = 0
+    for i, value in enumerate(values):
+        score = _as_float(value)
+        if score is None or not math.isfinite(score):
+            if on_error == "raise":
+                raise RewardError(
+                    f"reward {name!r} returned {value!r} for "
+                    f"{_sample_text(prompts, completions, i)}; rewards must be finite floats "
+                    f"(on_error='zero' scores such samples 0)",
+                    reward=name,
+                    index=i,
+                )
+            num_errors += 1
+            continue
+        scores[i] = score
+    return scores.astype(np.float32), num_errors
+
+
+def _one_by_one(
+    fn: RewardFn,
+    prompts: list[str],
+    completions: list[str],
+    fields: dict[str, Sequence[Any]],
+    name: str,
+    on_error: OnError,
+    cause: BaseException | None,
+) -> tuple[np.ndarray, int]:
+    """Scores each sample alone: finds the failing sample, or zeroes just the failing ones."""
+    n = len(completions)
+    scores = np.zeros((n,), np.float64)
+    num_errors = 0
+    for i in range(n):
+        exc: BaseException | None = None
+        problem = None
+        try:
+            raw = fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in fields.items()})
+        except Exception as e:
+            exc = e
+            problem = f"raised {type(e).__name__}: {e}"
+        else:
+            values = _as_values(raw)
+            if values is None or len(values) != 1:
+                problem = f"returned {_describe_count(values, raw)} for 1 sample"
+            else:
+                score = _as_float(values[0])
+                if score is None or not math.isfinite(score):
+                    problem = f"returned {values[0]!r}"
+                else:
+                    scores[i] = score
+        if problem is None:
+            continue
+        if on_error == "raise":
+            raise RewardError(
+                f"reward {name!r} {problem} on {_sample_text(prompts, completions, i)}",
+                reward=name,
+                index=i,
+            ) from (exc or cause)
+        num_errors += 1
+    if on_error == "raise" and cause is not None:
+        # Only the batched call fails: nothing to point at but the batch itself.
+        raise RewardError(
+            f"reward {name!r} raised {type(cause).__name__}: {cause} on a batch of {n} samples "
+            f"(each sample alone scores fine)",
+            reward=name,
+        ) from cause
+    return scores.astype(np.float32), num_errors

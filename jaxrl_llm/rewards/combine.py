@@ -1,0 +1,202 @@
+"""A weighted sum of named rewards, with every component and error count kept for the metrics.
+
+    total_i = Σ_k w_k · r_k(prompt_i, completion_i, fields_i)
+
+Each component ``r_k`` goes through :func:`checked_call`, so a failing reward either raises a
+:class:`RewardError` or (``on_error="zero"``) scores the failing samples 0 and counts them.
+:func:`score_groups` is the trainer's entry point: ``B`` prompts × ``G`` completions in, the
+``f32[B, G]`` reward of :class:`jaxrl_llm.Rollout` out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from jaxrl_llm.rewards._validate import check_real
+from jaxrl_llm.rewards.base import (
+    NUM_TOKENS_FIELD,
+    ON_ERROR_MODES,
+    OnError,
+    RewardFn,
+    check_inputs,
+    checked_call,
+)
+
+_NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+_RESERVED_NAMES = ("mean", "std", "min", "max")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardTerm:
+    """One named, weighted component of a reward (``name`` is its metrics key)."""
+
+    name: str
+    fn: RewardFn
+    weight: float = 1.0
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
+            raise ValueError(
+                f"reward name must be letters, digits, '_', '.' or '-', got {self.name!r}"
+            )
+        if self.name in _RESERVED_NAMES:
+            raise ValueError(
+                f"reward name {self.name!r} is reserved for the metrics; pick another `name`"
+            )
+        if not callable(self.fn):
+            raise TypeError(f"reward {self.name!r}: fn must be callable, got {self.fn!r}")
+        check_real("weight", self.weight)
+
+
+class RewardOutput(NamedTuple):
+    """What a :class:`WeightedSum` returns for ``N`` samples.
+
+    Attributes:
+      total_n: ``f32[N]`` the weighted sum.
+      components: ``{name: f32[N]}`` each reward's *unweighted* scores (0 where it failed).
+      num_errors: ``{name: int}`` samples each reward scored 0 because of an error.
+      correct_n: ``bool[N]`` the accuracy term's verdict (its score equals its ``correct``
+        value, 1.0 when it has none), or ``None`` when there is no accuracy term.
+    """
+
+    total_n: np.ndarray
+    components: dict[str, np.ndarray]
+    num_errors: dict[str, int]
+    correct_n: np.ndarray | None
+
+    def metrics(self, prefix: str = "reward") -> dict[str, float]:
+        """``{prefix}/mean``, ``{prefix}/std``, ``{prefix}/<name>/mean``,
+        ``{prefix}/<name>/num_errors`` and ``accuracy`` (when there is an accuracy term)."""
+        out: dict[str, float] = {}
+        if self.total_n.size:
+            out[f"{prefix}/mean"] = float(np.mean(self.total_n))
+            out[f"{prefix}/std"] = float(np.std(self.total_n))
+        for name, scores in self.components.items():
+            if scores.size:
+                out[f"{prefix}/{name}/mean"] = float(np.mean(scores))
+            out[f"{prefix}/{name}/num_errors"] = float(self.num_errors[name])
+        if self.correct_n is not None and self.correct_n.size:
+            out["accuracy"] = float(np.mean(self.correct_n))
+        return out
+
+
+def _is_answer_reward(fn: Any) -> bool:
+    return hasattr(fn, "correct") and hasattr(fn, "incorrect")
+
+
+class WeightedSum:
+    """A weighted sum of named rewards.
+
+    Args:
+      terms: the components, names unique.
+      on_error: ``"raise"`` (default) or ``"zero"``, for every component (see
+        :func:`checked_call`).
+      accuracy: name of the term whose verdict is the ``accuracy`` metric. Default: the first
+        answer reward (integer/gsm8k/boxed); ``None`` when there is none.
+    """
+
+    def __init__(
+        self,
+        terms: Sequence[RewardTerm],
+        *,
+        on_error: OnError = "raise",
+        accuracy: str | None = None,
+    ):
+        terms = tuple(terms)
+        if not terms:
+            raise ValueError("a reward needs at least one term")
+        names = [t.name for t in terms]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"reward names must be unique, got {duplicates} more than once")
+        if on_error not in ON_ERROR_MODES:
+            raise ValueError(f"on_error must be one of {ON_ERROR_MODES}, got {on_error!r}")
+        if accuracy is None:
+            accuracy = next((t.name for t in terms if _is_answer_reward(t.fn)), None)
+        elif accuracy not in names:
+            raise ValueError(f"accuracy term {accuracy!r} is not one of the rewards {names}")
+        self.terms = terms
+        self.on_error = on_error
+        self.accuracy = accuracy
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.terms)
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{t.weight:g}·{t.name}" for t in self.terms)
+        return f"WeightedSum({inner}, on_error={self.on_error!r})"
+
+    def __call__(
+        self, prompts: Sequence[str], completions: Sequence[str], **fields: Sequence[Any]
+    ) -> RewardOutput:
+        n = check_inputs(prompts, completions, fields)
+        total = np.zeros((n,), np.float64)
+        components: dict[str, np.ndarray] = {}
+        num_errors: dict[str, int] = {}
+        correct_n = None
+        for term in self.terms:
+            scores, errors = checked_call(
+                term.fn, prompts, completions, fields, name=term.name, on_error=self.on_error
+            )
+            components[term.name] = scores
+            num_errors[term.name] = errors
+            total += term.weight * scores.astype(np.float64)
+            if term.name == self.accuracy:
+                correct_value = getattr(term.fn, "correct", 1.0)
+                correct_n = np.isclose(scores, np.float32(correct_value))
+        return RewardOutput(total.astype(np.float32), components, num_errors, correct_n)
+
+
+def score_groups(
+    reward: WeightedSum,
+    prompts_b: Sequence[str],
+    completions_bg: Sequence[Sequence[str]],
+    fields_b: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    num_tokens_bg: Any = None,
+) -> tuple[np.ndarray, RewardOutput]:
+    """Scores ``G`` completions of each of ``B`` prompts.
+
+    Args:
+      reward: the trainer's reward.
+      prompts_b: ``B`` prompts (as given to rewards: the user prompt text).
+      completions_bg: ``B`` lists of ``G`` decoded completions.
+      fields_b: per-prompt dataset columns (each of length ``B``), repeated for the ``G``
+        completions of a prompt.
+      num_tokens_bg: ``int[B, G]`` generated token counts, passed as ``completion_num_tokens``.
+
+    Returns:
+      ``(reward_bg, output)``: ``f32[B, G]`` total rewards and the flat :class:`RewardOutput`
+      (sample ``b * G + g``).
+    """
+    b = len(prompts_b)
+    if len(completions_bg) != b:
+        raise ValueError(f"score_groups: {len(completions_bg)} completion groups for {b} prompts")
+    group_sizes = {len(group) for group in completions_bg}
+    if len(group_sizes) > 1:
+        raise ValueError(f"score_groups: groups must have one size G, got sizes {group_sizes}")
+    g = group_sizes.pop() if group_sizes else 0
+    fields: dict[str, list[Any]] = {}
+    for key, column in (fields_b or {}).items():
+        if len(column) != b:
+            raise ValueError(
+                f"score_groups: field {key!r} has {len(column)} values for {b} prompts"
+            )
+        fields[key] = [value for value in column for _ in range(g)]
+    if num_tokens_bg is not None:
+        num_tokens_bg = np.asarray(num_tokens_bg)
+        if num_tokens_bg.shape != (b, g):
+            raise ValueError(
+                f"score_groups: num_tokens_bg has shape {num_tokens_bg.shape}, expected {(b, g)}"
+            )
+        fields[NUM_TOKENS_FIELD] = num_tokens_bg.reshape(-1).tolist()
+    prompts = [p for p in prompts_b for _ in range(g)]
+    completions = [c for group in completions_bg for c in group]
+    output = reward(prompts, completions, **fields)
+    return output.total_n.reshape(b, g), output

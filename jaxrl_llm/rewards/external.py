@@ -1,0 +1,128 @@
+"""Rewards that come from outside the package: user functions and reward models.
+
+A user reward is named in the config as ``"module:function"`` (an importable module, e.g.
+``"my_pkg.rewards:exact_match"``) or ``"path/to/file.py:function"`` (a file, relative paths
+resolved against ``base_dir``, by default the working directory). Nothing is imported except what
+the user's config names.
+
+:class:`RewardModelReward` adapts any scorer ``score(prompts, completions) -> list[float]`` (the
+Flax scalar reward head, a remote judge, ...) to the reward protocol.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxrl_llm.rewards._validate import check_int
+from jaxrl_llm.rewards.base import RewardConfigError
+
+
+def _import_file(path: Path, spec: str) -> Any:
+    if not path.is_file():
+        raise RewardConfigError(f"reward function {spec!r}: file {str(path)!r} does not exist")
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    module_name = f"_jaxrl_llm_user_{path.stem}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardConfigError(f"reward function {spec!r}: cannot import {str(path)!r}")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # so dataclasses/pickling inside the file work
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+def _import_module(name: str, spec: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
+            raise RewardConfigError(
+                f"reward function {spec!r}: no module named {exc.name!r} (install it or add its "
+                f"folder to PYTHONPATH; for a file write 'path/to/file.py:function')"
+            ) from exc
+        raise
+
+
+def load_callable(spec: str, *, base_dir: str | Path | None = None) -> Callable[..., Any]:
+    """Imports ``"module:function"`` or ``"path/to/file.py:function"`` and returns the callable.
+
+    ``function`` may be dotted (``"mod:Class.method"``). Raises :class:`RewardConfigError` naming
+    the spec when the module, file or attribute is missing or the attribute is not callable
+    (with the nearest existing names as a suggestion).
+    """
+    if not isinstance(spec, str) or spec.count(":") < 1:
+        raise RewardConfigError(
+            f"reward function must be 'module:function' or 'path/to/file.py:function', got {spec!r}"
+        )
+    target, attr_path = spec.rsplit(":", 1)
+    if not target or not attr_path:
+        raise RewardConfigError(f"reward function {spec!r}: both module and function are needed")
+    try:
+        if target.endswith(".py") or "/" in target or "\\" in target:
+            path = Path(target).expanduser()
+            if not path.is_absolute():
+                path = Path(base_dir or Path.cwd()) / path
+            obj = _import_file(path.resolve(), spec)
+        else:
+            obj = _import_module(target, spec)
+    except RewardConfigError:
+        raise
+    except Exception as exc:
+        raise RewardConfigError(
+            f"reward function {spec!r}: importing {target!r} failed with "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=3)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+            raise RewardConfigError(f"reward function {spec!r}: {target!r} has no {part!r}{hint}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardConfigError(
+            f"reward function {spec!r} is a {type(obj).__name__}, not a callable"
+        )
+    return obj
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardModelReward:
+    """A reward model as a reward: ``score(prompts, completions)`` in chunks of ``batch_size``.
+
+    ``score`` returns one scalar per pair (a list, a NumPy/JAX array of shape ``[n]`` or
+    ``[n, 1]``). Dataset fields are ignored. ``batch_size=None`` scores everything in one call.
+    """
+
+    score: Callable[[list[str], list[str]], Sequence[float]]
+    batch_size: int | None = None
+
+    def __post_init__(self):
+        if not callable(self.score):
+            raise TypeError(f"`score` must be callable, got {type(self.score).__name__}")
+        if self.batch_size is not None:
+            check_int("batch_size", self.batch_size, minimum=1)
+
+    def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
+        step = self.batch_size or max(len(completions), 1)
+        out: list[float] = []
+        for start in range(0, len(completions), step):
+            chunk = self.score(prompts[start : start + step], completions[start : start + step])
+            out.extend(np.asarray(chunk, dtype=np.float64).reshape(-1).tolist())
+        return out

@@ -1,0 +1,222 @@
+"""build_reward / build_term: every type from config, and every config error."""
+
+import textwrap
+
+import numpy as np
+import pytest
+
+from jaxrl_llm.rewards import (
+    REWARD_TYPES,
+    BoxedAnswer,
+    Gsm8kAnswer,
+    IntegerAnswer,
+    LengthPenalty,
+    RegexFormat,
+    RewardConfigError,
+    RewardModelReward,
+    build_reward,
+    build_term,
+    load_callable,
+    reward_options,
+)
+
+USER_MODULE = """
+def exact(prompts, completions, *, answer, bonus=0.0, **fields):
+    return [float(c.strip() == str(a)) + bonus for c, a in zip(completions, answer)]
+
+def score(prompts, completions):
+    return [float(len(c)) for c in completions]
+
+class Scorers:
+    @staticmethod
+    def length(prompts, completions, **fields):
+        return [float(len(c)) for c in completions]
+
+NOT_CALLABLE = 3
+"""
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_mod.py").write_text(textwrap.dedent(USER_MODULE))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def test_reward_types():
+    assert REWARD_TYPES == (
+        "integer_answer",
+        "gsm8k_answer",
+        "boxed_answer",
+        "regex",
+        "length_penalty",
+        "user",
+        "reward_model",
+    )
+    assert reward_options("regex")[0] == ("pattern",)
+    assert reward_options("length_penalty")[0] == ("target",)
+    assert reward_options("user") == (("function",), ("kwargs",))
+
+
+@pytest.mark.parametrize(
+    ("config", "cls"),
+    [
+        ({"type": "integer_answer", "field": "target"}, IntegerAnswer),
+        ({"type": "gsm8k_answer", "strict": False}, Gsm8kAnswer),
+        ({"type": "boxed_answer"}, BoxedAnswer),
+        ({"type": "regex", "pattern": "a+", "mode": "fullmatch"}, RegexFormat),
+        ({"type": "length_penalty", "target": 64, "unit": "chars"}, LengthPenalty),
+    ],
+)
+def test_builtin_types(config, cls):
+    term = build_term(config)
+    assert isinstance(term.fn, cls)
+    assert term.name == config["type"] and term.weight == 1.0
+
+
+def test_weight_name_and_options_reach_the_reward():
+    term = build_term({"type": "integer_answer", "weight": 0.5, "name": "acc", "correct": 2.0})
+    assert (term.name, term.weight, term.fn.correct) == ("acc", 0.5, 2.0)
+
+
+def test_string_shorthands(user_module):
+    assert isinstance(build_term("boxed_answer").fn, BoxedAnswer)
+    term = build_term("my_rewards_mod:exact")
+    assert term.name == "exact"
+    assert term.fn(["p"], ["3"], answer=[3]) == [1.0]
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        (
+            {"type": "integer_anwser"},
+            "unknown reward type 'integer_anwser'; did you mean 'integer_answer'",
+        ),
+        ({"weight": 1.0}, "missing `type`"),
+        ({"type": "integer_answer", "feild": "x"}, "unknown key 'feild'; did you mean 'field'"),
+        ({"type": "integer_answer", "wieght": 2}, "did you mean 'weight'"),
+        ({"type": "regex"}, r"rewards\[0\] \(type 'regex'\): missing required key\(s\) pattern"),
+        ({"type": "regex", "pattern": "("}, "not a valid regex"),
+        ({"type": "integer_answer", "weight": "heavy"}, "`weight` must be a number"),
+        ({"type": "integer_answer", "weight": float("nan")}, "`weight` must be finite"),
+        ({"type": "integer_answer", "name": "a b"}, "reward name must be"),
+        ({"type": "integer_answer", "name": "mean"}, "reserved"),
+        ({"type": "length_penalty", "target": "long"}, "`target` must be an integer"),
+        ({"type": "user"}, "missing required key"),
+        ({"type": "reward_model"}, "needs a scorer"),
+        ({"type": "reward_model", "score": "my_rewards_mod:score", "batch_size": 0}, "batch_size"),
+        (3, "a reward is a mapping"),
+    ],
+)
+def test_config_errors(config, match, user_module):
+    with pytest.raises(RewardConfigError, match=match):
+        build_reward([config])
+
+
+def test_build_reward_list_errors():
+    with pytest.raises(RewardConfigError, match="non-empty list"):
+        build_reward([])
+    with pytest.raises(RewardConfigError, match="rewards: accuracy term 'nope'"):
+        build_reward(["integer_answer"], accuracy="nope")
+    with pytest.raises(ValueError, match="on_error must be one of"):
+        build_reward(["integer_answer"], on_error="ignore")
+
+
+def test_duplicate_names_get_suffixes():
+    patterns = [{"type": "regex", "pattern": p} for p in ("a", "b", "c")]
+    assert build_reward(patterns).names == ("regex", "regex_2", "regex_3")
+
+
+def test_user_function_from_module_with_kwargs(user_module):
+    term = build_term(
+        {"type": "user", "function": "my_rewards_mod:exact", "kwargs": {"bonus": 0.5}}
+    )
+    assert term.fn(["p", "p"], ["3", "4"], answer=[3, 3]) == [1.5, 0.5]
+    term = build_term({"type": "user", "function": "my_rewards_mod:Scorers.length", "name": "len"})
+    assert term.name == "len" and term.fn(["p"], ["abc"]) == [3.0]
+
+
+def test_user_function_from_file(tmp_path):
+    folder = tmp_path / "sub"
+    folder.mkdir()
+    (folder / "rw.py").write_text(textwrap.dedent(USER_MODULE))
+    fn = load_callable("sub/rw.py:exact", base_dir=tmp_path)
+    assert fn(["p"], ["3"], answer=[3]) == [1.0]
+    assert load_callable(f"{folder / 'rw.py'}:exact") is fn  # imported once per file
+    reward = build_reward([{"type": "user", "function": "sub/rw.py:exact"}], base_dir=tmp_path)
+    assert reward.names == ("exact",)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("no_colon_here", "must be 'module:function'"),
+        ("mod:", "both module and function"),
+        ("surely_not_a_module_xyz:f", "no module named 'surely_not_a_module_xyz'"),
+        ("missing/file.py:f", "file .*missing/file.py' does not exist"),
+        ("my_rewards_mod:exakt", "has no 'exakt'; did you mean 'exact'"),
+        ("my_rewards_mod:NOT_CALLABLE", "is a int, not a callable"),
+        ("broken_mod:f", "importing 'broken_mod' failed with ZeroDivisionError"),
+        (
+            "imports_missing_mod:f",
+            "importing 'imports_missing_mod' failed with ModuleNotFoundError",
+        ),
+    ],
+)
+def test_load_callable_errors(spec, match, user_module):
+    (user_module / "broken_mod.py").write_text("1 / 0\n")
+    (user_module / "imports_missing_mod.py").write_text("import surely_not_a_module_abc\n")
+    with pytest.raises(RewardConfigError, match=match):
+        load_callable(spec, base_dir=user_module)
+
+
+def test_reward_model_from_trainer_or_spec(user_module):
+    calls = []
+
+    def head(prompts, completions):
+        calls.append(len(completions))
+        return np.arange(len(completions), dtype=np.float32)[:, None]  # [n, 1] like a head
+
+    term = build_term({"type": "reward_model", "batch_size": 2}, reward_model=head)
+    assert isinstance(term.fn, RewardModelReward)
+    assert term.fn(["p"] * 5, ["a"] * 5) == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert calls == [2, 2, 1]
+    term = build_term({"type": "reward_model", "score": "my_rewards_mod:score"})
+    assert term.fn(["p", "p"], ["ab", "abc"]) == [2.0, 3.0]
+
+
+def test_config_layer_spelling(user_module):
+    """{type, weight, name, kwargs} terms, as jaxrl_llm.config writes them."""
+    reward = build_reward(
+        [
+            {"type": "integer_answer", "weight": 1.0, "name": None, "kwargs": {"field": "target"}},
+            {"type": "gsm8k", "weight": 0.5, "name": None, "kwargs": {"strict": False}},
+            {"type": "boxed", "kwargs": {}},
+            {"type": "my_rewards_mod:exact", "name": "exact_match", "kwargs": {"bonus": 1.0}},
+            {"type": "reward_model", "kwargs": {"path": "/models/rm", "batch_size": 4}},
+        ],
+        reward_model=lambda p, c: [0.0] * len(c),
+    )
+    assert reward.names == ("integer_answer", "gsm8k", "boxed", "exact_match", "reward_model")
+    assert reward.terms[0].fn.field == "target"
+    assert isinstance(reward.terms[1].fn, Gsm8kAnswer) and reward.terms[1].fn.strict is False
+    assert reward.terms[4].fn.batch_size == 4
+    out = reward(["p"], ["#### 3 \\boxed{3}"], target=[3], answer=["3"])
+    np.testing.assert_allclose(out.components["exact_match"], [1.0])  # "..." != "3", + bonus
+    np.testing.assert_allclose(out.total_n, [1.0 + 0.5 + 1.0 + 1.0 + 0.0])
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"type": "integer_answer", "field": "a", "kwargs": {"field": "b"}}, "both as keys and in"),
+        ({"type": "integer_answer", "kwargs": ["field"]}, "`kwargs` must be a mapping"),
+        ({"type": "integer_answer", "kwargs": {"feild": "a"}}, "did you mean 'field'"),
+        ({"type": "m:f", "function": "m:g"}, "not both"),
+        ({"type": "gsm8", "kwargs": {}}, "did you mean 'gsm8k'"),
+    ],
+)
+def test_config_layer_spelling_errors(config, match):
+    with pytest.raises(RewardConfigError, match=match):
+        build_term(config)
