@@ -1,0 +1,94 @@
+"""Per-token log-probs of given tokens straight from the model, never holding ``[B, T, V]``.
+
+For tokens ``y`` and final hidden states ``h`` (causal LM with head ``W: [V, D]``):
+
+    log π(y_t | y_<t) = z_t[y_t] − logsumexp(z_t),   z_t = W h_{t−1} / τ,   t = start … T−1
+
+``jaxrl_llm.core.logprobs`` computes this from logits, which the caller must first materialise:
+``[B, T, V]`` float32 is 1.6 GB for B=8, T=1024, V=49152 and dominates an RL step's memory. Here
+the hidden states are split into time chunks of ``chunk_size`` and each chunk's logits are
+formed, reduced by ``core.logprobs`` and dropped inside a ``lax.scan`` whose body is
+rematerialised (``jax.checkpoint``): forward and backward hold one ``[B, chunk, V]`` block at a
+time, and only ``[B, T, D]`` hidden states are kept for the backward pass. See
+``scripts/bench_logprob_memory.py`` for measured peaks.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxrl_llm.core import logprobs as core_logprobs
+from jaxrl_llm.models.transformer import CausalLM
+
+
+def hidden_logprobs(
+    lm: CausalLM,
+    h_bnd: jax.Array,
+    targets_bn: jax.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = 256,
+    with_entropy: bool = False,
+):
+    """Log-probs (and optionally entropies) of ``targets_bn`` from the states that predict them.
+
+    ``h_bnd[:, i]`` is the hidden state whose logits predict ``targets_bn[:, i]``. Returns f32
+    ``[B, N]`` (a pair with the entropy when ``with_entropy``).
+    """
+    b, n, d = h_bnd.shape
+    c = n if chunk_size is None or chunk_size >= n else chunk_size
+    pad = -n % c
+    if pad:  # pad the (small) hidden states, never the logits
+        h_bnd = jnp.pad(h_bnd, ((0, 0), (0, pad), (0, 0)))
+        targets_bn = jnp.pad(targets_bn, ((0, 0), (0, pad)))
+    chunks = (n + pad) // c
+    h_kbcd = h_bnd.reshape(b, chunks, c, d).swapaxes(0, 1)
+    y_kbc = targets_bn.reshape(b, chunks, c).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def _chunk(h_bcd, y_bc):
+        logits_bcv = lm.logits(h_bcd)
+        if with_entropy:
+            return core_logprobs.token_logprobs_and_entropy(
+                logits_bcv, y_bc, temperature=temperature
+            )
+        return (core_logprobs.token_logprobs(logits_bcv, y_bc, temperature=temperature),)
+
+    if chunks == 1:
+        outs = _chunk(h_kbcd[0], y_kbc[0])
+        outs = tuple(o[:, :n] for o in outs)
+    else:
+        _, outs_k = jax.lax.scan(lambda _, xs: (None, _chunk(*xs)), None, (h_kbcd, y_kbc))
+        outs = tuple(o.swapaxes(0, 1).reshape(b, chunks * c)[:, :n] for o in outs_k)
+    return outs if with_entropy else outs[0]
+
+
+def completion_logprobs(
+    lm: CausalLM,
+    tokens_bt: jax.Array,
+    mask_bt: jax.Array | None = None,
+    *,
+    start: int = 1,
+    temperature: float = 1.0,
+    chunk_size: int | None = 256,
+    with_entropy: bool = False,
+    positions_bt: jax.Array | None = None,
+):
+    """``log π(tokens[:, t] | tokens[:, <t])`` for ``t`` in ``[start, T)``: f32 ``[B, T − start]``.
+
+    With a prompt of ``P`` (left-padded) slots followed by completions, ``start=P`` scores
+    exactly the completion tokens and forms logits only for them. Padding positions hold
+    finite garbage; mask them downstream. ``temperature`` must be the sampling temperature.
+    """
+    if not 1 <= start < tokens_bt.shape[1]:
+        raise ValueError(f"start must be in [1, T={tokens_bt.shape[1]}), got {start}")
+    h_btd, _ = lm.model(tokens_bt, mask_bt, positions_bt=positions_bt)
+    return hidden_logprobs(
+        lm,
+        h_btd[:, start - 1 : -1],
+        tokens_bt[:, start:],
+        temperature=temperature,
+        chunk_size=chunk_size,
+        with_entropy=with_entropy,
+    )

@@ -1,0 +1,405 @@
+"""The decoder-only transformer shared by every supported family (Flax NNX).
+
+Pre-norm blocks ``x + Attn(RMSNorm(x))`` then ``x + MLP(RMSNorm(x))`` with grouped-query
+attention (Ainslie et al. 2023), RoPE (``rope.py``), RMSNorm (Zhang & Sennrich 2019) and a
+SwiGLU MLP ``down(act(gate(x)) * up(x))`` (Shazeer 2020). Family differences are switches on
+:class:`ModelConfig`.
+
+Module and parameter names mirror the Hugging Face checkpoints (``model.layers.3.self_attn.
+q_proj``), so the weight mapping in ``weights.py`` is a table of layout changes, not renames.
+Projection kernels are stored input-first and split per head (``q_proj.kernel: [D, H, Dh]``) so
+the head axis can be sharded; every parameter carries its logical axis names as the variable
+metadata ``logical_axes`` (see ``sharding.py``).
+
+Padding is on the left. ``mask_bt`` marks real tokens; position ids default to the count of
+real tokens before each one, so a left-padded sequence gets the same positions (and logits) as
+the unpadded one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_llm.models import sharding
+from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_frequencies
+
+_INIT_STD = 0.02  # HF initializer_range default; real weights are loaded over it anyway.
+
+
+def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+    """A parameter with logical axis names; ``rngs=None`` or ``init`` != normal skips the RNG."""
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (_INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, logical_axes=tuple(axes))
+
+
+def _activation(name: str):
+    return {
+        "silu": jax.nn.silu,
+        "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+        "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+        "relu": jax.nn.relu,
+    }[name]
+
+
+class KVCache(NamedTuple):
+    """Key/value cache for incremental decoding: a plain pytree, safe to pass through ``jit``.
+
+    ``k[l]``/``v[l]`` are ``[B, S, K, Dh]`` for layer ``l``; ``mask_bs`` marks slots holding real
+    tokens; ``index`` (int32 scalar) is the next slot to write. A call with ``T`` new tokens
+    writes slots ``[index, index + T)`` for the whole batch and advances ``index`` by ``T``:
+    prefill is one call with the (left-padded) prompt, each decode step one call with ``T = 1``.
+    A finished sequence can keep decoding with ``mask_bt = False`` (its slot stays unused). The
+    caller keeps ``index + T <= S``: under ``jit`` an overflowing write cannot raise.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    mask_bs: jax.Array
+    index: jax.Array
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        """An empty cache of ``max_len`` slots (``dtype`` defaults to the compute dtype)."""
+        dtype = jnp.dtype(dtype or config.dtype)
+        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+        return cls(
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+            mask_bs=jnp.zeros((batch, max_len), bool),
+            index=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def max_len(self) -> int:
+        return self.mask_bs.shape[1]
+
+    def next_positions(self) -> jax.Array:
+        """int32[B]: the position id the next real token of each sequence gets."""
+        return jnp.sum(self.mask_bs, axis=1, dtype=jnp.int32)
+
+
+class RMSNorm(nnx.Module):
+    """``y = w * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as HF's LlamaRMSNorm)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype, axis_name: str = "norm"):
+        self.eps = eps
+        self.weight = _param(None, (dim,), (axis_name,), param_dtype, init="ones")
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(x.dtype)
+        weight = self.weight[...].astype(x.dtype)
+        return weight.reshape((1,) * (x.ndim - 1) + weight.shape) * normed
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, optional q/k/v bias, q/k norm and window."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c, pd = config, config.jnp_param_dtype
+        d, h, k, hd = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, k, hd
+        self.q_proj = _Proj(rngs, (d, h, hd), ("embed", "q_heads", "head_dim"), c.qkv_bias, pd)
+        self.k_proj = _Proj(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), c.qkv_bias, pd)
+        self.v_proj = _Proj(rngs, (d, k, hd), ("embed", "kv_heads", "head_dim"), c.qkv_bias, pd)
+        self.o_proj = _Proj(rngs, (h, hd, d), ("q_heads", "head_dim", "embed"), c.o_bias, pd)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(hd, c.rms_norm_eps, param_dtype=pd, axis_name="head_dim")
+            self.k_norm = RMSNorm(hd, c.rms_norm_eps, param_dtype=pd, axis_name="head_dim")
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(
+        self,
+        x_btd: jax.Array,
+        cos_btd: jax.Array,
+        sin_btd: jax.Array,
+        allowed_bts: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None = None,
+        index: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        q_bthd = self.q_proj(x_btd)
+        k_btkd = self.k_proj(x_btd)
+        v_btkd = self.v_proj(x_btd)
+        if self.q_norm is not None:
+            q_bthd, k_btkd = self.q_norm(q_bthd), self.k_norm(k_btkd)
+        q_bthd = apply_rope(q_bthd, cos_btd, sin_btd)
+        k_btkd = apply_rope(k_btkd, cos_btd, sin_btd)
+        new_kv = None
+        if kv is not None:
+            k_cache, v_cache = kv
+            k_btkd = jax.lax.dynamic_update_slice(
+                k_cache, k_btkd.astype(k_cache.dtype), (0, index, 0, 0)
+            )
+            v_btkd = jax.lax.dynamic_update_slice(
+                v_cache, v_btkd.astype(v_cache.dtype), (0, index, 0, 0)
+            )
+            new_kv = (k_btkd, v_btkd)
+        out_bthd = dot_product_attention(
+            q_bthd, k_btkd.astype(q_bthd.dtype), v_btkd.astype(q_bthd.dtype), allowed_bts
+        )
+        return self.o_proj(out_bthd), new_kv
+
+
+def dot_product_attention(
+    q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, allowed_bts: jax.Array
+) -> jax.Array:
+    """``softmax(q k^T / sqrt(Dh)) v`` over allowed keys; query head ``h`` reads kv head ``h // G``.
+
+    Scores and softmax are float32. A query with no allowed key (a padding position) gets a
+    uniform average instead of NaN; its output is never used.
+    """
+    b, t, h, hd = q_bthd.shape
+    kv_heads = k_bskd.shape[2]
+    q_btkgd = q_bthd.reshape(b, t, kv_heads, h // kv_heads, hd) * jnp.asarray(
+        hd**-0.5, q_bthd.dtype
+    )
+    # Axis orders follow dot_general's natural output (batch dims, lhs free, rhs free), so
+    # the [.., T, S] scores need no extra transposes in either pass.
+    scores = jnp.einsum("btkgd,bskd->bktgs", q_btkgd, k_bskd, preferred_element_type=jnp.float32)
+    neg = jnp.finfo(jnp.float32).min
+    scores = jnp.where(allowed_bts[:, None, :, None, :], scores, neg)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q_bthd.dtype)
+    out_btkgd = jnp.einsum("bktgs,bskd->btkgd", probs, v_bskd, preferred_element_type=jnp.float32)
+    return out_btkgd.astype(q_bthd.dtype).reshape(b, t, h, hd)
+
+
+def matmul_2d(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
+    """Contracts the last ``n_in`` axes of ``x`` with the first ``n_in`` axes of ``w``.
+
+    Both sides are flattened to 2-D first (``[M, K] @ [K, N]``, free bitcasts). On XLA:CPU a
+    3-D ``einsum('btd,df->btf')`` makes the weight gradient transpose its activations
+    element by element (measured: SmolLM2 forward+backward 1.45x slower); the 2-D form keeps
+    the backward dots transpose-free. Accumulation is float32 whatever the inputs: for bf16
+    inputs XLA:CPU then runs ~2x faster than a bf16-output dot.
+    """
+    k = math.prod(w.shape[:n_in])
+    lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
+    y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype).reshape(*lead, *out)
+
+
+class _Proj(nnx.Module):
+    """A bias-optional linear map ``[..., *in] -> [..., *out]`` with a per-head kernel layout."""
+
+    def __init__(self, rngs, shape, axes, use_bias: bool, param_dtype):
+        self.kernel = _param(rngs, shape, axes, param_dtype)
+        self.n_in = 2 if axes[-1] == "embed" and len(shape) == 3 else 1
+        out_shape, out_axes = shape[self.n_in :], axes[self.n_in :]
+        self.bias = _param(None, out_shape, out_axes, param_dtype, "zeros") if use_bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = matmul_2d(x, self.kernel[...].astype(x.dtype), self.n_in)
+        if self.bias is not None:
+            bias = self.bias[...].astype(x.dtype)
+            y = y + bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
+        return y
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(act(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c, pd = config, config.jnp_param_dtype
+        d, f = c.hidden_size, c.intermediate_size
+        self.act = _activation(c.hidden_act)
+        self.gate_proj = _Proj(rngs, (d, f), ("embed", "mlp"), c.mlp_bias, pd)
+        self.up_proj = _Proj(rngs, (d, f), ("embed", "mlp"), c.mlp_bias, pd)
+        self.down_proj = _Proj(rngs, (f, d), ("mlp", "embed"), c.mlp_bias, pd)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        gate = self.gate_proj(x_btd)
+        up = self.up_proj(x_btd)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        pd, eps = config.jnp_param_dtype, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=pd)
+        self.self_attn = Attention(config, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=pd)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x_btd, cos_btd, sin_btd, allowed_bts, kv=None, index=None):
+        attn, new_kv = self.self_attn(
+            self.input_layernorm(x_btd), cos_btd, sin_btd, allowed_bts, kv, index
+        )
+        x_btd = x_btd + attn
+        x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
+        return x_btd, new_kv
+
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _concrete_int(x) -> int | None:
+    """``int(x)`` outside of tracing, ``None`` for a traced value."""
+    try:
+        return int(x)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return None
+
+
+def _layer_call(layer, *args):
+    return layer(*args)
+
+
+class Embed(nnx.Module):
+    """Token embedding table ``[V, D]`` (the HF layout)."""
+
+    def __init__(self, vocab_size: int, dim: int, *, param_dtype, rngs: nnx.Rngs):
+        self.embedding = _param(rngs, (vocab_size, dim), ("vocab", "embed"), param_dtype)
+
+    def __call__(self, tokens_bt: jax.Array, dtype) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens_bt, axis=0).astype(dtype)
+
+
+class Decoder(nnx.Module):
+    """Embedding, the layer stack and the final norm: ``tokens -> hidden states [B, T, D]``."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed_tokens = Embed(
+            config.vocab_size, config.hidden_size, param_dtype=config.jnp_param_dtype, rngs=rngs
+        )
+        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, param_dtype=config.jnp_param_dtype
+        )
+        inv_freq, self._rope_scaling = rope_frequencies(config)
+        self._inv_freq = tuple(float(f) for f in inv_freq)  # static, hashable
+
+    def __call__(
+        self,
+        tokens_bt: jax.Array,
+        mask_bt: jax.Array | None = None,
+        *,
+        positions_bt: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        """Hidden states after the final norm, and the updated cache (``None`` without one)."""
+        c = self.config
+        b, t = tokens_bt.shape
+        if mask_bt is None:
+            mask_bt = jnp.ones((b, t), bool)
+        if mask_bt.dtype != jnp.bool_:
+            raise TypeError(f"mask_bt must be a boolean mask, got dtype {mask_bt.dtype}")
+        if cache is not None:
+            index = _concrete_int(cache.index)
+            if index is not None and index + t > cache.max_len:
+                raise ValueError(
+                    f"KV cache has {cache.max_len} slots; {index} are written, {t} more do not fit"
+                )
+        start_b = cache.next_positions() if cache is not None else jnp.zeros((b,), jnp.int32)
+        if positions_bt is None:
+            counts_bt = jnp.cumsum(mask_bt.astype(jnp.int32), axis=1)
+            positions_bt = jnp.maximum(start_b[:, None] + counts_bt - 1, 0)
+
+        dtype = c.jnp_dtype
+        x_btd = self.embed_tokens(tokens_bt, dtype)
+        x_btd = sharding.constrain(x_btd, ("batch", "seq", "act_embed"))
+        cos, sin = rope_cos_sin(
+            positions_bt, np.asarray(self._inv_freq, np.float32), self._rope_scaling, dtype
+        )
+
+        q_slot_t = jnp.arange(t, dtype=jnp.int32)
+        if cache is None:
+            k_slot_s, k_valid_bs, index = q_slot_t, mask_bt, None
+        else:
+            index = jnp.asarray(cache.index, jnp.int32)
+            q_slot_t = q_slot_t + index
+            k_slot_s = jnp.arange(cache.max_len, dtype=jnp.int32)
+            k_valid_bs = jax.lax.dynamic_update_slice(cache.mask_bs, mask_bt, (0, index))
+        causal_ts = k_slot_s[None, :] <= q_slot_t[:, None]
+        allowed = {}
+        for window in {c.window(i) for i in range(c.num_layers)}:
+            ok_ts = causal_ts
+            if window is not None:
+                ok_ts = ok_ts & (k_slot_s[None, :] > q_slot_t[:, None] - window)
+            allowed[window] = ok_ts[None, :, :] & k_valid_bs[:, None, :]
+
+        call = _layer_call
+        if c.remat != "none":
+            call = nnx.remat(_layer_call, policy=_REMAT_POLICIES[c.remat])
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.k[i], cache.v[i])
+            x_btd, layer_kv = call(layer, x_btd, cos, sin, allowed[c.window(i)], kv, index)
+            x_btd = sharding.constrain(x_btd, ("batch", "seq", "act_embed"))
+            if layer_kv is not None:
+                new_k.append(layer_kv[0])
+                new_v.append(layer_kv[1])
+        x_btd = self.norm(x_btd)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(tuple(new_k), tuple(new_v), k_valid_bs, index + t)
+        return x_btd, new_cache
+
+
+class CausalLM(nnx.Module):
+    """Decoder plus LM head: ``int32[B, T]`` tokens -> ``float32[B, T, V]`` next-token logits.
+
+    ``model(tokens_bt, mask_bt)`` returns logits; with ``cache=`` it returns
+    ``(logits, new_cache)`` (see :class:`KVCache`). With tied embeddings the head reuses
+    ``model.embed_tokens``; otherwise ``lm_head.weight`` is ``[V, D]`` as in HF checkpoints.
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.model = Decoder(config, rngs=rngs)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = _param(
+                rngs,
+                (config.vocab_size, config.hidden_size),
+                ("vocab", "embed"),
+                config.jnp_param_dtype,
+            )
+
+    def head_weight(self) -> jax.Array:
+        """The ``[V, D]`` output embedding (the input embedding when tied)."""
+        w = self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head
+        return w[...]
+
+    def logits(self, h_btd: jax.Array) -> jax.Array:
+        """float32 logits from final hidden states (any leading axes)."""
+        w_vd = self.head_weight().astype(h_btd.dtype)
+        h_md = h_btd.reshape(-1, h_btd.shape[-1])
+        logits_mv = jax.lax.dot_general(
+            h_md, w_vd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
+        return logits_mv.reshape(*h_btd.shape[:-1], w_vd.shape[0])
+
+    def __call__(
+        self,
+        tokens_bt: jax.Array,
+        mask_bt: jax.Array | None = None,
+        *,
+        positions_bt: jax.Array | None = None,
+        cache: KVCache | None = None,
+    ):
+        h_btd, new_cache = self.model(tokens_bt, mask_bt, positions_bt=positions_bt, cache=cache)
+        logits_btv = self.logits(h_btd)
+        return logits_btv if cache is None else (logits_btv, new_cache)
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+        return KVCache.init(self.config, batch, max_len, dtype)
