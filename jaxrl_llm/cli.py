@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="numerical conventions preset",
     )
     explain.set_defaults(func=_explain)
+
+    from jaxrl_llm.rollout.cli import add_generate_parser
+    from jaxrl_llm.train.cli import add_train_parsers
+
+    add_train_parsers(sub)
+    add_generate_parser(sub)
     return parser
 
 

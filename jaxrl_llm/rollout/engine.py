@@ -1,0 +1,361 @@
+"""The sampler: G completions for each of B prompts under one ``jax.jit``.
+
+Per call, one compiled program does:
+
+1. prefill: the left-padded prompts ``[B, P]`` run once through the model into its KV cache,
+   keeping only the last position's hidden state for the LM head (forming ``[B, P, V]`` logits
+   would cost more than the whole prefill on a 49k vocabulary);
+2. the cache is re-laid out for decoding (``decode.py``: keys ``[N, K, Dh, S]``, values
+   ``[N, K, S, Dh]``, ``S = P + T`` slots preallocated) and its rows and the last logits are
+   repeated G times (``N = B·G``; sample ``g`` of prompt ``b`` is row ``b·G + g``): the G
+   samples of a prompt share its prefill;
+3. a ``lax.while_loop`` over at most ``T - 1`` decode steps, each one cached forward of all
+   ``N`` rows at once (one ``[N, D]`` matmul per weight), sampling (``sampling.py``) and
+   in-place writes into preallocated ``[T, N]`` outputs. A row stops after a stop token (kept
+   and masked valid); stopped rows keep running with ``mask = False`` so shapes stay static,
+   and the loop exits as soon as every row has stopped.
+
+Weights stored wider than the compute dtype (f32 master weights, bf16 compute) are cast once
+before the loop, not in every step. Temperature, top-p and the stop ids are traced values and
+prompt widths are padded on the left to a multiple of ``prompt_bucket``, so batches of similar
+length reuse one compiled program; padding changes no result (positions come from the mask).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jaxrl_llm.models import sharding
+from jaxrl_llm.models.transformer import CausalLM, KVCache
+from jaxrl_llm.rollout import decode, sampling
+
+
+class Rollout(NamedTuple):
+    """G sampled completions for each of B prompts.
+
+    Attributes:
+      tokens: ``int32[B, G, T]`` completion token ids; the pad id after a sequence stops.
+      mask: ``bool[B, G, T]`` True on generated tokens, the stop token included.
+      logprobs: ``float32[B, G, T]`` log-prob of each token under the distribution it was
+        sampled from (``log softmax(logits / τ)`` restricted to the top-k/top-p set; with no
+        filter exactly the trainer's ``token_logprobs`` at temperature τ; greedy: τ = 1);
+        0 where ``mask`` is False.
+      truncated: ``bool[B, G]`` True when the sequence hit ``max_new_tokens`` without a stop
+        token.
+    """
+
+    tokens: jax.Array
+    mask: jax.Array
+    logprobs: jax.Array
+    truncated: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    """Everything the compiled program depends on besides array shapes (hashable)."""
+
+    max_new_tokens: int
+    num_samples: int
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    pad_token_id: int
+    cache_dtype: str
+
+
+def _cast_params(params, dtype):
+    """Weights wider than the compute dtype, cast once (not in every decode step)."""
+    dtype = jnp.dtype(dtype)
+
+    def cast(x):
+        wider = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dtype.itemsize
+        return x.astype(dtype) if wider else x
+
+    return jax.tree.map(cast, params)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"))
+def _rollout(
+    graphdef, params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, stop_ids_s, *, static
+):
+    lm: CausalLM = nnx.merge(graphdef, params)
+    lm = nnx.merge(graphdef, _cast_params(params, lm.config.jnp_dtype))
+    b, p = prompt_ids_bp.shape
+    g, t = static.num_samples, static.max_new_tokens
+    n = b * g
+
+    cache = KVCache.init(lm.config, b, p, static.cache_dtype)
+    h_bpd, cache = lm.model(prompt_ids_bp, prompt_mask_bp, cache=cache)
+    logits_bv = lm.logits(h_bpd[:, -1])  # left padding: the last column is real for every row
+    cache = decode.from_prefill(cache, p + t)
+    if g > 1:  # the G samples of a prompt share its prefill
+        cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
+        logits_nv = jnp.repeat(logits_bv, g, axis=0)
+    else:
+        logits_nv = logits_bv
+    cache = decode.constrain(cache)
+    logits_nv = sharding.constrain(logits_nv, ("batch", "vocab"))
+
+    def pick(logits_nv, step):
+        return sampling.sample(
+            logits_nv,
+            jax.random.fold_in(rng, step),
+            temperature=temperature,
+            top_k=static.top_k,
+            top_p=top_p if static.use_top_p else None,
+            greedy=static.greedy,
+        )
+
+    def stopped(token_n):  # stop ids are padded with -1, which no token equals
+        return jnp.any(token_n[:, None] == stop_ids_s[None, :], axis=1)
+
+    token_n, logp_n = pick(logits_nv, 0)
+    tokens_tn = jnp.full((t, n), static.pad_token_id, jnp.int32).at[0].set(token_n)
+    logp_tn = jnp.zeros((t, n), jnp.float32).at[0].set(logp_n)
+    mask_tn = jnp.zeros((t, n), bool).at[0].set(True)
+    alive_n = ~stopped(token_n)
+
+    def cond(carry):
+        step, _, alive_n, *_ = carry
+        return (step < t) & jnp.any(alive_n)
+
+    def body(carry):
+        step, token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn = carry
+        logits_nv, cache = decode.decode_step(lm, token_n, alive_n, cache)
+        new_n, logp_n = pick(logits_nv, step)
+        tokens_tn = tokens_tn.at[step].set(jnp.where(alive_n, new_n, static.pad_token_id))
+        logp_tn = logp_tn.at[step].set(jnp.where(alive_n, logp_n, 0.0))
+        mask_tn = mask_tn.at[step].set(alive_n)
+        alive_n = alive_n & ~stopped(new_n)
+        return step + 1, new_n, alive_n, cache, tokens_tn, logp_tn, mask_tn
+
+    carry = (jnp.int32(1), token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn)
+    _, _, alive_n, _, tokens_tn, logp_tn, mask_tn = jax.lax.while_loop(cond, body, carry)
+
+    def bgt(x_tn):
+        return x_tn.T.reshape(b, g, t)
+
+    return Rollout(bgt(tokens_tn), bgt(mask_tn), bgt(logp_tn), alive_n.reshape(b, g))
+
+
+def _split_model(model) -> tuple[Any, Any, CausalLM | None]:
+    """(graphdef, pure param dict, module or None) from a CausalLM or a (graphdef, params) pair."""
+    if isinstance(model, CausalLM):
+        graphdef, state = nnx.split(model)
+        return graphdef, nnx.to_pure_dict(state), model
+    if isinstance(model, tuple) and len(model) == 2:
+        graphdef, params = model
+        if isinstance(params, nnx.State):
+            params = nnx.to_pure_dict(params)
+        return graphdef, params, None
+    raise TypeError(
+        f"generate: model must be a jaxrl_llm CausalLM or a (graphdef, params) pair from "
+        f"nnx.split, got {type(model).__name__}"
+    )
+
+
+def _config_of(graphdef, params, module):
+    return (module if module is not None else nnx.merge(graphdef, params)).config
+
+
+def _as_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"generate: {name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"generate: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _as_float(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
+        raise TypeError(f"generate: {name} must be a number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"generate: {name} must be finite, got {value}")
+    return value
+
+
+def _stop_ids(stop_token_ids, config) -> np.ndarray:
+    """int32[S], S a multiple of 8 (padded with -1): few distinct shapes, no recompiles."""
+    if stop_token_ids is None:
+        eos = config.eos_token_id
+        stop_token_ids = () if eos is None else eos
+    ids = tuple(int(s) for s in np.atleast_1d(np.asarray(stop_token_ids, np.int64)).tolist())
+    for s in ids:
+        if not 0 <= s < config.vocab_size:
+            raise ValueError(
+                f"generate: stop token id {s} is outside the vocabulary [0, {config.vocab_size})"
+            )
+    ids = sorted(set(ids))
+    padded = np.full((max(8, -(-len(ids) // 8) * 8),), -1, np.int32)
+    padded[: len(ids)] = ids
+    return padded
+
+
+def _check_prompts(prompt_ids_bt, prompt_mask_bt, config, max_new_tokens):
+    """Host-side checks; returns (ids with padding set to 0, mask) as numpy arrays."""
+    ids = np.asarray(prompt_ids_bt)
+    mask = np.asarray(prompt_mask_bt)
+    if ids.ndim != 2:
+        raise ValueError(f"generate: prompt_ids_bt must have rank 2 [B, T], got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"generate: prompt_ids_bt must hold integer token ids, got {ids.dtype}")
+    if mask.dtype != np.bool_:
+        raise TypeError(
+            f"generate: prompt_mask_bt must be a boolean mask, got dtype {mask.dtype}; "
+            f"convert with `prompt_mask_bt.astype(bool)`"
+        )
+    if mask.shape != ids.shape:
+        raise ValueError(
+            f"generate: prompt_mask_bt has shape {mask.shape}, prompt_ids_bt has {ids.shape}"
+        )
+    if ids.shape[0] == 0:
+        raise ValueError("generate: the batch is empty (prompt_ids_bt has B = 0 rows)")
+    lengths = mask.sum(axis=1)
+    empty = np.flatnonzero(lengths == 0)
+    if ids.shape[1] == 0 or empty.size:
+        row = int(empty[0]) if empty.size else 0
+        raise ValueError(
+            f"generate: prompt {row} is empty (no True in prompt_mask_bt); every prompt needs "
+            f"at least one token"
+        )
+    # Left padding: each row is False...False True...True.
+    not_left = np.flatnonzero(np.any(mask[:, :-1] & ~mask[:, 1:], axis=1))
+    if not_left.size:
+        raise ValueError(
+            f"generate: prompt {int(not_left[0])} is not left-padded (its mask has a gap or "
+            f"trailing padding); pad prompts on the left so they all end in the last column"
+        )
+    bad = mask & ((ids < 0) | (ids >= config.vocab_size))
+    if bad.any():
+        row, col = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(
+            f"generate: token id {int(ids[row, col])} at prompt {row}, position {col} is "
+            f"outside the vocabulary [0, {config.vocab_size})"
+        )
+    longest = int(lengths.max())
+    context = config.max_position_embeddings
+    if longest + max_new_tokens > context:
+        row = int(np.argmax(lengths))
+        what = (
+            "is longer than"
+            if longest > context
+            else f"plus max_new_tokens={max_new_tokens} is longer than"
+        )
+        raise ValueError(
+            f"generate: prompt {row} has {longest} tokens, which {what} the model's context "
+            f"(max_position_embeddings={context})"
+        )
+    return np.where(mask, ids, 0).astype(np.int32), mask
+
+
+def _left_pad_to(ids, mask, width):
+    extra = width - ids.shape[1]
+    if extra <= 0:
+        return ids, mask
+    return np.pad(ids, ((0, 0), (extra, 0))), np.pad(mask, ((0, 0), (extra, 0)))
+
+
+def _mesh_of(params) -> jax.sharding.Mesh | None:
+    for leaf in jax.tree.leaves(params):
+        s = getattr(leaf, "sharding", None)
+        if isinstance(s, NamedSharding) and s.mesh.size > 1:
+            return s.mesh
+    return None
+
+
+def generate(
+    model,
+    prompt_ids_bt,
+    prompt_mask_bt,
+    *,
+    rng: jax.Array,
+    max_new_tokens: int,
+    num_samples: int = 1,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_token_ids=None,
+    cache_dtype: Any = None,
+    prompt_bucket: int = 16,
+) -> Rollout:
+    """Samples ``num_samples`` completions of ``max_new_tokens`` tokens for each prompt.
+
+        y_t ~ π(· | x, y_<t),   π ∝ exp(logits / τ) on the top-k ∩ top-p set,   t < T
+
+    stopping a sequence after its first stop token. See :class:`Rollout` for the outputs.
+
+    Args:
+      model: a :class:`~jaxrl_llm.models.CausalLM`, or its ``(graphdef, params)`` from
+        ``nnx.split`` (params as ``nnx.State`` or a pure dict). Sharded parameters (e.g.
+        ``models.sharding.shard_model``) make the whole rollout run on their mesh, the batch
+        split over the ``data``/``fsdp`` axes.
+      prompt_ids_bt: ``int[B, P]`` token ids, left-padded (see :func:`encode_prompts`).
+      prompt_mask_bt: ``bool[B, P]`` True on real tokens; every row needs at least one.
+      rng: a PRNG key; the same key gives the same completions (on any mesh).
+      max_new_tokens: ``T >= 1``, the length of every output.
+      num_samples: ``G >= 1`` completions per prompt, sharing the prompt's prefill.
+      temperature: τ >= 0; 0 is greedy decoding.
+      top_k: keep the k most likely tokens (0: all).
+      top_p: keep the smallest set of most likely tokens with mass >= p, in (0, 1] (1: all).
+      stop_token_ids: ids that end a sequence; ``None``: the model's EOS id(s) from its config;
+        ``()``: never stop early (every sequence runs ``max_new_tokens``).
+      cache_dtype: KV-cache dtype (e.g. ``jnp.bfloat16`` to halve its memory); default the
+        model's compute dtype.
+      prompt_bucket: prompt widths are padded on the left to a multiple of this, so similar
+        batches reuse one compiled program.
+
+    Returns:
+      A :class:`Rollout` of ``[B, G, T]`` tokens, mask and log-probs and ``[B, G]`` truncated.
+    """
+    graphdef, params, module = _split_model(model)
+    config = _config_of(graphdef, params, module)
+    max_new_tokens = _as_int("max_new_tokens", max_new_tokens, 1)
+    num_samples = _as_int("num_samples", num_samples, 1)
+    top_k = _as_int("top_k", top_k, 0)
+    prompt_bucket = _as_int("prompt_bucket", prompt_bucket, 1)
+    temperature = _as_float("temperature", temperature)
+    top_p = _as_float("top_p", top_p)
+    if temperature < 0:
+        raise ValueError(f"generate: temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
+    ids, mask = _check_prompts(prompt_ids_bt, prompt_mask_bt, config, max_new_tokens)
+    width = -(-ids.shape[1] // prompt_bucket) * prompt_bucket
+    ids, mask = _left_pad_to(ids, mask, width)
+    if not isinstance(rng, jax.Array):
+        raise TypeError(f"generate: rng must be a jax PRNG key, got {type(rng).__name__}")
+    if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.wrap_key_data(rng)
+    if rng.shape != ():
+        raise ValueError(f"generate: rng must be a single PRNG key, got shape {rng.shape}")
+    pad = config.pad_token_id
+    static = _Static(
+        max_new_tokens=max_new_tokens,
+        num_samples=num_samples,
+        greedy=temperature == 0.0,
+        top_k=0 if top_k >= config.vocab_size else top_k,
+        use_top_p=top_p < 1.0,
+        pad_token_id=int(pad) if pad is not None and 0 <= pad < config.vocab_size else 0,
+        cache_dtype=jnp.dtype(cache_dtype or config.dtype).name,
+    )
+    stop = _stop_ids(stop_token_ids, config)
+    args = (params, ids, mask, rng, np.float32(temperature or 1.0), np.float32(top_p), stop)
+    mesh = _mesh_of(params)
+    if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+        return _rollout(graphdef, *args, static=static)
+    with jax.set_mesh(mesh):
+        batch = sharding.batch_sharding(mesh, 2)
+        batch_size = math.prod(mesh.shape[a] for a in ("data", "fsdp") if a in mesh.shape)
+        if ids.shape[0] % batch_size == 0:
+            ids, mask = jax.device_put((ids, mask), batch)
+        return _rollout(graphdef, params, ids, mask, *args[3:], static=static)

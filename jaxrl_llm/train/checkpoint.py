@@ -1,0 +1,222 @@
+"""Checkpoints of the full RL state with orbax: async, keep-N, restorable onto any mesh.
+
+A checkpoint of step ``s`` is the folder ``RUN_DIR/checkpoints/s`` with two items:
+
+* ``state``: every array of the :class:`~jaxrl_llm.train.state.TrainState` (policy, critic,
+  both optimizer states, step, PRNG key data, KL controller state, data position) as a nested
+  dict with string keys (``opt_state/1/0/mu/model/...``), saved by ``StandardSave``;
+* ``meta``: JSON with the shape and dtype of every array, the data iterator's state (epoch,
+  index, seed, number of examples), the resolved config as YAML, and any extra host values.
+
+Restoring builds ``jax.ShapeDtypeStruct`` targets from a template state and its shardings, so a
+checkpoint restores onto the same or a different mesh (each device reads its shard). The
+shapes in ``meta`` are compared with the template first: a checkpoint of another model (or a
+run with / without a critic) fails with a :class:`CheckpointMismatchError` naming the arrays,
+instead of an orbax error deep in tensorstore.
+
+Saving is asynchronous: ``save`` returns once the arrays are copied to the host and the files
+are written in a background thread; an interrupted save leaves a ``*.orbax-checkpoint-tmp``
+folder that ``latest_step`` ignores (commits are atomic). Paths are made absolute (orbax
+requires it).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxrl_llm.train.state import TrainState
+
+
+class CheckpointMismatchError(ValueError):
+    """A checkpoint whose arrays do not fit this run (another model shape, recipe or layout)."""
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def flatten_state(state: Any) -> dict[tuple[str, ...], Any]:
+    """``{path: leaf}`` with string path components, in ``jax.tree`` order."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    return {tuple(_key_name(k) for k in path): leaf for path, leaf in leaves}
+
+
+def _nest(flat: Mapping[tuple[str, ...], Any]) -> dict:
+    out: dict = {}
+    for path, value in flat.items():
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def _unnest(tree: Mapping, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_unnest(value, (*prefix, str(key))))
+        else:
+            flat[(*prefix, str(key))] = value
+    return flat
+
+
+def _describe(flat: Mapping[tuple[str, ...], Any]) -> dict[str, list]:
+    return {
+        "/".join(path): [list(np.shape(x)), str(np.dtype(getattr(x, "dtype", np.float32)))]
+        for path, x in flat.items()
+    }
+
+
+def _check_fits(saved: Mapping[str, list], template: Mapping[str, list], step: int, where: str):
+    missing = [k for k in template if k not in saved]
+    extra = [k for k in saved if k not in template]
+    changed = [
+        f"{k}: checkpoint {tuple(saved[k][0])} {saved[k][1]}, this run {tuple(v[0])} {v[1]}"
+        for k, v in template.items()
+        if k in saved and (list(saved[k][0]) != list(v[0]) or saved[k][1] != v[1])
+    ]
+    if not (missing or extra or changed):
+        return
+    lines = [f"checkpoint {where}/{step} does not fit this run:"]
+    if changed:
+        lines.append(f"  {len(changed)} arrays changed shape or dtype, e.g.")
+        lines += [f"    {c}" for c in changed[:5]]
+        lines.append("  (a different model.path or model architecture than the saved run?)")
+    if missing:
+        lines.append(f"  missing from the checkpoint: {', '.join(missing[:5])}")
+    if extra:
+        lines.append(f"  not in this run: {', '.join(extra[:5])}")
+    if missing or extra:
+        lines.append("  (a different algorithm, optimizer or critic than the saved run?)")
+    lines.append("Use a new --run-dir, or the config the run was started with.")
+    raise CheckpointMismatchError("\n".join(lines))
+
+
+class Checkpointer:
+    """Saves and restores :class:`TrainState` s under ``directory`` (see the module docstring).
+
+    Args:
+      directory: the checkpoints folder (made absolute).
+      max_to_keep: checkpoints kept on disk (the oldest are deleted).
+      save_every: :meth:`should_save` is true every this many steps (0: only when forced).
+      async_save: write in a background thread.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int = 3,
+        save_every: int = 0,
+        async_save: bool = True,
+    ):
+        self.directory = Path(directory).expanduser().absolute()
+        self.save_every = save_every
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+        )
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("state", "meta")
+        )
+
+    def should_save(self, step: int, *, final: bool = False) -> bool:
+        """Every ``save_every`` steps, and at the end (``final``), unless already saved."""
+        if step in self.all_steps():
+            return False
+        return final or (self.save_every > 0 and step % self.save_every == 0)
+
+    def all_steps(self) -> list[int]:
+        return list(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: TrainState, *, meta: Mapping[str, Any] | None = None):
+        """Starts saving ``state`` as step ``step`` (returns before the files are written)."""
+        flat = flatten_state(state)
+        body = {"step": int(step), "arrays": _describe(flat), **dict(meta or {})}
+        self._manager.save(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(_nest(flat)), meta=ocp.args.JsonSave(body)
+            ),
+        )
+
+    def read_meta(self, step: int | None = None) -> dict[str, Any]:
+        """The JSON ``meta`` item of ``step`` (default: the latest)."""
+        step = self._resolve(step)
+        out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
+
+    def _resolve(self, step: int | None) -> int:
+        self._manager.wait_until_finished()
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        return int(step)
+
+    def restore(
+        self, template: TrainState, sharding: Any = None, step: int | None = None
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """``(state, meta)`` of ``step`` (default: the latest), laid out like ``sharding``.
+
+        ``template`` gives the tree structure, shapes and dtypes (e.g. a freshly built state;
+        its values are not used); ``sharding`` a matching tree of shardings (default: the
+        template arrays' own).
+
+        Raises:
+          CheckpointMismatchError: the checkpoint's arrays do not match the template's.
+        """
+        step = self._resolve(step)
+        meta = self.read_meta(step)
+        flat = flatten_state(template)
+        _check_fits(meta.get("arrays", {}), _describe(flat), step, str(self.directory))
+        if sharding is None:
+            shardings = [getattr(x, "sharding", None) for x in flat.values()]
+        else:
+            shardings = jax.tree.leaves(sharding)
+            if len(shardings) != len(flat):
+                raise ValueError("restore: the sharding tree does not match the template")
+        targets = {
+            path: jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype), sharding=s)
+            for (path, x), s in zip(flat.items(), shardings, strict=True)
+        }
+        out = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_nest(targets)), meta=ocp.args.JsonRestore()
+            ),
+        )
+        restored = _unnest(out["state"])
+        leaves = [restored[path] for path in flat]
+        treedef = jax.tree.structure(template)
+        return jax.tree.unflatten(treedef, leaves), dict(out["meta"])
+
+    def wait(self) -> None:
+        """Blocks until pending saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+__all__ = ["CheckpointMismatchError", "Checkpointer", "flatten_state"]

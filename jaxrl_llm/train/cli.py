@@ -1,0 +1,126 @@
+"""``jaxrl-llm train | evaluate | export``: the trainer's subcommands.
+
+Wire them into the main parser with ``add_train_parsers(subparsers)``::
+
+    jaxrl-llm train --config FILE --run-dir DIR [--max-steps N] [dotted.key=value ...]
+    jaxrl-llm evaluate --run-dir DIR [--config FILE] [--mode greedy|sampled] [key=value ...]
+    jaxrl-llm export --run-dir DIR [--config FILE] [--out DIR] [key=value ...]
+
+Re-running ``train`` on a directory with checkpoints resumes. ``evaluate`` and ``export`` read
+``RUN_DIR/config.yaml`` (written by ``train``) unless ``--config`` is given. A config error
+prints the message and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _load(args: argparse.Namespace, *, need_config: bool):
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.train.loop import CONFIG_FILE
+
+    path = args.config
+    if path is None:
+        saved = Path(args.run_dir) / CONFIG_FILE
+        if need_config or not saved.exists():
+            raise FileNotFoundError(
+                f"give --config FILE{'' if need_config else f' (no {saved} to read)'}"
+            )
+        path = saved
+    return load_config(path, list(args.overrides))
+
+
+def _run(fn):
+    def wrapped(args: argparse.Namespace) -> int:
+        from jaxrl_llm.config import ConfigError
+
+        try:
+            return fn(args)
+        except (ConfigError, FileNotFoundError) as e:
+            print(f"jaxrl-llm {args.command}: {e}", file=sys.stderr)
+            return 2
+
+    return wrapped
+
+
+@_run
+def _train(args: argparse.Namespace) -> int:
+    from jaxrl_llm.train.loop import train
+
+    config = _load(args, need_config=True)
+    final = train(
+        config, run_dir=args.run_dir, max_steps=args.max_steps, progress=not args.no_progress
+    )
+    shown = {k: v for k, v in final.items() if k.startswith(("eval/", "reward/mean", "step"))}
+    print("final: " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+    return 0
+
+
+@_run
+def _evaluate(args: argparse.Namespace) -> int:
+    import json
+
+    from jaxrl_llm.train.loop import evaluate
+
+    config = _load(args, need_config=False)
+    out = evaluate(config, run_dir=args.run_dir, mode=args.mode, max_new_tokens=args.max_new_tokens)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+@_run
+def _export(args: argparse.Namespace) -> int:
+    from jaxrl_llm.train.loop import export
+
+    config = _load(args, need_config=False)
+    path = export(config, run_dir=args.run_dir, out=args.out)
+    print(f"exported to {path}")
+    return 0
+
+
+def _common(p: argparse.ArgumentParser, *, config_required: bool) -> None:
+    p.add_argument(
+        "--config",
+        required=config_required,
+        default=None,
+        help="YAML config (see configs/base.yaml)"
+        + ("" if config_required else "; default RUN_DIR/config.yaml"),
+    )
+    p.add_argument("--run-dir", required=True, help="the run directory")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="dotted config overrides, e.g. optim.lr=1e-6",
+    )
+
+
+def add_train_parsers(sub: argparse._SubParsersAction) -> None:
+    """Adds ``train``, ``evaluate`` and ``export`` to ``sub`` (``add_subparsers()``'s result)."""
+    p = sub.add_parser("train", help="train (or resume) a run")
+    _common(p, config_required=True)
+    p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("evaluate", help="held-out accuracy / mean reward of a run's checkpoint")
+    _common(p, config_required=False)
+    p.add_argument(
+        "--mode",
+        choices=["greedy", "sampled"],
+        default=None,
+        help="decoding (default train.eval_mode)",
+    )
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.set_defaults(func=_evaluate)
+
+    p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face folder")
+    _common(p, config_required=False)
+    p.add_argument("--out", default=None, help="output folder (default RUN_DIR/export)")
+    p.set_defaults(func=_export)
+
+
+__all__ = ["add_train_parsers"]

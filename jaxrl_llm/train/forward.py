@@ -1,0 +1,92 @@
+"""Forward passes before the update: old/reference log-probs and critic values, jitted.
+
+Each factory returns a jitted function of ``(params, tokens_nl, input_mask_nl)`` with the
+completion length static. ``micro_batch_size`` bounds memory the way the update does: the N
+rows are processed in strided micro-batches (row ``i·S + s`` in micro-batch ``s``, so each
+device works on its own rows) under ``lax.map``, and put back in order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_llm.core import preference as pref
+from jaxrl_llm.models.logprobs import completion_logprobs
+
+
+def _by_micro_batches(fn: Callable, micro_batch_size: int | None, *arrays: jax.Array):
+    n = arrays[0].shape[0]
+    if micro_batch_size is None or micro_batch_size >= n:
+        return fn(*arrays)
+    if n % micro_batch_size:
+        raise ValueError(f"{n} rows do not split into micro-batches of {micro_batch_size}")
+    steps = n // micro_batch_size
+    split = [x.reshape(micro_batch_size, steps, *x.shape[1:]).swapaxes(0, 1) for x in arrays]
+    out = jax.lax.map(lambda xs: fn(*xs), split)
+    return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(n, *y.shape[2:]), out)
+
+
+def make_logprob_fn(
+    graphdef: nnx.GraphDef,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = 256,
+    micro_batch_size: int | None = None,
+) -> Callable[..., jax.Array]:
+    """``fn(params, tokens_nl, input_mask_nl, *, completion_len) -> f32[N, T]`` log-probs of the
+    last ``completion_len`` tokens (π_old with the policy's params, π_ref with the reference's)."""
+
+    @functools.partial(jax.jit, static_argnames=("completion_len",))
+    def fn(params, tokens_nl, input_mask_nl, *, completion_len: int):
+        model = nnx.merge(graphdef, params)
+        start = tokens_nl.shape[1] - completion_len
+
+        def one(tokens, mask):
+            return completion_logprobs(
+                model, tokens, mask, start=start, temperature=temperature, chunk_size=chunk_size
+            )
+
+        return _by_micro_batches(one, micro_batch_size, tokens_nl, input_mask_nl)
+
+    return fn
+
+
+def make_value_fn(
+    critic_graphdef: nnx.GraphDef, *, micro_batch_size: int | None = None
+) -> Callable[..., jax.Array]:
+    """``fn(critic_params, tokens_nl, input_mask_nl, *, completion_len) -> f32[N, T]``: V(s_t)
+    at the state before each completion token (the position that predicts it)."""
+
+    @functools.partial(jax.jit, static_argnames=("completion_len",))
+    def fn(params, tokens_nl, input_mask_nl, *, completion_len: int):
+        critic = nnx.merge(critic_graphdef, params)
+        start = tokens_nl.shape[1] - completion_len
+
+        def one(tokens, mask):
+            return critic(tokens, mask)[:, start - 1 : -1]
+
+        return _by_micro_batches(one, micro_batch_size, tokens_nl, input_mask_nl)
+
+    return fn
+
+
+def make_sequence_logprob_fn(
+    graphdef: nnx.GraphDef, *, chunk_size: int | None = 256, micro_batch_size: int | None = None
+) -> Callable[..., jax.Array]:
+    """``fn(params, tokens_nl, input_mask_nl, mask_nt) -> f32[N]``: Σ_t log π of the answer
+    tokens (``mask_nt``), for DPO's reference log-probs."""
+    logprob = make_logprob_fn(graphdef, chunk_size=chunk_size, micro_batch_size=micro_batch_size)
+
+    def fn(params, tokens_nl, input_mask_nl, mask_nt):
+        logp = logprob(params, tokens_nl, input_mask_nl, completion_len=mask_nt.shape[1])
+        return pref.sequence_logprob(logp, jnp.asarray(mask_nt))
+
+    return fn
+
+
+__all__ = ["make_logprob_fn", "make_sequence_logprob_fn", "make_value_fn"]

@@ -1,0 +1,201 @@
+"""Run logs: ``metrics.jsonl``, TensorBoard events, a progress bar and the end-of-run plot.
+
+``RUN_DIR/metrics.jsonl`` holds one JSON object per line, each with an integer ``step`` and
+float metrics named ``group/name`` (``reward/mean``, ``eval/accuracy``, ``actor/kl_ref``, ...);
+non-finite values are written as ``null``. Training steps and evaluations are separate lines
+(an evaluation line has only ``step`` and ``eval/*`` keys). TensorBoard event files go to
+``RUN_DIR/tensorboard`` (``tensorboardX``), one scalar per metric.
+
+On resume from step ``k`` the lines of steps after ``k`` (written by the interrupted run after
+its last checkpoint) are dropped, and TensorBoard purges them, so the logs read as one run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+PLOT_FILE = "curves.png"
+
+
+def _value(x: Any) -> float | int | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    if not math.isfinite(v):
+        return None
+    return int(v) if isinstance(x, int | bool) else v
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if line:
+            records.append(json.loads(line))
+    return records
+
+
+def _truncate(path: Path, last_step: int) -> None:
+    """Drops the lines of steps after ``last_step`` (atomically)."""
+    if not path.exists():
+        return
+    kept = [r for r in read_metrics(path) if int(r.get("step", 0)) <= last_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes metrics to ``metrics.jsonl`` and TensorBoard and shows a tqdm progress bar.
+
+    Args:
+      run_dir: the run directory.
+      max_steps: the bar's total.
+      start_step: the step the run starts (or resumes) from; later lines are dropped.
+      tensorboard: write TensorBoard event files.
+      progress: show the progress bar (stderr).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        max_steps: int,
+        start_step: int = 0,
+        tensorboard: bool = True,
+        progress: bool = True,
+    ):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        _truncate(self.path, start_step)
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(
+                str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None
+            )
+        self._bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(
+                total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True
+            )
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Appends one record (flushed at once); returns it."""
+        record: dict[str, Any] = {"step": int(step)}
+        record.update({k: _value(v) for k, v in metrics.items()})
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self._tb.add_scalar(key, value, int(step))
+        return record
+
+    def progress(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Moves the bar to ``step`` and shows reward, KL and tokens/s."""
+        if self._bar is None:
+            return
+        shown = {}
+        for label, key in (
+            ("reward", "reward/mean"),
+            ("acc", "accuracy"),
+            ("kl", "kl"),
+            ("loss", "actor/loss"),
+            ("tok/s", "perf/tokens_per_s"),
+        ):
+            value = _value(metrics.get(key))
+            if value is not None:
+                shown[label] = f"{value:.3g}" if label != "tok/s" else f"{value:.0f}"
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.update(int(step) - self._bar.n)
+
+    def write(self, message: str) -> None:
+        """Prints a line without breaking the bar."""
+        if self._bar is not None:
+            self._bar.write(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None) -> Path | None:
+    """Draws the training reward and held-out accuracy (or mean reward) against the step.
+
+    Writes ``RUN_DIR/curves.png`` (or ``out``) and returns its path; ``None`` when there is
+    nothing to plot.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir)
+    panels = [
+        ("training reward", [("reward/mean", "reward (mean)"), ("accuracy", "accuracy")]),
+        ("held-out evaluation", [("eval/accuracy", "accuracy"), ("eval/reward_mean", "reward")]),
+        (
+            "preference (dpo)",
+            [
+                ("dpo/reward_accuracy", "reward accuracy"),
+                ("eval/preference_accuracy", "eval preference accuracy"),
+            ],
+        ),
+    ]
+    panels = [(t, [(k, lbl) for k, lbl in s if _series(records, k)[0]]) for t, s in panels]
+    panels = [(t, s) for t, s in panels if s]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    for ax, (title, series) in zip(axes[0], panels, strict=True):
+        for key, label in series:
+            xs, ys = _series(records, key)
+            ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = Path(out) if out is not None else run_dir / PLOT_FILE
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLogger", "plot_run", "read_metrics"]

@@ -1,0 +1,160 @@
+"""The trainer's models: the policy, its frozen reference copy and the PPO critic, from a config.
+
+``model.path`` is resolved here (the CLI layer's strings stop at this module):
+
+* ``"default"``: SmolLM2-135M-Instruct, converted once from the offline GGUF
+  (:func:`jaxrl_llm.models.default_model_path`);
+* ``"tiny-random"``: :func:`tiny_random_config`, a 2-layer Llama of width 64 with random weights
+  (seeded by ``train.seed``) and SmolLM2's tokenizer and vocabulary, so the whole pipeline
+  (chat template, rewards, export) runs in seconds per step;
+* anything else: a local Hugging Face folder or ``.gguf`` file (:func:`jaxrl_llm.models.
+  from_pretrained`).
+
+The reference model is a copy of the *initial* policy weights (cast to
+``kl.reference_param_dtype``), made before a checkpoint is restored over the policy, so a
+resumed run keeps the same reference. The critic (``ppo``) is a separate
+:class:`~jaxrl_llm.models.ValueModel`: the policy's trunk plus a fresh scalar head, or
+``critic.path``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrl_llm import models
+from jaxrl_llm.config import ModelLoadConfig, TrainConfig, check_devices
+from jaxrl_llm.models import sharding as shd
+from jaxrl_llm.models.config import ModelConfig
+
+TINY_RANDOM = "tiny-random"
+DEFAULT = "default"
+
+
+def tiny_random_config(vocab_size: int = 49152, **overrides: Any) -> ModelConfig:
+    """A tiny Llama (2 layers, width 64, 4 query / 2 KV heads, tied embeddings).
+
+    The vocabulary defaults to SmolLM2's (49152) so the model works with that tokenizer; the
+    eos/pad ids are SmolLM2's ``<|im_end|>`` (2). Any field can be overridden (e.g. a small
+    ``vocab_size`` for unit tests that need no tokenizer).
+    """
+    fields: dict[str, Any] = dict(
+        model_type="llama",
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+def _dtype(name: str) -> Any:
+    return None if name == "auto" else jnp.dtype(name)
+
+
+def make_mesh(config: TrainConfig) -> tuple[jax.sharding.Mesh, shd.Rules]:
+    """The run's ``(data, fsdp, tensor)`` mesh over the first devices, and its sharding rules."""
+    sizes = check_devices(config, jax.device_count())
+    n = math.prod(sizes.values())
+    mesh = shd.make_mesh(**sizes, devices=jax.devices()[:n])
+    return mesh, shd.PRESETS[config.mesh.preset]
+
+
+def resolve_model_path(path: str) -> str:
+    """``"default"`` → the cached SmolLM2 folder; other paths unchanged."""
+    return str(models.default_model_path()) if path == DEFAULT else path
+
+
+def load_tokenizer(model: ModelLoadConfig):
+    """The run's tokenizer: ``model.tokenizer`` or the model's own (SmolLM2's for tiny-random)."""
+    if model.tokenizer is not None:
+        return models.load_tokenizer(resolve_model_path(model.tokenizer))
+    if model.path == TINY_RANDOM:
+        return models.load_tokenizer(models.default_model_path())
+    return models.load_tokenizer(resolve_model_path(model.path))
+
+
+def load_policy(
+    model: ModelLoadConfig,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: shd.Rules = shd.DEFAULT_RULES,
+    seed: int = 0,
+) -> models.CausalLM:
+    """The policy as a :class:`~jaxrl_llm.models.CausalLM`, sharded over ``mesh`` if given."""
+    if model.path == TINY_RANDOM:
+        dtype = _dtype(model.dtype) or models.default_dtype()
+        config = tiny_random_config(
+            param_dtype=model.param_dtype, dtype=jnp.dtype(dtype).name, remat=model.remat
+        )
+        lm = models.CausalLM(config, rngs=nnx.Rngs(seed))
+        return shd.shard_model(lm, mesh, rules) if mesh is not None else lm
+    return models.from_pretrained(
+        resolve_model_path(model.path),
+        dtype=_dtype(model.dtype),
+        param_dtype=jnp.dtype(model.param_dtype),
+        mesh=mesh,
+        rules=rules,
+        remat=model.remat,
+        allow_pickle=model.allow_pickle,
+        seed=seed,
+    )
+
+
+def load_critic(
+    config: TrainConfig,
+    policy: models.CausalLM,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: shd.Rules = shd.DEFAULT_RULES,
+    seed: int = 0,
+) -> models.ValueModel:
+    """The PPO critic: ``critic.path`` as a value model, or the policy's trunk + a new head."""
+    if config.critic.path is not None:
+        return models.from_pretrained(
+            resolve_model_path(config.critic.path),
+            dtype=_dtype(config.model.dtype),
+            param_dtype=jnp.dtype(config.model.param_dtype),
+            mesh=mesh,
+            rules=rules,
+            head="value",
+            remat=config.model.remat,
+            allow_pickle=config.model.allow_pickle,
+            seed=seed,
+        )
+    critic = models.ValueModel.from_causal_lm(policy, rngs=nnx.Rngs(seed + 1))
+    return shd.shard_model(critic, mesh, rules) if mesh is not None else critic
+
+
+def reference_params(params: dict, dtype: str = "float32") -> dict:
+    """A frozen copy of ``params`` in ``dtype`` (same sharding), for reference log-probs."""
+    dtype = jnp.dtype(dtype)
+    return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), params)
+
+
+__all__ = [
+    "DEFAULT",
+    "TINY_RANDOM",
+    "load_critic",
+    "load_policy",
+    "load_tokenizer",
+    "make_mesh",
+    "reference_params",
+    "resolve_model_path",
+    "tiny_random_config",
+]

@@ -1,0 +1,310 @@
+"""Rollout throughput: jaxrl_llm.rollout.generate vs transformers' generate, same prompts, same run.
+
+SmolLM2-135M-Instruct (the default model), chat-templated prompts left-padded to one width (both
+libraries get the same id and mask tensors), exactly ``--new-tokens`` new tokens per prompt
+(no early stop: ``stop_token_ids=()`` here, ``min_new_tokens`` there), temperature 1.0, no
+top-k/top-p. Reports new tokens/s for each batch size and library, the ratio, compilation time
+separately (first call minus the best steady call), and the decode loop's achieved FLOP/s
+against this machine's fp32 matmul peak measured in the same run.
+
+Rounds alternate between the libraries (each round times every case once) and the best round is
+reported with the median, so load from other processes disturbs both sides alike.
+
+    OMP_WAIT_POLICY=PASSIVE python scripts/bench_rollout.py --batches 32 8 \
+        --out bench_results/bench_rollout.json --markdown /tmp/bench_rollout.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+QUESTIONS = [
+    "What is {a} + {b}? Answer with just the number.",
+    "Write one sentence about the number {a}.",
+    "What is {a} times {b}? Explain briefly.",
+    "Name {b} animals that live in the sea.",
+]
+
+
+def make_prompts(n: int) -> list[str]:
+    """``n`` varied chat prompts (different lengths, deterministic)."""
+    return [QUESTIONS[i % len(QUESTIONS)].format(a=3 + 7 * i % 90, b=2 + i % 9) for i in range(n)]
+
+
+def decode_flops(config, batch: int, prompt_lengths, new_tokens: int) -> tuple[float, float]:
+    """(prefill, decode) model FLOPs: 2 per matmul weight per token plus attention.
+
+    Prefill runs the padded width and forms logits only at the last position; decode counts
+    the ``new_tokens - 1`` cached steps, attention over each sequence's real context.
+    """
+    d, f, layers = config.hidden_size, config.intermediate_size, config.num_layers
+    h, k, hd, v = config.num_heads, config.num_kv_heads, config.head_dim, config.vocab_size
+    per_layer = d * (h + 2 * k) * hd + h * hd * d + 3 * d * f
+    body = 2 * layers * per_layer
+    head = 2 * v * d
+    width = max(prompt_lengths)
+    prefill = batch * width * body + batch * head + batch * layers * 4 * h * hd * width * width / 2
+    decode = 0.0
+    for length in prompt_lengths:
+        for step in range(1, new_tokens):
+            context = length + step
+            decode += body + head + layers * 4 * h * hd * context
+    return float(prefill), float(decode)
+
+
+def _time(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def jax_case(model, ids, mask, new_tokens: int, seed: list[int]):
+    import jax
+
+    from jaxrl_llm import rollout
+
+    def run(max_new: int):
+        seed[0] += 1
+        out = rollout.generate(
+            model,
+            ids,
+            mask,
+            rng=jax.random.key(seed[0]),
+            max_new_tokens=max_new,
+            temperature=1.0,
+            stop_token_ids=(),
+        )
+        jax.block_until_ready(out)
+        return out
+
+    return lambda: run(new_tokens), lambda: run(1)
+
+
+def torch_case(model, ids, mask, new_tokens: int, pad_id: int):
+    import torch
+
+    ids_t = torch.tensor(ids, dtype=torch.long)
+    mask_t = torch.tensor(mask, dtype=torch.long)
+
+    def run():
+        with torch.inference_mode():
+            out = model.generate(
+                ids_t,
+                attention_mask=mask_t,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=pad_id,
+            )
+        assert out.shape[1] == ids.shape[1] + new_tokens
+        return out
+
+    return run
+
+
+def matmul_peaks(n: int = 2048) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    a = np.random.RandomState(0).standard_normal((n, n)).astype(np.float32)
+    ja, ta = jnp.asarray(a), torch.from_numpy(a)
+    jb = ja.astype(jnp.bfloat16)
+    mm = jax.jit(lambda x: x @ x)
+    mm_bf16 = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
+    mm(ja).block_until_ready()
+    mm_bf16(jb).block_until_ready()
+    return {
+        "jax_fp32": lambda: mm(ja).block_until_ready(),
+        "torch_fp32": lambda: ta @ ta,
+        "jax_bf16_f32acc": lambda: mm_bf16(jb).block_until_ready(),
+        "flops": 2 * n**3,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 8])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--torch-threads", type=int, default=os.cpu_count())
+    ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--no-bf16", action="store_true", help="skip the JAX bf16-compute rows")
+    ap.add_argument("--model", default=None, help="HF folder (default: the default model)")
+    ap.add_argument("--out", default="bench_results/bench_rollout.json")
+    ap.add_argument("--markdown", default=None, help="also write a markdown table here")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxrl_llm import models, rollout
+
+    path = str(args.model or models.default_model_path())
+    tokenizer = models.load_tokenizer(path)
+    prompts = make_prompts(max(args.batches))
+    result: dict = {
+        "model": os.path.basename(path.rstrip("/")),
+        "new_tokens": args.new_tokens,
+        "sampling": "temperature 1.0, no top-k/top-p, no early stop",
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0]),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(),
+        "jax": jax.__version__,
+        "rounds": args.rounds,
+        "load_avg_before": os.getloadavg(),
+        "command": "OMP_WAIT_POLICY=PASSIVE python scripts/bench_rollout.py "
+        + " ".join(sys.argv[1:]),
+    }
+    jax_models = {"jax_fp32": models.from_pretrained(path, dtype=jnp.float32)}
+    if not args.no_bf16:
+        jax_models["jax_bf16"] = models.from_pretrained(path, dtype=jnp.bfloat16)
+    config = jax_models["jax_fp32"].config
+    param_count = sum(x.size for x in jax.tree.leaves(nnx.state(jax_models["jax_fp32"], nnx.Param)))
+    result["parameters"] = int(param_count)
+    torch_model = None
+    if not args.skip_torch:
+        import torch
+        import transformers
+
+        torch.set_num_threads(args.torch_threads)
+        result["torch"] = torch.__version__
+        result["transformers"] = transformers.__version__
+        torch_model = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32
+        ).eval()
+        result["torch_attn_implementation"] = torch_model.config._attn_implementation
+
+    cases: dict[tuple[str, int], object] = {}
+    prefill_cases: dict[tuple[str, int], object] = {}
+    first: dict[str, float] = {}
+    shapes: dict[int, dict] = {}
+    seed = [0]
+    for batch in args.batches:
+        ids, mask = rollout.encode_prompts(tokenizer, prompts[:batch])
+        lengths = mask.sum(1).tolist()
+        shapes[batch] = {"width": int(ids.shape[1]), "prompt_lengths": lengths}
+        for name, model in jax_models.items():
+            full, prefill = jax_case(model, ids, mask, args.new_tokens, seed)
+            first[f"{name}_b{batch}"] = _time(full)
+            first[f"{name}_b{batch}_prefill_only"] = _time(prefill)
+            cases[(name, batch)] = full
+            prefill_cases[(name, batch)] = prefill
+        if torch_model is not None:
+            run = torch_case(torch_model, ids, mask, args.new_tokens, tokenizer.pad_token_id)
+            first[f"torch_fp32_b{batch}"] = _time(run)
+            cases[("torch_fp32", batch)] = run
+    peaks = matmul_peaks() if jax.default_backend() == "cpu" and torch_model is not None else None
+
+    times: dict = {}
+    for _ in range(args.rounds):
+        for key, fn in cases.items():
+            times.setdefault(key, []).append(_time(fn))
+        for key, fn in prefill_cases.items():
+            times.setdefault(("prefill", *key), []).append(_time(fn))
+        if peaks:
+            for lib in ("jax_fp32", "torch_fp32", "jax_bf16_f32acc"):
+                times.setdefault(("matmul", lib), []).append(_time(peaks[lib]))
+
+    peak = None
+    if peaks:
+        result["matmul_peak_gflops"] = {
+            lib: round(peaks["flops"] / min(times[("matmul", lib)]) / 1e9, 1)
+            for lib in ("jax_fp32", "torch_fp32", "jax_bf16_f32acc")
+        }
+        peak = max(
+            result["matmul_peak_gflops"]["jax_fp32"], result["matmul_peak_gflops"]["torch_fp32"]
+        )
+    rows = []
+    for (name, batch), _ in cases.items():
+        best = min(times[(name, batch)])
+        new = batch * args.new_tokens
+        row = {
+            "library": name,
+            "batch": batch,
+            "width": shapes[batch]["width"],
+            "seconds_best": round(best, 3),
+            "seconds_median": round(statistics.median(times[(name, batch)]), 3),
+            "new_tokens_per_s": round(new / best, 1),
+            "first_call_s": round(first[f"{name}_b{batch}"], 2),
+        }
+        if name.startswith("jax"):
+            prefill_best = min(times[("prefill", name, batch)])
+            decode_s = best - prefill_best
+            pf, df = decode_flops(config, batch, shapes[batch]["prompt_lengths"], args.new_tokens)
+            row["compile_s"] = round(first[f"{name}_b{batch}"] - best, 2)
+            row["compile_prefill_only_s"] = round(
+                first[f"{name}_b{batch}_prefill_only"] - prefill_best, 2
+            )
+            row["prefill_s"] = round(prefill_best, 3)
+            row["decode_s"] = round(decode_s, 3)
+            row["decode_tokens_per_s"] = round(batch * (args.new_tokens - 1) / decode_s, 1)
+            row["prefill_gflops"] = round(pf / prefill_best / 1e9, 1)
+            row["decode_gflops"] = round(df / decode_s / 1e9, 1)
+            # Every decode step reads every weight once (in the compute dtype).
+            weight_bytes = param_count * jnp.dtype(jax_models[name].config.dtype).itemsize
+            row["decode_weight_gb_per_s"] = round(
+                weight_bytes * (args.new_tokens - 1) / decode_s / 1e9, 1
+            )
+            if peak:
+                row["decode_fraction_of_fp32_peak"] = round(df / decode_s / 1e9 / peak, 3)
+        rows.append(row)
+    for row in rows:
+        ref = next(
+            (r for r in rows if r["library"] == "torch_fp32" and r["batch"] == row["batch"]),
+            None,
+        )
+        if ref and row["library"] != "torch_fp32":
+            row["speedup_vs_torch_fp32"] = round(
+                row["new_tokens_per_s"] / ref["new_tokens_per_s"], 2
+            )
+    result["load_avg_after"] = os.getloadavg()
+    result["shapes"] = shapes
+    result["results"] = rows
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(result))
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "| library | batch | new tok/s (best) | vs transformers | first call s | compile s | "
+        "decode tok/s | decode GFLOP/s | of fp32 peak |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["results"]:
+        lines.append(
+            f"| {r['library']} | {r['batch']} | {r['new_tokens_per_s']} | "
+            f"{r.get('speedup_vs_torch_fp32', '—')} | {r['first_call_s']} | "
+            f"{r.get('compile_s', '—')} | {r.get('decode_tokens_per_s', '—')} | "
+            f"{r.get('decode_gflops', '—')} | {r.get('decode_fraction_of_fp32_peak', '—')} |"
+        )
+    peaks = result.get("matmul_peak_gflops", {})
+    lines.append("")
+    lines.append(
+        f"fp32 matmul peak (2048³, same run): {peaks} GFLOP/s; load average "
+        f"before/after {result['load_avg_before']} / {result['load_avg_after']}."
+    )
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

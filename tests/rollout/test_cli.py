@@ -1,0 +1,75 @@
+"""``jaxrl-llm generate`` through run_generate, on a tiny random model with SmolLM2's tokenizer."""
+
+import argparse
+import json
+
+import pytest
+
+from jaxrl_llm.rollout.cli import add_generate_parser, run_generate
+from tests.models import hf_tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, smollm2_tokenizer):
+    path = tmp_path_factory.mktemp("cli_model")
+    hf_tiny.build_hf("smollm2", vocab_size=len(smollm2_tokenizer)).save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return path
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="jaxrl-llm")
+    add_generate_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["generate", *argv])
+
+
+def test_generate_prints_every_completion(tiny_checkpoint, capsys):
+    args = parse(
+        "--model",
+        str(tiny_checkpoint),
+        "--prompt",
+        "What is 2 + 3?",
+        "--prompt",
+        "Hi",
+        "--num-samples",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--json",
+    )
+    assert args.func is run_generate
+    assert run_generate(args) == 0
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [(r["prompt"], r["sample"]) for r in records] == [
+        ("What is 2 + 3?", 0),
+        ("What is 2 + 3?", 1),
+        ("Hi", 0),
+        ("Hi", 1),
+    ]
+    assert all(isinstance(r["completion"], str) and 1 <= r["num_tokens"] <= 8 for r in records)
+    assert "new tokens" in err
+    args = parse(
+        "--model",
+        str(tiny_checkpoint),
+        "--prompt",
+        "Hi",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0",
+    )
+    assert run_generate(args) == 0
+    out, _ = capsys.readouterr()
+    assert out.startswith("### prompt 1/1: Hi\n")
+
+
+def test_generate_reports_bad_arguments(tiny_checkpoint, tmp_path, capsys):
+    assert run_generate(parse("--model", str(tmp_path / "missing"), "--prompt", "Hi")) == 2
+    assert "cannot load model" in capsys.readouterr().err
+    args = parse("--model", str(tiny_checkpoint), "--prompt", "Hi", "--max-new-tokens", "0")
+    assert run_generate(args) == 2
+    assert "max_new_tokens must be >= 1" in capsys.readouterr().err
+    args = parse("--model", str(tiny_checkpoint), "--prompt", "Hi", "--top-p", "1.5")
+    assert run_generate(args) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err
