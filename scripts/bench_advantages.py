@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
 
 import jaxrl_llm as jrl  # noqa: E402
 from jaxrl_llm import algorithms  # noqa: E402
-from tests import _ref_bench as ref  # noqa: E402
+from tests import reference as ref  # noqa: E402
 
 # verl's own functions on the 2-core CPU, B·G = 4096 responses × 512 tokens (ms), and
 # this benchmark's target per estimator: as fast as the fastest verl figure (its vectorised

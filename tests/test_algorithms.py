@@ -17,7 +17,7 @@ from jaxrl_llm import algorithms as alg
 from jaxrl_llm import chain as ch
 from jaxrl_llm import numerics as nm
 from jaxrl_llm import objective
-from tests._ref_recipes import reference_advantages
+from tests.reference import reference_advantages
 
 PRESETS = ("default", "verl", "trl", "openrlhf")
 KL_IN_REWARD = ("reinforce", "ppo", "rloo", "reinforce_pp")

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.core import aggregation as agg
-from tests import _ref_c as ref
+from tests import reference as ref
 
 MODES = sorted(agg.AGGREGATIONS)
 

@@ -10,7 +10,7 @@ import pytest
 from absl.testing import parameterized
 
 from jaxrl_llm.core import baselines
-from tests._ref_b import (
+from tests.reference import (
     ref_group_count,
     ref_group_mean_baseline,
     ref_leave_one_out_baseline,

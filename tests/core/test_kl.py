@@ -11,7 +11,7 @@ from absl.testing import parameterized
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.core import kl
-from tests._ref_a import ref_adaptive_kl_beta, ref_kl, ref_mean_sequence_kl
+from tests.reference import ref_adaptive_kl_beta, ref_kl, ref_mean_sequence_kl
 
 ESTIMATORS = (
     ("k1", kl.kl_k1),

@@ -10,7 +10,7 @@ import pytest
 from absl.testing import parameterized
 
 from jaxrl_llm.core import logprobs
-from tests._ref_a import ref_token_logprobs_and_entropy
+from tests.reference import ref_token_logprobs_and_entropy
 
 
 def random_logits(seed, batch=2, time=7, vocab=11, scale=3.0, dtype=np.float32):

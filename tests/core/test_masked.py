@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.core import masked
-from tests._ref_a import (
+from tests.reference import (
     ref_first_valid_index,
     ref_last_valid_index,
     ref_masked_mean,

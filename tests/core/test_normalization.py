@@ -11,13 +11,13 @@ from absl.testing import parameterized
 from jax.sharding import PartitionSpec as P
 
 from jaxrl_llm.core import baselines, normalization
-from tests._ref_b import (
+from tests.core.test_baselines import random_groups
+from tests.reference import (
     ref_group_std,
     ref_scale_by_batch_std,
     ref_scale_by_group_std,
     ref_whiten,
 )
-from tests.core.test_baselines import random_groups
 
 SHAPES = ((5, 6), (9, 4), (3, 8), (1, 1))
 

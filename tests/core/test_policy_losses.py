@@ -10,7 +10,7 @@ import pytest
 from absl.testing import parameterized
 
 from jaxrl_llm.core import policy_losses as pl
-from tests import _ref_c as ref
+from tests import reference as ref
 
 
 def _batch(seed, *, spread=0.4):

@@ -10,7 +10,7 @@ import pytest
 from absl.testing import parameterized
 
 from jaxrl_llm.core import preference as pref
-from tests import _ref_c as ref
+from tests import reference as ref
 
 
 def _pairs(seed, num_pairs=None):

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxrl_llm.core import returns
-from tests._ref_a import ref_discounted_returns, ref_gae
+from tests.reference import ref_discounted_returns, ref_gae
 
 SHAPES = ((9,), (4, 7), (2, 3, 6))
 

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jaxrl_llm.core import selection
-from tests._ref_b import (
+from tests.reference import (
     population_variance,
     ref_dapo_group_filter,
     ref_overlong_reward_penalty,
