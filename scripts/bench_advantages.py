@@ -8,7 +8,7 @@ For each recipe (default hyperparameters, default numerics) on ``B`` prompts × 
   round-robin over the recipes so that bursts of load on a shared machine hit all of them alike;
 * no recompilation: compilations are counted (``jax.monitoring``) over the timed calls and one
   call on a fresh rollout of the same shape, and the jit cache size must not grow;
-* correctness: the result is checked once against the loop reference (``tests/_ref_bench.py``,
+* correctness: the result is checked once against the loop reference (``tests/reference.py``,
   plain numpy looping over groups, or over time steps for reward-to-go and GAE), which is timed
   the same way; the ratio is loop / jitted.
 
@@ -295,7 +295,7 @@ def markdown(result: dict) -> str:
         f"Jitted: median (p10–p90) of {s['repeats']} warm calls of "
         "`jrl.compute_advantages(recipe, rollout).block_until_ready()`, round-robin over the "
         "recipes; compile s is the first call (trace + compile + run). Loop: "
-        "`tests/_ref_bench.py` (numpy float32; one Python iteration per group, or per time "
+        "`tests/reference.py` (numpy float32; one Python iteration per group, or per time "
         "step vectorised over the batch for reward-to-go and GAE), timed the same way; "
         "ratio = loop / jitted (medians). CPU ms: median process CPU time per jitted call (all "
         "threads; less sensitive to other load on a shared machine). "

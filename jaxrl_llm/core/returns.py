@@ -105,10 +105,18 @@ def discounted_returns(reward_bgt: chex.Array, mask_bgt: chex.Array, *, gamma: f
 
     Returns:
       f32 ``[..., T]`` returns, 0 under the mask.
+
+    With ``gamma == 1`` (a Python number) the recursion is a plain reverse cumulative sum of the
+    masked rewards, ``G_t = Σ_{t' ≥ t} m_t' r_t'``, computed as such: the same numbers as the
+    scan (masked spans add nothing and pass the sum through) at about half the cost on CPU.
     """
     fn = "discounted_returns"
     _check_batch(fn, {"reward_bgt": reward_bgt, "mask_bgt": mask_bgt}, "mask_bgt")
     _check_unit_interval(fn, "gamma", gamma)
+    if isinstance(gamma, int | float) and gamma == 1:
+        reward_bgt = jnp.where(mask_bgt, _contracts.f32(reward_bgt), 0.0)
+        return_bgt = jax.lax.cumsum(reward_bgt, axis=reward_bgt.ndim - 1, reverse=True)
+        return jnp.where(mask_bgt, return_bgt, 0.0)
     one = lambda r, m: discounted_returns_t(r, m, gamma=gamma)
     return _vmap_leading(one, reward_bgt.ndim)(reward_bgt, mask_bgt)
 

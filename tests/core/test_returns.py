@@ -202,3 +202,15 @@ class BadInputTest(parameterized.TestCase):
             returns.gae_t(r, r, m, gamma=1.0, lam=1.0)
         with pytest.raises(AssertionError, match="discounted_returns_t: argument `mask_t`"):
             returns.discounted_returns_t(r[0], m, gamma=1.0)
+
+
+def test_gamma_one_cumsum_path_equals_the_scan():
+    """γ = 1 takes a reverse-cumsum shortcut; it must equal the one-sequence scan exactly."""
+    rng = np.random.default_rng(7)
+    reward = rng.normal(size=(3, 4, 9)).astype(np.float32)
+    mask = rng.random((3, 4, 9)) < 0.7
+    fast = returns.discounted_returns(jnp.asarray(reward), jnp.asarray(mask), gamma=1.0)
+    scan = jax.vmap(jax.vmap(lambda r, m: returns.discounted_returns_t(r, m, gamma=1.0)))(
+        jnp.asarray(reward), jnp.asarray(mask)
+    )
+    np.testing.assert_allclose(fast, scan, rtol=1e-6, atol=1e-6)
