@@ -173,6 +173,8 @@ def comparison_table(names: tuple[str, ...] | None = None) -> str:
         for r in recipes
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    fmt = lambda row: " | ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+    fmt = lambda row: " | ".join(
+        cell.ljust(w) for cell, w in zip(row, widths, strict=True)
+    ).rstrip()
     sep = "-+-".join("-" * w for w in widths)
     return "\n".join([fmt(header), sep, *(fmt(row) for row in rows)])
