@@ -2,9 +2,10 @@
 
 The model's :class:`~jaxrl_llm.models.KVCache` stores ``[B, S, K, Dh]`` per layer, the layout
 prefill and training want. For a single query per sequence, XLA:CPU then transposes the whole
-cache to ``[B, K, Dh, S]`` in every layer of every step to form ``q·kᵀ`` (measured on
-SmolLM2-135M at 32 sequences: 60 copies of 3 MB per step, ~20 ms of a ~57 ms step). The decode
-loop therefore keeps its own cache, converted once after prefill:
+cache to ``[B, K, Dh, S]`` in every layer of every step to form ``q·kᵀ`` (SmolLM2-135M at 32
+sequences: 60 copies of 3 MB per step; avoiding them took the fp32 step from ~56 to ~52 ms on
+2 CPU cores, and more as the cache grows). The decode loop therefore keeps its own cache,
+converted once after prefill:
 
     keys    [N, K, Dh, S]   (scores = q · keys is a plain batched matmul)
     values  [N, K, S, Dh]   (out = probs · values likewise)
@@ -20,10 +21,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrl_llm.models import sharding
-from jaxrl_llm.models.rope import apply_rope, rope_cos_sin
+from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_frequencies
 from jaxrl_llm.models.transformer import CausalLM, KVCache
 
 _X_AXES = ("batch", "seq", "act_embed")
@@ -74,26 +74,26 @@ def constrain(cache: DecodeCache) -> DecodeCache:
 
 
 def _attention(q_nhd, k_nkds, v_nksd, allowed_ns):
-    """``softmax(q kᵀ / sqrt(Dh)) v`` for one query per row (as ``dot_product_attention``)."""
+    """``softmax(q kᵀ / sqrt(Dh)) v`` for one query per row (as ``dot_product_attention``).
+
+    Computed in the wider of the query and cache dtypes: with bf16 compute and an f32 cache
+    (the CPU default, see ``generate``) the few attention FLOPs run in f32 on the cache as
+    stored, and no step converts the whole cache.
+    """
     n, h, hd = q_nhd.shape
     kv_heads = k_nkds.shape[1]
-    q_nkgd = q_nhd.reshape(n, kv_heads, h // kv_heads, hd) * jnp.asarray(hd**-0.5, q_nhd.dtype)
+    dtype = jnp.promote_types(q_nhd.dtype, k_nkds.dtype)
+    q_nkgd = q_nhd.astype(dtype).reshape(n, kv_heads, h // kv_heads, hd)
+    q_nkgd = q_nkgd * jnp.asarray(hd**-0.5, dtype)
     scores = jnp.einsum(
-        "nkgd,nkds->nkgs", q_nkgd, k_nkds.astype(q_nhd.dtype), preferred_element_type=jnp.float32
+        "nkgd,nkds->nkgs", q_nkgd, k_nkds.astype(dtype), preferred_element_type=jnp.float32
     )
     scores = jnp.where(allowed_ns[:, None, None, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_nhd.dtype)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     out = jnp.einsum(
-        "nkgs,nksd->nkgd", probs, v_nksd.astype(q_nhd.dtype), preferred_element_type=jnp.float32
+        "nkgs,nksd->nkgd", probs, v_nksd.astype(dtype), preferred_element_type=jnp.float32
     )
     return out.astype(q_nhd.dtype).reshape(n, h, hd)
-
-
-def head_logits(lm: CausalLM, h_nd: jax.Array) -> jax.Array:
-    """f32 ``[N, V]`` logits as ``(W h^T)^T``: the same products as ``lm.logits``, but with the
-    ``[V, D]`` head as the left operand, which XLA:CPU multiplies faster for few rows."""
-    w_vd = lm.head_weight().astype(h_nd.dtype)
-    return jnp.dot(w_vd, h_nd.T, preferred_element_type=jnp.float32).T
 
 
 def decode_step(
@@ -109,12 +109,8 @@ def decode_step(
     dtype = c.jnp_dtype
     index = cache.index
     x_n1d = sharding.constrain(decoder.embed_tokens(token_n[:, None], dtype), _X_AXES)
-    cos, sin = rope_cos_sin(
-        cache.positions_n[:, None],
-        np.asarray(decoder._inv_freq, np.float32),
-        decoder._rope_scaling,
-        dtype,
-    )
+    inv_freq, rope_scaling = rope_frequencies(c)  # static, at trace time
+    cos, sin = rope_cos_sin(cache.positions_n[:, None], inv_freq, rope_scaling, dtype)
     valid_ns = jax.lax.dynamic_update_slice(cache.valid_ns, alive_n[:, None], (0, index))
     slot_s = jnp.arange(valid_ns.shape[1], dtype=jnp.int32)
     allowed = {}
@@ -143,7 +139,7 @@ def decode_step(
         x_n1d = x_n1d + attn.o_proj(out_nhd[:, None])
         x_n1d = x_n1d + layer.mlp(layer.post_attention_layernorm(x_n1d))
         x_n1d = sharding.constrain(x_n1d, _X_AXES)
-    logits_nv = head_logits(lm, decoder.norm(x_n1d)[:, 0])
+    logits_nv = lm.logits(decoder.norm(x_n1d)[:, 0])
     new_cache = DecodeCache(
         k=tuple(new_k),
         v=tuple(new_v),
