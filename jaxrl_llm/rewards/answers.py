@@ -100,12 +100,9 @@ def _score_numbers(
 
 
 @dataclasses.dataclass(frozen=True)
-class IntegerAnswer:
-    """Integer/arithmetic answer: the last number in the completion equals the expected one.
-
-    ``reward = correct if last_number(completion) == expected else incorrect`` (see
-    :func:`last_number` for the parsing rules; the comparison is exact).
-    """
+class _AnswerReward:
+    """Shared fields of the answer rewards: which dataset field holds the expected answer, and
+    the scores for a correct and an incorrect completion."""
 
     field: str = "answer"
     correct: float = 1.0
@@ -120,27 +117,31 @@ class IntegerAnswer:
     def required_fields(self) -> tuple[str, ...]:
         return (self.field,)
 
+
+@dataclasses.dataclass(frozen=True)
+class IntegerAnswer(_AnswerReward):
+    """Integer/arithmetic answer: the last number in the completion equals the expected one.
+
+    ``reward = correct if last_number(completion) == expected else incorrect`` (see
+    :func:`last_number` for the parsing rules; the comparison is exact).
+    """
+
     def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
         return _score_numbers(completions, fields, last_number, self)
 
 
 @dataclasses.dataclass(frozen=True)
-class Gsm8kAnswer:
+class Gsm8kAnswer(_AnswerReward):
     """GSM8K-style answer: the number after the completion's last ``####`` marker.
 
     With ``strict=False`` a completion without the marker falls back to its last number.
     The expected field may be the raw GSM8K solution (``"... #### 72"``) or just ``"72"``.
     """
 
-    field: str = "answer"
-    correct: float = 1.0
-    incorrect: float = 0.0
     strict: bool = True
 
     def __post_init__(self):
-        check_field_name("field", self.field)
-        check_real("correct", self.correct)
-        check_real("incorrect", self.incorrect)
+        super().__post_init__()
         check_bool("strict", self.strict)
 
     def _extract(self, completion: str) -> Fraction | None:
@@ -148,10 +149,6 @@ class Gsm8kAnswer:
         if number is None and not self.strict:
             number = last_number(completion)
         return number
-
-    @property
-    def required_fields(self) -> tuple[str, ...]:
-        return (self.field,)
 
     def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
         return _score_numbers(completions, fields, self._extract, self)
@@ -266,25 +263,12 @@ def math_answers_equal(answer: str, expected: str) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class BoxedAnswer:
+class BoxedAnswer(_AnswerReward):
     """``\\boxed{...}`` math answer: the completion's last boxed expression equals the expected.
 
     The expected field may itself contain a ``\\boxed{...}`` (e.g. a MATH solution) or be the bare
     answer. Comparison is :func:`math_answers_equal` (simple normalisation, not symbolic).
     """
-
-    field: str = "answer"
-    correct: float = 1.0
-    incorrect: float = 0.0
-
-    def __post_init__(self):
-        check_field_name("field", self.field)
-        check_real("correct", self.correct)
-        check_real("incorrect", self.incorrect)
-
-    @property
-    def required_fields(self) -> tuple[str, ...]:
-        return (self.field,)
 
     def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
         expected = _field(fields, self.field, type(self).__name__)
