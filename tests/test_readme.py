@@ -32,3 +32,12 @@ def test_main_job_command_parses_and_its_config_validates():
     assert args.command == "train"
     config = load_config(ROOT / args.config, list(args.overrides))
     assert config.algorithm.name == "grpo"
+
+
+def test_readme_notebook_snippets_run_and_give_the_seed_numbers():
+    import numpy as np
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    namespace: dict = {}
+    exec(blocks[0] + "\n" + blocks[1], namespace)  # the chain snippets (not the model one)
+    np.testing.assert_allclose(namespace["adv_bgt"][0, :, 0], [1.2, -0.5, 2.1], atol=1e-5)
