@@ -185,6 +185,13 @@ def chain(*stages: AdvantageTransform) -> AdvantageTransform:
         return signal_bgt, tuple(new_state)
 
     info = tuple(i for stage in stages for i in stage.info)
+    kinds = [i.kind for i in info]
+    if "baseline" in kinds and "return" in kinds[kinds.index("baseline") :]:
+        raise ValueError(
+            "chain: a baseline stage comes before a return stage; baselines subtract a "
+            "per-sequence value from the return (the seed's order: reward -> +KL -> return -> "
+            "-baseline -> normalize), e.g. chain(outcome_return(), group_mean_baseline())"
+        )
     return AdvantageTransform(init, update, info)
 
 

@@ -344,3 +344,10 @@ class Preference(parameterized.TestCase):
     def test_reference_required_unless_reference_free(self):
         with pytest.raises(ValueError, match="reference"):
             alg.dpo().preference_loss(self.batch._replace(ref_chosen_p=None))
+
+
+def test_a_baseline_before_the_return_is_refused():
+    with pytest.raises(ValueError, match="baseline stage comes before a return"):
+        ch.chain(ch.group_mean_baseline(), ch.outcome_return())
+    ch.chain(ch.outcome_return(), ch.group_mean_baseline())  # the seed's order is fine
+    ch.chain(ch.gae(), ch.batch_whiten())  # GAE is a return with the critic inside
