@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
+
+from _bench_common import machine_info
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -147,13 +148,8 @@ def main() -> None:
         "batch": args.batch,
         "seq": args.seq,
         "dtype": "float32",
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.processor() or platform.machine(),
-        "jax": jax.__version__,
+        **machine_info(),
         "rounds": args.rounds,
-        "load_avg_before": os.getloadavg(),
     }
     libs: dict[str, dict] = {}
     libs["jax"], config = jax_cases(path, args.batch, args.seq, args.remat, "float32")

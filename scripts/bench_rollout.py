@@ -19,10 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
+
+from _bench_common import machine_info
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -160,13 +161,8 @@ def main() -> None:
         "model": os.path.basename(path.rstrip("/")),
         "new_tokens": args.new_tokens,
         "sampling": "temperature 1.0, no top-k/top-p, no early stop",
-        "backend": jax.default_backend(),
-        "device": str(jax.devices()[0]),
-        "cpu_count": os.cpu_count(),
-        "machine": platform.processor() or platform.machine(),
-        "jax": jax.__version__,
+        **machine_info(),
         "rounds": args.rounds,
-        "load_avg_before": os.getloadavg(),
         "command": "OMP_WAIT_POLICY=PASSIVE python scripts/bench_rollout.py "
         + " ".join(sys.argv[1:]),
     }
