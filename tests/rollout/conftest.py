@@ -1,16 +1,11 @@
-"""Fixtures for the rollout tests: tiny random HF models (fast) and the real default model.
-
-The real-model fixtures are the models suite's session fixtures, imported so both suites use
-one definition (they load SmolLM2-135M-Instruct once per session).
-"""
+"""Fixtures for the rollout tests: tiny random HF models (fast). The real default model's
+session fixtures (``smollm2``, ``smollm2_hf``, ...) are in tests/conftest.py."""
 
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
-
-from tests.models.conftest import smollm2, smollm2_hf, smollm2_path, smollm2_tokenizer  # noqa: F401
 
 
 @pytest.fixture(scope="session")
