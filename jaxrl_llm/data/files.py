@@ -120,6 +120,10 @@ def check_files(
             lines = _scan_text(path)
             if lines == 0 or (builder == "csv" and lines == 1):
                 raise DataError(f"{path}: the file has no rows")
+            if format == "jsonl" or (format in (None, "auto") and path.suffix.lower() == ".jsonl"):
+                where = _locate_json_error(path)  # before datasets logs its own parse error
+                if where is not None:
+                    raise DataError(where)
         elif _parquet_rows(path) == 0:
             raise DataError(f"{path}: the file has no rows")
     if len(builders) > 1:

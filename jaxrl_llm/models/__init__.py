@@ -10,6 +10,7 @@ models.save_pretrained(model, "out/", tokenizer=tokenizer)   # transformers load
 from jaxrl_llm.models.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
+    UnsafeCheckpointError,
     UnsupportedModelError,
 )
 from jaxrl_llm.models.default import DEFAULT_MODEL_NAME, default_model_path
@@ -26,6 +27,7 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "RewardModel",
+    "UnsafeCheckpointError",
     "UnsupportedModelError",
     "ValueModel",
     "default_dtype",

@@ -37,6 +37,10 @@ class UnsupportedModelError(ValueError):
     """A checkpoint names an architecture or feature this package does not implement."""
 
 
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint that loads only by unpickling (PyTorch ``.bin``), without ``allow_pickle``."""
+
+
 def _supported_list() -> str:
     return ", ".join(SUPPORTED_ARCHITECTURES)
 

@@ -68,9 +68,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     gguf_path, out = Path(gguf_path), Path(out_dir)
     folder, name = str(gguf_path.parent), gguf_path.name
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32
+        folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False
     )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(
+        folder, gguf_file=name, trust_remote_code=False
+    )
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

@@ -31,6 +31,7 @@ from jaxrl_llm.models.config import (
     SUPPORTED_ARCHITECTURES,
     SUPPORTED_MODEL_TYPES,
     ModelConfig,
+    UnsafeCheckpointError,
     UnsupportedModelError,
 )
 from jaxrl_llm.models.heads import RewardModel, ValueModel
@@ -81,7 +82,7 @@ def _read_hf_config(folder: Path, gguf_file: str | None):
                 f"{raw.get('model_type')!r}) is not supported; supported architectures: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-    return AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file)
+    return AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
 
 
 def _weights_reader(folder: Path, gguf_file: str | None, allow_pickle: bool, head: str):
@@ -99,10 +100,11 @@ def _weights_reader(folder: Path, gguf_file: str | None, allow_pickle: bool, hea
     bins = sorted(folder.glob("pytorch_model*.bin"))
     if bins:
         if not allow_pickle:
-            raise ValueError(
+            raise UnsafeCheckpointError(
                 f"{folder} holds only PyTorch pickle weights ({bins[0].name}); unpickling can "
-                "run arbitrary code. Pass allow_pickle=True if you trust this checkpoint, or "
-                "convert it to safetensors."
+                "run arbitrary code. Pass allow_pickle=True (in a training config: "
+                "model.allow_pickle=true) if you trust this checkpoint, or convert it to "
+                "safetensors."
             )
         import torch
 
@@ -122,7 +124,7 @@ def _gguf_reader(folder: Path, gguf_file: str, head: str):
         if head == "reward"
         else transformers.AutoModelForCausalLM
     )
-    torch_model = cls.from_pretrained(str(folder), gguf_file=gguf_file)
+    torch_model = cls.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
     return weights.DictReader(dict(torch_model.state_dict()))
 
 
@@ -257,16 +259,22 @@ def load_params(
     return nnx.merge(graphdef, state)
 
 
-def load_tokenizer(path: str | os.PathLike, *, gguf_file: str | None = None):
+def load_tokenizer(
+    path: str | os.PathLike, *, gguf_file: str | None = None, trust_remote_code: bool = False
+):
     """The checkpoint's tokenizer (``transformers.AutoTokenizer``), padding on the left.
 
     Generation pads on the left so every sequence ends at the same slot; a tokenizer without a
     pad token gets its EOS token as pad (the mask, not the id, marks padding in this package).
+    ``trust_remote_code`` lets transformers run a tokenizer class shipped as Python code with
+    the checkpoint (off by default; only for checkpoints you trust).
     """
     from transformers import AutoTokenizer
 
     folder, gguf_file = _resolve(path, gguf_file)
-    tok = AutoTokenizer.from_pretrained(str(folder), gguf_file=gguf_file)
+    tok = AutoTokenizer.from_pretrained(
+        str(folder), gguf_file=gguf_file, trust_remote_code=trust_remote_code
+    )
     tok.padding_side = "left"
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -33,14 +34,40 @@ def _load(args: argparse.Namespace, *, need_config: bool):
     return load_config(path, list(args.overrides))
 
 
+def _input_errors() -> tuple[type[BaseException], ...]:
+    """Errors caused by what the user gave (config, files, models, rewards, run directory)."""
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.data import DataError
+    from jaxrl_llm.models import UnsafeCheckpointError, UnsupportedModelError
+    from jaxrl_llm.rewards import RewardConfigError, RewardError
+    from jaxrl_llm.train.checkpoint import CheckpointMismatchError
+
+    return (
+        ConfigError,
+        FileNotFoundError,
+        DataError,
+        UnsupportedModelError,
+        UnsafeCheckpointError,
+        RewardConfigError,
+        RewardError,
+        CheckpointMismatchError,
+    )
+
+
 def _run(fn):
     def wrapped(args: argparse.Namespace) -> int:
-        from jaxrl_llm.config import ConfigError
-
         try:
             return fn(args)
-        except (ConfigError, FileNotFoundError) as e:
+        except _input_errors() as e:
             print(f"jaxrl-llm {args.command}: {e}", file=sys.stderr)
+            cause = e.__cause__
+            if cause is not None and cause.__traceback__ is not None and hasattr(e, "reward"):
+                frame = traceback.extract_tb(cause.__traceback__)[-1]
+                print(
+                    f"  ({type(cause).__name__} raised at {frame.filename}:{frame.lineno}, "
+                    f"in {frame.name})",
+                    file=sys.stderr,
+                )
             return 2
 
     return wrapped
@@ -48,9 +75,12 @@ def _run(fn):
 
 @_run
 def _train(args: argparse.Namespace) -> int:
+    from jaxrl_llm.config import ConfigError
     from jaxrl_llm.train.loop import train
 
     config = _load(args, need_config=True)
+    if args.max_steps is not None and args.max_steps < 1:
+        raise ConfigError(f"--max-steps {args.max_steps}: expected an integer ≥ 1")
     final = train(
         config, run_dir=args.run_dir, max_steps=args.max_steps, progress=not args.no_progress
     )

@@ -253,7 +253,15 @@ def export(
     out: str | Path | None = None,
     log=print,
 ) -> Path:
-    """Exports the latest checkpoint of ``run_dir`` as a Hugging Face folder."""
+    """Exports the latest checkpoint of ``run_dir`` as a Hugging Face folder.
+
+    Raises ``FileNotFoundError`` when ``run_dir`` has no checkpoint (nothing was trained).
+    """
+    ckpt_dir = Path(run_dir or config.run_dir or ".").expanduser().absolute() / CHECKPOINT_DIR
+    if not any(p.is_dir() and p.name.isdigit() for p in ckpt_dir.glob("*")):
+        raise FileNotFoundError(
+            f"no checkpoint in {ckpt_dir} to export; train the run first (or check --run-dir)"
+        )
     run, state = _restored(config, run_dir, log)
     return export_policy(run, state.params, out)
 

@@ -80,13 +80,30 @@ def resolve_model_path(path: str) -> str:
     return str(models.default_model_path()) if path == DEFAULT else path
 
 
-def load_tokenizer(model: ModelLoadConfig):
-    """The run's tokenizer: ``model.tokenizer`` or the model's own (SmolLM2's for tiny-random)."""
+def load_tokenizer(model: ModelLoadConfig, *, vocab_size: int | None = None):
+    """The run's tokenizer: ``model.tokenizer`` or the model's own (SmolLM2's for tiny-random).
+
+    ``model.trust_remote_code`` is passed to transformers. With ``vocab_size`` (the policy's),
+    a tokenizer that cannot belong to the model is a :class:`~jaxrl_llm.data.DataError` naming
+    ``model.path`` and ``model.tokenizer``.
+    """
     if model.tokenizer is not None:
-        return models.load_tokenizer(resolve_model_path(model.tokenizer))
-    if model.path == TINY_RANDOM:
-        return models.load_tokenizer(models.default_model_path())
-    return models.load_tokenizer(resolve_model_path(model.path))
+        path = resolve_model_path(model.tokenizer)
+    elif model.path == TINY_RANDOM:
+        path = models.default_model_path()
+    else:
+        path = resolve_model_path(model.path)
+    tokenizer = models.load_tokenizer(path, trust_remote_code=model.trust_remote_code)
+    if vocab_size is not None:
+        from jaxrl_llm.data import DataError, check_tokenizer_vocab
+
+        try:
+            check_tokenizer_vocab(tokenizer, vocab_size)
+        except DataError as e:
+            raise DataError(
+                f"model.path = {model.path!r} with model.tokenizer = {model.tokenizer!r}: {e}"
+            ) from None
+    return tokenizer
 
 
 def load_policy(

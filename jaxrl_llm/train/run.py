@@ -90,10 +90,10 @@ def _stop_ids(config: TrainConfig, tokenizer: Any, model_config: Any) -> tuple[i
 def prepare(config: TrainConfig, run_dir: str | Path | None = None) -> Run:
     """Loads models, tokenizer, data and reward for ``config`` (fresh state, not restored)."""
     setup = st.build_setup(config)
-    tokenizer = train_models.load_tokenizer(config.model)
+    model_config = setup.policy().config
+    tokenizer = train_models.load_tokenizer(config.model, vocab_size=model_config.vocab_size)
     data = run_data.build_data(config, tokenizer)
     reward = None if config.is_offline else run_data.build_run_reward(config)
-    model_config = setup.policy().config
     run = Run(
         config=config,
         run_dir=Path(run_dir or config.run_dir or ".").expanduser().absolute(),
