@@ -21,6 +21,7 @@ from jaxrl_llm.data import (
     DataPosition,
     PreferenceDataset,
     PromptDataset,
+    arithmetic_preference_pairs,
     arithmetic_task,
     bucket_length,
     check_tokenizer_vocab,
@@ -481,6 +482,22 @@ def test_arithmetic_end_to_end_with_the_integer_reward(tokenizer):
     batch = next(BatchIterator(ds, 4, seed=0, pad_multiple=16))
     completions = [f"It is {a}." for a in batch.fields["answer"]]
     assert IntegerAnswer()(batch.prompts, completions, **batch.fields) == [1.0] * 4
+
+
+def test_arithmetic_preference_pairs(tokenizer):
+    rows, _ = arithmetic_task(num_train=200, num_eval=0, seed=0)
+    columns = {"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows]}
+    fields = dict(prompt_field="q", rejected_field="bad")
+    pairs = arithmetic_preference_pairs(columns, seed=3, **fields)
+    assert list(pairs) == ["q", "chosen", "bad", "answer"]
+    assert pairs["q"] == columns["prompt"]
+    assert pairs["chosen"] == pairs["answer"] == columns["answer"]  # right answers
+    offsets = [int(w) - int(a) for w, a in zip(pairs["bad"], pairs["answer"], strict=True)]
+    assert all(1 <= abs(o) <= 10 for o in offsets) and min(offsets) < 0 < max(offsets)
+    assert pairs == arithmetic_preference_pairs(columns, seed=3, **fields)  # seeded
+    assert pairs["bad"] != arithmetic_preference_pairs(columns, seed=4)["rejected"]
+    ds = PreferenceDataset.from_records(pairs, tokenizer, prompt_field="q", rejected_field="bad")
+    assert len(ds) == 200
 
 
 def test_default_model_tokenizer_if_cached():

@@ -16,6 +16,7 @@ Everything here is host-side NumPy; no JAX. See docs/rewards_and_data.md.
 from jaxrl_llm.data.arithmetic import (
     ARITHMETIC_OPS,
     ARITHMETIC_TEMPLATE,
+    arithmetic_preference_pairs,
     arithmetic_task,
     num_arithmetic_problems,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "PreferenceDataset",
     "PromptBatch",
     "PromptDataset",
+    "arithmetic_preference_pairs",
     "arithmetic_task",
     "bucket_length",
     "check_files",

@@ -11,11 +11,14 @@ the next ``num_train`` the training split, so the evaluation split depends only 
 the operand range, ``ops``, ``nonnegative`` and ``num_eval`` (not on ``num_train``) and stays the
 same across runs of different lengths. :func:`num_arithmetic_problems` says how many distinct
 problems a setting allows (e.g. 10,100 for operands 0..99 with ``+`` and ``-``).
+
+For DPO, :func:`arithmetic_preference_pairs` turns the problems into preference pairs: the right
+answer against a wrong number.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -176,3 +179,37 @@ def arithmetic_task(
     flips = np.random.default_rng([seed, 1]).random(wanted) < 0.5
     rows = [_render(key, flip, ops, template) for key, flip in zip(keys, flips, strict=True)]
     return rows[num_eval:], rows[:num_eval]
+
+
+def arithmetic_preference_pairs(
+    columns: Mapping[str, Sequence[str]],
+    *,
+    seed: int,
+    prompt_field: str = "prompt",
+    chosen_field: str = "chosen",
+    rejected_field: str = "rejected",
+) -> dict[str, list[str]]:
+    """Arithmetic problems as preference pairs (prompt, chosen, rejected), for DPO.
+
+    The chosen answer is the right one; the rejected answer is a wrong number, the right one plus
+    a non-zero offset of at most 10 in size (drawn from a generator seeded with ``[seed, 11]``).
+
+    Args:
+      columns: ``prompt`` and ``answer`` lists, e.g. :func:`arithmetic_task`'s rows as columns.
+      seed: the offsets' seed.
+      prompt_field, chosen_field, rejected_field: the names of the returned columns.
+
+    Returns:
+      Columns ``prompt_field``, ``chosen_field``, ``rejected_field`` and ``answer`` (the right
+      answer, for the accuracy of held-out pairs).
+    """
+    rng = np.random.default_rng([seed, 11])
+    answers = list(columns["answer"])
+    offsets = rng.integers(1, 11, len(answers)) * rng.choice([-1, 1], len(answers))
+    wrong = [str(int(a) + int(o)) for a, o in zip(answers, offsets, strict=True)]
+    return {
+        prompt_field: list(columns["prompt"]),
+        chosen_field: answers,
+        rejected_field: wrong,
+        "answer": list(answers),
+    }

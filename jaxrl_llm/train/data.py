@@ -2,8 +2,9 @@
 
 * ``data.source: arithmetic``: :func:`jaxrl_llm.data.arithmetic_task` with ``data.seed``; its
   ``eval_size`` held-out problems are disjoint from the training ones. For ``dpo`` each problem
-  becomes a pair (chosen: the correct answer; rejected: a wrong number, drawn from a seeded
-  generator as the answer plus a non-zero offset of at most 10 in size).
+  becomes a pair (chosen: the correct answer; rejected: a wrong number), by
+  :func:`jaxrl_llm.data.arithmetic_preference_pairs` (seeded with ``data.seed``, ``+ 1`` for the
+  held-out pairs).
 * ``data.source: file``: JSONL/Parquet/CSV read with ``datasets``; the evaluation split is
   ``data.eval_path``, or ``eval_size`` rows held out of the training file by a permutation seeded
   with ``data.seed``.
@@ -92,21 +93,6 @@ def _split_columns(config: TrainConfig) -> tuple[dict, dict | None, str]:
     )
 
 
-def _preference_columns(columns: dict[str, list[Any]], config: TrainConfig, seed: int) -> dict:
-    """Arithmetic problems as pairs: the right answer vs a wrong number."""
-    rng = np.random.default_rng([seed, 11])
-    answers = columns["answer"]
-    offsets = rng.integers(1, 11, len(answers)) * rng.choice([-1, 1], len(answers))
-    wrong = [str(int(a) + int(o)) for a, o in zip(answers, offsets, strict=True)]
-    d = config.data
-    return {
-        d.prompt_field: columns["prompt"],
-        d.chosen_field: list(answers),
-        d.rejected_field: wrong,
-        "answer": list(answers),
-    }
-
-
 def build_data(config: TrainConfig, tokenizer: Any) -> RunData:
     """The training and held-out datasets of ``config`` (see the module docstring)."""
     d = config.data
@@ -129,8 +115,14 @@ def build_data(config: TrainConfig, tokenizer: Any) -> RunData:
             chat_template=d.chat_template,
         )
         if d.source == "arithmetic":
-            train_cols = _preference_columns(train_cols, config, d.seed)
-            eval_cols = _preference_columns(eval_cols, config, d.seed + 1) if eval_cols else None
+            to_pairs = functools.partial(
+                D.arithmetic_preference_pairs,
+                prompt_field=d.prompt_field,
+                chosen_field=d.chosen_field,
+                rejected_field=d.rejected_field,
+            )
+            train_cols = to_pairs(train_cols, seed=d.seed)
+            eval_cols = to_pairs(eval_cols, seed=d.seed + 1) if eval_cols else None
         train = D.PreferenceDataset.from_records(
             train_cols, tokenizer, source=source, **pref_kwargs
         )
