@@ -337,6 +337,13 @@ class TrainConfig:
             return self.preference.pairs_per_step
         return self.rollout.prompts_per_step * self.rollout.num_samples
 
+    @property
+    def update_batch_size(self) -> int:
+        """Sequences per update: B·m when PODS keeps m = ``pods_num_keep`` of the G answers,
+        else :attr:`batch_size`."""
+        keep = None if self.rollout is None else self.algorithm.hparams.get("pods_num_keep")
+        return self.batch_size if keep is None else self.rollout.prompts_per_step * keep
+
 
 # ---------------------------------------------------------------------------------------------
 # YAML: reading with includes, merging, overrides, writing.
@@ -877,8 +884,10 @@ def _check_algorithm(config: TrainConfig) -> None:
 
 
 def _check_batch(config: TrainConfig) -> None:
-    optim, batch = config.optim, config.batch_size
+    optim, batch = config.optim, config.update_batch_size
     what = "pairs" if config.is_offline else "sequences (B·G)"
+    if batch != config.batch_size:
+        what = "sequences (B·m = rollout.prompts_per_step × algorithm.hparams.pods_num_keep)"
     if batch % optim.num_minibatches:
         raise _bad(
             "optim.num_minibatches",
@@ -1033,19 +1042,24 @@ def mesh_axis_sizes(mesh: MeshConfig, device_count: int) -> dict[str, int]:
 def check_devices(config: TrainConfig, device_count: int) -> dict[str, int]:
     """Checks the mesh and the batch split for ``device_count`` devices; returns the axis sizes.
 
-    The batch is split over the data-parallel axes ``data × fsdp``: the batch, each minibatch
-    and each micro-batch must be a multiple of that size.
+    The batch is split over the data-parallel axes ``data × fsdp``: the batch, the update batch
+    (B·m with PODS), each minibatch and each micro-batch must be a multiple of that size.
     """
     if device_count < 1:
         raise ConfigError(f"device_count = {device_count}: expected ≥ 1")
     sizes = mesh_axis_sizes(config.mesh, device_count)
     dp = sizes["data"] * sizes["fsdp"]
-    batch = config.batch_size
-    minibatch = batch // config.optim.num_minibatches
+    batch, update = config.batch_size, config.update_batch_size
+    minibatch = update // config.optim.num_minibatches
     parts = [("the batch", batch, "rollout.prompts_per_step × rollout.num_samples")]
     if config.rollout is None:
         parts = [("the batch", batch, "preference.pairs_per_step")]
-    parts.append(("each minibatch", minibatch, "batch / optim.num_minibatches"))
+    split = "batch / optim.num_minibatches"
+    if update != batch:  # PODS: the update sees m of the G answers of each prompt
+        pods = "rollout.prompts_per_step × algorithm.hparams.pods_num_keep"
+        parts.append(("the update batch", update, pods))
+        split = "update " + split
+    parts.append(("each minibatch", minibatch, split))
     if config.optim.micro_batch_size is not None:
         parts.append(("each micro-batch", config.optim.micro_batch_size, "optim.micro_batch_size"))
     for what, size, formula in parts:

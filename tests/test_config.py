@@ -329,6 +329,29 @@ def test_batch_splits():
     )
 
 
+def test_pods_update_batch_splits():
+    # PODS keeps m = 3 of G = 4: the update sees B·m = 24 sequences, not B·G = 32.
+    pods = "algorithm.hparams.pods_num_keep=3"
+    assert _load([pods]).update_batch_size == 24 and _load([pods]).batch_size == 32
+    assert _load([]).update_batch_size == 32
+    _fails([pods, "optim.num_minibatches=16"], "optim.num_minibatches = 16", "batch of 24")
+    err = _fails(
+        [pods, "optim.num_minibatches=2", "optim.micro_batch_size=8"],
+        "optim.micro_batch_size = 8",
+        "minibatch of 12",
+        "algorithm.hparams.pods_num_keep",
+    )
+    assert err.key == "optim.micro_batch_size"
+    c = _load([pods])  # 32 sequences split over 16 devices, 24 do not
+    with pytest.raises(ConfigError, match=r"the update batch of 24 \(rollout.prompts_per_step × "):
+        C.check_devices(c, 16)
+    c = _load([pods, "optim.num_minibatches=2"])  # update minibatches of 12 on 8 devices
+    with pytest.raises(ConfigError, match=r"each minibatch of 12 \(update batch / optim"):
+        C.check_devices(c, 8)
+    c = _load(["algorithm.hparams.pods_num_keep=2", "optim.num_minibatches=2"])
+    assert C.check_devices(c, 8) == {"data": 8, "fsdp": 1, "tensor": 1}
+
+
 def test_mesh_must_divide_the_devices():
     c = _load(["mesh.preset=fsdp", "mesh.data=1", "mesh.fsdp=3"])
     with pytest.raises(ConfigError, match="product of the axis sizes, 3, does not divide the 8"):
