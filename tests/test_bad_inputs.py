@@ -398,7 +398,12 @@ CASES = [
     Case(
         "reward_returns_wrong_length",
         user_reward("short"),
-        ("reward 'my_short' returned 3 scores for 4 samples", "one float per completion"),
+        (
+            "reward 'my_short' returned 3 scores for 4 samples",
+            "one float per completion",
+            "(sample 0 (prompt 'What is",
+            "alone gets 0 scores",
+        ),
         after_resume=True,
     ),
     # --- the other subcommands

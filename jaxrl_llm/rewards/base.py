@@ -181,10 +181,12 @@ def checked_call(
     values = _as_values(raw)
     if values is None or len(values) != n:
         if on_error == "raise":
+            index, where = _first_wrong_alone(fn, prompts, completions, fields)
             raise RewardError(
                 f"reward {name!r} returned {_describe_count(values, raw)} for {n} samples; a "
-                f"reward must return one float per completion",
+                f"reward must return one float per completion ({where})",
                 reward=name,
+                index=index,
             )
         return _one_by_one(fn, prompts, completions, fields, name, on_error, cause=None)
     scores = np.zeros((n,), np.float64)
@@ -204,6 +206,27 @@ def checked_call(
             continue
         scores[i] = score
     return scores.astype(np.float32), num_errors
+
+
+def _first_wrong_alone(
+    fn: RewardFn,
+    prompts: list[str],
+    completions: list[str],
+    fields: dict[str, Sequence[Any]],
+) -> tuple[int | None, str]:
+    """After a batch returned the wrong count: the first sample that fails when scored alone
+    (its index and a description), or ``None`` when each alone gets one score."""
+    for i in range(len(completions)):
+        try:
+            raw = fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in fields.items()})
+        except Exception as e:
+            return i, f"{_sample_text(prompts, completions, i)} alone raises {type(e).__name__}"
+        values = _as_values(raw)
+        if values is None or len(values) != 1:
+            return i, f"{_sample_text(prompts, completions, i)} alone gets " + _describe_count(
+                values, raw
+            )
+    return None, "each sample alone gets one score: the batched call is at fault"
 
 
 def _one_by_one(
