@@ -17,11 +17,13 @@ from jaxrl_llm.models.default import DEFAULT_MODEL_NAME, default_model_path
 from jaxrl_llm.models.greedy import greedy_complete, greedy_generate
 from jaxrl_llm.models.heads import RewardModel, ValueModel, last_token_index
 from jaxrl_llm.models.hub import default_dtype, from_pretrained, load_tokenizer, save_pretrained
+from jaxrl_llm.models.tiny import TINY_RANDOM, tiny_random_config
 from jaxrl_llm.models.transformer import CausalLM, Decoder, KVCache
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "SUPPORTED_ARCHITECTURES",
+    "TINY_RANDOM",
     "CausalLM",
     "Decoder",
     "KVCache",
@@ -38,4 +40,5 @@ __all__ = [
     "last_token_index",
     "load_tokenizer",
     "save_pretrained",
+    "tiny_random_config",
 ]

@@ -4,9 +4,9 @@
 
 * ``"default"``: SmolLM2-135M-Instruct, converted once from the offline GGUF
   (:func:`jaxrl_llm.models.default_model_path`);
-* ``"tiny-random"``: :func:`tiny_random_config`, a 2-layer Llama of width 64 with random weights
-  (seeded by ``train.seed``) and SmolLM2's tokenizer and vocabulary, so the whole pipeline
-  (chat template, rewards, export) runs in seconds per step;
+* ``"tiny-random"``: :func:`jaxrl_llm.models.tiny_random_config`, a 2-layer Llama of width 64
+  with random weights (seeded by ``train.seed``) and SmolLM2's tokenizer and vocabulary, so the
+  whole pipeline (chat template, rewards, export) runs in seconds per step;
 * anything else: a local Hugging Face folder or ``.gguf`` file (:func:`jaxrl_llm.models.
   from_pretrained`).
 
@@ -29,38 +29,9 @@ from flax import nnx
 from jaxrl_llm import models
 from jaxrl_llm.config import ModelLoadConfig, TrainConfig, check_devices
 from jaxrl_llm.models import sharding as shd
-from jaxrl_llm.models.config import ModelConfig
+from jaxrl_llm.models.tiny import TINY_RANDOM, tiny_random_config
 
-TINY_RANDOM = "tiny-random"
 DEFAULT = "default"
-
-
-def tiny_random_config(vocab_size: int = 49152, **overrides: Any) -> ModelConfig:
-    """A tiny Llama (2 layers, width 64, 4 query / 2 KV heads, tied embeddings).
-
-    The vocabulary defaults to SmolLM2's (49152) so the model works with that tokenizer; the
-    eos/pad ids are SmolLM2's ``<|im_end|>`` (2). Any field can be overridden (e.g. a small
-    ``vocab_size`` for unit tests that need no tokenizer).
-    """
-    fields: dict[str, Any] = dict(
-        model_type="llama",
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        pad_token_id=2,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
 
 
 def _dtype(name: str) -> Any:
