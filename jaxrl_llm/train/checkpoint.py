@@ -18,11 +18,33 @@ Saving is asynchronous: ``save`` returns once the arrays are copied to the host 
 are written in a background thread; an interrupted save leaves a ``*.orbax-checkpoint-tmp``
 folder that ``latest_step`` ignores (commits are atomic). Paths are made absolute (orbax
 requires it).
+
+Faults (``tests/train/test_faults.py`` kills runs with SIGKILL at random moments):
+
+* *No half-written and no half-deleted step folder.* Orbax writes a step into a tmp folder and
+  renames it when complete. Checkpoints beyond ``max_to_keep`` are not ``rmtree``'d in place
+  (a kill during that would leave a partial step folder that still lists as a step): orbax
+  renames them into ``to_delete/`` (its ``todelete_subdir`` option, one atomic rename), and
+  ``save`` empties that folder before it starts the next checkpoint.
+* *A corrupt or truncated latest checkpoint.* ``restore()`` without a step tries the steps from
+  the newest down; a step that fails to read (a truncated or missing file, bad JSON, a
+  tensorstore decode error) is moved aside to ``unreadable/STEP`` (kept for inspection, no longer
+  listed) and a :class:`CheckpointFallbackWarning` names it, its error and the step restored
+  instead. A :class:`CheckpointMismatchError` (a checkpoint of another model) is not corruption
+  and is raised at once.
+* *A failed save (disk full, ...).* Errors of the background write surface at the next
+  ``save``, ``wait`` or ``close`` as one :class:`CheckpointSaveError` naming the step, the folder,
+  the cause and the newest complete checkpoint, which is intact (orbax deletes old checkpoints
+  only after a successful commit; the partial tmp folder is ignored).
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
+import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +58,18 @@ from jaxrl_llm.train.state import TrainState
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint whose arrays do not fit this run (another model shape, recipe or layout)."""
+
+
+class CheckpointSaveError(OSError):
+    """Writing a checkpoint failed (e.g. the disk is full); earlier checkpoints are intact."""
+
+
+class CheckpointFallbackWarning(UserWarning):
+    """The newest checkpoint could not be read; an older one was restored instead."""
+
+
+TRASH_DIR = "to_delete"  # orbax's todelete_subdir: old steps are renamed here, then removed
+UNREADABLE_DIR = "unreadable"  # corrupt steps are moved here by restore()
 
 
 def _key_name(key: Any) -> str:
@@ -123,8 +157,13 @@ class Checkpointer:
     ):
         self.directory = Path(directory).expanduser().absolute()
         self.save_every = save_every
+        self._pending: int | None = None  # the step being written in the background
+        self._reported: BaseException | None = None  # a save error already raised
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+            todelete_subdir=TRASH_DIR,
         )
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "meta")
@@ -144,14 +183,41 @@ class Checkpointer:
 
     def save(self, step: int, state: TrainState, *, meta: Mapping[str, Any] | None = None):
         """Starts saving ``state`` as step ``step`` (returns before the files are written)."""
+        self.wait()  # raises a CheckpointSaveError for a failed previous save
+        if jax.process_index() == 0:
+            shutil.rmtree(self.directory / TRASH_DIR, ignore_errors=True)
         flat = flatten_state(state)
         body = {"step": int(step), "arrays": _describe(flat), **dict(meta or {})}
-        self._manager.save(
-            int(step),
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(_nest(flat)), meta=ocp.args.JsonSave(body)
-            ),
+        self._pending = int(step)
+        try:
+            self._manager.save(
+                int(step),
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(_nest(flat)), meta=ocp.args.JsonSave(body)
+                ),
+            )
+        except OSError as e:
+            raise self._save_error(e) from e
+
+    def _save_error(self, cause: BaseException) -> CheckpointSaveError:
+        step, self._pending = self._pending, None
+        self._manager.reload()
+        good = self.latest_step()
+        full = " (the disk is full)" if getattr(cause, "errno", None) == errno.ENOSPC else ""
+        kept = (
+            f"the previous checkpoint, step {good} in {self.directory / str(good)}, is intact"
+            if good is not None
+            else "there is no earlier checkpoint"
         )
+        err = CheckpointSaveError(
+            f"saving checkpoint step {step} to {self.directory} failed{full}: "
+            f"{type(cause).__name__}: {cause}. Nothing of step {step} is used on resume (its "
+            f"partial *.orbax-checkpoint-tmp folder is ignored); {kept}. Free space (or fix "
+            "the cause) and rerun the same command to resume."
+        )
+        err.step, err.directory, err.errno = step, self.directory, getattr(cause, "errno", None)
+        self._reported = err
+        return err
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         """The JSON ``meta`` item of ``step`` (default: the latest)."""
@@ -160,7 +226,7 @@ class Checkpointer:
         return dict(out["meta"])
 
     def _resolve(self, step: int | None) -> int:
-        self._manager.wait_until_finished()
+        self.wait()
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -170,16 +236,63 @@ class Checkpointer:
     def restore(
         self, template: TrainState, sharding: Any = None, step: int | None = None
     ) -> tuple[TrainState, dict[str, Any]]:
-        """``(state, meta)`` of ``step`` (default: the latest), laid out like ``sharding``.
+        """``(state, meta)`` of ``step`` (default: the latest readable one), laid out like
+        ``sharding``.
 
         ``template`` gives the tree structure, shapes and dtypes (e.g. a freshly built state;
         its values are not used); ``sharding`` a matching tree of shardings (default: the
-        template arrays' own).
+        template arrays' own). Without ``step``, an unreadable newest checkpoint is moved aside
+        and the next older one restored, with a :class:`CheckpointFallbackWarning` (see the
+        module docstring).
 
         Raises:
           CheckpointMismatchError: the checkpoint's arrays do not match the template's.
+          FileNotFoundError: no checkpoint, or none readable (each step's error is listed).
         """
-        step = self._resolve(step)
+        if step is not None:
+            return self._restore(template, sharding, self._resolve(step))
+        self._resolve(None)  # waits; FileNotFoundError without any checkpoint
+        failed: list[tuple[int, Path, BaseException]] = []
+        for candidate in sorted(self.all_steps(), reverse=True):
+            try:
+                out = self._restore(template, sharding, candidate)
+            except CheckpointMismatchError:
+                raise
+            except Exception as e:  # a truncated, missing or undecodable file
+                failed.append((candidate, self._move_aside(candidate), e))
+                continue
+            if failed:
+                warnings.warn(
+                    "; ".join(
+                        f"checkpoint step {s} ({self.directory / str(s)}) is unreadable "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:300]}), moved to {moved}"
+                        for s, moved, e in failed
+                    )
+                    + f"; resuming from the previous good checkpoint, step {candidate} "
+                    f"({self.directory / str(candidate)})",
+                    CheckpointFallbackWarning,
+                    stacklevel=2,
+                )
+            return out
+        raise FileNotFoundError(
+            f"no readable checkpoint in {self.directory}: "
+            + "; ".join(f"step {s}: {type(e).__name__}: {e}" for s, _, e in failed)
+            + f" (moved to {self.directory / UNREADABLE_DIR})"
+        )
+
+    def _move_aside(self, step: int) -> Path:
+        """Renames the step folder to ``unreadable/STEP`` (nothing is deleted)."""
+        src = self.directory / str(step)
+        dst = self.directory / UNREADABLE_DIR / str(step)
+        if jax.process_index() == 0 and src.exists():
+            if dst.exists():
+                dst = dst.with_name(f"{step}-{time.time_ns()}")
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            src.rename(dst)
+        self._manager.reload()
+        return dst
+
+    def _restore(self, template: TrainState, sharding: Any, step: int):
         meta = self.read_meta(step)
         flat = flatten_state(template)
         _check_fits(meta.get("arrays", {}), _describe(flat), step, str(self.directory))
@@ -205,12 +318,26 @@ class Checkpointer:
         return jax.tree.unflatten(treedef, leaves), dict(out["meta"])
 
     def wait(self) -> None:
-        """Blocks until pending saves are on disk."""
-        self._manager.wait_until_finished()
+        """Blocks until pending saves are on disk.
+
+        Raises:
+          CheckpointSaveError: the pending save failed (raised once; see the module docstring).
+        """
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            if self._reported is not None:  # orbax re-raises a failed save on every wait
+                return
+            raise self._save_error(e) from e
+        self._pending = None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        self.wait()
+        try:
+            self._manager.close()
+        except Exception:
+            if self._reported is None:
+                raise
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -219,4 +346,10 @@ class Checkpointer:
         self.close()
 
 
-__all__ = ["CheckpointMismatchError", "Checkpointer", "flatten_state"]
+__all__ = [
+    "CheckpointFallbackWarning",
+    "CheckpointMismatchError",
+    "CheckpointSaveError",
+    "Checkpointer",
+    "flatten_state",
+]
