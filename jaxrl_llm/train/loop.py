@@ -112,10 +112,11 @@ def train(
         shuffle=config.data.shuffle,
         pad_multiple=PAD_MULTIPLE,
     )
-    start = 0
+    start = skipped = 0  # skipped: steps whose update was non-finite (train.on_nonfinite)
     if ckpt.latest_step() is not None:
         state, meta = ckpt.restore(setup.state, setup.state_sharding)
         iterator.load_state_dict(meta["data"])
+        skipped = int(meta.get("skipped_steps", 0))
         start = int(state.step)
         changes = config_changes(meta.get("config"), config)
         log(f"resuming {run.run_dir} from step {start}")
@@ -165,6 +166,14 @@ def train(
                     metrics["kl"] = metrics["actor/kl_ref"]
                 elif "kl/rollout" in metrics:
                     metrics["kl"] = metrics["kl/rollout"]
+                if metrics.get("update/nonfinite", 0) > 0:
+                    skipped += 1
+                    if t.on_nonfinite == "skip":
+                        logger.write(
+                            f"step {step}: non-finite loss or gradient, update skipped (parameters "
+                            f"and optimizer state unchanged; {skipped} steps skipped so far)"
+                        )
+                metrics["train/skipped_steps"] = skipped
                 if step % t.log_every == 0 or step == t.max_steps:
                     logger.log(step, metrics)
                 logger.progress(step, metrics)
@@ -176,7 +185,7 @@ def train(
                         "train.on_nonfinite=skip to continue past such batches."
                     )
                 if ckpt.should_save(step, final=step == t.max_steps):
-                    ckpt.save(step, state, meta=_meta(config, iterator))
+                    ckpt.save(step, state, meta=_meta(config, iterator, skipped))
                 if evaluating and (
                     step == t.max_steps or (t.eval_every and step % t.eval_every == 0)
                 ):
@@ -185,7 +194,7 @@ def train(
                     logger.write(_format_eval(step, ev))
                     final = {**final, **ev}
             if ckpt.should_save(step, final=True):
-                ckpt.save(step, state, meta=_meta(config, iterator))
+                ckpt.save(step, state, meta=_meta(config, iterator, skipped))
     finally:
         ckpt.close()  # waits for pending saves, also when interrupted
     export_policy(run, state.params)
@@ -195,8 +204,8 @@ def train(
     return final
 
 
-def _meta(config: TrainConfig, iterator: BatchIterator) -> dict[str, Any]:
-    return {"data": iterator.state_dict(), "config": to_yaml(config)}
+def _meta(config: TrainConfig, iterator: BatchIterator, skipped: int = 0) -> dict[str, Any]:
+    return {"data": iterator.state_dict(), "config": to_yaml(config), "skipped_steps": skipped}
 
 
 def _format_eval(step: int, ev: dict[str, float]) -> str:

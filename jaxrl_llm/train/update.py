@@ -179,12 +179,20 @@ def _accumulate(trainee: _Trainee, params: Any, mb: Any, constrain: Callable) ->
     return total
 
 
-def _apply(tx, params, opt_state, grads, denominator):
-    """θ ← tx(g / max(D, 1)); a non-finite gradient skips the update (state kept)."""
+def _apply(tx, params, opt_state, grads, denominator, loss_sum=None):
+    """θ ← tx(g / max(D, 1)); a non-finite gradient (or loss) skips the update (state kept).
+
+    The skip is a ``lax.cond`` inside the jitted step on the finiteness of the global gradient
+    norm (one NaN/inf anywhere makes it non-finite) and of the loss, so a bad batch can never
+    write NaN into the parameters or the optimizer moments; the loop counts or stops on it
+    (``train.on_nonfinite``).
+    """
     scale = 1.0 / jnp.maximum(denominator, 1.0)
     grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, params)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm)
+    if loss_sum is not None:
+        finite = finite & jnp.isfinite(loss_sum)
 
     def update(operands):
         params, opt_state = operands
@@ -227,7 +235,10 @@ def _optimize(
         new_params, new_opts, metrics = [], [], {}
         for trainee, p, o in zip(trainees, params, opt_states, strict=True):
             grads, aux = _accumulate(trainee, p, mb, constrain)
-            p, o, grad_norm, finite = _apply(trainee.tx, p, o, grads, trainee.denominator(mb))
+            loss_sum = aux.get(f"{trainee.name}/loss", (None,))[0]
+            p, o, grad_norm, finite = _apply(
+                trainee.tx, p, o, grads, trainee.denominator(mb), loss_sum
+            )
             metrics.update(_finalize(aux))
             metrics[f"{trainee.name}/grad_norm"] = grad_norm
             metrics[f"{trainee.name}/nonfinite"] = 1.0 - finite.astype(jnp.float32)
