@@ -42,6 +42,7 @@ from jaxrl_llm.data import BatchIterator
 from jaxrl_llm.train import state as st
 from jaxrl_llm.train.batches import build_update_batch, collect, dpo_batch
 from jaxrl_llm.train.evaluation import run_evaluation
+from jaxrl_llm.train.faults import mark_phase
 from jaxrl_llm.train.metrics import MetricsLogger, plot_run
 from jaxrl_llm.train.run import (
     CHECKPOINT_DIR,
@@ -123,6 +124,7 @@ def train(
         if changes:
             log("config changed since the checkpoint: " + "; ".join(changes[:10]))
     save_config(config, run.run_dir / CONFIG_FILE)
+    mark_phase("start", start)
     _print_header(run, log)
     step_fn = make_step_fn(run)
     t = config.train
@@ -139,6 +141,7 @@ def train(
             step = start
             while step < t.max_steps:
                 t_step = time.perf_counter()
+                mark_phase("rollout", step + 1)
                 key, gen_key = jax.random.split(jax.random.wrap_key_data(state.rng))
                 if config.is_offline:
                     batch, metrics = dpo_batch(run, iterator.next_batch())
@@ -155,6 +158,7 @@ def train(
                     kl_state=jax.device_put(kl_state, sh.kl_state),
                 )
                 t_update = time.perf_counter()
+                mark_phase("update", step + 1)
                 state, update_metrics = step_fn(state, batch)
                 update_metrics = _tensor_metrics(update_metrics)
                 step = int(state.step)
@@ -186,6 +190,7 @@ def train(
                     )
                 if ckpt.should_save(step, final=step == t.max_steps):
                     ckpt.save(step, state, meta=_meta(config, iterator, skipped))
+                    mark_phase("save", step)
                 if evaluating and (
                     step == t.max_steps or (t.eval_every and step % t.eval_every == 0)
                 ):
