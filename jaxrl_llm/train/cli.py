@@ -75,9 +75,17 @@ def _run(fn):
 
 @_run
 def _train(args: argparse.Namespace) -> int:
+    from jaxrl_llm import distributed as dist
     from jaxrl_llm.config import ConfigError
     from jaxrl_llm.train.loop import train
 
+    try:  # before anything touches a JAX backend; nothing happens without settings
+        dist.initialize(
+            args.coordinator, args.num_processes, args.process_id, auto=args.distributed
+        )
+    except dist.DistributedError as e:
+        print(f"jaxrl-llm train: {e}", file=sys.stderr)
+        return 2
     config = _load(args, need_config=True)
     if args.max_steps is not None and args.max_steps < 1:
         raise ConfigError(f"--max-steps {args.max_steps}: expected an integer ≥ 1")
@@ -85,7 +93,8 @@ def _train(args: argparse.Namespace) -> int:
         config, run_dir=args.run_dir, max_steps=args.max_steps, progress=not args.no_progress
     )
     shown = {k: v for k, v in final.items() if k.startswith(("eval/", "reward/mean", "step"))}
-    print("final: " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items()))
+    if dist.is_primary():
+        print("final: " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items()))
     return 0
 
 
@@ -134,6 +143,19 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
     _common(p, config_required=True)
     p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g = p.add_argument_group(
+        "multi-process (docs/scaling.md)",
+        "one process per host or GPU, all with the same command; none of these: one process",
+    )
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address and a port")
+    g.add_argument("--num-processes", type=int, metavar="N", help="number of processes")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process, in [0, N)")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="let JAX detect the cluster (Cloud TPU VM, SLURM srun, Open MPI) for what is not "
+        "given; also read from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID",
+    )
     p.set_defaults(func=_train)
 
     p = sub.add_parser("evaluate", help="held-out accuracy / mean reward of a run's checkpoint")

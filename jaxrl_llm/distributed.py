@@ -1,0 +1,253 @@
+"""Multi-process runs with plain ``jax.distributed``: starting it, and moving batches in and out.
+
+JAX runs one Python process per host (TPU VM, GPU node) or per GPU; every process runs the same
+program, owns its local devices, and jitted computations span the global mesh. This module
+holds the two things the trainer needs on top of that:
+
+1. :func:`initialize` resolves the settings (flags, then environment variables, then JAX's own
+   cluster detection) and calls ``jax.distributed.initialize`` once, before anything else
+   touches a JAX backend. With no settings at all it does nothing: a single-process run is
+   exactly what it was.
+
+   ========================  ==========================================================
+   setting                   sources, in order
+   ========================  ==========================================================
+   coordinator HOST:PORT     ``--coordinator``; ``JAX_COORDINATOR_ADDRESS`` (read by JAX)
+   number of processes N     ``--num-processes``; ``JAX_NUM_PROCESSES``
+   this process's id I       ``--process-id``; ``JAX_PROCESS_ID``
+   auto-detection            ``--distributed``: ``jax.distributed.initialize()`` without
+                             arguments, which reads the cluster (Cloud TPU VMs, SLURM
+                             ``srun`` steps, Open MPI, Kubernetes); also used for any of
+                             the three above that is not given
+   ========================  ==========================================================
+
+   (JAX 0.10 itself reads ``JAX_COORDINATOR_ADDRESS``, ``JAX_COORDINATOR_PORT`` for detected
+   clusters, and ``JAX_LOCAL_DEVICE_IDS``; ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID`` are read
+   here and passed on.) On CPU the cross-process collectives are gloo's: without
+   ``jax_cpu_collectives_implementation = "gloo"`` JAX answers "Multiprocess computations
+   aren't implemented on the CPU backend", so it is set unless the user chose one.
+
+2. Batches. A global batch of ``R`` rows is split by process into contiguous blocks, in process
+   order, so the global order is the one a single process would see: process ``p`` owns the
+   rows its devices hold under the batch sharding (:func:`process_rows`). Each process turns
+   its block into the global array with ``jax.make_array_from_process_local_data``
+   (:func:`to_global`), and reads results back with
+   ``jax.experimental.multihost_utils`` (:func:`gather`, :func:`to_host`). In a single
+   process these are the identity (``process_rows`` is every row).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+COORDINATOR_ENV = "JAX_COORDINATOR_ADDRESS"
+NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
+PROCESS_ID_ENV = "JAX_PROCESS_ID"
+
+
+class DistributedError(ValueError):
+    """Distributed settings that cannot start a run (the message names the flag or variable)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What :func:`initialize` passes to ``jax.distributed.initialize`` (``None``: detected)."""
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+def _int_setting(value: Any, what: str) -> int | None:
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise DistributedError(f"{what} = {value!r}: expected an integer") from None
+
+
+def _check_coordinator(address: str, what: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise DistributedError(
+            f"{what} = {address!r}: expected HOST:PORT (process 0's address and a free port, "
+            "e.g. 10.0.0.1:1234)"
+        )
+
+
+def resolve(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> Settings | None:
+    """The settings for ``jax.distributed.initialize``, or ``None`` for a single-process run.
+
+    Flags win over environment variables. Explicit settings must be complete (coordinator,
+    N and I together) unless ``auto`` lets JAX detect the rest.
+
+    Raises:
+      DistributedError: an incomplete or invalid combination, naming the flag or variable.
+    """
+    env = os.environ if environ is None else environ
+    coord_what, n_what, id_what = "--coordinator", "--num-processes", "--process-id"
+    if coordinator is None and env.get(COORDINATOR_ENV):
+        coordinator, coord_what = env[COORDINATOR_ENV], COORDINATOR_ENV
+    if num_processes is None and env.get(NUM_PROCESSES_ENV):
+        num_processes, n_what = env[NUM_PROCESSES_ENV], NUM_PROCESSES_ENV
+    if process_id is None and env.get(PROCESS_ID_ENV):
+        process_id, id_what = env[PROCESS_ID_ENV], PROCESS_ID_ENV
+    n = _int_setting(num_processes, n_what)
+    i = _int_setting(process_id, id_what)
+    if coordinator is None and n is None and i is None:
+        return Settings() if auto else None
+    if coordinator is not None:
+        _check_coordinator(str(coordinator), coord_what)
+    if n is not None and n < 1:
+        raise DistributedError(f"{n_what} = {n}: expected a number of processes ≥ 1")
+    if i is not None and n is not None and not 0 <= i < n:
+        raise DistributedError(
+            f"{id_what} = {i}: expected a process id in [0, {n}) ({n_what} = {n})"
+        )
+    if i is not None and i < 0:
+        raise DistributedError(f"{id_what} = {i}: expected a process id ≥ 0")
+    missing = [
+        what
+        for what, value in (
+            ("--coordinator HOST:PORT", coordinator),
+            ("--num-processes N", n),
+            ("--process-id I", i),
+        )
+        if value is None
+    ]
+    if missing and not auto:
+        given = [w for w, v in ((coord_what, coordinator), (n_what, n), (id_what, i)) if v]
+        raise DistributedError(
+            f"{' and '.join(given)} given without {' and '.join(missing)}: a multi-process run "
+            "needs all three on every process (or the variables "
+            f"{COORDINATOR_ENV}, {NUM_PROCESSES_ENV}, {PROCESS_ID_ENV}), or --distributed to "
+            "let JAX detect the cluster (TPU VM, SLURM, Open MPI)"
+        )
+    return Settings(coordinator=coordinator, num_processes=n, process_id=i)
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> Settings | None:
+    """Starts ``jax.distributed`` for the :func:`resolve` d settings (nothing without any).
+
+    Must run before any JAX computation or device query in the process (JAX raises
+    otherwise). Returns the settings used, or ``None`` when the run is single-process.
+    """
+    settings = resolve(coordinator, num_processes, process_id, auto=auto, environ=environ)
+    if settings is None:
+        return None
+    if jax.distributed.is_initialized():
+        return settings
+    if jax.config.jax_cpu_collectives_implementation is None:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=settings.coordinator,
+        num_processes=settings.num_processes,
+        process_id=settings.process_id,
+    )
+    return settings
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches across processes.
+
+
+def is_multiprocess() -> bool:
+    return jax.process_count() > 1
+
+
+def is_primary() -> bool:
+    """Whether this process writes the run's files (process 0)."""
+    return jax.process_index() == 0
+
+
+def process_rows(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> slice:
+    """The rows ``[start, stop)`` of a global ``shape`` array this process's devices hold.
+
+    Raises:
+      ValueError: the rows are not one contiguous block (a mesh whose device order interleaves
+        processes along the batch axis), so a process could not feed them from one slice.
+    """
+    if not is_multiprocess():
+        return slice(0, shape[0])
+    blocks = {
+        (idx[0].start or 0, shape[0] if idx[0].stop is None else idx[0].stop)
+        for idx in sharding.addressable_devices_indices_map(tuple(shape)).values()
+    }
+    start, stop = min(b[0] for b in blocks), max(b[1] for b in blocks)
+    covered = np.zeros(stop - start, bool)
+    for a, b in blocks:
+        covered[a - start : b - start] = True
+    if not covered.all() or (stop - start) * jax.process_count() != shape[0]:
+        raise ValueError(
+            f"process {jax.process_index()} holds rows {sorted(blocks)} of a batch of "
+            f"{shape[0]}, not one block of {shape[0] // jax.process_count()}: the mesh must "
+            "list each process's devices together along its data/fsdp axes (build it from "
+            "jax.devices(), which is in process order)"
+        )
+    return slice(start, stop)
+
+
+def to_global(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    """The global array of a host batch ``x`` (every process holds the same global ``x``):
+    each process contributes only its :func:`process_rows` with
+    ``jax.make_array_from_process_local_data``."""
+    x = np.asarray(x)
+    rows = process_rows(sharding, x.shape)
+    return jax.make_array_from_process_local_data(sharding, x[rows], x.shape)
+
+
+def gather(tree: Any) -> Any:
+    """Concatenates every process's rows (axis 0, in process order) into global host arrays;
+    the identity in a single process. Each leaf must have the same shape on every process."""
+    if not is_multiprocess():
+        return tree
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def to_host(x: Any) -> np.ndarray:
+    """``np.asarray`` that also reads a global array spread over several processes (gathered)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+__all__ = [
+    "COORDINATOR_ENV",
+    "NUM_PROCESSES_ENV",
+    "PROCESS_ID_ENV",
+    "DistributedError",
+    "Settings",
+    "gather",
+    "initialize",
+    "is_multiprocess",
+    "is_primary",
+    "process_rows",
+    "resolve",
+    "to_global",
+    "to_host",
+]
