@@ -287,6 +287,44 @@ def _mesh_of(params) -> jax.sharding.Mesh | None:
     return None
 
 
+def _rollout_multiprocess(graphdef, args, static: _Static, mesh) -> Rollout:
+    """One process's share of a multi-process rollout: its prompt rows in, its rows out.
+
+    The processes' rows form the global batch (process order) with
+    ``jax.make_array_from_process_local_data``; the sampler runs on the global arrays; each
+    process reads back the rows its own devices hold (``global_array_to_host_local_array``),
+    which are the rows it passed in.
+    """
+    from jax.experimental import multihost_utils
+
+    params, ids, mask, *rest = args
+    if mesh is None:
+        raise ValueError(
+            "generate: in a multi-process run the parameters must live on a mesh over every "
+            "process's devices (e.g. models.sharding.shard_model)"
+        )
+    batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape)
+    local_dp = math.prod(mesh.shape[a] for a in batch_axes) // jax.process_count()
+    if local_dp < 1 or ids.shape[0] % local_dp:
+        raise ValueError(
+            f"generate: this process passed {ids.shape[0]} prompts, not a multiple of its "
+            f"{max(local_dp, 1)} data-parallel shards (mesh {dict(mesh.shape)} over "
+            f"{jax.process_count()} processes); give each process B / processes prompts with "
+            "B a multiple of data × fsdp"
+        )
+    multihost_utils.assert_equal(
+        np.int64(ids.shape[1]),
+        "generate: processes passed prompts of different (padded) widths; pad the global "
+        "batch once and give each process its rows",
+    )
+    spec = jax.sharding.PartitionSpec(batch_axes)
+    with jax.set_mesh(mesh):
+        batch = NamedSharding(mesh, jax.sharding.PartitionSpec(batch_axes, None))
+        ids, mask = (jax.make_array_from_process_local_data(batch, x) for x in (ids, mask))
+        out = _rollout(graphdef, params, ids, mask, *rest, static=static)
+        return multihost_utils.global_array_to_host_local_array(out, mesh, spec)
+
+
 def generate(
     model,
     prompt_ids_bt,
@@ -315,7 +353,11 @@ def generate(
         split over the ``data``/``fsdp`` axes.
       prompt_ids_bt: ``int[B, P]`` token ids, left-padded (see :func:`encode_prompts`).
       prompt_mask_bt: ``bool[B, P]`` True on real tokens; every row needs at least one.
-      rng: a PRNG key; the same key gives the same completions (on any mesh).
+      rng: a PRNG key; the same key gives the same completions (on any mesh). In a
+        multi-process run (``jax.process_count() > 1``) every process passes the same key and
+        its own rows of the global batch (contiguous, in process order, the same padded
+        width), and gets back the completions of those rows; the sampler runs on the global
+        batch.
       max_new_tokens: ``T >= 1``, the length of every output.
       num_samples: ``G >= 1`` completions per prompt, sharing the prompt's prefill.
       temperature: τ >= 0; 0 is greedy decoding.
@@ -365,6 +407,8 @@ def generate(
     stop = _stop_ids(stop_token_ids, config)
     args = (params, ids, mask, rng, np.float32(temperature or 1.0), np.float32(top_p), stop)
     mesh = _mesh_of(params)
+    if jax.process_count() > 1:
+        return _rollout_multiprocess(graphdef, args, static, mesh)
     if mesh is None or not jax.sharding.get_abstract_mesh().empty:
         return _rollout(graphdef, *args, static=static)
     with jax.set_mesh(mesh):

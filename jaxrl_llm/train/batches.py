@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import chain as ch
+from jaxrl_llm import distributed as dist
 from jaxrl_llm import objective
 from jaxrl_llm import rewards as R
 from jaxrl_llm.config import TrainConfig
@@ -117,26 +118,68 @@ def score_completions(run: Run, prompts, fields, tokens, mask):
     return reward_bg.astype(np.float32), out, texts
 
 
+def _gather_reward_output(out: R.RewardOutput) -> R.RewardOutput:
+    """Every process's scores, in process order (error counts summed)."""
+    if not dist.is_multiprocess():
+        return out
+    names = sorted(out.num_errors)
+    total, components, correct, errors = dist.gather(
+        (
+            out.total_n,
+            out.components,
+            out.correct_n,
+            np.asarray([[out.num_errors[k] for k in names]], np.int64),
+        )
+    )
+    counts = errors.sum(axis=0)
+    return R.RewardOutput(
+        total_n=total,
+        components=components,
+        num_errors={k: int(c) for k, c in zip(names, counts, strict=True)},
+        correct_n=correct,
+    )
+
+
 def _generate_round(run: Run, params, batch, key) -> tuple[Groups, R.RewardOutput, dict]:
+    """Samples and scores one global batch of prompts; every process returns all its groups.
+
+    In a multi-process run each process generates for and scores only its own rows of the
+    batch (:func:`~jaxrl_llm.distributed.process_rows`), then the groups are gathered so that
+    selection and metrics see the global batch in the order of a single-process run.
+    """
     r = run.config.rollout
+    rows = run.process_prompt_rows(len(batch.prompts))
     t0 = time.perf_counter()
     out = sample_completions(
-        run, params, batch.prompt_ids_bt, batch.prompt_mask_bt, key, num_samples=r.num_samples
+        run,
+        params,
+        batch.prompt_ids_bt[rows],
+        batch.prompt_mask_bt[rows],
+        key,
+        num_samples=r.num_samples,
     )
     t1 = time.perf_counter()
     reward_bg, reward_out, _ = score_completions(
-        run, batch.prompts, batch.fields, out.tokens, out.mask
+        run,
+        batch.prompts[rows],
+        {k: v[rows] for k, v in batch.fields.items()},
+        out.tokens,
+        out.mask,
     )
     t2 = time.perf_counter()
-    groups = Groups(
-        prompt_ids=np.asarray(batch.prompt_ids_bt, np.int32),
-        prompt_mask=np.asarray(batch.prompt_mask_bt, bool),
+    local = dict(
         tokens=out.tokens.astype(np.int32),
         mask=out.mask.astype(bool),
         logp=out.logprobs.astype(np.float32),
         truncated=out.truncated.astype(bool),
         reward=reward_bg,
-        member=np.ones(reward_bg.shape, bool),
+    )
+    local, reward_out = dist.gather(local), _gather_reward_output(reward_out)
+    groups = Groups(
+        prompt_ids=np.asarray(batch.prompt_ids_bt, np.int32),
+        prompt_mask=np.asarray(batch.prompt_mask_bt, bool),
+        **local,
+        member=np.ones(local["reward"].shape, bool),
     )
     return groups, reward_out, {"time/rollout": t1 - t0, "time/reward": t2 - t1}
 
@@ -251,6 +294,14 @@ def _value_targets(recipe: Recipe, rollout: ch.Rollout, kl_state):
     return jnp.where(mask, adv + rollout.value_bgt, 0.0)
 
 
+def _global_batch(run: Run, batch):
+    """Several processes: the batch's host arrays become global arrays, each process giving
+    its own rows (``make_array_from_process_local_data``); one process: unchanged."""
+    if not dist.is_multiprocess():
+        return batch
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else run.to_batch_device(x), batch)
+
+
 def needs_old_logprob_pass(config: TrainConfig, recipe: Recipe) -> bool:
     """Whether π_old is recomputed by a forward pass before the update."""
     if config.old_logprobs.source != "recompute":
@@ -272,6 +323,9 @@ def build_update_batch(run: Run, state: st.TrainState, groups: Groups):
     metrics: dict[str, float] = {}
     t0 = time.perf_counter()
     shape = lambda x: None if x is None else x.reshape(b, g, t)
+    # Several processes: host arrays enter the chain as global arrays built from each
+    # process's rows, like the token batch; one process keeps its plain device arrays.
+    put = run.to_batch_device if dist.is_multiprocess() else jnp.asarray
     logp_old = logp_ref = values = None
     with jax.set_mesh(run.mesh):
         if needs_old_logprob_pass(config, recipe):
@@ -284,14 +338,12 @@ def build_update_batch(run: Run, state: st.TrainState, groups: Groups):
         chain_old = (
             logp_old
             if logp_old is not None
-            else (
-                jnp.asarray(groups.logp.reshape(n, t)) if sampler or recipe.kl_in_reward else None
-            )
+            else (put(groups.logp.reshape(n, t)) if sampler or recipe.kl_in_reward else None)
         )
         rollout = ch.Rollout(
-            reward_bg=jnp.asarray(groups.reward),
-            mask_bgt=jnp.asarray(groups.mask),
-            mask_bg=jnp.asarray(groups.member),
+            reward_bg=put(groups.reward),
+            mask_bgt=put(groups.mask),
+            mask_bg=put(groups.member),
             logp_old_bgt=shape(chain_old),
             logp_ref_bgt=shape(logp_ref),
             value_bgt=shape(values),
@@ -299,8 +351,8 @@ def build_update_batch(run: Run, state: st.TrainState, groups: Groups):
         adv_bgt, kl_state = _advantages(recipe, rollout, state.kl_state)
         returns = _value_targets(recipe, rollout, state.kl_state) if recipe.needs_critic else None
         token_mask = ch.token_mask(rollout)
-        valid = np.asarray(token_mask)
-        adv = np.asarray(adv_bgt)[valid]
+        valid = dist.to_host(token_mask)
+        adv = dist.to_host(adv_bgt)[valid]
         if adv.size:
             metrics.update(
                 {
@@ -321,14 +373,15 @@ def build_update_batch(run: Run, state: st.TrainState, groups: Groups):
     batch = up.UpdateBatch(
         tokens_nl=tokens_nl,
         input_mask_nl=input_mask_nl,
-        mask_nt=np.asarray(token_mask).reshape(n, t),
+        mask_nt=valid.reshape(n, t),
         adv_nt=flat(adv_bgt),
         logp_old_nt=flat(logp_old),
-        logp_sampler_nt=jnp.asarray(groups.logp.reshape(n, t)) if sampler else None,
+        logp_sampler_nt=put(groups.logp.reshape(n, t)) if sampler else None,
         logp_ref_nt=flat(logp_ref),
         value_old_nt=flat(values),
         return_nt=flat(returns),
     )
+    batch = _global_batch(run, batch)
     metrics["perf/tokens"] = float(input_mask_nl.sum())
     return batch, kl_state, metrics
 
@@ -367,7 +420,7 @@ def dpo_batch(run: Run, pairs) -> tuple[up.DPOBatch, dict[str, float]]:
             fields["chosen_input_mask_nl"].sum() + fields["rejected_input_mask_nl"].sum()
         ),
     }
-    return up.DPOBatch(**fields), metrics
+    return _global_batch(run, up.DPOBatch(**fields)), metrics
 
 
 __all__ = [

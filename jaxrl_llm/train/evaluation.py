@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm.data import sequential_batches
 from jaxrl_llm.train import data as run_data
 from jaxrl_llm.train.batches import dpo_batch, sample_completions, score_completions
@@ -19,8 +20,14 @@ from jaxrl_llm.train.run import PAD_MULTIPLE, Run
 # Evaluation.
 
 
-def _eval_batch_size(n: int) -> int:
-    return max(1, min(n, 64))
+def _eval_batch_size(n: int, run: Run | None = None) -> int:
+    """At most 64 prompts; with several processes a multiple of the data-parallel size, so
+    each process samples its own block of every batch."""
+    bs = max(1, min(n, 64))
+    if run is not None and dist.is_multiprocess():
+        dp = run.mesh.shape["data"] * run.mesh.shape["fsdp"]
+        bs = -(-bs // dp) * dp
+    return bs
 
 
 def evaluate_prompts(
@@ -43,7 +50,7 @@ def evaluate_prompts(
         )
         mode = "greedy"
     max_new = max_new_tokens or c.train.eval_max_new_tokens or run.config.rollout.max_new_tokens
-    bs = _eval_batch_size(len(ds))
+    bs = _eval_batch_size(len(ds), run)
     key = jax.random.fold_in(jax.random.key(c.train.seed + 1), step)
     correct, rewards, lengths = [], [], []
     for i, batch in enumerate(sequential_batches(ds, bs, pad_multiple=PAD_MULTIPLE)):
@@ -52,24 +59,42 @@ def evaluate_prompts(
         if k < bs:  # keep one shape: repeat the last prompt, ignore the copies
             ids = np.concatenate([ids, np.repeat(ids[-1:], bs - k, 0)])
             mask = np.concatenate([mask, np.repeat(mask[-1:], bs - k, 0)])
+        rows = run.process_prompt_rows(bs)
         out = sample_completions(
             run,
             params,
-            ids,
-            mask,
+            ids[rows],
+            mask[rows],
             jax.random.fold_in(key, i),
             num_samples=1,
             greedy=mode == "greedy",
             max_new_tokens=max_new,
         )
-        tokens, tmask = out.tokens[:k], out.mask[:k]
+        # One process scores the k real prompts. Several score all their rows (the copies
+        # too), so that every process gathers the same shape; the first k rows are kept.
+        mine = slice(rows.start, rows.stop if dist.is_multiprocess() else k)
+        num = mine.stop - mine.start
+        prompts = batch.prompts + batch.prompts[-1:] * (bs - k)
+        fields = {f: list(v) + list(v[-1:]) * (bs - k) for f, v in batch.fields.items()}
+        tokens, tmask = out.tokens[:num], out.mask[:num]
         reward_bg, reward_out, _ = score_completions(
-            dataclasses.replace(run, reward=reward), batch.prompts, batch.fields, tokens, tmask
+            dataclasses.replace(run, reward=reward),
+            prompts[mine],
+            {f: v[mine] for f, v in fields.items()},
+            tokens,
+            tmask,
         )
-        rewards.append(reward_bg[:, 0])
-        lengths.append(tmask.sum(-1)[:, 0])
-        if reward_out.correct_n is not None:
-            correct.append(np.asarray(reward_out.correct_n))
+        scores = dist.gather(
+            {
+                "reward": reward_bg[:, 0],
+                "length": tmask.sum(-1)[:, 0],
+                "correct": None if reward_out.correct_n is None else reward_out.correct_n,
+            }
+        )
+        rewards.append(np.asarray(scores["reward"])[:k])
+        lengths.append(np.asarray(scores["length"])[:k])
+        if scores["correct"] is not None:
+            correct.append(np.asarray(scores["correct"])[:k])
     out = {
         "eval/reward_mean": float(np.concatenate(rewards).mean()),
         "eval/response_length": float(np.concatenate(lengths).mean()),
@@ -106,12 +131,12 @@ def evaluate_pairs(run: Run, params) -> dict[str, float]:
                     getattr(batch, f"{side}_input_mask_nl"),
                     completion_len=mask.shape[1],
                 )
-                total = np.asarray(jnp.sum(jnp.where(mask, logp, 0.0), axis=-1))
+                total = dist.to_host(jnp.sum(jnp.where(mask, logp, 0.0), axis=-1))
                 ref = getattr(batch, f"ref_{side}_n")
                 if ref is None:
-                    seq[side] = total / np.maximum(mask.sum(-1), 1)
+                    seq[side] = total / np.maximum(dist.to_host(mask).sum(-1), 1)
                 else:
-                    seq[side] = beta * (total - np.asarray(ref))
+                    seq[side] = beta * (total - dist.to_host(ref))
         margin = seq["chosen"] - seq["rejected"]
         wins.append(margin > 0)
         margins.append(margin)

@@ -37,13 +37,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm.config import TrainConfig, save_config, to_yaml
 from jaxrl_llm.data import BatchIterator
 from jaxrl_llm.train import state as st
 from jaxrl_llm.train.batches import build_update_batch, collect, dpo_batch
 from jaxrl_llm.train.evaluation import run_evaluation
 from jaxrl_llm.train.faults import mark_phase
-from jaxrl_llm.train.metrics import MetricsLogger, plot_run
+from jaxrl_llm.train.metrics import MetricsLogger, NullLogger, plot_run
 from jaxrl_llm.train.run import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
@@ -99,6 +100,8 @@ def train(
         raise ValueError("train: give a run directory (--run-dir or run_dir in the config)")
     config = dataclasses.replace(config, run_dir=str(run_dir.absolute()))
     run = prepare(config, run_dir)
+    primary = dist.is_primary()  # with several processes, process 0 alone logs and writes files
+    log = log if primary else (lambda *_: None)
     run.run_dir.mkdir(parents=True, exist_ok=True)
     ckpt = checkpointer(run)
     setup = run.setup
@@ -123,14 +126,15 @@ def train(
         log(f"resuming {run.run_dir} from step {start}")
         if changes:
             log("config changed since the checkpoint: " + "; ".join(changes[:10]))
-    save_config(config, run.run_dir / CONFIG_FILE)
+    if primary:
+        save_config(config, run.run_dir / CONFIG_FILE)
     mark_phase("start", start)
     _print_header(run, log)
     step_fn = make_step_fn(run)
     t = config.train
     final: dict[str, float] = {}
     try:
-        with MetricsLogger(
+        with (MetricsLogger if primary else NullLogger)(
             run.run_dir, max_steps=t.max_steps, start_step=start, progress=progress
         ) as logger:
             evaluating = bool(run.data.eval_prompts or run.data.eval_pairs)
@@ -203,7 +207,8 @@ def train(
     finally:
         ckpt.close()  # waits for pending saves, also when interrupted
     export_policy(run, state.params)
-    plot_run(run.run_dir)
+    if primary:
+        plot_run(run.run_dir)
     final = dict(final)
     final["step"] = step
     return final

@@ -149,6 +149,32 @@ class MetricsLogger:
         self.close()
 
 
+class NullLogger:
+    """A :class:`MetricsLogger` that writes nothing: the other processes of a multi-process run
+    (process 0 alone writes the run's logs)."""
+
+    def __init__(self, run_dir: str | os.PathLike, **_: Any):
+        self.path = Path(run_dir) / METRICS_FILE
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        return {"step": int(step), **{k: _value(v) for k, v in metrics.items()}}
+
+    def progress(self, step: int, metrics: Mapping[str, Any]) -> None:
+        pass
+
+    def write(self, message: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NullLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
     return [p[0] for p in points], [p[1] for p in points]
@@ -198,4 +224,4 @@ def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None
     return path
 
 
-__all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLogger", "plot_run", "read_metrics"]
+__all__ = ["METRICS_FILE", "PLOT_FILE", "MetricsLogger", "NullLogger", "plot_run", "read_metrics"]

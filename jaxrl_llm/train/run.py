@@ -16,8 +16,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm import rewards as R
-from jaxrl_llm.config import TrainConfig, to_yaml
+from jaxrl_llm.config import ConfigError, TrainConfig, to_yaml
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.recipe import Recipe
 from jaxrl_llm.train import data as run_data
@@ -60,12 +61,24 @@ class Run:
         return self.setup.mesh
 
     def to_batch_device(self, x: np.ndarray) -> jax.Array:
-        """Puts a ``[N, ...]`` host array on the mesh, split over the batch axes if it divides."""
+        """Puts a ``[N, ...]`` host array on the mesh, split over the batch axes if it divides.
+
+        With several processes every process holds the same global ``x`` and contributes only
+        its own rows (``jax.make_array_from_process_local_data``).
+        """
         mesh = self.mesh
+        if dist.is_multiprocess():
+            return dist.to_global(x, shd.batch_sharding(mesh, np.ndim(x), self.setup.rules))
         dp = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
         if x.shape[0] % dp:
             return jax.device_put(x, st.replicated(mesh))
         return jax.device_put(x, shd.batch_sharding(mesh, x.ndim, self.setup.rules))
+
+    def process_prompt_rows(self, num_prompts: int) -> slice:
+        """This process's rows of a batch of prompts (every row in a single-process run)."""
+        return dist.process_rows(
+            shd.batch_sharding(self.mesh, 1, self.setup.rules), (int(num_prompts),)
+        )
 
 
 _COMPILED: dict = {}
@@ -87,9 +100,45 @@ def _stop_ids(config: TrainConfig, tokenizer: Any, model_config: Any) -> tuple[i
     return tuple(sorted(i for i in ids if 0 <= i < model_config.vocab_size))
 
 
+def check_processes(config: TrainConfig, mesh: jax.sharding.Mesh) -> None:
+    """With several processes: the mesh spans every process's devices, each process owns whole
+    data-parallel shards, and the prompts of a step split evenly over those shards.
+
+    Raises:
+      ConfigError: naming the mesh or batch key and the sizes that do not fit.
+    """
+    procs = jax.process_count()
+    if procs == 1:
+        return
+    sizes = dict(mesh.shape)
+    where = f"mesh (data={sizes['data']}, fsdp={sizes['fsdp']}, tensor={sizes['tensor']})"
+    if mesh.size != jax.device_count():
+        raise ConfigError(
+            f"{where} uses {mesh.size} of the {jax.device_count()} devices of this {procs}-process "
+            "run: a multi-process mesh must hold every process's devices (e.g. mesh.data=-1)",
+            "mesh",
+        )
+    dp = sizes["data"] * sizes["fsdp"]
+    if dp % procs:
+        raise ConfigError(
+            f"{where}: the data-parallel size data × fsdp = {dp} is not a multiple of the "
+            f"{procs} processes; keep mesh.tensor within one process's "
+            f"{jax.local_device_count()} devices and split data/fsdp across processes",
+            "mesh",
+        )
+    if config.rollout is not None and config.rollout.prompts_per_step % dp:
+        raise ConfigError(
+            f"rollout.prompts_per_step = {config.rollout.prompts_per_step}: expected a multiple "
+            f"of the data-parallel size {dp} ({where} over {procs} processes), so that each "
+            "process samples whole groups for its own prompts",
+            "rollout.prompts_per_step",
+        )
+
+
 def prepare(config: TrainConfig, run_dir: str | Path | None = None) -> Run:
     """Loads models, tokenizer, data and reward for ``config`` (fresh state, not restored)."""
     setup = st.build_setup(config)
+    check_processes(config, setup.mesh)
     model_config = setup.policy().config
     tokenizer = train_models.load_tokenizer(config.model, vocab_size=model_config.vocab_size)
     data = run_data.build_data(config, tokenizer)
@@ -191,6 +240,7 @@ __all__ = [
     "EXPORT_DIR",
     "PAD_MULTIPLE",
     "Run",
+    "check_processes",
     "checkpointer",
     "config_changes",
     "make_step_fn",
