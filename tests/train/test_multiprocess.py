@@ -1,0 +1,220 @@
+"""Multi-process training with ``jax.distributed`` on CPU (gloo collectives, loopback only).
+
+The end-to-end test trains ``configs/tiny.yaml`` (with a regex reward, so that rewards vary
+within groups and the update is not zero) twice on the same global mesh ``data=2``:
+
+* one process with two CPU devices (in this pytest process, on 2 of its 8 fake devices);
+* two processes with one CPU device each, started here as ``jaxrl-llm train --coordinator
+  127.0.0.1:PORT --num-processes 2 --process-id I`` on a free port.
+
+Both must end with the same parameters, within ``atol = 1e-5``. Not bit for bit: both runs
+compile one global program for the same mesh, and the gradient all-reduce (XLA's in-process
+one vs gloo's) adds two partial sums, which is exact, but the host-fed arrays of the advantage
+chain and the forward passes are single-device arrays in one process and batch-sharded global
+arrays in two, so XLA fuses and orders some float sums differently (1-ulp differences). Adam
+divides by √v, so an ulp-level change of a near-zero gradient can move a weight by a visible
+fraction of lr = 1e-4 per step. Measured here: at most 5e-8 (a few ulps of these ~0.02
+weights); with a reward that gave every answer the same score (zero advantages, gradients of
+pure rounding noise) up to 6e-6. A real mistake (a wrong share of prompts, a group split
+across processes, rewards in the wrong order) moves weights by ~lr = 1e-4, ten times the
+tolerance.
+
+The children get their own environment (one device each; the suite's 8-device XLA_FLAGS are not
+inherited), run under a timeout, and are killed if the test fails, so a hang fails instead of
+blocking CI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxrl_llm import distributed as dist
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300  # a safety net; the test takes ~1 minute on 2 CPU cores
+
+CONFIG = """\
+base: {tiny}
+rollout:
+  prompts_per_step: 4   # 2 per process
+rewards:
+  terms:
+    - type: regex       # at most 52 characters: about half of the random completions
+      weight: 1.0
+      kwargs: {{pattern: ".{{0,52}}", mode: fullmatch}}
+data:
+  eval_size: 4
+train:
+  max_steps: 2
+  save_every: 1
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# Settings: flags, environment, errors (no JAX backend is touched).
+
+
+def test_no_settings_is_a_single_process_run():
+    assert dist.resolve(environ={}) is None
+    assert dist.resolve(auto=True, environ={}) == dist.Settings()
+
+
+def test_flags_and_environment():
+    s = dist.resolve("10.0.0.1:1234", 4, 3, environ={})
+    assert s == dist.Settings("10.0.0.1:1234", 4, 3)
+    env = {"JAX_COORDINATOR_ADDRESS": "h:99", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}
+    assert dist.resolve(environ=env) == dist.Settings("h:99", 2, 1)
+    assert dist.resolve(process_id=0, environ=env) == dist.Settings("h:99", 2, 0)  # flag wins
+    # With --distributed, whatever is missing is left to JAX's cluster detection.
+    assert dist.resolve(num_processes=2, auto=True, environ={}) == dist.Settings(None, 2, None)
+
+
+@pytest.mark.parametrize(
+    "kwargs, env, message",
+    [
+        (dict(process_id=2, num_processes=2, coordinator="h:1"), {}, r"--process-id = 2.*\[0, 2\)"),
+        (dict(process_id=-1, coordinator="h:1", num_processes=2), {}, r"--process-id = -1"),
+        (dict(num_processes=2), {}, r"--num-processes given without --coordinator"),
+        (dict(num_processes=0, coordinator="h:1", process_id=0), {}, r"--num-processes = 0"),
+        (dict(coordinator="10.0.0.1", num_processes=2, process_id=0), {}, r"HOST:PORT"),
+        ({}, {"JAX_PROCESS_ID": "one"}, r"JAX_PROCESS_ID = 'one': expected an integer"),
+        ({}, {"JAX_COORDINATOR_ADDRESS": "h:1"}, r"JAX_COORDINATOR_ADDRESS given without"),
+    ],
+)
+def test_bad_settings_name_what_was_wrong(kwargs, env, message):
+    with pytest.raises(dist.DistributedError, match=message):
+        dist.resolve(**kwargs, environ=env)
+
+
+def test_cli_reports_bad_settings(capsys, tmp_path):
+    from jaxrl_llm.cli import main
+
+    argv = ["train", "--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(tmp_path)]
+    assert main([*argv, "--num-processes", "2", "--process-id", "0"]) == 2
+    assert "without --coordinator" in capsys.readouterr().err
+
+
+def test_single_process_rows_are_every_row():
+    import jax
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    assert dist.process_rows(sharding, (6, 3)) == slice(0, 6)
+    x = np.arange(6)
+    assert dist.gather({"x": x})["x"] is x
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes train like one.
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_"))
+    }
+    env.update(
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+    )
+    return env
+
+
+def _params(run_dir: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(run_dir / "export" / "model.safetensors")
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else "(no output)"
+
+
+@pytest.mark.slow
+def test_two_processes_end_with_the_parameters_of_one(tmp_path):
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.train.loop import train
+    from jaxrl_llm.train.metrics import read_metrics
+
+    config_path = tmp_path / "mp.yaml"
+    config_path.write_text(CONFIG.format(tiny=REPO / "configs" / "tiny.yaml"))
+    multi_dir, single_dir = tmp_path / "two", tmp_path / "one"
+    port = _free_port()
+    children, logs = [], []
+    t0 = time.monotonic()
+    try:
+        for i in range(2):
+            log = tmp_path / f"process{i}.log"
+            logs.append(log)
+            cmd = [
+                sys.executable,
+                "-m",
+                "jaxrl_llm.cli",
+                "train",
+                "--config",
+                str(config_path),
+                "--run-dir",
+                str(multi_dir),
+                "--no-progress",
+                "--coordinator",
+                f"127.0.0.1:{port}",
+                "--num-processes",
+                "2",
+                "--process-id",
+                str(i),
+                "mesh.data=2",
+            ]
+            with log.open("w") as out:
+                children.append(
+                    subprocess.Popen(
+                        cmd, cwd=REPO, env=_child_env(), stdout=out, stderr=subprocess.STDOUT
+                    )
+                )
+        # The one-process reference runs here meanwhile, on 2 of this process's devices.
+        config = load_config(config_path, ["mesh.data=2"])
+        train(config, run_dir=single_dir, progress=False, log=lambda *_: None)
+        for i, child in enumerate(children):
+            left = max(1.0, TIMEOUT_S - (time.monotonic() - t0))
+            try:
+                code = child.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"process {i} still running after {TIMEOUT_S} s:\n{_tail(logs[i])}")
+            assert code == 0, f"process {i} exited with {code}:\n{_tail(logs[i])}"
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+
+    one, two = _params(single_dir), _params(multi_dir)
+    assert sorted(one) == sorted(two)
+    for name in one:
+        np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-5, err_msg=name)
+
+    # Written once, by process 0: one line per step and evaluation, the same numbers.
+    records_one, records_two = read_metrics(single_dir), read_metrics(multi_dir)
+    assert [r["step"] for r in records_two] == [r["step"] for r in records_one] == [0, 1, 2, 2]
+    train_lines = [r for r in records_two if "reward/mean" in r]
+    assert any(r["reward/std"] > 0 for r in train_lines), "no reward signal: the test is vacuous"
+    for a, b in zip(records_one, records_two, strict=True):
+        for key in ("reward/mean", "reward/std", "actor/pg_loss", "eval/reward_mean"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], abs=1e-6), key
+    assert (multi_dir / "config.yaml").exists() and (multi_dir / "curves.png").exists()
+    assert sorted(p.name for p in (multi_dir / "checkpoints").iterdir()) == ["1", "2"]
+    assert "final: " in _tail(logs[0]) and "final: " not in _tail(logs[1])
