@@ -262,6 +262,33 @@ def _layer_call(layer, *args):
     return layer(*args)
 
 
+def _scan_remat_layers(layers, x_btd, cos, sin, allowed_per_layer, policy):
+    """The layer stack as a ``lax.scan`` of a checkpointed layer; ``None`` if layers differ.
+
+    Why a scan: XLA:CPU schedules an unrolled chain of ``jax.checkpoint`` layers so that every
+    recomputed activation is live at once (a 30-layer stack's ``temp`` memory is the same with
+    and without remat), while a checkpointed scan body keeps only the ``[B, T, D]`` carry per
+    layer. The layers' parameters are stacked along a new leading axis for the scan (one
+    transient copy of the layer weights; their gradients flow back through the stack).
+    Layers with different graphs (per-layer attributes) fall back to the unrolled loop.
+    """
+    graphdefs, states = zip(*(nnx.split(layer) for layer in layers), strict=True)
+    if any(g != graphdefs[0] for g in graphdefs[1:]):
+        return None
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    same_mask = all(m is allowed_per_layer[0] for m in allowed_per_layer)
+    masks = None if same_mask else jnp.stack(allowed_per_layer)
+
+    def body(x, per_layer):
+        state, allowed = per_layer
+        layer = nnx.merge(graphdefs[0], state)
+        x, _ = layer(x, cos, sin, allowed_per_layer[0] if allowed is None else allowed)
+        return sharding.constrain(x, ("batch", "seq", "act_embed")), None
+
+    x_btd, _ = jax.lax.scan(jax.checkpoint(body, policy=policy), x_btd, (stacked, masks))
+    return x_btd
+
+
 class Embed(nnx.Module):
     """Token embedding table ``[V, D]`` (the HF layout)."""
 
@@ -336,6 +363,13 @@ class Decoder(nnx.Module):
                 ok_ts = ok_ts & (k_slot_s[None, :] > q_slot_t[:, None] - window)
             allowed[window] = ok_ts[None, :, :] & k_valid_bs[:, None, :]
 
+        if c.remat != "none" and cache is None:
+            scanned = _scan_remat_layers(
+                self.layers, x_btd, cos, sin, [allowed[c.window(i)] for i in range(c.num_layers)],
+                _REMAT_POLICIES[c.remat],
+            )  # fmt: skip
+            if scanned is not None:
+                return self.norm(scanned), None
         call = _layer_call
         if c.remat != "none":
             call = nnx.remat(_layer_call, policy=_REMAT_POLICIES[c.remat])
