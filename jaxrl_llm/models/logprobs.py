@@ -21,6 +21,10 @@ import jax.numpy as jnp
 from jaxrl_llm.core import logprobs as core_logprobs
 from jaxrl_llm.models.transformer import CausalLM
 
+MAX_CHUNK_ROWS = 1024
+"""Upper bound on ``B * chunk``: a chunk's ``[B, chunk, V]`` logits (and their softmax in the
+backward pass) stay near 200 MB for V = 49152 in f32 however large the batch is."""
+
 
 def hidden_logprobs(
     lm: CausalLM,
@@ -33,11 +37,14 @@ def hidden_logprobs(
 ):
     """Log-probs (and optionally entropies) of ``targets_bn`` from the states that predict them.
 
-    ``h_bnd[:, i]`` is the hidden state whose logits predict ``targets_bn[:, i]``. Returns f32
+    ``h_bnd[:, i]`` is the hidden state whose logits predict ``targets_bn[:, i]``. Chunks are
+    ``chunk_size`` steps long, shortened so that ``B * chunk <= MAX_CHUNK_ROWS``. Returns f32
     ``[B, N]`` (a pair with the entropy when ``with_entropy``).
     """
     b, n, d = h_bnd.shape
     c = n if chunk_size is None or chunk_size >= n else chunk_size
+    if chunk_size is not None:  # a block holds at most MAX_CHUNK_ROWS rows of logits
+        c = max(1, min(c, MAX_CHUNK_ROWS // b))
     pad = -n % c
     if pad:  # pad the (small) hidden states, never the logits
         h_bnd = jnp.pad(h_bnd, ((0, 0), (0, pad), (0, 0)))

@@ -82,3 +82,25 @@ def test_chunked_backward_never_holds_full_logits(lm):
 
     assert temp_bytes(None) >= full_logits_bytes
     assert temp_bytes(32) < full_logits_bytes / 4
+
+
+def test_chunks_shrink_with_the_batch_to_bound_the_logit_rows(lm, monkeypatch):
+    """``B * chunk <= MAX_CHUNK_ROWS``: a wide batch gets shorter chunks, same numbers."""
+    from jaxrl_llm.models import logprobs as lp
+
+    b, n = 8, 12
+    rng = np.random.RandomState(3)
+    h = jnp.asarray(rng.standard_normal((b, n, CONFIG.hidden_size)), jnp.float32)
+    y = jnp.asarray(rng.randint(0, CONFIG.vocab_size, (b, n)), jnp.int32)
+    whole = hidden_logprobs(lm, h, y, chunk_size=None)
+    real_scan, chunk_shapes = jax.lax.scan, []
+
+    def recording_scan(f, init, xs):
+        chunk_shapes.append(xs[1].shape)  # targets: [chunks, B, chunk]
+        return real_scan(f, init, xs)
+
+    monkeypatch.setattr(lp, "MAX_CHUNK_ROWS", 2 * b)  # two steps per chunk, not 12
+    monkeypatch.setattr(lp.jax.lax, "scan", recording_scan)
+    chunked = hidden_logprobs(lm, h, y, chunk_size=256)
+    assert chunk_shapes == [(n // 2, b, 2)]
+    np.testing.assert_allclose(chunked, whole, atol=1e-5)
