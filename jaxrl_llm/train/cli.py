@@ -35,12 +35,13 @@ def _load(args: argparse.Namespace, *, need_config: bool):
 
 
 def _input_errors() -> tuple[type[BaseException], ...]:
-    """Errors caused by what the user gave (config, files, models, rewards, run directory)."""
+    """Errors whose message is for the user (config, files, models, rewards, run directory,
+    a checkpoint that cannot be written): printed without a traceback, exit status 2."""
     from jaxrl_llm.config import ConfigError
     from jaxrl_llm.data import DataError
     from jaxrl_llm.models import UnsafeCheckpointError, UnsupportedModelError
     from jaxrl_llm.rewards import RewardConfigError, RewardError
-    from jaxrl_llm.train.checkpoint import CheckpointMismatchError
+    from jaxrl_llm.train.checkpoint import CheckpointMismatchError, CheckpointSaveError
 
     return (
         ConfigError,
@@ -51,6 +52,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
         RewardConfigError,
         RewardError,
         CheckpointMismatchError,
+        CheckpointSaveError,  # disk full: the message names the step and the intact checkpoint
     )
 
 
