@@ -5,9 +5,13 @@ within groups and the update is not zero) twice on the same global mesh ``data=2
 
 * one process with two CPU devices (in this pytest process, on 2 of its 8 fake devices);
 * two processes with one CPU device each, started here as ``jaxrl-llm train --coordinator
-  127.0.0.1:PORT --num-processes 2 --process-id I`` on a free port.
+  127.0.0.1:PORT --num-processes 2 --process-id I`` on a free port, in two launches: the first
+  stops after step 1 (``--max-steps 1``; the learning rate is constant, so the horizon changes
+  nothing), the second is the same command without ``--max-steps`` on the same run directory,
+  so both processes restore the step-1 checkpoint (orbax, on every process) and do step 2.
 
-Both must end with the same parameters, within ``atol = 1e-5``. Not bit for bit: both runs
+Both must end with the same parameters, within ``atol = 1e-5``, so resuming a multi-process
+run continues it exactly like an uninterrupted run. Not bit for bit: both runs
 compile one global program for the same mesh, and the gradient all-reduce (XLA's in-process
 one vs gloo's) adds two partial sums, which is exact, but the host-fed arrays of the advantage
 chain and the forward passes are single-device arrays in one process and batch-sharded global
@@ -39,7 +43,7 @@ import pytest
 from jaxrl_llm import distributed as dist
 
 REPO = Path(__file__).resolve().parents[2]
-TIMEOUT_S = 300  # a safety net; the test takes ~1 minute on 2 CPU cores
+TIMEOUT_S = 300  # per launch, a safety net; the test takes ~2 minutes on 2 loaded CPU cores
 
 CONFIG = """\
 base: {tiny}
@@ -145,6 +149,48 @@ def _tail(path: Path, n: int = 3000) -> str:
     return path.read_text(errors="replace")[-n:] if path.exists() else "(no output)"
 
 
+def _launch(children: list, config_path: Path, run_dir: Path, logs: list[Path], *extra: str):
+    """Starts the two processes of one multi-process ``train`` (appended to ``children``, so
+    that the caller kills them however this fails; output in ``logs``)."""
+    port = _free_port()
+    for i, log in enumerate(logs):
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxrl_llm.cli",
+            "train",
+            "--config",
+            str(config_path),
+            "--run-dir",
+            str(run_dir),
+            "--no-progress",
+            "--coordinator",
+            f"127.0.0.1:{port}",
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(i),
+            *extra,
+            "mesh.data=2",
+        ]
+        with log.open("w") as out:
+            children.append(
+                subprocess.Popen(
+                    cmd, cwd=REPO, env=_child_env(), stdout=out, stderr=subprocess.STDOUT
+                )
+            )
+
+
+def _wait(children: list, logs: list[Path], started: float, what: str) -> None:
+    for i, child in enumerate(children):
+        left = max(1.0, TIMEOUT_S - (time.monotonic() - started))
+        try:
+            code = child.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{what}: process {i} still running after {TIMEOUT_S} s:\n{_tail(logs[i])}")
+        assert code == 0, f"{what}: process {i} exited with {code}:\n{_tail(logs[i])}"
+
+
 @pytest.mark.slow
 def test_two_processes_end_with_the_parameters_of_one(tmp_path):
     from jaxrl_llm.config import load_config
@@ -154,47 +200,20 @@ def test_two_processes_end_with_the_parameters_of_one(tmp_path):
     config_path = tmp_path / "mp.yaml"
     config_path.write_text(CONFIG.format(tiny=REPO / "configs" / "tiny.yaml"))
     multi_dir, single_dir = tmp_path / "two", tmp_path / "one"
-    port = _free_port()
-    children, logs = [], []
-    t0 = time.monotonic()
+    first = [tmp_path / f"first{i}.log" for i in range(2)]
+    second = [tmp_path / f"second{i}.log" for i in range(2)]
+    children: list = []
     try:
-        for i in range(2):
-            log = tmp_path / f"process{i}.log"
-            logs.append(log)
-            cmd = [
-                sys.executable,
-                "-m",
-                "jaxrl_llm.cli",
-                "train",
-                "--config",
-                str(config_path),
-                "--run-dir",
-                str(multi_dir),
-                "--no-progress",
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-                "mesh.data=2",
-            ]
-            with log.open("w") as out:
-                children.append(
-                    subprocess.Popen(
-                        cmd, cwd=REPO, env=_child_env(), stdout=out, stderr=subprocess.STDOUT
-                    )
-                )
+        t0 = time.monotonic()
+        _launch(children, config_path, multi_dir, first, "--max-steps", "1")
         # The one-process reference runs here meanwhile, on 2 of this process's devices.
         config = load_config(config_path, ["mesh.data=2"])
         train(config, run_dir=single_dir, progress=False, log=lambda *_: None)
-        for i, child in enumerate(children):
-            left = max(1.0, TIMEOUT_S - (time.monotonic() - t0))
-            try:
-                code = child.wait(timeout=left)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"process {i} still running after {TIMEOUT_S} s:\n{_tail(logs[i])}")
-            assert code == 0, f"process {i} exited with {code}:\n{_tail(logs[i])}"
+        _wait(children, first, t0, "first launch (--max-steps 1)")
+        assert sorted(p.name for p in (multi_dir / "checkpoints").iterdir()) == ["1"]
+        t0 = time.monotonic()
+        _launch(children, config_path, multi_dir, second)  # resumes from step 1
+        _wait(children[2:], second, t0, "second launch (resume)")
     finally:
         for child in children:
             if child.poll() is None:
@@ -206,15 +225,22 @@ def test_two_processes_end_with_the_parameters_of_one(tmp_path):
     for name in one:
         np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-5, err_msg=name)
 
-    # Written once, by process 0: one line per step and evaluation, the same numbers.
+    # Written once, by process 0: one line per step and evaluation, the same numbers (the first
+    # launch also evaluated at its last step, 1).
     records_one, records_two = read_metrics(single_dir), read_metrics(multi_dir)
-    assert [r["step"] for r in records_two] == [r["step"] for r in records_one] == [0, 1, 2, 2]
+    assert [r["step"] for r in records_one] == [0, 1, 2, 2]
+    assert [r["step"] for r in records_two] == [0, 1, 1, 2, 2]
     train_lines = [r for r in records_two if "reward/mean" in r]
+    assert [r["step"] for r in train_lines] == [1, 2]
     assert any(r["reward/std"] > 0 for r in train_lines), "no reward signal: the test is vacuous"
-    for a, b in zip(records_one, records_two, strict=True):
+    two_by_step = {(r["step"], "reward/mean" in r): r for r in records_two}
+    for a in records_one:
+        b = two_by_step[a["step"], "reward/mean" in a]
         for key in ("reward/mean", "reward/std", "actor/pg_loss", "eval/reward_mean"):
             if key in a:
-                assert b[key] == pytest.approx(a[key], abs=1e-6), key
+                assert b[key] == pytest.approx(a[key], abs=1e-6), (a["step"], key)
     assert (multi_dir / "config.yaml").exists() and (multi_dir / "curves.png").exists()
     assert sorted(p.name for p in (multi_dir / "checkpoints").iterdir()) == ["1", "2"]
-    assert "final: " in _tail(logs[0]) and "final: " not in _tail(logs[1])
+    for logs in (first, second):
+        assert "final: " in _tail(logs[0]) and "final: " not in _tail(logs[1])
+    assert "from step 1" in _tail(second[0]) and "resuming" not in _tail(second[1])
