@@ -9,6 +9,10 @@ Wire them into the main parser with ``add_train_parsers(subparsers)``::
 Re-running ``train`` on a directory with checkpoints resumes. ``evaluate`` and ``export`` read
 ``RUN_DIR/config.yaml`` (written by ``train``) unless ``--config`` is given. A config error
 prints the message and exits with status 2.
+
+All three take the multi-process flags (``--coordinator``, ``--num-processes``, ``--process-id``,
+``--distributed``; docs/scaling.md): every process runs the same command, and process 0 alone
+prints and writes files.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     a checkpoint that cannot be written): printed without a traceback, exit status 2."""
     from jaxrl_llm.config import ConfigError
     from jaxrl_llm.data import DataError
+    from jaxrl_llm.distributed import DistributedError
     from jaxrl_llm.models import UnsafeCheckpointError, UnsupportedModelError
     from jaxrl_llm.rewards import RewardConfigError, RewardError
     from jaxrl_llm.train.checkpoint import CheckpointMismatchError, CheckpointSaveError
@@ -53,6 +58,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
         RewardError,
         CheckpointMismatchError,
         CheckpointSaveError,  # disk full: the message names the step and the intact checkpoint
+        DistributedError,  # the multi-process flags: the message names the flag or variable
     )
 
 
@@ -75,19 +81,46 @@ def _run(fn):
     return wrapped
 
 
+def _add_distributed_args(p: argparse.ArgumentParser) -> None:
+    """The multi-process flags, read by :func:`_init_distributed`."""
+    g = p.add_argument_group(
+        "multi-process (docs/scaling.md)",
+        "one process per host or GPU, all with the same command; none of these: one process",
+    )
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address and a port")
+    g.add_argument("--num-processes", type=int, metavar="N", help="number of processes")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process, in [0, N)")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="let JAX detect the cluster (Cloud TPU VM, SLURM srun, Open MPI) for what is not "
+        "given; also read from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID",
+    )
+
+
+def _init_distributed(args: argparse.Namespace) -> bool:
+    """Starts ``jax.distributed`` from :func:`_add_distributed_args`' flags (nothing without any
+    setting); returns whether this process prints and writes files (process 0).
+
+    Must run before anything touches a JAX backend. A bad combination raises
+    :class:`~jaxrl_llm.distributed.DistributedError` (reported by ``_run``, exit status 2).
+    """
+    from jaxrl_llm import distributed as dist
+
+    dist.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
+    return dist.is_primary()
+
+
+def _quiet(*_: object) -> None:
+    """The ``log`` of processes other than 0."""
+
+
 @_run
 def _train(args: argparse.Namespace) -> int:
-    from jaxrl_llm import distributed as dist
     from jaxrl_llm.config import ConfigError
     from jaxrl_llm.train.loop import train
 
-    try:  # before anything touches a JAX backend; nothing happens without settings
-        dist.initialize(
-            args.coordinator, args.num_processes, args.process_id, auto=args.distributed
-        )
-    except dist.DistributedError as e:
-        print(f"jaxrl-llm train: {e}", file=sys.stderr)
-        return 2
+    primary = _init_distributed(args)
     config = _load(args, need_config=True)
     if args.max_steps is not None and args.max_steps < 1:
         raise ConfigError(f"--max-steps {args.max_steps}: expected an integer ≥ 1")
@@ -95,7 +128,7 @@ def _train(args: argparse.Namespace) -> int:
         config, run_dir=args.run_dir, max_steps=args.max_steps, progress=not args.no_progress
     )
     shown = {k: v for k, v in final.items() if k.startswith(("eval/", "reward/mean", "step"))}
-    if dist.is_primary():
+    if primary:
         print("final: " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items()))
     return 0
 
@@ -106,9 +139,17 @@ def _evaluate(args: argparse.Namespace) -> int:
 
     from jaxrl_llm.train.loop import evaluate
 
+    primary = _init_distributed(args)
     config = _load(args, need_config=False)
-    out = evaluate(config, run_dir=args.run_dir, mode=args.mode, max_new_tokens=args.max_new_tokens)
-    print(json.dumps(out, indent=2))
+    out = evaluate(
+        config,
+        run_dir=args.run_dir,
+        mode=args.mode,
+        max_new_tokens=args.max_new_tokens,
+        log=print if primary else _quiet,
+    )
+    if primary:
+        print(json.dumps(out, indent=2))
     return 0
 
 
@@ -116,9 +157,11 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from jaxrl_llm.train.loop import export
 
+    primary = _init_distributed(args)  # every process joins the gathers; process 0 writes
     config = _load(args, need_config=False)
-    path = export(config, run_dir=args.run_dir, out=args.out)
-    print(f"exported to {path}")
+    path = export(config, run_dir=args.run_dir, out=args.out, log=print if primary else _quiet)
+    if primary:
+        print(f"exported to {path}")
     return 0
 
 
@@ -145,19 +188,7 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
     _common(p, config_required=True)
     p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g = p.add_argument_group(
-        "multi-process (docs/scaling.md)",
-        "one process per host or GPU, all with the same command; none of these: one process",
-    )
-    g.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address and a port")
-    g.add_argument("--num-processes", type=int, metavar="N", help="number of processes")
-    g.add_argument("--process-id", type=int, metavar="I", help="this process, in [0, N)")
-    g.add_argument(
-        "--distributed",
-        action="store_true",
-        help="let JAX detect the cluster (Cloud TPU VM, SLURM srun, Open MPI) for what is not "
-        "given; also read from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID",
-    )
+    _add_distributed_args(p)
     p.set_defaults(func=_train)
 
     p = sub.add_parser("evaluate", help="held-out accuracy / mean reward of a run's checkpoint")
@@ -169,11 +200,13 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
         help="decoding (default train.eval_mode)",
     )
     p.add_argument("--max-new-tokens", type=int, default=None)
+    _add_distributed_args(p)
     p.set_defaults(func=_evaluate)
 
     p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face folder")
     _common(p, config_required=False)
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/export)")
+    _add_distributed_args(p)
     p.set_defaults(func=_export)
 
 

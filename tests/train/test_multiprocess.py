@@ -106,6 +106,60 @@ def test_cli_reports_bad_settings(capsys, tmp_path):
     assert "without --coordinator" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["train", "evaluate", "export"])
+def test_every_run_command_takes_the_multiprocess_flags(command):
+    from jaxrl_llm.cli import build_parser
+
+    def settings(argv):
+        a = build_parser().parse_args([command, "--config", "c.yaml", "--run-dir", "r", *argv])
+        assert a.overrides == ["optim.lr=1e-6"]
+        return a.coordinator, a.num_processes, a.process_id, a.distributed
+
+    assert settings(["optim.lr=1e-6"]) == (None, None, None, False)
+    flags = ["--coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "1"]
+    assert settings([*flags, "--distributed", "optim.lr=1e-6"]) == ("10.0.0.1:1234", 2, 1, True)
+
+
+@pytest.mark.parametrize("command", ["evaluate", "export"])
+def test_evaluate_and_export_report_bad_settings(command, capsys, tmp_path):
+    from jaxrl_llm.cli import main
+
+    # Checked before the config is read or JAX is touched (no config.yaml in tmp_path).
+    assert main([command, "--run-dir", str(tmp_path), "--process-id", "1"]) == 2
+    assert f"jaxrl-llm {command}: --process-id given without" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("primary", [True, False])
+def test_only_process_0_prints_evaluate_and_export(primary, monkeypatch, capsys, tmp_path):
+    from jaxrl_llm.cli import main
+    from jaxrl_llm.train import loop
+
+    started = []
+    monkeypatch.setattr(dist, "initialize", lambda *a, **k: started.append((a, k)))
+    monkeypatch.setattr(dist, "is_primary", lambda: primary)
+
+    def fake_evaluate(config, *, log, **kwargs):
+        log("restored step 2")
+        return {"eval/accuracy": 0.5}
+
+    def fake_export(config, *, log, out=None, **kwargs):
+        log("restored step 2")
+        return tmp_path / "export"
+
+    monkeypatch.setattr(loop, "evaluate", fake_evaluate)
+    monkeypatch.setattr(loop, "export", fake_export)
+    argv = ["--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(tmp_path)]
+    flags = ["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0"]
+    for command in ("evaluate", "export"):
+        assert main([command, *argv, *flags]) == 0
+        out = capsys.readouterr().out
+        if primary:
+            assert "restored step 2" in out and ("accuracy" in out or "exported to" in out)
+        else:
+            assert out == ""
+    assert started == [(("127.0.0.1:1234", 2, 0), {"auto": False})] * 2
+
+
 def test_single_process_rows_are_every_row():
     import jax
 
