@@ -31,7 +31,10 @@ Faults (``tests/train/test_faults.py`` kills runs with SIGKILL at random moments
   tensorstore decode error) is moved aside to ``unreadable/STEP`` (kept for inspection, no longer
   listed) and a :class:`CheckpointFallbackWarning` names it, its error and the step restored
   instead. A :class:`CheckpointMismatchError` (a checkpoint of another model) is not corruption
-  and is raised at once.
+  and is raised at once. With several processes every process tries each step, and they agree
+  before going on: a step unreadable on any process is unreadable for all (process 0 moves it
+  aside, then every process re-lists the steps), so all restore the same step and later agree
+  on which steps exist (``should_save``).
 * *A failed save (disk full, ...).* Errors of the background write surface at the next
   ``save``, ``wait`` or ``close`` as one :class:`CheckpointSaveError` naming the step, the folder,
   the cause and the newest complete checkpoint, which is intact (orbax deletes old checkpoints
@@ -70,6 +73,29 @@ class CheckpointFallbackWarning(UserWarning):
 
 TRASH_DIR = "to_delete"  # orbax's todelete_subdir: old steps are renamed here, then removed
 UNREADABLE_DIR = "unreadable"  # corrupt steps are moved here by restore()
+# Orbax's barriers are named PREFIX_NAME (the prefix set here: orbax's default differs between
+# its sync and async checkpointers). Orbax 0.12 ends every restore with the barrier
+# "Checkpointer:restore" on every process; a process whose read raised never reached it.
+_BARRIER_PREFIX = "jaxrl_llm"
+_ORBAX_RESTORE_BARRIER = ocp.multihost.unique_barrier_key(
+    "Checkpointer:restore", prefix=_BARRIER_PREFIX
+)
+
+
+def _failed_processes(ok: bool) -> list[int]:
+    """The processes whose attempt failed, the same list on every process (a collective: every
+    process must call it)."""
+    if jax.process_count() == 1:
+        return [] if ok else [0]
+    from jax.experimental import multihost_utils
+
+    flags = np.asarray(multihost_utils.process_allgather(np.int32(ok)))
+    return [int(i) for i in np.flatnonzero(flags.reshape(-1) == 0)]
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes(name)
 
 
 def _key_name(key: Any) -> str:
@@ -164,6 +190,9 @@ class Checkpointer:
             enable_async_checkpointing=async_save,
             create=True,
             todelete_subdir=TRASH_DIR,
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=_BARRIER_PREFIX
+            ),
         )
         self._manager = ocp.CheckpointManager(
             self.directory, options=options, item_names=("state", "meta")
@@ -254,12 +283,18 @@ class Checkpointer:
         self._resolve(None)  # waits; FileNotFoundError without any checkpoint
         failed: list[tuple[int, Path, BaseException]] = []
         for candidate in sorted(self.all_steps(), reverse=True):
+            error: BaseException | None = None
             try:
                 out = self._restore(template, sharding, candidate)
-            except CheckpointMismatchError:
+            except CheckpointMismatchError:  # the same meta on every process: all raise
                 raise
             except Exception as e:  # a truncated, missing or undecodable file
-                failed.append((candidate, self._move_aside(candidate), e))
+                error = e
+            bad = _failed_processes(error is None)  # every process takes the same branch
+            if bad:
+                if error is None:
+                    error = OSError(f"unreadable on process {', '.join(map(str, bad))}")
+                failed.append((candidate, self._move_aside(candidate), error))
                 continue
             if failed:
                 warnings.warn(
@@ -281,7 +316,9 @@ class Checkpointer:
         )
 
     def _move_aside(self, step: int) -> Path:
-        """Renames the step folder to ``unreadable/STEP`` (nothing is deleted)."""
+        """Renames the step folder to ``unreadable/STEP`` (nothing is deleted). With several
+        processes every process calls it: process 0 renames, and the others re-list the steps
+        only after that (a barrier), so that all agree the step is gone."""
         src = self.directory / str(step)
         dst = self.directory / UNREADABLE_DIR / str(step)
         if jax.process_index() == 0 and src.exists():
@@ -289,11 +326,27 @@ class Checkpointer:
                 dst = dst.with_name(f"{step}-{time.time_ns()}")
             dst.parent.mkdir(parents=True, exist_ok=True)
             src.rename(dst)
+        _barrier(f"jaxrl_llm:checkpoint:move_aside:{step}")
         self._manager.reload()
         return dst
 
+    def _orbax_restore(self, step: int, args: ocp.args.Composite, *, barriers: int):
+        """``CheckpointManager.restore``. Orbax ends each restore with a barrier on every
+        process; a process whose read raises joins the ``barriers`` it would now skip (this one
+        and the rest of :meth:`_restore`'s), so that a read that fails on some processes only
+        leaves every process at the same collective; :meth:`restore` then agrees on the outcome.
+        """
+        try:
+            return self._manager.restore(step, args=args)
+        except Exception:
+            for _ in range(barriers):
+                _barrier(_ORBAX_RESTORE_BARRIER)
+            raise
+
     def _restore(self, template: TrainState, sharding: Any, step: int):
-        meta = self.read_meta(step)
+        self.wait()
+        meta_args = ocp.args.Composite(meta=ocp.args.JsonRestore())
+        meta = dict(self._orbax_restore(step, meta_args, barriers=2)["meta"])
         flat = flatten_state(template)
         _check_fits(meta.get("arrays", {}), _describe(flat), step, str(self.directory))
         if sharding is None:
@@ -306,11 +359,12 @@ class Checkpointer:
             path: jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype), sharding=s)
             for (path, x), s in zip(flat.items(), shardings, strict=True)
         }
-        out = self._manager.restore(
+        out = self._orbax_restore(
             step,
-            args=ocp.args.Composite(
+            ocp.args.Composite(
                 state=ocp.args.StandardRestore(_nest(targets)), meta=ocp.args.JsonRestore()
             ),
+            barriers=1,
         )
         restored = _unnest(out["state"])
         leaves = [restored[path] for path in flat]

@@ -235,14 +235,95 @@ def _launch(children: list, config_path: Path, run_dir: Path, logs: list[Path], 
             )
 
 
-def _wait(children: list, logs: list[Path], started: float, what: str) -> None:
+def _wait(children: list, logs: list[Path], started: float, what: str, limit=TIMEOUT_S) -> None:
     for i, child in enumerate(children):
-        left = max(1.0, TIMEOUT_S - (time.monotonic() - started))
+        left = max(1.0, limit - (time.monotonic() - started))
         try:
             code = child.wait(timeout=left)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"{what}: process {i} still running after {TIMEOUT_S} s:\n{_tail(logs[i])}")
+            pytest.fail(f"{what}: process {i} still running after {limit} s:\n{_tail(logs[i])}")
         assert code == 0, f"{what}: process {i} exited with {code}:\n{_tail(logs[i])}"
+
+
+# A checkpoint step that one process cannot read (e.g. a damaged file of a shard only it reads):
+# both processes must fall back to the same older step and afterwards list the same steps.
+# (Without agreement, process 0 restored step 2 and process 1 step 1: one global array made of
+# shards of two different steps, silently.)
+FALLBACK_CHILD = """\
+import sys, warnings
+from pathlib import Path
+
+from jaxrl_llm import distributed as dist
+
+port, pid, directory = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+dist.initialize(f"127.0.0.1:{port}", 2, pid)
+
+import jax
+import numpy as np
+from orbax.checkpoint._src.handlers import composite_checkpoint_handler as cch
+
+from jaxrl_llm.train.checkpoint import CheckpointFallbackWarning, Checkpointer
+
+mesh = jax.make_mesh((2,), ("data",))
+sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+
+
+def state(value):
+    return {"w": dist.to_global(np.full((2, 3), value, np.float32), sharding)}
+
+
+ckpt = Checkpointer(directory, save_every=1)
+for step in (1, 2):
+    ckpt.save(step, state(step))
+ckpt.close()
+
+read = cch.CompositeCheckpointHandler.restore
+
+
+def restore(self, step_dir, *args, **kwargs):
+    if pid == 1 and Path(step_dir).name == "2":
+        raise OSError("simulated unreadable shard")
+    return read(self, step_dir, *args, **kwargs)
+
+
+cch.CompositeCheckpointHandler.restore = restore
+ckpt = Checkpointer(directory, save_every=1)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    restored, _ = ckpt.restore(state(0))
+warned = sum(issubclass(w.category, CheckpointFallbackWarning) for w in caught)
+w = dist.to_host(restored["w"])  # row i: process i's shard
+print(f"restored {w.min():g}..{w.max():g} steps {ckpt.all_steps()}", end=" ")
+print(f"save {ckpt.should_save(2)} warned {warned}")
+ckpt.save(2, state(2))  # a collective: hangs or fails if the processes disagree
+ckpt.close()
+print("saved", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_processes_agree_on_the_fallback_from_an_unreadable_step(tmp_path):
+    port, children = _free_port(), []
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    t0 = time.monotonic()
+    try:
+        for i, log in enumerate(logs):
+            cmd = [sys.executable, "-c", FALLBACK_CHILD, str(port), str(i), str(tmp_path / "c")]
+            with log.open("w") as out:
+                children.append(
+                    subprocess.Popen(
+                        cmd, cwd=REPO, env=_child_env(), stdout=out, stderr=subprocess.STDOUT
+                    )
+                )
+        _wait(children, logs, t0, "fallback", limit=120)  # ~6 s; a disagreement hangs
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+    for log in logs:
+        assert "restored 1..1 steps [1] save True warned 1\nsaved" in _tail(log), _tail(log)
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["1", "2", "unreadable"]
 
 
 @pytest.mark.slow
