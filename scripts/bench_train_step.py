@@ -1,0 +1,332 @@
+"""One GRPO training step, jaxrl_llm against TRL's GRPOTrainer, side by side in one run.
+
+The workload (issue 5): SmolLM2-135M-Instruct in fp32, 8 arithmetic prompts x 4 samples x
+exactly 64 new tokens, beta = 0.04 (so both sides run the reference model), one update per
+batch, AdamW. Each library runs in its own child process, so the peak resident memory each
+reports (``ru_maxrss`` of that process) is its own; the children run one after the other.
+
+Per step, seconds split into:
+
+* generation: sampling the 32 completions (ours: ``time/rollout``; TRL: its ``_generate``);
+* log-probs: reference (and old, when needed) log-prob passes plus rewards and advantages
+  (ours: ``time/forward`` + ``time/reward``; TRL: the rest of
+  ``_generate_and_score_completions``);
+* update: forward, backward and optimizer step on the 32 sequences (ours: ``time/update``;
+  TRL: step time minus the two above).
+
+Both sides are the libraries' own training loops: ours is ``jaxrl_llm.train.train`` on
+``configs/quickstart.yaml`` with the overrides in :data:`OURS_OVERRIDES`, TRL is
+``GRPOTrainer.train`` with the matching :func:`trl_child` arguments. Step times are medians over
+the steps after ``--warmup`` (compile / first-call steps). The update's model FLOP/s
+(``6 * params * tokens`` plus attention, as in ``bench_model.py``; no remat recompute counted) is
+reported against this machine's fp32 matmul peak measured in the same run.
+
+    python scripts/bench_train_step.py --steps 3 --warmup 1   # writes bench_results/train_step.json
+
+TRL is an optional benchmark extra: ``pip install -e ".[bench]"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS, SAMPLES, NEW_TOKENS, BETA, LR = 8, 4, 64, 0.04, 1e-6
+
+OURS_OVERRIDES = [
+    "algorithm.name=grpo",
+    f"algorithm.hparams.beta={BETA}",
+    f"rollout.prompts_per_step={PROMPTS}",
+    f"rollout.num_samples={SAMPLES}",
+    f"rollout.max_new_tokens={NEW_TOKENS}",
+    "rollout.stop_token_ids=[]",  # no stop token: exactly 64 new tokens, like TRL's below
+    f"optim.lr={LR}",
+    "optim.warmup_steps=0",
+    "optim.ppo_epochs=1",
+    "optim.num_minibatches=1",
+    "data.eval_size=0",  # no held-out evaluation: the run is the training steps
+    "train.eval_every=0",
+    "train.save_every=1000",
+    "train.log_every=1",
+    # Activation checkpointing, as TRL's GRPOConfig does by default (gradient_checkpointing).
+    "model.remat=full",
+]
+
+
+def _peak_rss_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def _prompt_rows(n: int) -> list[dict]:
+    """The quickstart's arithmetic training prompts (same seed and knobs as the config)."""
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.data import arithmetic_task
+
+    c = load_config(ROOT / "configs/quickstart.yaml", [])
+    a = c.data.arithmetic
+    rows, _ = arithmetic_task(
+        num_train=n,
+        num_eval=0,
+        ops=tuple(a.operations),
+        seed=c.data.seed,
+        min_operand=a.min_operand,
+        max_operand=a.max_operand,
+    )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Children.
+
+
+def ours_child(steps: int) -> dict:
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.models import default_model_path
+    from jaxrl_llm.train.loop import train
+
+    default_model_path()  # converted and cached outside the timed steps (as TRL's folder is)
+    config = load_config(ROOT / "configs/quickstart.yaml", OURS_OVERRIDES)
+    with tempfile.TemporaryDirectory() as run_dir:
+        t0 = time.perf_counter()
+        train(config, run_dir=run_dir, max_steps=steps, progress=False, log=lambda *a: None)
+        wall = time.perf_counter() - t0
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    per_step = [r for r in records if "time/update" in r]
+    return {
+        "steps": [
+            {
+                "generation": r["time/rollout"],
+                "logprobs": r["time/forward"] + r["time/reward"],
+                "update": r["time/update"],
+                "step": r["time/step"],
+                "tokens": r["perf/tokens"],
+                "generated_tokens": r.get("perf/generated_tokens"),
+                "reward_mean": r.get("reward/mean"),
+            }
+            for r in per_step
+        ],
+        "wall_s": wall,
+        "peak_rss_gib": _peak_rss_gib(),
+    }
+
+
+def trl_child(steps: int) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from jaxrl_llm.models import default_model_path
+    from jaxrl_llm.rewards import IntegerAnswer
+
+    torch.manual_seed(0)
+    path = str(default_model_path())
+    rows = _prompt_rows(PROMPTS * steps)
+    dataset = Dataset.from_list(
+        [
+            {"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+            for r in rows
+        ]
+    )
+    reward = IntegerAnswer()
+
+    def integer_answer(prompts, completions, answer, **_):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return reward(prompts, texts, answer=answer)
+
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(),
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=PROMPTS * SAMPLES,
+        gradient_accumulation_steps=1,
+        num_generations=SAMPLES,
+        max_completion_length=NEW_TOKENS,
+        generation_kwargs={"min_new_tokens": NEW_TOKENS},  # exactly 64 tokens, like ours
+        temperature=1.0,
+        beta=BETA,
+        num_iterations=1,
+        learning_rate=LR,
+        warmup_steps=0,
+        max_steps=steps,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=integer_answer,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+    )
+    times: list[dict] = []
+    current: dict = {}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                current[name] = current.get(name, 0.0) + time.perf_counter() - t
+
+        return wrapper
+
+    trainer._generate = timed("generation", trainer._generate)
+    trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
+    trainer._generate_and_score_completions = timed(
+        "prepare", trainer._generate_and_score_completions
+    )
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            current.clear()
+            current["t0"] = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            step = time.perf_counter() - current.pop("t0")
+            times.append(
+                {
+                    "generation": current["generation"],
+                    "logprobs": current["prepare"] - current["generation"],
+                    "update": step - current["prepare"],
+                    "step": step,
+                }
+            )
+
+    trainer.add_callback(StepTimer())
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    for record, r in zip(times, rewards, strict=False):
+        record["reward_mean"] = r
+    return {
+        "steps": times,
+        "wall_s": wall,
+        "peak_rss_gib": _peak_rss_gib(),
+        "gradient_checkpointing": bool(args.gradient_checkpointing),
+        "trl": __import__("trl").__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent.
+
+
+def _run_child(which: str, steps: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, __file__, "--child", which, "--steps", str(steps), "--json", f.name]
+        subprocess.run(cmd, check=True, cwd=ROOT)
+        return json.loads(Path(f.name).read_text())
+
+
+def _summary(result: dict, warmup: int) -> dict:
+    measured = result["steps"][warmup:] or result["steps"][-1:]
+    med = {
+        k: statistics.median(s[k] for s in measured)
+        for k in ("generation", "logprobs", "update", "step")
+    }
+    return {
+        "median_s": med,
+        "measured_steps": len(measured),
+        "peak_rss_gib": result["peak_rss_gib"],
+    }
+
+
+def update_flops(tokens: float, sequences: int) -> float:
+    """Model FLOPs of one forward+backward over ``tokens`` valid tokens in ``sequences`` rows
+    (attention counted at the mean valid length; padding is not counted as useful work)."""
+    from bench_model import model_flops_per_token
+
+    from jaxrl_llm.models import ModelConfig, default_model_path
+
+    hf = json.loads((Path(default_model_path()) / "config.json").read_text())
+    config = ModelConfig.from_hf(hf)
+    return model_flops_per_token(config, round(tokens / sequences))[1] * tokens
+
+
+def markdown(result: dict) -> str:
+    o, t = result["ours"], result["trl"]
+    rows = [
+        "| | generation s | log-probs s | update s | step s | peak RSS GiB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in (("jaxrl_llm", o), ("TRL GRPOTrainer", t)):
+        m = r["median_s"]
+        rows.append(
+            f"| {name} | {m['generation']:.2f} | {m['logprobs']:.2f} | {m['update']:.2f} | "
+            f"{m['step']:.2f} | {r['peak_rss_gib']:.2f} |"
+        )
+    ratio = result["ratios"]
+    rows.append(
+        f"\nTRL / ours: step {ratio['step']:.2f}x, generation {ratio['generation']:.2f}x, "
+        f"log-probs {ratio['logprobs']:.2f}x, update {ratio['update']:.2f}x; peak RSS ours / TRL "
+        f"{ratio['rss']:.2f}. Update: {result['update_gflops']:.0f} GFLOP/s, "
+        f"{result['update_frac_of_peak']:.0%} of the fp32 matmul peak "
+        f"{result['matmul_peak_gflops']} GFLOP/s."
+    )
+    return "\n".join(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per library")
+    ap.add_argument("--warmup", type=int, default=1, help="steps run first and not measured")
+    ap.add_argument("--out", default=str(ROOT / "bench_results/train_step.json"))
+    ap.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    ap.add_argument("--json", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        fn = ours_child if args.child == "ours" else trl_child
+        Path(args.json).write_text(json.dumps(fn(args.steps)))
+        return
+
+    from _bench_common import machine_info, matmul_peak_gflops
+
+    total = args.steps + args.warmup
+    result = {"machine": machine_info(), "command": " ".join(sys.argv)}
+    raw = {"ours": _run_child("ours", total), "trl": _run_child("trl", total)}
+    result["raw"] = raw
+    for name in raw:
+        result[name] = _summary(raw[name], args.warmup)
+    o, t = result["ours"]["median_s"], result["trl"]["median_s"]
+    result["ratios"] = {k: t[k] / o[k] for k in o}
+    result["ratios"]["rss"] = result["ours"]["peak_rss_gib"] / result["trl"]["peak_rss_gib"]
+    tokens = statistics.median(s["tokens"] for s in raw["ours"]["steps"])
+    flops = update_flops(tokens, PROMPTS * SAMPLES)
+    peaks = matmul_peak_gflops()
+    result["matmul_peak_gflops"] = peaks
+    result["update_gflops"] = flops / o["update"] / 1e9
+    result["update_frac_of_peak"] = result["update_gflops"] / max(peaks.values())
+    result["valid_tokens_per_step"] = tokens
+    result["machine"]["load_avg_after"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(markdown(result))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
