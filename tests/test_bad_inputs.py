@@ -154,8 +154,8 @@ def _reward_module_importable(paths):
 class Case:
     """One bad input: the command (from the fixture paths) and what its message must contain.
 
-    ``after_resume``: the command fails after restoring EXISTING (config.yaml is rewritten by
-    then, as every resume does), so only checkpoints/ and metrics.jsonl must be untouched.
+    ``after_resume``: the command fails after restoring EXISTING (its logger has opened new
+    TensorBoard files by then), so config.yaml, checkpoints/ and metrics.jsonl must be untouched.
     """
 
     id: str
@@ -450,7 +450,7 @@ def test_the_catalogue_is_large_enough(paths):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_bad_input(case, paths, capsys):
-    only = ("checkpoints", "metrics.jsonl") if case.after_resume else None
+    only = ("checkpoints", "metrics.jsonl", "config.yaml") if case.after_resume else None
     before = _snapshot(paths.existing, only=only)
     empty_before = sorted(p.name for p in (paths.root / "empty_run").iterdir())
     assert main(case.argv(paths)) == 2

@@ -126,8 +126,12 @@ def train(
         log(f"resuming {run.run_dir} from step {start}")
         if changes:
             log("config changed since the checkpoint: " + "; ".join(changes[:10]))
-    if primary:
+    # A resumed run rewrites config.yaml only once its first step has succeeded, so a launch that
+    # fails (a bad override, a reward that raises) leaves the run's previous config in place.
+    config_pending = primary
+    if config_pending and start == 0:
         save_config(config, run.run_dir / CONFIG_FILE)
+        config_pending = False
     mark_phase("start", start)
     _print_header(run, log)
     step_fn = make_step_fn(run)
@@ -186,6 +190,9 @@ def train(
                     logger.log(step, metrics)
                 logger.progress(step, metrics)
                 final = metrics
+                if config_pending:
+                    save_config(config, run.run_dir / CONFIG_FILE)
+                    config_pending = False
                 if metrics.get("update/nonfinite", 0) > 0 and t.on_nonfinite == "raise":
                     raise FloatingPointError(
                         f"step {step}: non-finite loss or gradient; the update was skipped and the "
