@@ -107,9 +107,11 @@ def test_micro_batches_along_b_and_g_add_up_to_the_whole_batch(mode, seed, data)
             )
         ]
         combined = agg.combine(parts)
-        np.testing.assert_allclose(combined, whole, rtol=1e-6, atol=1e-6)
+        # float32 sums of up to 120 terms in another order: ~n·eps = 7e-6 relative at worst
+        # (hypothesis found a 6.5e-6 case); a wrong split is off by whole terms.
+        np.testing.assert_allclose(combined, whole, rtol=2e-5, atol=1e-5)
         np.testing.assert_allclose(
-            agg.finalize(*combined), agg.finalize(*whole), rtol=1e-6, atol=1e-6
+            agg.finalize(*combined), agg.finalize(*whole), rtol=2e-5, atol=1e-5
         )
 
 
