@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 MESH_AXES = ("data", "fsdp", "tensor")
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 
-_BATCH = (("batch", ("data", "fsdp")),)
+BATCH_AXES = ("data", "fsdp")  # the mesh axes a batch is split over, in every preset
+_BATCH = (("batch", BATCH_AXES),)
 DP_RULES: Rules = _BATCH
 FSDP_RULES: Rules = (*_BATCH, ("embed", "fsdp"))
 FSDP_TP_RULES: Rules = (
@@ -215,6 +216,12 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
     nnx.replace_by_pure_dict(state, values)
     nnx.update(model, state)
     return model
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """How many ways a batch is split: the product of the mesh's ``data`` and ``fsdp`` sizes."""
+    sizes = _axis_sizes(mesh)
+    return math.prod(sizes.get(a, 1) for a in BATCH_AXES)
 
 
 def batch_sharding(mesh: Mesh, rank: int = 2, rules: Rules = DEFAULT_RULES) -> NamedSharding:

@@ -303,8 +303,8 @@ def _rollout_multiprocess(graphdef, args, static: _Static, mesh) -> Rollout:
             "generate: in a multi-process run the parameters must live on a mesh over every "
             "process's devices (e.g. models.sharding.shard_model)"
         )
-    batch_axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape)
-    local_dp = math.prod(mesh.shape[a] for a in batch_axes) // jax.process_count()
+    batch_axes = tuple(a for a in sharding.BATCH_AXES if a in mesh.shape)
+    local_dp = sharding.data_parallel_size(mesh) // jax.process_count()
     if local_dp < 1 or ids.shape[0] % local_dp:
         raise ValueError(
             f"generate: this process passed {ids.shape[0]} prompts, not a multiple of its "
@@ -413,7 +413,6 @@ def generate(
         return _rollout(graphdef, *args, static=static)
     with jax.set_mesh(mesh):
         batch = sharding.batch_sharding(mesh, 2)
-        batch_size = math.prod(mesh.shape[a] for a in ("data", "fsdp") if a in mesh.shape)
-        if ids.shape[0] % batch_size == 0:
+        if ids.shape[0] % sharding.data_parallel_size(mesh) == 0:
             ids, mask = jax.device_put((ids, mask), batch)
         return _rollout(graphdef, params, ids, mask, *args[3:], static=static)

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxrl_llm import distributed as dist
 from jaxrl_llm.data import sequential_batches
+from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.train import data as run_data
 from jaxrl_llm.train.batches import dpo_batch, sample_completions, score_completions
 from jaxrl_llm.train.run import PAD_MULTIPLE, Run
@@ -25,7 +26,7 @@ def _eval_batch_size(n: int, run: Run | None = None) -> int:
     each process samples its own block of every batch."""
     bs = max(1, min(n, 64))
     if run is not None and dist.is_multiprocess():
-        dp = run.mesh.shape["data"] * run.mesh.shape["fsdp"]
+        dp = shd.data_parallel_size(run.mesh)
         bs = -(-bs // dp) * dp
     return bs
 

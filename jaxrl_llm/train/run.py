@@ -9,7 +9,6 @@ compiles nothing twice.
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +68,7 @@ class Run:
         mesh = self.mesh
         if dist.is_multiprocess():
             return dist.to_global(x, shd.batch_sharding(mesh, np.ndim(x), self.setup.rules))
-        dp = math.prod(mesh.shape[a] for a in ("data", "fsdp"))
-        if x.shape[0] % dp:
+        if x.shape[0] % shd.data_parallel_size(mesh):
             return jax.device_put(x, st.replicated(mesh))
         return jax.device_put(x, shd.batch_sharding(mesh, x.ndim, self.setup.rules))
 
@@ -118,7 +116,7 @@ def check_processes(config: TrainConfig, mesh: jax.sharding.Mesh) -> None:
             "run: a multi-process mesh must hold every process's devices (e.g. mesh.data=-1)",
             "mesh",
         )
-    dp = sizes["data"] * sizes["fsdp"]
+    dp = shd.data_parallel_size(mesh)
     if dp % procs:
         raise ConfigError(
             f"{where}: the data-parallel size data × fsdp = {dp} is not a multiple of the "
