@@ -15,6 +15,7 @@ on the host once).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -224,24 +225,29 @@ def load_params(
         path = tuple(path)
         abstract_value = var.get_value()
         shape, dtype = tuple(abstract_value.shape), abstract_value.dtype
-        name = weights.hf_name(path)
         sharding = flat_shardings.get(path)
-        if name not in reader:
+        pieces = weights.unstack(path, shape)  # one per layer for a stacked layer parameter
+        names = [weights.hf_name(piece_path) for piece_path, _ in pieces]
+        absent = [name for name in names if name not in reader]
+        if absent:
             if path[0] == "score" and cls is ValueModel:  # a critic from a policy checkpoint
                 host = 0.02 * jax.random.normal(jax.random.key(seed), shape, jnp.float32)
                 values[path] = _place(np.asarray(host).astype(dtype), sharding)
                 continue
-            missing.append(name)
+            missing.extend(absent)
             continue
-        used.add(name)
-        expected = weights.hf_shape(path, shape)
-        if reader.shape(name) != expected:
-            raise ValueError(
-                f"checkpoint tensor {name} has shape {reader.shape(name)}, expected {expected} "
-                f"for config {config}"
-            )
-        host = weights.to_ours(path, reader.get(name), shape).astype(dtype)
-        values[path] = _place(host, sharding)
+        host_pieces = []
+        for (piece_path, piece_shape), name in zip(pieces, names, strict=True):
+            used.add(name)
+            expected = weights.hf_shape(piece_path, piece_shape)
+            if reader.shape(name) != expected:
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {reader.shape(name)}, expected "
+                    f"{expected} for config {config}"
+                )
+            host_pieces.append(weights.to_ours(piece_path, reader.get(name), piece_shape))
+        host = host_pieces[0] if pieces == [(path, shape)] else np.stack(host_pieces)
+        values[path] = _place(host.astype(dtype), sharding)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
     unused = [
@@ -299,6 +305,15 @@ def _host_value(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+def _fetch_piece(path: tuple, value: jax.Array, layer: int | None) -> np.ndarray:
+    """One HF tensor of the parameter ``value``: layer ``layer`` of a stacked one, or all of it.
+
+    A layer is sliced on device first (by every process: the slice of a global array is a
+    collective), so the host holds one layer's tensor at a time.
+    """
+    return weights.to_hf(path, _host_value(value if layer is None else value[layer]))
+
+
 def save_pretrained(
     model: AnyModel,
     out_dir: str | os.PathLike,
@@ -322,14 +337,17 @@ def save_pretrained(
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         path = tuple(path)
         value = var.get_value()
-        entries.append(
-            (
-                weights.hf_name(path),
-                weights.hf_shape(path, tuple(value.shape)),
-                save_dtype,
-                lambda path=path, value=value: weights.to_hf(path, _host_value(value)),
+        pieces = weights.unstack(path, tuple(value.shape))
+        stacked = pieces != [(path, tuple(value.shape))]
+        for layer, (piece_path, piece_shape) in enumerate(pieces):
+            entries.append(
+                (
+                    weights.hf_name(piece_path),
+                    weights.hf_shape(piece_path, piece_shape),
+                    save_dtype,
+                    functools.partial(_fetch_piece, piece_path, value, layer if stacked else None),
+                )
             )
-        )
     if jax.process_index() != 0:
         for *_, fetch in entries:  # every process joins the gathers
             fetch()

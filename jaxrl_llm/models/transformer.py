@@ -11,6 +11,13 @@ Projection kernels are stored input-first and split per head (``q_proj.kernel: [
 the head axis can be sharded; every parameter carries its logical axis names as the variable
 metadata ``logical_axes`` (see ``sharding.py``).
 
+The layers are stored stacked: ``model.layers`` is one :class:`DecoderLayer` whose parameters
+have a leading ``[L]`` axis (logical name ``layers``), built with ``nnx.vmap`` and run with
+``lax.scan`` (:func:`scan_layers`), as MaxText and Tunix do. The compiled graph holds one layer
+body instead of ``L`` copies, and a rematerialised backward pass reads each layer's slice of the
+stacked weights and writes its gradients in place, with no stacked copy of either. ``weights.py``
+maps each slice to the HF tensor ``model.layers.{l}.*``.
+
 Padding is on the left. ``mask_bt`` marks real tokens; position ids default to the count of
 real tokens before each one, so a left-padded sequence gets the same positions (and logits) as
 the unpadded one.
@@ -56,16 +63,17 @@ def _activation(name: str):
 class KVCache(NamedTuple):
     """Key/value cache for incremental decoding: a plain pytree, safe to pass through ``jit``.
 
-    ``k[l]``/``v[l]`` are ``[B, S, K, Dh]`` for layer ``l``; ``mask_bs`` marks slots holding real
-    tokens; ``index`` (int32 scalar) is the next slot to write. A call with ``T`` new tokens
-    writes slots ``[index, index + T)`` for the whole batch and advances ``index`` by ``T``:
-    prefill is one call with the (left-padded) prompt, each decode step one call with ``T = 1``.
+    ``k``/``v`` are ``[L, B, S, K, Dh]`` (layer ``l`` is ``k[l]``); ``mask_bs`` marks slots
+    holding real tokens; ``index`` (int32 scalar) is the next slot to write. A call with ``T``
+    new tokens writes slots ``[index, index + T)`` for the whole batch and advances ``index``
+    by ``T``: prefill is one call with the (left-padded) prompt, each decode step one call with
+    ``T = 1``.
     A finished sequence can keep decoding with ``mask_bt = False`` (its slot stays unused). The
     caller keeps ``index + T <= S``: under ``jit`` an overflowing write cannot raise.
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: jax.Array
+    v: jax.Array
     mask_bs: jax.Array
     index: jax.Array
 
@@ -73,10 +81,10 @@ class KVCache(NamedTuple):
     def init(cls, config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
         """An empty cache of ``max_len`` slots (``dtype`` defaults to the compute dtype)."""
         dtype = jnp.dtype(dtype or config.dtype)
-        shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
         return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
+            k=jnp.zeros(shape, dtype),
+            v=jnp.zeros(shape, dtype),
             mask_bs=jnp.zeros((batch, max_len), bool),
             index=jnp.zeros((), jnp.int32),
         )
@@ -249,6 +257,9 @@ _REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
+NO_WINDOW = 2**30
+"""The window value of a layer with full (unwindowed) causal attention in ``layer_windows``."""
+
 
 def _concrete_int(x) -> int | None:
     """``int(x)`` outside of tracing, ``None`` for a traced value."""
@@ -258,35 +269,50 @@ def _concrete_int(x) -> int | None:
         return None
 
 
-def _layer_call(layer, *args):
-    return layer(*args)
+def stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
+    """``config.num_layers`` decoder layers as one module with ``[L, ...]`` parameters.
 
-
-def _scan_remat_layers(layers, x_btd, cos, sin, allowed_per_layer, policy):
-    """The layer stack as a ``lax.scan`` of a checkpointed layer; ``None`` if layers differ.
-
-    Why a scan: XLA:CPU schedules an unrolled chain of ``jax.checkpoint`` layers so that every
-    recomputed activation is live at once (a 30-layer stack's ``temp`` memory is the same with
-    and without remat), while a checkpointed scan body keeps only the ``[B, T, D]`` carry per
-    layer. The layers' parameters are stacked along a new leading axis for the scan (one
-    transient copy of the layer weights; their gradients flow back through the stack).
-    Layers with different graphs (per-layer attributes) fall back to the unrolled loop.
+    Each layer is initialised from its own split of ``rngs`` (``nnx.vmap`` over the
+    constructor); ``layers`` is prepended to every parameter's logical axes.
     """
-    graphdefs, states = zip(*(nnx.split(layer) for layer in layers), strict=True)
-    if any(g != graphdefs[0] for g in graphdefs[1:]):
-        return None
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-    same_mask = all(m is allowed_per_layer[0] for m in allowed_per_layer)
-    masks = None if same_mask else jnp.stack(allowed_per_layer)
 
-    def body(x, per_layer):
-        state, allowed = per_layer
-        layer = nnx.merge(graphdefs[0], state)
-        x, _ = layer(x, cos, sin, allowed_per_layer[0] if allowed is None else allowed)
-        return sharding.constrain(x, ("batch", "seq", "act_embed")), None
+    @nnx.split_rngs(splits=config.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return DecoderLayer(config, rngs=rngs)
 
-    x_btd, _ = jax.lax.scan(jax.checkpoint(body, policy=policy), x_btd, (stacked, masks))
-    return x_btd
+    layers = make(rngs)
+    for _, node in nnx.iter_graph(layers):
+        if isinstance(node, nnx.Param):
+            node.set_metadata(logical_axes=("layers", *node.get_metadata()["logical_axes"]))
+    return layers
+
+
+def layer_windows(config: ModelConfig) -> jax.Array:
+    """int32[L]: each layer's sliding attention window, :data:`NO_WINDOW` for full attention."""
+    windows = (config.window(i) for i in range(config.num_layers))
+    return jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
+
+
+def scan_layers(layers: DecoderLayer, body, carry, xs, *, remat: str = "none"):
+    """``lax.scan`` of ``body(layer, carry, x_l) -> (carry, y_l)`` over the stacked layers.
+
+    ``layer`` is layer ``l`` as a :class:`DecoderLayer` (its parameter slices); ``xs`` holds
+    per-layer inputs with a leading ``[L]`` axis. With ``remat`` other than ``"none"`` the body
+    is a ``jax.checkpoint`` with that policy: the backward pass keeps only each layer's
+    ``carry`` and recomputes the rest. (XLA:CPU schedules an unrolled chain of checkpointed
+    layers so that every recomputed activation is live at once; a checkpointed scan body does
+    not have that problem.)
+    """
+    graphdef, state = nnx.split(layers)
+
+    def step(carry, per_layer):
+        layer_state, x_l = per_layer
+        return body(nnx.merge(graphdef, layer_state), carry, x_l)
+
+    if remat != "none":
+        step = jax.checkpoint(step, policy=_REMAT_POLICIES[remat])
+    return jax.lax.scan(step, carry, (state, xs))
 
 
 class Embed(nnx.Module):
@@ -307,7 +333,7 @@ class Decoder(nnx.Module):
         self.embed_tokens = Embed(
             config.vocab_size, config.hidden_size, param_dtype=config.jnp_param_dtype, rngs=rngs
         )
-        self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.layers = stacked_layers(config, rngs)
         self.norm = RMSNorm(
             config.hidden_size, config.rms_norm_eps, param_dtype=config.jnp_param_dtype
         )
@@ -355,37 +381,33 @@ class Decoder(nnx.Module):
             q_slot_t = q_slot_t + index
             k_slot_s = jnp.arange(cache.max_len, dtype=jnp.int32)
             k_valid_bs = jax.lax.dynamic_update_slice(cache.mask_bs, mask_bt, (0, index))
-        causal_ts = k_slot_s[None, :] <= q_slot_t[:, None]
-        allowed = {}
-        for window in {c.window(i) for i in range(c.num_layers)}:
-            ok_ts = causal_ts
-            if window is not None:
-                ok_ts = ok_ts & (k_slot_s[None, :] > q_slot_t[:, None] - window)
-            allowed[window] = ok_ts[None, :, :] & k_valid_bs[:, None, :]
+        base_bts = (k_slot_s[None, :] <= q_slot_t[:, None])[None] & k_valid_bs[:, None, :]
 
-        if c.remat != "none" and cache is None:
-            scanned = _scan_remat_layers(
-                self.layers, x_btd, cos, sin, [allowed[c.window(i)] for i in range(c.num_layers)],
-                _REMAT_POLICIES[c.remat],
-            )  # fmt: skip
-            if scanned is not None:
-                return self.norm(scanned), None
-        call = _layer_call
-        if c.remat != "none":
-            call = nnx.remat(_layer_call, policy=_REMAT_POLICIES[c.remat])
-        new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x_btd, layer_kv = call(layer, x_btd, cos, sin, allowed[c.window(i)], kv, index)
-            x_btd = sharding.constrain(x_btd, ("batch", "seq", "act_embed"))
-            if layer_kv is not None:
-                new_k.append(layer_kv[0])
-                new_v.append(layer_kv[1])
-        x_btd = self.norm(x_btd)
-        new_cache = None
-        if cache is not None:
-            new_cache = KVCache(tuple(new_k), tuple(new_v), k_valid_bs, index + t)
-        return x_btd, new_cache
+        def allowed(window):  # a traced int32 scalar: this layer's window
+            return base_bts & (k_slot_s[None, None, :] > q_slot_t[None, :, None] - window)
+
+        def constrain(x_btd):
+            return sharding.constrain(x_btd, ("batch", "seq", "act_embed"))
+
+        windows_l = layer_windows(c)
+        if cache is None:
+
+            def body(layer, x_btd, window):
+                x_btd, _ = layer(x_btd, cos, sin, allowed(window))
+                return constrain(x_btd), None
+
+            x_btd, _ = scan_layers(self.layers, body, x_btd, windows_l, remat=c.remat)
+            return self.norm(x_btd), None
+
+        def cached_body(layer, x_btd, per_layer):
+            window, k_l, v_l = per_layer
+            x_btd, (k_l, v_l) = layer(x_btd, cos, sin, allowed(window), (k_l, v_l), index)
+            return constrain(x_btd), (k_l, v_l)
+
+        x_btd, (new_k, new_v) = scan_layers(
+            self.layers, cached_body, x_btd, (windows_l, cache.k, cache.v)
+        )
+        return self.norm(x_btd), KVCache(new_k, new_v, k_valid_bs, index + t)
 
 
 class CausalLM(nnx.Module):

@@ -1,7 +1,10 @@
 """Tensor names and layouts between our parameters and HF checkpoints; safetensors without torch.
 
-Our parameter paths are the HF module paths (``model/layers/0/self_attn/q_proj/kernel`` is
-``model.layers.0.self_attn.q_proj.weight``). Only layouts differ: a torch ``Linear`` stores
+Our parameter paths are the HF module paths, except that the decoder layers are stacked: the
+parameter ``model/layers/self_attn/q_proj/kernel`` has a leading ``[L]`` axis and slice ``l``
+is the HF tensor ``model.layers.{l}.self_attn.q_proj.weight`` (:func:`unstack` lists the
+per-layer paths, e.g. ``model/layers/0/self_attn/q_proj/kernel``). Otherwise only layouts
+differ: a torch ``Linear`` stores
 ``[out, in]``; our kernels are input-first and split per head, e.g. ``q_proj.kernel`` is
 ``[D, H, Dh]`` and ``o_proj.kernel`` is ``[H, Dh, D]``. So ``ours = w.T.reshape(shape)`` and
 ``w = ours.reshape(n_in, n_out).T`` for every kernel, and biases only reshape.
@@ -28,6 +31,20 @@ import numpy as np
 
 # Checkpoint tensors that carry no parameter of ours (RoPE buffers some exporters save).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+STACKED_PREFIX = ("model", "layers")  # parameters under it have a leading [num_layers] axis
+
+
+def unstack(path: tuple, shape: tuple[int, ...]) -> list[tuple[tuple, tuple[int, ...]]]:
+    """The per-layer ``(path, shape)`` pieces our parameter at ``path`` is made of.
+
+    A stacked layer parameter ``[L, *s]`` gives ``L`` pieces ``model/layers/l/...`` of shape
+    ``s`` (one HF tensor each, stacked in order); any other parameter is its own one piece.
+    """
+    if tuple(str(p) for p in path[: len(STACKED_PREFIX)]) != STACKED_PREFIX:
+        return [(path, tuple(shape))]
+    n = len(STACKED_PREFIX)
+    return [((*path[:n], layer, *path[n:]), tuple(shape[1:])) for layer in range(shape[0])]
 
 
 def hf_name(path: tuple) -> str:

@@ -7,11 +7,13 @@ sequences: 60 copies of 3 MB per step; avoiding them took the fp32 step from ~56
 2 CPU cores, and more as the cache grows). The decode loop therefore keeps its own cache,
 converted once after prefill:
 
-    keys    [N, K, Dh, S]   (scores = q · keys is a plain batched matmul)
-    values  [N, K, S, Dh]   (out = probs · values likewise)
+    keys    [L, N, K, Dh, S]   (scores = q · keys is a plain batched matmul)
+    values  [L, N, K, S, Dh]   (out = probs · values likewise)
 
 and this module's :func:`decode_step` runs the model's own submodules (norms, projections,
-q/k norms, RoPE, MLP, LM head) around an attention written for that layout. It is checked
+q/k norms, RoPE, MLP, LM head) around an attention written for that layout, scanning over the
+stacked layers with the cache in the scan's carry so each step writes its one new slot per
+layer in place. It is checked
 token for token against transformers and against the model's cached forward in the tests.
 """
 
@@ -24,22 +26,22 @@ import jax.numpy as jnp
 
 from jaxrl_llm.models import sharding
 from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_frequencies
-from jaxrl_llm.models.transformer import CausalLM, KVCache
+from jaxrl_llm.models.transformer import CausalLM, KVCache, layer_windows, scan_layers
 
 _X_AXES = ("batch", "seq", "act_embed")
-_K_AXES = ("batch", "kv_heads", "head_dim", "seq")
-_V_AXES = ("batch", "kv_heads", "seq", "head_dim")
+_K_AXES = ("layers", "batch", "kv_heads", "head_dim", "seq")
+_V_AXES = ("layers", "batch", "kv_heads", "seq", "head_dim")
 
 
 class DecodeCache(NamedTuple):
-    """Per-layer keys ``[N, K, Dh, S]`` and values ``[N, K, S, Dh]``; slot bookkeeping.
+    """Keys ``[L, N, K, Dh, S]`` and values ``[L, N, K, S, Dh]``; slot bookkeeping.
 
     ``valid_ns`` marks slots holding real tokens, ``positions_n`` is the position id the next
     token of each row gets, ``index`` the next slot to write (shared by all rows).
     """
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: jax.Array
+    v: jax.Array
     valid_ns: jax.Array
     positions_n: jax.Array
     index: jax.Array
@@ -49,15 +51,11 @@ def from_prefill(cache: KVCache, max_len: int) -> DecodeCache:
     """Re-lays a (prefilled) model cache out for decoding, with ``max_len`` slots in all."""
     extra = max_len - cache.max_len
 
-    def keys(k_bskd):
-        return jnp.pad(k_bskd.transpose(0, 2, 3, 1), ((0, 0), (0, 0), (0, 0), (0, extra)))
-
-    def values(v_bskd):
-        return jnp.pad(v_bskd.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, extra), (0, 0)))
-
+    keys = jnp.pad(cache.k.transpose(0, 1, 3, 4, 2), ((0, 0),) * 4 + ((0, extra),))
+    values = jnp.pad(cache.v.transpose(0, 1, 3, 2, 4), ((0, 0),) * 3 + ((0, extra), (0, 0)))
     return DecodeCache(
-        k=tuple(keys(k) for k in cache.k),
-        v=tuple(values(v) for v in cache.v),
+        k=keys,
+        v=values,
         valid_ns=jnp.pad(cache.mask_bs, ((0, 0), (0, extra))),
         positions_n=cache.next_positions(),
         index=jnp.asarray(cache.index, jnp.int32),
@@ -67,8 +65,8 @@ def from_prefill(cache: KVCache, max_len: int) -> DecodeCache:
 def constrain(cache: DecodeCache) -> DecodeCache:
     """Batch-shards the cache (and heads where the rules say) when a mesh is set."""
     return cache._replace(
-        k=tuple(sharding.constrain(k, _K_AXES) for k in cache.k),
-        v=tuple(sharding.constrain(v, _V_AXES) for v in cache.v),
+        k=sharding.constrain(cache.k, _K_AXES),
+        v=sharding.constrain(cache.v, _V_AXES),
         valid_ns=sharding.constrain(cache.valid_ns, ("batch", "seq")),
     )
 
@@ -113,14 +111,10 @@ def decode_step(
     cos, sin = rope_cos_sin(cache.positions_n[:, None], inv_freq, rope_scaling, dtype)
     valid_ns = jax.lax.dynamic_update_slice(cache.valid_ns, alive_n[:, None], (0, index))
     slot_s = jnp.arange(valid_ns.shape[1], dtype=jnp.int32)
-    allowed = {}
-    for window in {c.window(i) for i in range(c.num_layers)}:
-        allowed[window] = (
-            valid_ns if window is None else valid_ns & (slot_s > index - window)[None, :]
-        )
 
-    new_k, new_v = [], []
-    for i, layer in enumerate(decoder.layers):
+    def body(layer, carry, per_layer):
+        x_n1d, k_all, v_all = carry
+        window, i = per_layer
         attn = layer.self_attn
         h_n1d = layer.input_layernorm(x_n1d)
         q_n1hd, k_n1kd, v_n1kd = attn.q_proj(h_n1d), attn.k_proj(h_n1d), attn.v_proj(h_n1d)
@@ -128,21 +122,27 @@ def decode_step(
             q_n1hd, k_n1kd = attn.q_norm(q_n1hd), attn.k_norm(k_n1kd)
         q_n1hd = apply_rope(q_n1hd, cos, sin)
         k_n1kd = apply_rope(k_n1kd, cos, sin)
-        k_cache, v_cache = cache.k[i], cache.v[i]
-        k_nkd1 = k_n1kd[:, 0, :, :, None].astype(k_cache.dtype)
-        v_nk1d = v_n1kd[:, 0, :, None, :].astype(v_cache.dtype)
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k_nkd1, (0, 0, 0, index))
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v_nk1d, (0, 0, index, 0))
-        new_k.append(k_cache)
-        new_v.append(v_cache)
-        out_nhd = _attention(q_n1hd[:, 0], k_cache, v_cache, allowed[c.window(i)])
+        # One new slot per layer, written in place into the carried [L, ...] cache.
+        k_1nkd1 = k_n1kd[None, :, 0, :, :, None].astype(k_all.dtype)
+        v_1nk1d = v_n1kd[None, :, 0, :, None, :].astype(v_all.dtype)
+        k_all = jax.lax.dynamic_update_slice(k_all, k_1nkd1, (i, 0, 0, 0, index))
+        v_all = jax.lax.dynamic_update_slice(v_all, v_1nk1d, (i, 0, 0, index, 0))
+        allowed_ns = valid_ns & (slot_s > index - window)[None, :]
+        k_nkds = jax.lax.dynamic_index_in_dim(k_all, i, keepdims=False)
+        v_nksd = jax.lax.dynamic_index_in_dim(v_all, i, keepdims=False)
+        out_nhd = _attention(q_n1hd[:, 0], k_nkds, v_nksd, allowed_ns)
         x_n1d = x_n1d + attn.o_proj(out_nhd[:, None])
         x_n1d = x_n1d + layer.mlp(layer.post_attention_layernorm(x_n1d))
-        x_n1d = sharding.constrain(x_n1d, _X_AXES)
+        return (sharding.constrain(x_n1d, _X_AXES), k_all, v_all), None
+
+    per_layer = (layer_windows(c), jnp.arange(c.num_layers, dtype=jnp.int32))
+    (x_n1d, new_k, new_v), _ = scan_layers(
+        decoder.layers, body, (x_n1d, cache.k, cache.v), per_layer
+    )
     logits_nv = lm.logits(decoder.norm(x_n1d)[:, 0])
     new_cache = DecodeCache(
-        k=tuple(new_k),
-        v=tuple(new_v),
+        k=new_k,
+        v=new_v,
         valid_ns=valid_ns,
         positions_n=cache.positions_n + alive_n.astype(jnp.int32),
         index=index + 1,

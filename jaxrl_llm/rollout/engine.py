@@ -98,7 +98,12 @@ def _rollout(
     logits_bv = lm.logits(h_bpd[:, -1])  # left padding: the last column is real for every row
     cache = decode.from_prefill(cache, p + t)
     if g > 1:  # the G samples of a prompt share its prefill
-        cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
+        cache = cache._replace(
+            k=jnp.repeat(cache.k, g, axis=1),  # [L, N, ...]
+            v=jnp.repeat(cache.v, g, axis=1),
+            valid_ns=jnp.repeat(cache.valid_ns, g, axis=0),
+            positions_n=jnp.repeat(cache.positions_n, g, axis=0),
+        )
         logits_nv = jnp.repeat(logits_bv, g, axis=0)
     else:
         logits_nv = logits_bv

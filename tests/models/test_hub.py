@@ -75,7 +75,7 @@ def test_bf16_params_and_compute_give_finite_f32_logits_close_to_f32(llama, tmp_
     _, path = llama
     ref = np.asarray(forward(models.from_pretrained(path), TOKENS))
     bf16 = models.from_pretrained(path, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    assert bf16.model.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
+    assert bf16.model.layers.mlp.up_proj.kernel[...].dtype == jnp.bfloat16
     logits = np.asarray(forward(bf16, TOKENS))
     assert logits.dtype == np.float32 and np.isfinite(logits).all()
     np.testing.assert_allclose(logits, ref, atol=0.05 * np.abs(ref).max())
@@ -133,8 +133,8 @@ def test_value_model_from_policy_checkpoint(llama):
     policy = models.from_pretrained(path)
     from_lm = models.ValueModel.from_causal_lm(policy, rngs=nnx.Rngs(0))
     np.testing.assert_array_equal(
-        from_lm.model.layers[1].mlp.down_proj.kernel[...],
-        policy.model.layers[1].mlp.down_proj.kernel[...],
+        from_lm.model.layers.mlp.down_proj.kernel[...],
+        policy.model.layers.mlp.down_proj.kernel[...],
     )
 
 

@@ -65,14 +65,15 @@ def test_preset_matches_single_device(setup, name):
     mesh, rules = sharding.preset(name)
     p_sh = sharding.param_shardings(nnx.state(setup[0], nnx.Param), mesh, rules)
     sharded = jax.device_put(params, p_sh)
-    layer = sharded["model"]["layers"][0]
+    layer = sharded["model"]["layers"]  # stacked: [L, ...], the layer axis replicated
     shards = {
         "q": layer["self_attn"]["q_proj"]["kernel"],
         "embed": sharded["model"]["embed_tokens"]["embedding"],
         "up": layer["mlp"]["up_proj"]["kernel"],
     }
     for key, arr in shards.items():
-        assert arr.addressable_shards[0].data.shape == EXPECTED[name][key], key
+        lead = (CONFIG.num_layers,) if key != "embed" else ()
+        assert arr.addressable_shards[0].data.shape == (*lead, *EXPECTED[name][key]), key
     x_sh = sharding.batch_sharding(mesh, 2, rules)
     tokens_s, mask_s = jax.device_put(tokens, x_sh), jax.device_put(mask, x_sh)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -110,9 +111,9 @@ def test_from_pretrained_streams_into_shardings(tmp_path):
     models.save_pretrained(model, tmp_path)
     mesh, rules = sharding.preset("fsdp_tp")
     loaded = models.from_pretrained(tmp_path, mesh=mesh, rules=rules)
-    kernel = loaded.model.layers[1].self_attn.o_proj.kernel[...]
-    assert kernel.sharding.spec == PartitionSpec("tensor", None, "fsdp")
-    assert kernel.addressable_shards[0].data.shape == (2, 16, 16)
+    kernel = loaded.model.layers.self_attn.o_proj.kernel[...]  # [L, H, Dh, D], stacked
+    assert kernel.sharding.spec == PartitionSpec(None, "tensor", None, "fsdp")
+    assert kernel.addressable_shards[0].data.shape == (CONFIG.num_layers, 2, 16, 16)
     np.testing.assert_array_equal(
-        np.asarray(kernel), np.asarray(model.model.layers[1].self_attn.o_proj.kernel[...])
+        np.asarray(kernel), np.asarray(model.model.layers.self_attn.o_proj.kernel[...])
     )
