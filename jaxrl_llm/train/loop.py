@@ -40,6 +40,7 @@ import numpy as np
 from jaxrl_llm import distributed as dist
 from jaxrl_llm.config import TrainConfig, save_config, to_yaml
 from jaxrl_llm.data import BatchIterator
+from jaxrl_llm.train import hostmem
 from jaxrl_llm.train import state as st
 from jaxrl_llm.train.batches import build_update_batch, collect, dpo_batch
 from jaxrl_llm.train.evaluation import run_evaluation
@@ -133,6 +134,7 @@ def train(
         save_config(config, run.run_dir / CONFIG_FILE)
         config_pending = False
     mark_phase("start", start)
+    hostmem.release_after_compiles()
     _print_header(run, log)
     step_fn = make_step_fn(run)
     t = config.train
@@ -149,6 +151,7 @@ def train(
             step = start
             while step < t.max_steps:
                 t_step = time.perf_counter()
+                hostmem.release_free_heap()  # see hostmem: lowers the host peak on CPU
                 mark_phase("rollout", step + 1)
                 key, gen_key = jax.random.split(jax.random.wrap_key_data(state.rng))
                 if config.is_offline:
@@ -166,6 +169,7 @@ def train(
                     kl_state=jax.device_put(kl_state, sh.kl_state),
                 )
                 t_update = time.perf_counter()
+                hostmem.release_free_heap()
                 mark_phase("update", step + 1)
                 state, update_metrics = step_fn(state, batch)
                 update_metrics = _tensor_metrics(update_metrics)
@@ -174,6 +178,7 @@ def train(
                 metrics["time/update"] = time.perf_counter() - t_update
                 metrics["time/step"] = time.perf_counter() - t_step
                 metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / metrics["time/step"]
+                metrics["perf/peak_rss_gib"] = hostmem.peak_rss_gib()
                 if "actor/kl_ref" in metrics:
                     metrics["kl"] = metrics["actor/kl_ref"]
                 elif "kl/rollout" in metrics:
@@ -200,6 +205,7 @@ def train(
                         "train.on_nonfinite=skip to continue past such batches."
                     )
                 if ckpt.should_save(step, final=step == t.max_steps):
+                    hostmem.release_free_heap()  # on CPU the save copies the state to host
                     ckpt.save(step, state, meta=_meta(config, iterator, skipped))
                     mark_phase("save", step)
                 if evaluating and (

@@ -66,8 +66,10 @@ def test_two_steps_end_to_end_with_the_cli(tmp_path, capsys):
         "time/rollout",
         "time/reward",
         "time/update",
+        "perf/peak_rss_gib",
     ):
         assert key in train[0], key
+    assert 0 < train[0]["perf/peak_rss_gib"] <= train[1]["perf/peak_rss_gib"]  # a high-water mark
     assert records[0]["eval/accuracy"] is not None and records[-1]["eval/num_prompts"] == 8
     assert (run_dir / "config.yaml").exists() and (run_dir / "curves.png").exists()
     assert list((run_dir / "tensorboard").glob("events.*"))
