@@ -98,12 +98,7 @@ def _rollout(
     logits_bv = lm.logits(h_bpd[:, -1])  # left padding: the last column is real for every row
     cache = decode.from_prefill(cache, p + t)
     if g > 1:  # the G samples of a prompt share its prefill
-        cache = cache._replace(
-            k=jnp.repeat(cache.k, g, axis=1),  # [L, N, ...]
-            v=jnp.repeat(cache.v, g, axis=1),
-            valid_ns=jnp.repeat(cache.valid_ns, g, axis=0),
-            positions_n=jnp.repeat(cache.positions_n, g, axis=0),
-        )
+        cache = jax.tree.map(lambda x: jnp.repeat(x, g, axis=0) if x.ndim else x, cache)
         logits_nv = jnp.repeat(logits_bv, g, axis=0)
     else:
         logits_nv = logits_bv
@@ -129,13 +124,15 @@ def _rollout(
     mask_tn = jnp.zeros((t, n), bool).at[0].set(True)
     alive_n = ~stopped(token_n)
 
+    layers = decode.unstack_layers(lm.model.layers)  # once, outside the decode loop
+
     def cond(carry):
         step, _, alive_n, *_ = carry
         return (step < t) & jnp.any(alive_n)
 
     def body(carry):
         step, token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn = carry
-        logits_nv, cache = decode.decode_step(lm, token_n, alive_n, cache)
+        logits_nv, cache = decode.decode_step(lm, token_n, alive_n, cache, layers)
         new_n, logp_n = pick(logits_nv, step)
         tokens_tn = tokens_tn.at[step].set(jnp.where(alive_n, new_n, static.pad_token_id))
         logp_tn = logp_tn.at[step].set(jnp.where(alive_n, logp_n, 0.0))
