@@ -4,10 +4,10 @@ Our parameter paths are the HF module paths, except that the decoder layers are 
 parameter ``model/layers/self_attn/q_proj/kernel`` has a leading ``[L]`` axis and slice ``l``
 is the HF tensor ``model.layers.{l}.self_attn.q_proj.weight`` (:func:`unstack` lists the
 per-layer paths, e.g. ``model/layers/0/self_attn/q_proj/kernel``). Otherwise only layouts
-differ: a torch ``Linear`` stores
-``[out, in]``; our kernels are input-first and split per head, e.g. ``q_proj.kernel`` is
-``[D, H, Dh]`` and ``o_proj.kernel`` is ``[H, Dh, D]``. So ``ours = w.T.reshape(shape)`` and
-``w = ours.reshape(n_in, n_out).T`` for every kernel, and biases only reshape.
+differ: a torch ``Linear`` stores ``[out, in]``; our kernels are input-first and split per
+head, e.g. ``q_proj.kernel`` is ``[D, H, Dh]`` and ``o_proj.kernel`` is ``[H, Dh, D]``. So
+``ours = w.T.reshape(shape)`` and ``w = ours.reshape(n_in, n_out).T`` for every kernel, and
+biases only reshape.
 
 The safetensors format (an 8-byte header length, a JSON header, raw little-endian data) is read
 through ``numpy.memmap`` and written tensor by tensor, so a checkpoint streams through host

@@ -16,7 +16,7 @@ layout, layer by layer (unrolled) on per-layer weights. The model stores its lay
 (``[L, ...]``, see ``transformer.py``); :func:`unstack_layers` slices them once per rollout,
 outside the decode loop. A scan over the stacked layers with the cache in its carry measured
 13% slower per token here: XLA:CPU copies each layer's cache slice (``dynamic-slice``) before
-the attention matmuls read it, 180 MB per token at 32 x 112 slots, while separate per-layer
+the attention matmuls read it, ~165 MB per token at 32 x 112 slots, while separate per-layer
 buffers are read and updated in place. The cost is one copy of the layer weights while
 sampling (0.43 GB for SmolLM2-135M in f32), below the update's peak. It is checked
 token for token against transformers and against the model's cached forward in the tests.
