@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -71,10 +70,6 @@ OURS_OVERRIDES = [
 ]
 
 
-def _peak_rss_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
-
 def _prompt_rows(n: int) -> list[dict]:
     """The quickstart's arithmetic training prompts (same seed and knobs as the config)."""
     from jaxrl_llm.config import load_config
@@ -100,6 +95,7 @@ def _prompt_rows(n: int) -> list[dict]:
 def ours_child(steps: int) -> dict:
     from jaxrl_llm.config import load_config
     from jaxrl_llm.models import default_model_path
+    from jaxrl_llm.train.hostmem import peak_rss_gib
     from jaxrl_llm.train.loop import train
 
     default_model_path()  # converted and cached outside the timed steps (as TRL's folder is)
@@ -126,7 +122,7 @@ def ours_child(steps: int) -> dict:
             for r in per_step
         ],
         "wall_s": wall,
-        "peak_rss_gib": _peak_rss_gib(),
+        "peak_rss_gib": peak_rss_gib(),
     }
 
 
@@ -138,6 +134,7 @@ def trl_child(steps: int) -> dict:
 
     from jaxrl_llm.models import default_model_path
     from jaxrl_llm.rewards import IntegerAnswer
+    from jaxrl_llm.train.hostmem import peak_rss_gib
 
     torch.manual_seed(0)
     path = str(default_model_path())
@@ -218,7 +215,7 @@ def trl_child(steps: int) -> dict:
                     "logprobs": current["prepare"] - current["generation"],
                     "update": step - current["prepare"],
                     "step": step,
-                    "peak_rss_gib": _peak_rss_gib(),
+                    "peak_rss_gib": peak_rss_gib(),
                 }
             )
 
@@ -232,7 +229,7 @@ def trl_child(steps: int) -> dict:
     return {
         "steps": times,
         "wall_s": wall,
-        "peak_rss_gib": _peak_rss_gib(),
+        "peak_rss_gib": peak_rss_gib(),
         "gradient_checkpointing": bool(args.gradient_checkpointing),
         "trl": __import__("trl").__version__,
         "torch_threads": torch.get_num_threads(),

@@ -246,7 +246,7 @@ def load_params(
                     f"{expected} for config {config}"
                 )
             host_pieces.append(weights.to_ours(piece_path, reader.get(name), piece_shape))
-        host = host_pieces[0] if pieces == [(path, shape)] else np.stack(host_pieces)
+        host = np.stack(host_pieces) if weights.is_stacked(path) else host_pieces[0]
         values[path] = _place(host.astype(dtype), sharding)
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
@@ -337,9 +337,8 @@ def save_pretrained(
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         path = tuple(path)
         value = var.get_value()
-        pieces = weights.unstack(path, tuple(value.shape))
-        stacked = pieces != [(path, tuple(value.shape))]
-        for layer, (piece_path, piece_shape) in enumerate(pieces):
+        stacked = weights.is_stacked(path)
+        for layer, (piece_path, piece_shape) in enumerate(weights.unstack(path, value.shape)):
             entries.append(
                 (
                     weights.hf_name(piece_path),

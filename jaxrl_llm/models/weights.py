@@ -35,13 +35,18 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 STACKED_PREFIX = ("model", "layers")  # parameters under it have a leading [num_layers] axis
 
 
+def is_stacked(path: tuple) -> bool:
+    """Whether the parameter at ``path`` is a stacked layer parameter (leading ``[L]`` axis)."""
+    return tuple(str(p) for p in path[: len(STACKED_PREFIX)]) == STACKED_PREFIX
+
+
 def unstack(path: tuple, shape: tuple[int, ...]) -> list[tuple[tuple, tuple[int, ...]]]:
     """The per-layer ``(path, shape)`` pieces our parameter at ``path`` is made of.
 
     A stacked layer parameter ``[L, *s]`` gives ``L`` pieces ``model/layers/l/...`` of shape
     ``s`` (one HF tensor each, stacked in order); any other parameter is its own one piece.
     """
-    if tuple(str(p) for p in path[: len(STACKED_PREFIX)]) != STACKED_PREFIX:
+    if not is_stacked(path):
         return [(path, tuple(shape))]
     n = len(STACKED_PREFIX)
     return [((*path[:n], layer, *path[n:]), tuple(shape[1:])) for layer in range(shape[0])]

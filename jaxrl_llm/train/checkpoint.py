@@ -259,16 +259,14 @@ class Checkpointer:
         self.save_every = save_every
         self._pending: int | None = None  # the step being written in the background
         self._reported: BaseException | None = None  # a save error already raised
+        processes = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=_BARRIER_PREFIX)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
             create=True,
             todelete_subdir=TRASH_DIR,
-            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                barrier_sync_key_prefix=_BARRIER_PREFIX
-            ),
+            multiprocessing_options=processes,
         )
-        processes = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=_BARRIER_PREFIX)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=options,

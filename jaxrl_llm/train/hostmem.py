@@ -6,7 +6,8 @@ each call. Pages that smaller allocations freed before it (the rollout's decode 
 host-side reward work, LLVM's working memory while compiling) stay inside the process under
 glibc's allocator unless it is asked to return them, and then add to that peak.
 :func:`release_free_heap` asks (glibc ``malloc_trim(0)``): the trainer calls it before every
-rollout and update and, through a ``jax.monitoring`` listener, after every XLA compilation.
+rollout, update and checkpoint and, through a ``jax.monitoring`` listener, after every XLA
+compilation.
 On the SmolLM2 GRPO benchmark (``scripts/bench_train_step.py``) this lowers the peak RSS of the
 training steps by about 0.2 GiB; it does nothing on an accelerator's memory, and nothing where
 the C library has no ``malloc_trim`` (macOS, musl).
