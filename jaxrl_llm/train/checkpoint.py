@@ -11,10 +11,10 @@ A checkpoint of step ``s`` is the folder ``RUN_DIR/checkpoints/s`` with two item
   values.
 
 Checksums, not compression. Each array's checksum is two uint32 sums over its bits, a plain one
-and one weighted by position (``1 +`` the row-major index), computed on device under ``jit``:
-integer sums modulo 2**32 do not depend on the order of summation, so the value is the same for
-any sharding and mesh, and a restore onto another layout checks it too. Restoring recomputes
-them and treats a mismatch like an unreadable file (:class:`CheckpointCorruptError`). Without
+and one weighted by position, computed on device and the same for any sharding and mesh
+(:mod:`jaxrl_llm.train.checksums` gives the formulas), so a restore onto another layout checks
+them too. Restoring recomputes them and treats a mismatch like an unreadable file
+(:class:`CheckpointCorruptError`). Without
 them, corruption inside a data file was caught only by zstd failing to decode it; and with
 compression on, tensorstore holds each array's compressed chunks in memory while it writes,
 which on CPU raised the host peak of a save by about the size of the state (1.36 GiB for
@@ -66,10 +66,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrl_llm.train import checksums
 from jaxrl_llm.train.state import TrainState
 
 
@@ -149,55 +149,16 @@ def _unnest(tree: Mapping, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...]
     return flat
 
 
-def _as_uint32(x: jax.Array) -> jax.Array:
-    """The bits of ``x`` as uint32 (8-byte types gain a trailing axis of two words)."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    return jax.lax.bitcast_convert_type(x, width).astype(jnp.uint32)
-
-
-@jax.jit
-def _checksum_array(x: jax.Array) -> jax.Array:
-    """uint32 ``[sum(bits), sum(bits * (1 + row-major index))]``, both modulo 2**32.
-
-    One variadic reduction, so XLA fuses the bit cast and the weights into it (no
-    array-sized temporary); the index is built from per-axis iotas rather than a reshape, so a
-    sharded array is summed where it lies.
-    """
-    bits = _as_uint32(x)
-    index = jnp.zeros(bits.shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(bits.ndim)):
-        iota = jax.lax.broadcasted_iota(jnp.uint32, bits.shape, axis)
-        index = index + iota * jnp.uint32(stride % 2**32)
-        stride *= bits.shape[axis]
-    zero = jnp.uint32(0)
-    total, weighted = jax.lax.reduce(
-        (bits, bits * (index + jnp.uint32(1))),
-        (zero, zero),
-        lambda a, b: (a[0] + b[0], a[1] + b[1]),
-        tuple(range(bits.ndim)),
-    )
-    return jnp.stack([total, weighted])
-
-
-def _checksums(flat: Mapping[tuple[str, ...], Any]) -> dict[str, list[int]]:
-    """``{path: [sum of bits, position-weighted sum]}`` (uint32 each) of every array.
-
-    A collective under several processes (every process must call it with the same state).
-    """
-    sums = [_checksum_array(jnp.asarray(x)) for x in flat.values()]  # one leaf at a time
-    return {
-        "/".join(path): [int(v) for v in np.asarray(s)] for path, s in zip(flat, sums, strict=True)
-    }
+def _by_name(flat: Mapping[tuple[str, ...], Any]) -> dict[str, Any]:
+    """``{"a/b/c": leaf}``: the names ``meta`` uses for the arrays."""
+    return {"/".join(path): x for path, x in flat.items()}
 
 
 def _verify(state: Any, meta: Mapping[str, Any], step: int, where: str) -> None:
     saved = meta.get("checksums")
     if saved is None:  # written before checksums existed
         return
-    bad = [k for k, v in _checksums(flatten_state(state)).items() if saved.get(k) != v]
+    bad = checksums.find_mismatches(_by_name(flatten_state(state)), saved)
     if bad:
         raise CheckpointCorruptError(
             f"checkpoint step {step} in {where}: {len(bad)} arrays do not match their saved "
@@ -207,8 +168,8 @@ def _verify(state: Any, meta: Mapping[str, Any], step: int, where: str) -> None:
 
 def _describe(flat: Mapping[tuple[str, ...], Any]) -> dict[str, list]:
     return {
-        "/".join(path): [list(np.shape(x)), str(np.dtype(getattr(x, "dtype", np.float32)))]
-        for path, x in flat.items()
+        name: [list(np.shape(x)), str(np.dtype(getattr(x, "dtype", np.float32)))]
+        for name, x in _by_name(flat).items()
     }
 
 
@@ -299,7 +260,7 @@ class Checkpointer:
         body = {
             "step": int(step),
             "arrays": _describe(flat),
-            "checksums": _checksums(flat),
+            "checksums": checksums.compute_checksums(_by_name(flat)),
             **dict(meta or {}),
         }
         self._pending = int(step)

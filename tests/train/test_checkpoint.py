@@ -118,34 +118,6 @@ def test_changed_model_shape_is_a_clear_error(tmp_path):
             ckpt.restore(same._replace(critic_params=None, critic_opt_state=None))
 
 
-def test_checksums_ignore_layout_and_catch_any_changed_or_moved_element():
-    from jaxrl_llm.train.checkpoint import _checksums
-
-    key = jax.random.key(3)
-    arrays = {
-        ("w",): jax.random.normal(key, (16, 24), jnp.float32),
-        ("h",): jax.random.normal(key, (8, 6), jnp.bfloat16),
-        ("n",): jnp.arange(10, dtype=jnp.int32),
-        ("b",): jnp.arange(6) % 2 == 0,
-        ("s",): jnp.asarray(7, jnp.int32),
-    }
-    base = _checksums(arrays)
-    assert all(len(v) == 2 and all(0 <= x < 2**32 for x in v) for v in base.values())
-    mesh = shd.make_mesh(data=2, fsdp=2, tensor=2)
-    spec = jax.sharding.PartitionSpec(("data", "fsdp"), "tensor")
-    sharded = dict(arrays)
-    sharded[("w",)] = jax.device_put(arrays[("w",)], jax.sharding.NamedSharding(mesh, spec))
-    assert _checksums(sharded) == base  # integer sums: the same in any layout
-    w = np.asarray(arrays[("w",)])
-    flipped = w.copy()
-    flipped.view(np.uint32).reshape(-1)[77] ^= 1  # the lowest bit of one element
-    swapped = w[[1, 0, *range(2, 16)]]  # two rows swapped: same plain sum, other weighted sum
-    for changed in (flipped, swapped):
-        other = _checksums({**arrays, ("w",): jnp.asarray(changed)})
-        assert other["w"] != base["w"] and other["n"] == base["n"]
-    assert _checksums({**arrays, ("w",): jnp.asarray(swapped)})["w"][0] == base["w"][0]
-
-
 def test_a_changed_data_file_fails_its_checksums(tmp_path, step_fn):
     from jaxrl_llm.train.checkpoint import CheckpointCorruptError
 
