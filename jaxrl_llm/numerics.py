@@ -5,8 +5,8 @@ group std, where eps goes, whether whitening uses an eps inside the rsqrt or a v
 what a group of one sample gets, which clamps guard exp(), and the loss denominator. A
 :class:`Numerics` value names every such choice; recipes read it when they are *built* (never
 inside traced math) and pass plain keyword arguments down to ``jaxrl_llm.core``. See
-``docs/numerics.md`` for each difference with its formula, and
-``../shared/reference/estimators.md`` for where the peers' numbers come from.
+``docs/numerics.md`` for each difference with its formula and for how verl, TRL and OpenRLHF
+compute each estimator (where the peers' numbers come from).
 """
 
 from __future__ import annotations

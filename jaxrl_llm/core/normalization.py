@@ -8,7 +8,7 @@ GRPO's advantage is two explicit steps:
 
 The std always comes from the scores, whatever is being scaled (a ``[B, G]`` advantage or its
 ``[B, G, T]`` token broadcast). Division is never by zero: a zero denominator is replaced by 1
-(the numerator is then a centred constant, i.e. 0). Peer presets (estimators.md §1.2, §7):
+(the numerator is then a centred constant, i.e. 0). Peer presets (``docs/numerics.md``):
 
     verl GRPO      ddof=1, eps=1e-6, singleton_std=1.0
     TRL GRPO       ddof=1, eps=1e-4 (``scale_rewards="batch"``: ``scale_by_batch_std``)

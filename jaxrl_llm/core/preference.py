@@ -12,9 +12,9 @@ masked out. Reference log-probs are constants (``stop_gradient``). ``jax.nn.log_
 −log σ(z) finite and smooth for any |z|. Lengths |y| are token counts (int or float); a length
 of 0 is read as 1 so that nothing divides by zero.
 
-Conventions follow TRL's ``DPOTrainer`` (huggingface/trl@f2cd577; see
-``reference/estimators.md`` §5), except that label smoothing here is an explicit keyword of the
-losses that use it.
+Conventions follow TRL's ``DPOTrainer`` (huggingface/trl@f2cd577; see "DPO family" in
+``docs/numerics.md``), except that label smoothing here is an explicit keyword of the losses that
+use it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tests for jaxrl_llm.core.baselines against the loop references in tests/_ref_b.py."""
+"""Tests for jaxrl_llm.core.baselines against the loop references in tests/reference.py."""
 
 import functools
 

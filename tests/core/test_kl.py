@@ -44,7 +44,7 @@ class EstimatorsTest(chex.TestCase):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
 
     def test_golden_values_and_gradients(self):
-        # estimators.md §2, from running verl's kl_penalty on CPU.
+        # docs/numerics.md, "KL": from running verl's kl_penalty on CPU.
         np.testing.assert_allclose(kl.kl_k3(LOGP, LOGP_REF), [0.1065, 0.7183], atol=1e-4)
         grad = lambda f: jax.grad(lambda lp: jnp.sum(f(lp, LOGP_REF)))(LOGP)
         np.testing.assert_allclose(grad(kl.kl_k3), [0.3935, -1.7183], atol=1e-4)
@@ -181,7 +181,7 @@ class ShapingTest(chex.TestCase):
 
 class ControllerTest(parameterized.TestCase):
     def test_adaptive_golden(self):
-        # estimators.md §2: β = 0.001, KL = 0.3, n = 256 → 0.00100512 (verl: target 0.1,
+        # docs/numerics.md, "KL": β = 0.001, KL = 0.3, n = 256 → 0.00100512 (verl: target 0.1,
         # horizon 10000).
         ctrl = kl.adaptive_kl_controller(0.001, target=0.1, horizon=10_000)
         state = ctrl.update(ctrl.init(), jnp.asarray(0.3), 256)

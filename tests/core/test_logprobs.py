@@ -1,4 +1,4 @@
-"""Tests for jaxrl_llm.core.logprobs against a float64 loop reference in tests/_ref_a.py."""
+"""Tests for jaxrl_llm.core.logprobs against a float64 loop reference in tests/reference.py."""
 
 import functools
 

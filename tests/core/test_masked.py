@@ -1,4 +1,4 @@
-"""Tests for jaxrl_llm.core.masked against the loop references in tests/_ref_a.py."""
+"""Tests for jaxrl_llm.core.masked against the loop references in tests/reference.py."""
 
 import functools
 

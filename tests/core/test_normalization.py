@@ -1,4 +1,4 @@
-"""Tests for jaxrl_llm.core.normalization against the loop references in tests/_ref_b.py."""
+"""Tests for jaxrl_llm.core.normalization against the loop references in tests/reference.py."""
 
 import functools
 
@@ -93,7 +93,7 @@ class GoldenValuesTest(parameterized.TestCase):
         )
 
     @parameterized.parameters(
-        # estimators.md §1.2 (OpenRLHF eps 1e-9, verl eps 1e-6, ddof 0 for comparison).
+        # docs/numerics.md, group normalisation: OpenRLHF eps 1e-9, verl 1e-6, ddof 0 to compare.
         ([1.0, 0.0, 0.0, 1.0], 1, 1e-9, [0.866025, -0.866025, -0.866025, 0.866025]),
         ([1.0, 0.0, 0.0, 1.0], 1, 1e-6, [0.866024, -0.866024, -0.866024, 0.866024]),
         ([1.0, 0.0, 0.0, 1.0], 0, 1e-9, [1.0, -1.0, -1.0, 1.0]),

@@ -1,4 +1,4 @@
-"""Tests for jaxrl_llm.core.returns against verl-style loops in tests/_ref_a.py."""
+"""Tests for jaxrl_llm.core.returns against verl-style loops in tests/reference.py."""
 
 import functools
 
