@@ -1,4 +1,4 @@
-"""Presets reproduce the peers' golden numbers (../shared/reference/estimators.md)."""
+"""Presets reproduce the peers' golden numbers (docs/numerics.md)."""
 
 from __future__ import annotations
 
