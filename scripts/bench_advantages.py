@@ -139,7 +139,7 @@ def _percentiles_ms(seconds: list[float]) -> dict[str, float]:
     return {"median": float(p50), "p10": float(p10), "p90": float(p90)}
 
 
-def _time_once(fn) -> tuple[float, float]:
+def _time_once(fn: Callable[[], object]) -> tuple[float, float]:
     """Wall-clock and process CPU seconds of one call (CPU time is less sensitive to other
     processes on a shared machine; it sums XLA's threads)."""
     cpu_start, start = time.process_time(), time.perf_counter()
@@ -157,7 +157,9 @@ class Case(NamedTuple):
     again: Callable[[], object]  # the jitted call on another rollout of the same shape
 
 
-def prepare(name: str, data: dict, other: dict, counter: CompileCounter, rtol, atol):
+def prepare(
+    name: str, data: dict, other: dict, counter: CompileCounter, rtol: float, atol: float
+) -> tuple[Case, dict[str, object]]:
     """Builds a recipe's case, compiles it (timed) and checks it against its loop reference."""
     recipe = algorithms.get(name)
     names = fields_for(recipe)
