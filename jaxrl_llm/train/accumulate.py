@@ -1,0 +1,484 @@
+"""Exact gradient accumulation: epochs × minibatches × micro-batches in one jitted step.
+
+The engine behind the update steps of :mod:`jaxrl_llm.train.update`, knowing nothing about RL:
+it trains one or more :class:`Trainee` (a name, an optax optimizer and a ``(sum, denominator)``
+loss) on a batch of N rows:
+
+    for epoch in range(epochs):                # lax.scan
+      for minibatch in minibatches:            # lax.scan; one optimizer update per trainee each
+        D = denominator(minibatch)             # the global denominator, from the masks alone
+        g = Σ_micro ∇θ sum_micro               # lax.scan over micro-batches
+        θ ← tx(g / max(D, 1))                  # skipped when g or Σ sum is not finite
+
+Exact accumulation. A trainee's loss on a minibatch is ``Σ sum_micro / max(D, 1)``: its ``sums``
+gives the *sum* of its per-element losses on one micro-batch, and its ``denominator`` depends
+only on the masks of the whole minibatch (a token count, a number of sequences, a constant).
+Accumulating the gradients of the sums and dividing once by the minibatch's denominator is then
+*exactly* the gradient of the whole-minibatch loss: micro-batching changes memory, not results
+(up to float summation order; tested to 1e-6). A loss whose denominator depends on the
+parameters, or a per-micro-batch mean, would not have this property.
+
+Splitting. A batch of N rows with M minibatches of K micro-batches of m rows (N = M·K·m,
+S = M·K micro-steps) is split *strided*: micro-step s = j·K + k (minibatch j) takes rows
+{i·S + s : i < m}. Row ``i·S + s`` sits in the same place of the data-parallel layout for every
+s, so each device feeds each micro-batch from its own rows: no data moves between devices.
+Minibatches are the same every epoch (no reshuffling).
+
+Non-finite updates. A non-finite gradient (one NaN/inf anywhere makes its global norm
+non-finite) or loss sum skips that trainee's update with a ``lax.cond`` inside the jit: its
+parameters and optimizer state are kept bit for bit, and ``update/nonfinite`` counts the skipped
+updates (over trainees, epochs and minibatches), so a bad batch can never write NaN into the
+parameters or the optimizer moments; the training loop counts or stops on it.
+
+Metrics (f32 scalars): every ``(sum, den)`` metric pair a trainee's ``sums`` reports, finalized
+as ``sum / max(den, 1)`` per minibatch and averaged over the epoch × minibatch updates;
+``{name}/grad_norm`` (of the scaled gradient, before the optimizer's clipping), ``{name}/lr``
+from a trainee's schedule (:func:`make_step`), and ``update/nonfinite``.
+
+Sharding. With a mesh, :func:`jit_step` jits with in/out shardings (the batch's leading axis over
+the batch mesh axes, the state as given, metrics replicated) and donates the state;
+:func:`batch_constrainer` keeps every micro-batch split over the batch axes, and a trainee's
+``param_sharding`` lays out its gradient accumulators like its parameters.
+
+Use::
+
+    actor = Trainee("actor", optax.adam(1e-3), sums, denominator, schedule=lambda step: 1e-3)
+    step = make_step(
+        (actor,),
+        read=lambda s: (s.step, (s.params,), (s.opt_state,)),
+        write=lambda s, step, p, o: s._replace(step=step, params=p[0], opt_state=o[0]),
+        num_minibatches=2,
+        micro_batch_size=4,
+    )
+    state, metrics = step(state, batch)  # the state is donated
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+Pair = tuple[jax.Array, jax.Array]
+"""A ``(sum, denominator)`` pair; its value is ``sum / max(denominator, 1)``."""
+SumsFn = Callable[[Any, Any], tuple[jax.Array, dict[str, Pair]]]
+"""``(params, micro_batch) -> (loss_sum, {metric: (sum, den)})``."""
+DenominatorFn = Callable[[Any], jax.Array]
+"""``minibatch -> f32[]``: the loss denominator of a whole minibatch, from its masks only."""
+Schedule = Callable[[jax.Array], jax.Array]
+"""``step -> learning rate`` (for the ``{name}/lr`` metric)."""
+BatchAxes = str | tuple[str, ...] | None
+"""The mesh axes a batch's leading axis is split over (None: replicated)."""
+
+StateT = TypeVar("StateT")
+BatchT = TypeVar("BatchT")
+
+NONFINITE = "update/nonfinite"
+
+
+class Trainee(NamedTuple):
+    """One model trained by the step.
+
+    Attributes:
+      name: the prefix of its metrics (``{name}/grad_norm``, ``{name}/lr``); unique in a step.
+      tx: its optimizer (clipping, if any, included).
+      sums: ``(params, micro_batch) -> (loss_sum, {metric: (sum, den)})``; the micro-batch has
+        the batch's structure with ``m`` rows. Only ``loss_sum`` is differentiated.
+      denominator: ``minibatch -> f32[]``, the loss denominator of a whole minibatch, computed
+        from masks (or shapes) only. It sees the minibatch as its micro-batches stacked: every
+        leaf ``[K, m, ...]``, so reduce over both leading axes (``jnp.sum(mask)``; a row count
+        is ``mask.shape[0] * mask.shape[1]``).
+      param_sharding: a pytree of shardings like the parameters; lays out the gradient
+        accumulators like the parameters (None: left to the compiler).
+      schedule: ``step -> lr``, reported as ``{name}/lr`` by :func:`make_step` (None: no metric).
+    """
+
+    name: str
+    tx: optax.GradientTransformation
+    sums: SumsFn
+    denominator: DenominatorFn
+    param_sharding: Any = None
+    schedule: Schedule | None = None
+
+
+def token_pair(x: jax.Array, mask: jax.Array) -> Pair:
+    """The token-mean pair of ``x`` over ``mask``: ``(Σ_mask x, Σ mask)`` in float32."""
+    total = jnp.sum(jnp.where(mask, jnp.asarray(x, jnp.float32), 0.0))
+    return total, jnp.sum(mask, dtype=jnp.int32).astype(jnp.float32)
+
+
+def finalize(pair: Pair) -> jax.Array:
+    """The value of a ``(sum, den)`` pair: ``sum / max(den, 1)`` in float32 (0 for (0, 0))."""
+    total, den = pair
+    return jnp.asarray(total, jnp.float32) / jnp.maximum(jnp.asarray(den, jnp.float32), 1.0)
+
+
+def identity(tree: Any) -> Any:
+    """The default ``constrain``: no sharding constraint."""
+    return tree
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting.
+
+
+def split_sizes(
+    batch: Any, *, num_minibatches: int = 1, micro_batch_size: int | None = None
+) -> tuple[int, int, int]:
+    """``(M, K, m)``: minibatches, micro-batches per minibatch, rows per micro-batch.
+
+    Raises:
+      ValueError: the batch is empty, its leaves disagree on the number of rows, or the rows do
+        not split into ``num_minibatches`` minibatches of micro-batches of ``micro_batch_size``.
+    """
+    _check_sizes(num_minibatches=num_minibatches, micro_batch_size=micro_batch_size)
+    leaves = jax.tree.leaves(batch)
+    if not leaves:
+        raise ValueError("the batch has no arrays")
+    rows = {int(jnp.shape(x)[0]) if jnp.ndim(x) else -1 for x in leaves}
+    if -1 in rows:
+        raise ValueError("every array of the batch needs a leading (row) axis; got a scalar")
+    if len(rows) != 1:
+        raise ValueError(f"the batch's arrays disagree on the number of rows: {sorted(rows)}")
+    (n,) = rows
+    if n == 0:
+        raise ValueError("the batch has 0 rows")
+    if n % num_minibatches:
+        raise ValueError(f"a batch of {n} rows does not split into {num_minibatches} minibatches")
+    minibatch = n // num_minibatches
+    micro = micro_batch_size or minibatch
+    if minibatch % micro:
+        raise ValueError(
+            f"a minibatch of {minibatch} rows (a batch of {n} in {num_minibatches}) does not "
+            f"split into micro-batches of {micro}"
+        )
+    return num_minibatches, minibatch // micro, micro
+
+
+def strided_split(x: jax.Array, num_minibatches: int, num_micro: int) -> jax.Array:
+    """``[N, ...] -> [M, K, m, ...]``, strided: ``out[j, k, i] = x[i·M·K + j·K + k]``."""
+    steps = num_minibatches * num_micro
+    m = x.shape[0] // steps
+    x = x.reshape(m, steps, *x.shape[1:]).swapaxes(0, 1)
+    return x.reshape(num_minibatches, num_micro, m, *x.shape[2:])
+
+
+# ---------------------------------------------------------------------------------------------
+# One update.
+
+
+def _add(a: Any, b: Any) -> Any:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def _first(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _accumulate(
+    trainee: Trainee, params: Any, mb: Any, constrain: Callable[[Any], Any]
+) -> tuple[jax.Array, dict[str, Pair], Any]:
+    """Σ over the K micro-batches of ``mb`` of (loss_sum, metric pairs, ∇ loss_sum)."""
+    grad_fn = jax.value_and_grad(trainee.sums, has_aux=True)
+    num_micro = jax.tree.leaves(mb)[0].shape[0]
+    if num_micro == 1:
+        (loss, aux), grads = grad_fn(params, constrain(_first(mb)))
+        return loss, aux, grads
+
+    def body(carry, micro):
+        (loss, aux), grads = grad_fn(params, constrain(micro))
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        return _add(carry, (loss, aux, grads)), None
+
+    (loss_shape, aux_shape), grad_shape = jax.eval_shape(grad_fn, params, _first(mb))
+    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
+    grads0 = zeros(grad_shape)
+    if trainee.param_sharding is not None:
+        grads0 = jax.lax.with_sharding_constraint(grads0, trainee.param_sharding)
+    (loss, aux, grads), _ = jax.lax.scan(body, (zeros(loss_shape), zeros(aux_shape), grads0), mb)
+    return loss, aux, grads
+
+
+def _apply(
+    tx: optax.GradientTransformation,
+    params: Any,
+    opt_state: Any,
+    grads: Any,
+    denominator: jax.Array,
+    loss_sum: jax.Array,
+) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """θ ← tx(g / max(D, 1)), skipped (state kept) when the gradient or the loss is not finite."""
+    scale = 1.0 / jnp.maximum(denominator, 1.0)
+    grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, params)
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss_sum)
+
+    def update(operands):
+        params, opt_state = operands
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = jax.lax.cond(finite, update, lambda ops: ops, (params, opt_state))
+    return params, opt_state, grad_norm, finite
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
+
+
+def optimize(
+    trainees: Sequence[Trainee],
+    params: Sequence[Any],
+    opt_states: Sequence[Any],
+    batch: Any,
+    *,
+    epochs: int = 1,
+    num_minibatches: int = 1,
+    micro_batch_size: int | None = None,
+    constrain: Callable[[Any], Any] = identity,
+) -> tuple[tuple[Any, ...], tuple[Any, ...], dict[str, jax.Array]]:
+    """Epochs × minibatches of exact, micro-batched updates of every trainee (traceable).
+
+    Args:
+      trainees: the models to train; each minibatch updates each of them once, in order, each
+        from its own parameters (they do not see each other's update).
+      params, opt_states: one parameter pytree and optimizer state per trainee.
+      batch: a pytree of arrays with N rows each (the leading axis).
+      epochs: passes over the batch (the same minibatches each time).
+      num_minibatches: M, optimizer updates per epoch.
+      micro_batch_size: m, rows per gradient micro-batch (None: whole minibatches).
+      constrain: applied to every micro-batch before ``sums`` (see :func:`batch_constrainer`).
+
+    Returns:
+      ``(params, opt_states, metrics)``: tuples like the inputs, and the metrics of the module
+      docstring (pair metrics and ``{name}/grad_norm`` averaged over the epochs × M updates,
+      ``update/nonfinite`` the number of skipped updates).
+
+    Raises:
+      ValueError: bad sizes (see :func:`split_sizes`), repeated trainee names, or ``params`` /
+        ``opt_states`` not one per trainee.
+    """
+    trainees = tuple(trainees)
+    params, opt_states = tuple(params), tuple(opt_states)
+    _check_trainees(trainees)
+    if not len(params) == len(opt_states) == len(trainees):
+        raise ValueError(
+            f"{len(trainees)} trainees need as many parameter trees and optimizer states; got "
+            f"{len(params)} and {len(opt_states)}"
+        )
+    _check_sizes(epochs=epochs)
+    _, num_micro, _ = split_sizes(
+        batch, num_minibatches=num_minibatches, micro_batch_size=micro_batch_size
+    )
+    mbs = jax.tree.map(lambda x: strided_split(x, num_minibatches, num_micro), batch)
+
+    def minibatch_step(carry, mb):
+        params, opt_states = carry
+        new_params, new_opts, metrics = [], [], {}
+        for trainee, p, o in zip(trainees, params, opt_states, strict=True):
+            loss_sum, aux, grads = _accumulate(trainee, p, mb, constrain)
+            p, o, grad_norm, finite = _apply(
+                trainee.tx, p, o, grads, trainee.denominator(mb), loss_sum
+            )
+            metrics.update({k: finalize(v) for k, v in aux.items()})
+            metrics[f"{trainee.name}/grad_norm"] = grad_norm
+            metrics[f"{trainee.name}/nonfinite"] = 1.0 - finite.astype(jnp.float32)
+            new_params.append(p)
+            new_opts.append(o)
+        return (tuple(new_params), tuple(new_opts)), metrics
+
+    def epoch(carry, _):
+        if num_minibatches == 1:  # no loop: a smaller program to compile
+            carry, metrics = minibatch_step(carry, _first(mbs))
+            return carry, jax.tree.map(lambda m: m[None], metrics)
+        return jax.lax.scan(minibatch_step, carry, mbs)
+
+    if epochs == 1:
+        (params, opt_states), metrics = epoch((params, opt_states), None)
+        metrics = jax.tree.map(lambda m: m[None], metrics)
+    else:
+        (params, opt_states), metrics = jax.lax.scan(
+            epoch, (params, opt_states), None, length=epochs
+        )
+    skipped = [f"{t.name}/nonfinite" for t in trainees]
+    out = {k: jnp.mean(v) for k, v in metrics.items() if k not in skipped}
+    out[NONFINITE] = sum(jnp.sum(metrics[k]) for k in skipped)
+    return params, opt_states, out
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding and jit.
+
+
+def _batch_sharding(mesh: Mesh, batch_axes: BatchAxes, x: Any) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(batch_axes, *([None] * (jnp.ndim(x) - 1))))
+
+
+def batch_constrainer(mesh: Mesh | None, batch_axes: BatchAxes) -> Callable[[Any], Any]:
+    """``tree -> tree`` constraining every array's leading axis onto ``batch_axes`` of ``mesh``.
+
+    Without a mesh: :func:`identity`. ``batch_axes`` is a mesh axis name, a tuple of them (as in
+    ``jaxrl_llm.models.sharding``'s ``batch`` rule), or None (replicated).
+    """
+    if mesh is None:
+        return identity
+
+    def constrain(tree):
+        return jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(x, _batch_sharding(mesh, batch_axes, x)),
+            tree,
+        )
+
+    return constrain
+
+
+def jit_step(
+    step_fn: Callable[[StateT, BatchT], tuple[StateT, dict[str, jax.Array]]],
+    *,
+    mesh: Mesh | None = None,
+    state_sharding: Any = None,
+    batch_axes: BatchAxes = None,
+) -> Callable[[StateT, BatchT], tuple[StateT, dict[str, jax.Array]]]:
+    """``step_fn`` jitted with the state donated.
+
+    With a mesh: in/out shardings (the state as ``state_sharding``, the batch's leading axis over
+    ``batch_axes``, the metrics replicated), one compiled program per batch structure, run under
+    ``jax.set_mesh(mesh)``; the state and the batch are first moved to those layouts (a no-op for
+    arrays already in place). Without a mesh: a plain donating ``jax.jit``.
+    """
+    if mesh is None:
+        return jax.jit(step_fn, donate_argnums=0)
+    if state_sharding is None:
+        raise ValueError("jit_step: a mesh needs the state_sharding")
+    rep = NamedSharding(mesh, PartitionSpec())
+    cache: dict[Hashable, Callable] = {}
+
+    def call(state, batch):
+        batch_sharding = jax.tree.map(lambda x: _batch_sharding(mesh, batch_axes, x), batch)
+        treedef = jax.tree.structure(batch)
+        if treedef not in cache:
+            cache[treedef] = jax.jit(
+                step_fn,
+                in_shardings=(state_sharding, batch_sharding),
+                out_shardings=(state_sharding, rep),
+                donate_argnums=0,
+            )
+        # Committed arrays laid out otherwise (e.g. replicated log-probs) are moved first: jit
+        # refuses a mismatch. Both are no-ops for arrays already in place.
+        state = jax.device_put(state, state_sharding)
+        batch = jax.device_put(batch, batch_sharding)
+        with jax.set_mesh(mesh):
+            return cache[treedef](state, batch)
+
+    return call
+
+
+# ---------------------------------------------------------------------------------------------
+# The step factory.
+
+
+def make_step(
+    trainees: Sequence[Trainee],
+    *,
+    read: Callable[[StateT], tuple[jax.Array, tuple[Any, ...], tuple[Any, ...]]],
+    write: Callable[[StateT, jax.Array, tuple[Any, ...], tuple[Any, ...]], StateT],
+    epochs: int = 1,
+    num_minibatches: int = 1,
+    micro_batch_size: int | None = None,
+    mesh: Mesh | None = None,
+    state_sharding: Any = None,
+    batch_axes: BatchAxes = None,
+    check: Callable[[BatchT], None] | None = None,
+) -> Callable[[StateT, BatchT], tuple[StateT, dict[str, jax.Array]]]:
+    """The jitted ``step(state, batch) -> (state, metrics)`` training ``trainees`` on a batch.
+
+    Args:
+      trainees: the models (see :class:`Trainee`).
+      read: ``state -> (step, params, opt_states)``: the step counter and, per trainee, its
+        parameters and optimizer state.
+      write: ``(state, step + 1, params, opt_states) -> state``: puts them back.
+      epochs, num_minibatches, micro_batch_size: the shape of the update (see :func:`optimize`).
+      mesh, state_sharding, batch_axes: the layout (see :func:`jit_step`); no mesh: a plain jit.
+      check: ``batch -> None``, called when the step is traced; raise to refuse a batch.
+
+    Metrics: those of :func:`optimize`, plus ``{name}/lr`` (the schedule at the state's step) for
+    every trainee with a schedule.
+
+    Raises:
+      ValueError: bad sizes or trainees, here; sizes that do not divide the batch, at the first
+        call with that batch shape.
+    """
+    trainees = tuple(trainees)
+    _check_trainees(trainees)
+    _check_sizes(epochs=epochs, num_minibatches=num_minibatches, micro_batch_size=micro_batch_size)
+    constrain = batch_constrainer(mesh, batch_axes)
+
+    def step(state, batch):
+        if check is not None:
+            check(batch)
+        count, params, opt_states = read(state)
+        params, opt_states, metrics = optimize(
+            trainees,
+            params,
+            opt_states,
+            batch,
+            epochs=epochs,
+            num_minibatches=num_minibatches,
+            micro_batch_size=micro_batch_size,
+            constrain=constrain,
+        )
+        for t in trainees:
+            if t.schedule is not None:
+                metrics[f"{t.name}/lr"] = t.schedule(count)
+        return write(state, count + 1, params, opt_states), metrics
+
+    return jit_step(step, mesh=mesh, state_sharding=state_sharding, batch_axes=batch_axes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks.
+
+
+def _check_trainees(trainees: tuple[Trainee, ...]) -> None:
+    if not trainees:
+        raise ValueError("no trainees to train")
+    names = [t.name for t in trainees]
+    if len(set(names)) != len(names):
+        raise ValueError(f"trainee names must be unique (they prefix the metrics); got {names}")
+
+
+def _check_sizes(**sizes: int | None) -> None:
+    for key, value in sizes.items():
+        if value is None and key == "micro_batch_size":
+            continue
+        try:
+            ok = not isinstance(value, bool) and operator.index(value) >= 1
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+
+
+__all__ = [
+    "NONFINITE",
+    "BatchAxes",
+    "DenominatorFn",
+    "Pair",
+    "Schedule",
+    "SumsFn",
+    "Trainee",
+    "batch_constrainer",
+    "finalize",
+    "identity",
+    "jit_step",
+    "make_step",
+    "optimize",
+    "split_sizes",
+    "strided_split",
+    "token_pair",
+]
