@@ -1,4 +1,8 @@
-"""jaxrl_llm.config: every shipped YAML validates; overrides; every error path; round trip."""
+"""jaxrl_llm.config: every shipped YAML validates; overrides; every error path; round trip.
+
+The schema and validation end to end, through load_config; the generic engine on a toy schema is
+in tests/config/test_engine.py, the schema's own conventions in tests/config/test_schema.py.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import dataclasses
 import pickle
 import re
 import textwrap
+import types
+import typing
 from pathlib import Path
 
 import pytest
@@ -84,8 +90,8 @@ def _schema_keys(cls, prefix: str = "") -> set[str]:
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         keys.add(key)
-        hint = C.typing.get_type_hints(cls)[f.name]
-        options = C.typing.get_args(hint) if C.typing.get_origin(hint) is C.types.UnionType else ()
+        hint = typing.get_type_hints(cls)[f.name]
+        options = typing.get_args(hint) if typing.get_origin(hint) is types.UnionType else ()
         inner = [a for a in (hint, *options) if dataclasses.is_dataclass(a)]
         if inner:
             keys |= _schema_keys(inner[0], key + ".")
@@ -311,7 +317,7 @@ def test_group_recipe_with_one_sample(name):
 
 def test_group_recipes_are_recipes():
     assert set(C.GROUP_RECIPES) < set(algorithms.RECIPES)
-    assert set(C.typing.get_args(C.RecipeName)) == set(algorithms.RECIPES)
+    assert set(typing.get_args(C.RecipeName)) == set(algorithms.RECIPES)
 
 
 def test_pods_keep_must_be_below_g():

@@ -1,0 +1,514 @@
+"""Loading a training run's config, and the checks across its sections.
+
+Loading (:func:`load_config`) goes: read the YAML file (a ``base:`` or ``defaults:`` key includes
+other YAML files, relative to the including file, merged underneath) → merge the dotted overrides
+``a.b.c=value`` (values parsed as YAML) → build the dataclasses of
+:mod:`jaxrl_llm.config.schema` (unknown keys, wrong types and out-of-range values are errors; see
+:mod:`jaxrl_llm.config.engine`) → cross-check the sections (:func:`validate`: impossible
+combinations, recipe hyperparameters against the recipe's signature). Every problem raises
+:class:`~jaxrl_llm.config.engine.ConfigError` naming the key path, the value and what was
+expected. Checks that need the device count are in :func:`check_devices`.
+
+Two merge rules keep layered configs honest: when a layer changes ``algorithm.name``, the
+``algorithm.hparams`` of the layers below are dropped (they belonged to another recipe); and
+``dpo``, which trains offline on preference pairs, takes ``rollout: null`` (an absent rollout
+section is fine; a non-null one is an error rather than silently ignored).
+
+Strings are resolved here and in the CLI, never below: :func:`build_recipe` turns the algorithm
+section into a :class:`~jaxrl_llm.recipe.Recipe` with plain keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import os
+import re
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxrl_llm import algorithms
+from jaxrl_llm.config import engine
+from jaxrl_llm.config.engine import (
+    ConfigError,
+    FrozenDict,
+    _bad,
+    _build,
+    _check_top_level,
+    _convert,
+    _given_or_default,
+    _suggest,
+    _unknown,
+    to_dict,
+)
+from jaxrl_llm.config.schema import (
+    AlgorithmConfig,
+    DataConfig,
+    MeshConfig,
+    TrainConfig,
+)
+from jaxrl_llm.core import kl as _kl
+from jaxrl_llm.rewards import registry as _reward_registry
+
+# Recipes whose baseline or normalisation compares the G answers of a prompt.
+GROUP_RECIPES = ("grpo", "dr_grpo", "rloo", "dapo", "gspo", "reinforce_pp_baseline")
+# Recipes whose loss is −A·log π without an importance ratio: only on-policy updates are unbiased.
+RATIO_FREE_RECIPES = ("reinforce", "rloo")
+# Built-in reward types (host-side, see jaxrl_llm.rewards), spelled as a config names them: the
+# registry's types under their short aliases (gsm8k, boxed). The registry's "user" type is not
+# one: a config names a user's function as the type itself, "module:function".
+_SHORT_NAME = {full: short for short, full in _reward_registry.TYPE_ALIASES.items()}
+REWARD_TYPES = tuple(_SHORT_NAME.get(t, t) for t in _reward_registry.REWARD_TYPES if t != "user")
+# Recipe keyword arguments that come from other config keys, never from algorithm.hparams.
+_MANAGED_HPARAMS = {
+    "numerics": "algorithm.numerics",
+    "kl_controller": "kl.controller",
+    "axis_name": "the mesh (the trainer sets it)",
+}
+
+# ---------------------------------------------------------------------------------------------
+# Reading, merging, writing.
+
+
+def _effective_name(section: Any) -> Any:
+    """The recipe a raw ``algorithm`` section names (the default when it names none)."""
+    return _given_or_default(section, AlgorithmConfig, "name")
+
+
+def _drop_other_recipes_hparams(path: tuple[str, ...], base: Mapping, child: Mapping) -> Mapping:
+    """The merge rule: a layer that changes ``algorithm.name`` drops the ``hparams`` below."""
+    renamed = "name" in child and _effective_name(base) != child["name"]
+    if path == ("algorithm",) and renamed:
+        return {k: v for k, v in base.items() if k != "hparams"}
+    return base
+
+
+def _read_yaml(path: Path) -> dict:
+    """A config file with its ``base:`` / ``defaults:`` includes merged underneath."""
+    return engine._read_yaml(path, rule=_drop_other_recipes_hparams)
+
+
+def merge_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
+    """Applies dotted overrides in order (a later one wins) to a raw config mapping."""
+    return engine.merge_overrides(raw, overrides, _drop_other_recipes_hparams)
+
+
+def load_config(
+    path: str | os.PathLike,
+    overrides: Sequence[str] = (),
+    *,
+    device_count: int | None = None,
+) -> TrainConfig:
+    """Reads, merges, overrides and validates a config file.
+
+    Args:
+      path: a YAML file; ``base:`` / ``defaults:`` include others relative to it.
+      overrides: ``"dotted.key=value"`` strings applied after the file, in order.
+      device_count: also check the mesh and batch divisibility for this many devices
+        (:func:`check_devices`); ``None`` skips that check (the trainer runs it with
+        ``jax.device_count()``).
+
+    Raises:
+      ConfigError: naming the key, the value and what was expected.
+    """
+    raw = merge_overrides(_read_yaml(Path(path)), overrides)
+    config = from_dict(raw)
+    if device_count is not None:
+        check_devices(config, device_count)
+    return config
+
+
+def to_yaml(config: TrainConfig) -> str:
+    """The resolved config as YAML; :func:`load_config` reads it back to an equal config."""
+    return engine.dump_yaml(config, "# Resolved jaxrl_llm config (all defaults filled in).\n")
+
+
+def save_config(config: TrainConfig, path: str | os.PathLike) -> Path:
+    """Writes :func:`to_yaml` atomically (temporary file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(to_yaml(config), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
+    """A validated copy of ``config`` with dotted overrides applied (e.g. the CLI's flags)."""
+    return from_dict(merge_overrides(to_dict(config), overrides))
+
+
+def from_dict(raw: Mapping) -> TrainConfig:
+    """Builds and validates a :class:`TrainConfig` from a raw (YAML-shaped) mapping."""
+    _check_top_level(raw)
+    raw = dict(raw)
+    name = _effective_name(raw.get("algorithm", {}))
+    if name == "dpo":
+        rollout = raw.get("rollout")
+        if rollout is not None:
+            keys = [f"rollout.{k}" for k in rollout] if isinstance(rollout, Mapping) else []
+            found = f" (found {', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+            raise ConfigError(
+                "rollout: dpo trains offline on preference pairs and generates nothing, so a "
+                "rollout section makes no sense; set `rollout: null` and size the batch with "
+                f"preference.pairs_per_step{found if keys else ''}",
+                "rollout",
+            )
+        raw["rollout"] = None
+    elif "rollout" in raw and raw["rollout"] is None:
+        raise ConfigError(
+            f"rollout = None: expected a mapping; the online recipe {name!r} generates its "
+            "training batch (only dpo takes `rollout: null`)",
+            "rollout",
+        )
+    config = _build(TrainConfig, raw, "")
+    return validate(config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cross-section validation.
+
+
+def _recipe_fn(name: str):
+    return algorithms.RECIPES[name]
+
+
+def _hparam_names(name: str) -> list[str]:
+    params = inspect.signature(_recipe_fn(name)).parameters
+    return [p for p in params if p not in _MANAGED_HPARAMS]
+
+
+def _checked_hparams(algorithm: AlgorithmConfig) -> FrozenDict:
+    """``algorithm.hparams`` validated against the recipe's signature, values converted."""
+    fn = _recipe_fn(algorithm.name)
+    valid = _hparam_names(algorithm.name)
+    hints = typing.get_type_hints(fn)
+    out = {}
+    for name, value in algorithm.hparams.items():
+        key = f"algorithm.hparams.{name}"
+        if name in _MANAGED_HPARAMS:
+            raise ConfigError(f"{key}: set {_MANAGED_HPARAMS[name]} instead", key)
+        if name not in valid:
+            why = f" ({name!r} is not a hyperparameter of {algorithm.name})"
+            raise _unknown("algorithm.hparams", name, valid, why)
+        out[name] = _convert(value, hints.get(name, Any), key)
+    return FrozenDict(out)
+
+
+def recipe_hparams(config: TrainConfig) -> dict[str, Any]:
+    """Every hyperparameter of the recipe: its signature's defaults under ``algorithm.hparams``."""
+    params = inspect.signature(_recipe_fn(config.algorithm.name)).parameters
+    out = {n: p.default for n, p in params.items() if n not in _MANAGED_HPARAMS}
+    out.update(config.algorithm.hparams)
+    return out
+
+
+def build_recipe(config: TrainConfig, **extra: Any):
+    """The :class:`~jaxrl_llm.recipe.Recipe` the config names (``extra``: e.g. ``axis_name``)."""
+    name = config.algorithm.name
+    kwargs = dict(config.algorithm.hparams, numerics=config.algorithm.numerics, **extra)
+    if config.kl.controller == "adaptive":
+        kwargs["kl_controller"] = _kl.adaptive_kl_controller(
+            float(recipe_hparams(config)["beta"]),
+            target=config.kl.target,
+            horizon=config.kl.horizon,
+        )
+    return _recipe_fn(name)(**kwargs)
+
+
+def needs_reference_model(config: TrainConfig) -> bool:
+    """Whether the run loads a frozen reference copy of the policy.
+
+    Online recipes need it only when a KL is used (β > 0 or an adaptive controller); dpo needs it
+    except for the reference-free SimPO loss.
+    """
+    hp = recipe_hparams(config)
+    if config.is_offline:
+        return hp["loss_type"] != "simpo"
+    return float(hp.get("beta") or 0.0) > 0 or config.kl.controller == "adaptive"
+
+
+def _check_algorithm(config: TrainConfig) -> None:
+    name, hp = config.algorithm.name, recipe_hparams(config)
+    if config.kl.controller == "adaptive":
+        if "kl_controller" not in inspect.signature(_recipe_fn(name)).parameters:
+            raise _bad(
+                "kl.controller",
+                "adaptive",
+                f"'fixed' for {name}: an adaptive β steers a KL folded into the reward, which "
+                "only reinforce, ppo, rloo and reinforce_pp do",
+            )
+        if not float(hp.get("beta") or 0.0) > 0:
+            raise _bad(
+                "algorithm.hparams.beta",
+                hp.get("beta"),
+                "β > 0 with kl.controller=adaptive (the controller scales β multiplicatively)",
+            )
+    estimator = hp.get("kl_estimator")
+    if estimator is not None and estimator not in _kl.KL_ESTIMATORS:
+        raise ConfigError(
+            f"algorithm.hparams.kl_estimator = {estimator!r}: expected one of "
+            f"{', '.join(_kl.KL_ESTIMATORS)}{_suggest(estimator, list(_kl.KL_ESTIMATORS))}",
+            "algorithm.hparams.kl_estimator",
+        )
+    try:
+        build_recipe(config)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(
+            f"algorithm.hparams = {dict(config.algorithm.hparams)!r}: {e}", "algorithm.hparams"
+        ) from None
+    if config.rollout is None:
+        return
+    rollout = config.rollout
+    g = rollout.num_samples
+    if name in GROUP_RECIPES and g < 2:
+        raise _bad(
+            "rollout.num_samples",
+            g,
+            f"≥ 2 for {name}: its baseline compares the G answers of each prompt with each "
+            "other, and a group of one has nothing to compare with",
+        )
+    keep = hp.get("pods_num_keep")
+    if keep is not None and not 2 <= keep < g:
+        raise _bad(
+            "algorithm.hparams.pods_num_keep",
+            keep,
+            f"2 ≤ m < G = rollout.num_samples = {g} (PODS keeps m of the G answers of a prompt; "
+            "m = G keeps all of them and m = 1 leaves no group to compare)",
+        )
+    if name == "dapo" and hp.get("max_length") is not None:
+        if hp["max_length"] > rollout.max_new_tokens:
+            raise _bad(
+                "algorithm.hparams.max_length",
+                hp["max_length"],
+                f"≤ rollout.max_new_tokens = {rollout.max_new_tokens} (DAPO's overlong "
+                "shaping is measured against the generation limit)",
+            )
+        if not 0 < hp["overlong_buffer"] < hp["max_length"]:
+            raise _bad(
+                "algorithm.hparams.overlong_buffer",
+                hp["overlong_buffer"],
+                f"0 < buffer < max_length = {hp['max_length']}",
+            )
+    if name in RATIO_FREE_RECIPES:
+        for field in ("ppo_epochs", "num_minibatches"):
+            if getattr(config.optim, field) != 1:
+                raise _bad(
+                    f"optim.{field}",
+                    getattr(config.optim, field),
+                    f"1 for {name}: its loss −A·log π has no importance ratio, so every update "
+                    "after the first on a batch would be off-policy and biased",
+                )
+
+
+def _check_batch(config: TrainConfig) -> None:
+    optim, batch = config.optim, config.update_batch_size
+    what = "pairs" if config.is_offline else "sequences (B·G)"
+    if batch != config.batch_size:
+        what = "sequences (B·m = rollout.prompts_per_step × algorithm.hparams.pods_num_keep)"
+    if batch % optim.num_minibatches:
+        raise _bad(
+            "optim.num_minibatches",
+            optim.num_minibatches,
+            f"a divisor of the batch of {batch} {what}",
+        )
+    minibatch = batch // optim.num_minibatches
+    if optim.micro_batch_size is not None and minibatch % optim.micro_batch_size:
+        raise _bad(
+            "optim.micro_batch_size",
+            optim.micro_batch_size,
+            f"a divisor of the minibatch of {minibatch} {what} "
+            f"({batch} / optim.num_minibatches={optim.num_minibatches})",
+        )
+
+
+_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
+
+
+def data_format(data: DataConfig, path: str) -> str:
+    """The file format of ``path``: ``data.format`` or, for ``auto``, from its extension."""
+    if data.format != "auto":
+        return data.format
+    suffix = Path(path).suffix.lower()
+    if suffix not in _FORMATS:
+        raise ConfigError(
+            f"data.format = 'auto': cannot tell the format of {path!r} from its extension; "
+            f"expected one of {', '.join(_FORMATS)} or an explicit data.format",
+            "data.format",
+        )
+    return _FORMATS[suffix]
+
+
+def _check_data(config: TrainConfig) -> None:
+    data = config.data
+    if data.source == "file":
+        if not data.path:
+            raise _bad("data.path", data.path, "a JSONL, Parquet or CSV file with data.source=file")
+        data_format(data, data.path)
+    if data.eval_path:
+        data_format(data, data.eval_path)
+    if data.source == "arithmetic":
+        a = data.arithmetic
+        if a.min_operand > a.max_operand:
+            raise _bad(
+                "data.arithmetic.max_operand", a.max_operand, f"≥ min_operand = {a.min_operand}"
+            )
+        if not a.operations:
+            raise _bad("data.arithmetic.operations", [], "at least one of '+', '-', '*'")
+        from jaxrl_llm.data import num_arithmetic_problems
+
+        n_problems = num_arithmetic_problems(
+            ops=tuple(a.operations), min_operand=a.min_operand, max_operand=a.max_operand
+        )
+        if a.train_size + data.eval_size > n_problems:
+            raise _bad(
+                "data.arithmetic.train_size",
+                a.train_size,
+                f"train_size + data.eval_size ≤ {n_problems}, the number of distinct problems "
+                "these operands and operations allow (training and evaluation prompts are "
+                "disjoint)",
+            )
+
+
+def _check_rewards(config: TrainConfig) -> None:
+    if config.is_offline:
+        return
+    terms = config.rewards.terms
+    if not terms:
+        raise _bad("rewards.terms", [], "at least one reward for an online recipe")
+    names = set()
+    for i, term in enumerate(terms):
+        key = f"rewards.terms[{i}]"
+        if ":" in term.type:
+            if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", term.type):
+                raise _bad(f"{key}.type", term.type, "'package.module:function'")
+        elif term.type not in REWARD_TYPES:
+            raise ConfigError(
+                f"{key}.type = {term.type!r}: expected one of {', '.join(REWARD_TYPES)} or "
+                f"'module:function'{_suggest(term.type, REWARD_TYPES)}",
+                f"{key}.type",
+            )
+        if term.type == "reward_model" and not isinstance(term.kwargs.get("path"), str):
+            raise _bad(f"{key}.kwargs.path", term.kwargs.get("path"), "the reward model's folder")
+        if term.metric_name in names:
+            raise _bad(
+                f"{key}.name",
+                term.name,
+                "a name not used by another term (give each its own `name`)",
+            )
+        names.add(term.metric_name)
+
+
+def _check_mesh(mesh: MeshConfig) -> None:
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    for axis, size in sizes.items():
+        if size != -1 and size < 1:
+            raise _bad(f"mesh.{axis}", size, "a size ≥ 1, or -1 for all remaining devices")
+    if list(sizes.values()).count(-1) > 1:
+        raise ConfigError(
+            f"mesh = {sizes}: at most one axis may be -1 (all remaining devices)", "mesh"
+        )
+    if mesh.preset == "dp" and (mesh.fsdp != 1 or mesh.tensor != 1):
+        raise _bad("mesh.preset", "dp", "'fsdp' or 'fsdp_tp' for a mesh with fsdp or tensor > 1")
+    if mesh.preset == "fsdp" and mesh.tensor != 1:
+        raise _bad("mesh.tensor", mesh.tensor, "1 with mesh.preset=fsdp (use fsdp_tp)")
+    if mesh.preset == "fsdp_tp" and mesh.tensor == 1:
+        raise _bad("mesh.tensor", 1, "≥ 2 (or -1) with mesh.preset=fsdp_tp")
+
+
+def validate(config: TrainConfig) -> TrainConfig:
+    """Cross-checks the sections; returns the config with its hyperparameters converted.
+
+    Checks that need the device count are in :func:`check_devices`.
+    """
+    hparams = _checked_hparams(config.algorithm)
+    config = dataclasses.replace(
+        config, algorithm=dataclasses.replace(config.algorithm, hparams=hparams)
+    )
+    if (config.rollout is None) != config.is_offline:
+        raise ConfigError("rollout must be null exactly when algorithm.name is dpo", "rollout")
+    _check_algorithm(config)
+    _check_batch(config)
+    _check_data(config)
+    _check_rewards(config)
+    _check_mesh(config.mesh)
+    return config
+
+
+def mesh_axis_sizes(mesh: MeshConfig, device_count: int) -> dict[str, int]:
+    """``{"data", "fsdp", "tensor"}`` sizes on a machine with ``device_count`` devices.
+
+    A -1 axis takes every device the others leave. The product must divide ``device_count``; a
+    mesh smaller than the machine runs on its first ``data × fsdp × tensor`` devices.
+    """
+    _check_mesh(mesh)
+    sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
+    fixed = math.prod(s for s in sizes.values() if s != -1)
+    if device_count % fixed:
+        shown = ", ".join(f"{a}={s}" for a, s in sizes.items())
+        raise ConfigError(
+            f"mesh = ({shown}): the product of the axis sizes, {fixed}, does not divide the "
+            f"{device_count} devices",
+            "mesh",
+        )
+    if -1 in sizes.values():
+        auto = next(a for a, s in sizes.items() if s == -1)
+        sizes[auto] = device_count // fixed
+    return sizes
+
+
+def check_devices(config: TrainConfig, device_count: int) -> dict[str, int]:
+    """Checks the mesh and the batch split for ``device_count`` devices; returns the axis sizes.
+
+    The batch is split over the data-parallel axes ``data × fsdp``: the batch, the update batch
+    (B·m with PODS), each minibatch and each micro-batch must be a multiple of that size.
+    """
+    if device_count < 1:
+        raise ConfigError(f"device_count = {device_count}: expected ≥ 1")
+    sizes = mesh_axis_sizes(config.mesh, device_count)
+    dp = sizes["data"] * sizes["fsdp"]
+    batch, update = config.batch_size, config.update_batch_size
+    minibatch = update // config.optim.num_minibatches
+    parts = [("the batch", batch, "rollout.prompts_per_step × rollout.num_samples")]
+    if config.rollout is None:
+        parts = [("the batch", batch, "preference.pairs_per_step")]
+    split = "batch / optim.num_minibatches"
+    if update != batch:  # PODS: the update sees m of the G answers of each prompt
+        pods = "rollout.prompts_per_step × algorithm.hparams.pods_num_keep"
+        parts.append(("the update batch", update, pods))
+        split = "update " + split
+    parts.append(("each minibatch", minibatch, split))
+    if config.optim.micro_batch_size is not None:
+        parts.append(("each micro-batch", config.optim.micro_batch_size, "optim.micro_batch_size"))
+    for what, size, formula in parts:
+        if size % dp:
+            raise ConfigError(
+                f"{what} of {size} ({formula}) is not a multiple of the data-parallel size "
+                f"{dp} (mesh data={sizes['data']} × fsdp={sizes['fsdp']} on {device_count} "
+                "devices)",
+                "mesh",
+            )
+    return sizes
+
+
+__all__ = [
+    "GROUP_RECIPES",
+    "RATIO_FREE_RECIPES",
+    "REWARD_TYPES",
+    "apply_overrides",
+    "build_recipe",
+    "check_devices",
+    "data_format",
+    "from_dict",
+    "load_config",
+    "merge_overrides",
+    "mesh_axis_sizes",
+    "needs_reference_model",
+    "recipe_hparams",
+    "save_config",
+    "to_yaml",
+    "validate",
+]
