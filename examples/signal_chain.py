@@ -129,7 +129,7 @@ seed_rollout = rollout._replace(logp_old_bgt=zeros, logp_ref_bgt=zeros, value_bg
 seed_adv = {n: np.asarray(jrl.compute_advantages(rc, seed_rollout))[0] for n, rc in recipes.items()}
 
 
-def print_table(header, rows):
+def print_table(header: list[str], rows: list[list[str]]) -> None:
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, ["-" * w for w in widths], *rows]:
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)))

@@ -25,7 +25,9 @@ import jax.numpy as jnp
 from jaxrl_llm.core import _contracts
 
 
-def _check_logits(fn: str, logits_btv: chex.Array, temperature: float, chunk_size: int | None):
+def _check_logits(
+    fn: str, logits_btv: chex.Array, temperature: float, chunk_size: int | None
+) -> None:
     _contracts.check_rank(fn, "logits_btv", logits_btv, 3, "[B, T, V]")
     _contracts.check_float(fn, "logits_btv", logits_btv)
     _contracts.check_positive(fn, "temperature", temperature)
@@ -102,14 +104,16 @@ def _over_time_chunks(
     starts = jnp.minimum(jnp.arange(num_chunks, dtype=jnp.int32) * chunk_size, time - chunk_size)
 
     @jax.checkpoint
-    def _chunk(start):
+    def _chunk(start: chex.Array) -> tuple[chex.Array, ...]:
         logits = jax.lax.dynamic_slice_in_dim(logits_btv, start, chunk_size, axis=1)
         if tokens_bt is None:
             return fn(logits, None)
         tokens = jax.lax.dynamic_slice_in_dim(tokens_bt, start, chunk_size, axis=1)
         return fn(logits, tokens)
 
-    def _body(outputs, start):
+    def _body(
+        outputs: tuple[chex.Array, ...], start: chex.Array
+    ) -> tuple[tuple[chex.Array, ...], None]:
         values = _chunk(start)
         outputs = tuple(
             jax.lax.dynamic_update_slice_in_dim(out, value, start, axis=1)
@@ -175,7 +179,7 @@ def token_entropy(
     fn = "token_entropy"
     _check_logits(fn, logits_btv, temperature, chunk_size)
 
-    def one(logits, tokens):
+    def one(logits: chex.Array, tokens: None) -> tuple[chex.Array]:
         del tokens
         z = _scaled(logits, temperature)
         return (_entropy(z, jax.nn.logsumexp(z, axis=-1)),)

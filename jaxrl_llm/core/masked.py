@@ -55,7 +55,9 @@ def _sum(
     return _psum(total, axis_name)
 
 
-def _count(mask: chex.Array, axis: Axis, axis_name: str | None, keepdims: bool = False):
+def _count(
+    mask: chex.Array, axis: Axis, axis_name: str | None, keepdims: bool = False
+) -> chex.Array:
     return _psum(jnp.sum(mask, axis=axis, keepdims=keepdims, dtype=jnp.float32), axis_name)
 
 

@@ -82,7 +82,7 @@ def discounted_returns_t(reward_t: chex.Array, mask_t: chex.Array, *, gamma: flo
     _check_sequence(fn, {"reward_t": reward_t, "mask_t": mask_t}, "mask_t")
     _check_unit_interval(fn, "gamma", gamma)
 
-    def _body(acc, xs):
+    def _body(acc: chex.Array, xs: tuple[chex.Array, chex.Array]) -> tuple[chex.Array, chex.Array]:
         r, m = xs
         acc = jnp.where(m, r + gamma * acc, acc)
         return acc, acc
@@ -158,7 +158,9 @@ def gae_t(
     _check_unit_interval(fn, "gamma", gamma)
     _check_unit_interval(fn, "lam", lam)
 
-    def _body(carry, xs):
+    def _body(
+        carry: tuple[chex.Array, chex.Array], xs: tuple[chex.Array, chex.Array, chex.Array]
+    ) -> tuple[tuple[chex.Array, chex.Array], chex.Array]:
         next_value, next_adv = carry
         r, v, m = xs
         adv = r + gamma * next_value - v + gamma * lam * next_adv

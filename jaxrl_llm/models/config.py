@@ -279,7 +279,9 @@ class ModelConfig:
         return d
 
 
-def _sliding_windows(d: dict[str, Any], model_type: str, n_layers: int):
+def _sliding_windows(
+    d: dict[str, Any], model_type: str, n_layers: int
+) -> tuple[int | None, ...] | None:
     window = d.get("sliding_window")
     if model_type == "mistral":
         return None if window is None else (int(window),) * n_layers

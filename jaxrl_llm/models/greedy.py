@@ -8,17 +8,29 @@ under ``lax.scan`` — used to check the model against ``transformers``' greedy 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrl_llm.models.transformer import CausalLM
+from jaxrl_llm.models.transformer import CausalLM, KVCache
+
+if TYPE_CHECKING:
+    import transformers
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_ids"))
-def _generate(graphdef, state, tokens_bt, mask_bt, *, max_new_tokens: int, eos_ids: tuple):
+def _generate(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens_bt: jax.Array,
+    mask_bt: jax.Array,
+    *,
+    max_new_tokens: int,
+    eos_ids: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array]:
     model = nnx.merge(graphdef, state)
     b, t = tokens_bt.shape
     cache = model.init_cache(b, t + max_new_tokens)
@@ -26,7 +38,9 @@ def _generate(graphdef, state, tokens_bt, mask_bt, *, max_new_tokens: int, eos_i
     first_b = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)
     eos = jnp.asarray(eos_ids or (-1,), jnp.int32)
 
-    def step(carry, _):
+    def step(
+        carry: tuple[jax.Array, jax.Array, KVCache], _: None
+    ) -> tuple[tuple[jax.Array, jax.Array, KVCache], tuple[jax.Array, jax.Array]]:
         token_b, alive_b, cache = carry
         logits, cache = model(token_b[:, None], alive_b[:, None], cache=cache)
         alive_b = alive_b & ~jnp.isin(token_b, eos)
@@ -44,12 +58,12 @@ def _generate(graphdef, state, tokens_bt, mask_bt, *, max_new_tokens: int, eos_i
 
 def greedy_generate(
     model: CausalLM,
-    tokens_bt,
-    mask_bt=None,
+    tokens_bt: jax.typing.ArrayLike,
+    mask_bt: jax.typing.ArrayLike | None = None,
     *,
     max_new_tokens: int = 32,
     eos_token_id: int | tuple[int, ...] | None = None,
-):
+) -> tuple[jax.Array, jax.Array]:
     """Greedy continuation of left-padded prompts.
 
     Returns ``(tokens int32[B, N], valid bool[B, N])``: ``valid`` is False after each
@@ -66,7 +80,12 @@ def greedy_generate(
 
 
 def greedy_complete(
-    model: CausalLM, tokenizer, prompt: str, *, max_new_tokens: int = 64, chat: bool = True
+    model: CausalLM,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    chat: bool = True,
 ) -> str:
     """The greedy reply to ``prompt`` (through the chat template when the tokenizer has one)."""
     if chat and getattr(tokenizer, "chat_template", None):

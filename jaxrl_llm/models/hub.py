@@ -20,7 +20,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -39,9 +39,13 @@ from jaxrl_llm.models.heads import RewardModel, ValueModel
 from jaxrl_llm.models.sharding import DEFAULT_RULES, Rules, param_shardings
 from jaxrl_llm.models.transformer import CausalLM
 
+if TYPE_CHECKING:
+    import transformers
+
 log = logging.getLogger(__name__)
 
 AnyModel = CausalLM | RewardModel | ValueModel
+Reader = weights.SafetensorsReader | weights.DictReader
 _HEADS = {"causal_lm": CausalLM, "reward": RewardModel, "value": ValueModel}
 
 
@@ -69,7 +73,7 @@ def _resolve(path: str | os.PathLike, gguf_file: str | None) -> tuple[Path, str 
     return p, gguf_file
 
 
-def _read_hf_config(folder: Path, gguf_file: str | None):
+def _read_hf_config(folder: Path, gguf_file: str | None) -> transformers.PretrainedConfig:
     from transformers import AutoConfig
 
     if gguf_file is None:
@@ -86,7 +90,7 @@ def _read_hf_config(folder: Path, gguf_file: str | None):
     return AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
 
 
-def _weights_reader(folder: Path, gguf_file: str | None, allow_pickle: bool, head: str):
+def _weights_reader(folder: Path, gguf_file: str | None, allow_pickle: bool, head: str) -> Reader:
     if gguf_file is not None:
         return _gguf_reader(folder, gguf_file, head)
     index = folder / "model.safetensors.index.json"
@@ -116,7 +120,7 @@ def _weights_reader(folder: Path, gguf_file: str | None, allow_pickle: bool, hea
     raise FileNotFoundError(f"{folder} has no model.safetensors, sharded safetensors or GGUF")
 
 
-def _gguf_reader(folder: Path, gguf_file: str, head: str):
+def _gguf_reader(folder: Path, gguf_file: str, head: str) -> weights.DictReader:
     """Dequantises a GGUF file with transformers (needs the ``gguf`` and ``torch`` packages)."""
     import transformers
 
@@ -149,7 +153,7 @@ def _unflatten(flat: dict[tuple, Any]) -> dict:
     return tree
 
 
-def _place(value: np.ndarray, sharding) -> jax.Array:
+def _place(value: np.ndarray, sharding: jax.sharding.Sharding | None) -> jax.Array:
     if sharding is None:
         return jax.device_put(value)
     return jax.make_array_from_callback(
@@ -205,11 +209,11 @@ def from_pretrained(
 
 
 def load_params(
-    cls,
+    cls: type[AnyModel],
     config: ModelConfig,
-    reader,
+    reader: Reader,
     *,
-    mesh=None,
+    mesh: jax.sharding.Mesh | None = None,
     rules: Rules = DEFAULT_RULES,
     seed: int = 0,
     **kwargs: Any,
@@ -267,7 +271,7 @@ def load_params(
 
 def load_tokenizer(
     path: str | os.PathLike, *, gguf_file: str | None = None, trust_remote_code: bool = False
-):
+) -> transformers.PreTrainedTokenizerBase:
     """The checkpoint's tokenizer (``transformers.AutoTokenizer``), padding on the left.
 
     Generation pads on the left so every sequence ends at the same slot; a tokenizer without a

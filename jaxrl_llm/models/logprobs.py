@@ -36,7 +36,7 @@ def hidden_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = 256,
     with_entropy: bool = False,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log-probs (and optionally entropies) of ``targets_bn`` from the states that predict them.
 
     ``h_bnd[:, i]`` is the hidden state whose logits predict ``targets_bn[:, i]``. Chunks are
@@ -56,7 +56,7 @@ def hidden_logprobs(
     y_kbc = targets_bn.reshape(b, chunks, c).swapaxes(0, 1)
 
     @jax.checkpoint
-    def _chunk(h_bcd, y_bc):
+    def _chunk(h_bcd: jax.Array, y_bc: jax.Array) -> tuple[jax.Array, ...]:
         logits_bcv = lm.logits(h_bcd)
         if with_entropy:
             return core_logprobs.token_logprobs_and_entropy(
@@ -83,7 +83,7 @@ def completion_logprobs(
     chunk_size: int | None = 256,
     with_entropy: bool = False,
     positions_bt: jax.Array | None = None,
-):
+) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``log π(tokens[:, t] | tokens[:, <t])`` for ``t`` in ``[start, T)``: f32 ``[B, T − start]``.
 
     With a prompt of ``P`` (left-padded) slots followed by completions, ``start=P`` scores

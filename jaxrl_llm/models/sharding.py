@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def preset(name: str, devices: Sequence[Any] | None = None, tensor: int = 2) -> 
     return mesh, PRESETS[name]
 
 
-def _axis_sizes(mesh) -> dict[str, int]:
+def _axis_sizes(mesh: Mesh | AbstractMesh) -> dict[str, int]:
     return dict(
         zip(
             mesh.axis_names,
@@ -104,7 +104,7 @@ def _axis_sizes(mesh) -> dict[str, int]:
 def logical_to_spec(
     axes: Sequence[str | None],
     shape: Sequence[int],
-    mesh,
+    mesh: Mesh | AbstractMesh,
     rules: Rules = DEFAULT_RULES,
     *,
     warn: bool = True,
@@ -170,7 +170,7 @@ def _nested(flat: dict[tuple, Any]) -> dict:
     return out
 
 
-def logical_axes(model_or_state) -> dict:
+def logical_axes(model_or_state: nnx.Module | nnx.State) -> dict:
     """Pure dict (as ``nnx.to_pure_dict``) of every parameter's logical axis names."""
     state = (
         model_or_state
@@ -186,7 +186,9 @@ def logical_axes(model_or_state) -> dict:
     return _nested(flat)
 
 
-def param_specs(model_or_state, mesh, rules: Rules = DEFAULT_RULES) -> dict:
+def param_specs(
+    model_or_state: nnx.Module | nnx.State, mesh: Mesh | AbstractMesh, rules: Rules = DEFAULT_RULES
+) -> dict:
     """Pure dict of PartitionSpecs for every parameter of a (possibly abstract) model."""
     state = (
         model_or_state
@@ -200,7 +202,9 @@ def param_specs(model_or_state, mesh, rules: Rules = DEFAULT_RULES) -> dict:
     return _nested(flat)
 
 
-def param_shardings(model_or_state, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> dict:
+def param_shardings(
+    model_or_state: nnx.Module | nnx.State, mesh: Mesh, rules: Rules = DEFAULT_RULES
+) -> dict:
     """Pure dict of NamedShardings (for ``jax.jit`` in/out shardings and ``device_put``)."""
     specs = param_specs(model_or_state, mesh, rules)
     return jax.tree.map(

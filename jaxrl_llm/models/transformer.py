@@ -26,7 +26,8 @@ the unpadded one.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -39,8 +40,18 @@ from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_frequencies
 
 _INIT_STD = 0.02  # HF initializer_range default; real weights are loaded over it anyway.
 
+_Carry = TypeVar("_Carry")
+_X = TypeVar("_X")
+_Y = TypeVar("_Y")
 
-def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> nnx.Param:
+
+def _param(
+    rngs: nnx.Rngs | None,
+    shape: tuple[int, ...],
+    axes: tuple[str, ...],
+    dtype: jax.typing.DTypeLike,
+    init: str = "normal",
+) -> nnx.Param:
     """A parameter with logical axis names; ``rngs=None`` or ``init`` != normal skips the RNG."""
     if init == "ones":
         value = jnp.ones(shape, dtype)
@@ -51,7 +62,7 @@ def _param(rngs: nnx.Rngs | None, shape, axes, dtype, init: str = "normal") -> n
     return nnx.Param(value, logical_axes=tuple(axes))
 
 
-def _activation(name: str):
+def _activation(name: str) -> Callable[[jax.Array], jax.Array]:
     return {
         "silu": jax.nn.silu,
         "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -78,7 +89,13 @@ class KVCache(NamedTuple):
     index: jax.Array
 
     @classmethod
-    def init(cls, config: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+    def init(
+        cls,
+        config: ModelConfig,
+        batch: int,
+        max_len: int,
+        dtype: jax.typing.DTypeLike | None = None,
+    ) -> KVCache:
         """An empty cache of ``max_len`` slots (``dtype`` defaults to the compute dtype)."""
         dtype = jnp.dtype(dtype or config.dtype)
         shape = (config.num_layers, batch, max_len, config.num_kv_heads, config.head_dim)
@@ -101,7 +118,9 @@ class KVCache(NamedTuple):
 class RMSNorm(nnx.Module):
     """``y = w * x / sqrt(mean(x^2) + eps)``, statistics in float32 (as HF's LlamaRMSNorm)."""
 
-    def __init__(self, dim: int, eps: float, *, param_dtype, axis_name: str = "norm"):
+    def __init__(
+        self, dim: int, eps: float, *, param_dtype: jax.typing.DTypeLike, axis_name: str = "norm"
+    ) -> None:
         self.eps = eps
         self.weight = _param(None, (dim,), (axis_name,), param_dtype, init="ones")
 
@@ -203,7 +222,14 @@ def matmul_2d(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
 class _Proj(nnx.Module):
     """A bias-optional linear map ``[..., *in] -> [..., *out]`` with a per-head kernel layout."""
 
-    def __init__(self, rngs, shape, axes, use_bias: bool, param_dtype):
+    def __init__(
+        self,
+        rngs: nnx.Rngs,
+        shape: tuple[int, ...],
+        axes: tuple[str, ...],
+        use_bias: bool,
+        param_dtype: jax.typing.DTypeLike,
+    ) -> None:
         self.kernel = _param(rngs, shape, axes, param_dtype)
         self.n_in = 2 if axes[-1] == "embed" and len(shape) == 3 else 1
         out_shape, out_axes = shape[self.n_in :], axes[self.n_in :]
@@ -242,7 +268,15 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, param_dtype=pd)
         self.mlp = MLP(config, rngs=rngs)
 
-    def __call__(self, x_btd, cos_btd, sin_btd, allowed_bts, kv=None, index=None):
+    def __call__(
+        self,
+        x_btd: jax.Array,
+        cos_btd: jax.Array,
+        sin_btd: jax.Array,
+        allowed_bts: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None = None,
+        index: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         attn, new_kv = self.self_attn(
             self.input_layernorm(x_btd), cos_btd, sin_btd, allowed_bts, kv, index
         )
@@ -261,7 +295,7 @@ NO_WINDOW = 2**30
 """The window value of a layer with full (unwindowed) causal attention in ``layer_windows``."""
 
 
-def _concrete_int(x) -> int | None:
+def _concrete_int(x: jax.typing.ArrayLike) -> int | None:
     """``int(x)`` outside of tracing, ``None`` for a traced value."""
     try:
         return int(x)
@@ -278,7 +312,7 @@ def stacked_layers(config: ModelConfig, rngs: nnx.Rngs) -> DecoderLayer:
 
     @nnx.split_rngs(splits=config.num_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
-    def make(rngs):
+    def make(rngs: nnx.Rngs) -> DecoderLayer:
         return DecoderLayer(config, rngs=rngs)
 
     layers = make(rngs)
@@ -294,7 +328,14 @@ def layer_windows(config: ModelConfig) -> jax.Array:
     return jnp.asarray([NO_WINDOW if w is None else w for w in windows], jnp.int32)
 
 
-def scan_layers(layers: DecoderLayer, body, carry, xs, *, remat: str = "none"):
+def scan_layers(
+    layers: DecoderLayer,
+    body: Callable[[DecoderLayer, _Carry, _X], tuple[_Carry, _Y]],
+    carry: _Carry,
+    xs: _X,
+    *,
+    remat: str = "none",
+) -> tuple[_Carry, _Y]:
     """``lax.scan`` of ``body(layer, carry, x_l) -> (carry, y_l)`` over the stacked layers.
 
     ``layer`` is layer ``l`` as a :class:`DecoderLayer` (its parameter slices); ``xs`` holds
@@ -306,7 +347,7 @@ def scan_layers(layers: DecoderLayer, body, carry, xs, *, remat: str = "none"):
     """
     graphdef, state = nnx.split(layers)
 
-    def step(carry, per_layer):
+    def step(carry: _Carry, per_layer: tuple[nnx.State, _X]) -> tuple[_Carry, _Y]:
         layer_state, x_l = per_layer
         return body(nnx.merge(graphdef, layer_state), carry, x_l)
 
@@ -318,10 +359,12 @@ def scan_layers(layers: DecoderLayer, body, carry, xs, *, remat: str = "none"):
 class Embed(nnx.Module):
     """Token embedding table ``[V, D]`` (the HF layout)."""
 
-    def __init__(self, vocab_size: int, dim: int, *, param_dtype, rngs: nnx.Rngs):
+    def __init__(
+        self, vocab_size: int, dim: int, *, param_dtype: jax.typing.DTypeLike, rngs: nnx.Rngs
+    ) -> None:
         self.embedding = _param(rngs, (vocab_size, dim), ("vocab", "embed"), param_dtype)
 
-    def __call__(self, tokens_bt: jax.Array, dtype) -> jax.Array:
+    def __call__(self, tokens_bt: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
         return jnp.take(self.embedding[...], tokens_bt, axis=0).astype(dtype)
 
 
@@ -383,23 +426,27 @@ class Decoder(nnx.Module):
             k_valid_bs = jax.lax.dynamic_update_slice(cache.mask_bs, mask_bt, (0, index))
         base_bts = (k_slot_s[None, :] <= q_slot_t[:, None])[None] & k_valid_bs[:, None, :]
 
-        def allowed(window):  # a traced int32 scalar: this layer's window
+        def allowed(window: jax.Array) -> jax.Array:  # traced int32: this layer's window
             return base_bts & (k_slot_s[None, None, :] > q_slot_t[None, :, None] - window)
 
-        def constrain(x_btd):
+        def constrain(x_btd: jax.Array) -> jax.Array:
             return sharding.constrain(x_btd, ("batch", "seq", "act_embed"))
 
         windows_l = layer_windows(c)
         if cache is None:
 
-            def body(layer, x_btd, window):
+            def body(
+                layer: DecoderLayer, x_btd: jax.Array, window: jax.Array
+            ) -> tuple[jax.Array, None]:
                 x_btd, _ = layer(x_btd, cos, sin, allowed(window))
                 return constrain(x_btd), None
 
             x_btd, _ = scan_layers(self.layers, body, x_btd, windows_l, remat=c.remat)
             return self.norm(x_btd), None
 
-        def cached_body(layer, x_btd, per_layer):
+        def cached_body(
+            layer: DecoderLayer, x_btd: jax.Array, per_layer: tuple[jax.Array, jax.Array, jax.Array]
+        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
             window, k_l, v_l = per_layer
             x_btd, (k_l, v_l) = layer(x_btd, cos, sin, allowed(window), (k_l, v_l), index)
             return constrain(x_btd), (k_l, v_l)
@@ -452,10 +499,12 @@ class CausalLM(nnx.Module):
         *,
         positions_bt: jax.Array | None = None,
         cache: KVCache | None = None,
-    ):
+    ) -> jax.Array | tuple[jax.Array, KVCache]:
         h_btd, new_cache = self.model(tokens_bt, mask_bt, positions_bt=positions_bt, cache=cache)
         logits_btv = self.logits(h_btd)
         return logits_btv if cache is None else (logits_btv, new_cache)
 
-    def init_cache(self, batch: int, max_len: int, dtype: Any = None) -> KVCache:
+    def init_cache(
+        self, batch: int, max_len: int, dtype: jax.typing.DTypeLike | None = None
+    ) -> KVCache:
         return KVCache.init(self.config, batch, max_len, dtype)

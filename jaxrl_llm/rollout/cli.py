@@ -15,7 +15,7 @@ import sys
 import time
 
 
-def add_generate_parser(sub) -> argparse.ArgumentParser:
+def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Adds the ``generate`` subcommand to ``sub`` (from ``parser.add_subparsers()``)."""
     p = sub.add_parser(
         "generate",

@@ -66,10 +66,10 @@ def from_prefill(cache: KVCache, max_len: int) -> DecodeCache:
     """Re-lays a (prefilled) model cache out for decoding, with ``max_len`` slots in all."""
     extra = max_len - cache.max_len
 
-    def keys(k_bskd):
+    def keys(k_bskd: jax.Array) -> jax.Array:
         return jnp.pad(k_bskd.transpose(0, 2, 3, 1), ((0, 0), (0, 0), (0, 0), (0, extra)))
 
-    def values(v_bskd):
+    def values(v_bskd: jax.Array) -> jax.Array:
         return jnp.pad(v_bskd.transpose(0, 2, 1, 3), ((0, 0), (0, 0), (0, extra), (0, 0)))
 
     num_layers = cache.k.shape[0]  # the model's cache is stacked: [L, B, S, K, Dh]
@@ -91,7 +91,9 @@ def constrain(cache: DecodeCache) -> DecodeCache:
     )
 
 
-def _attention(q_nhd, k_nkds, v_nksd, allowed_ns):
+def _attention(
+    q_nhd: jax.Array, k_nkds: jax.Array, v_nksd: jax.Array, allowed_ns: jax.Array
+) -> jax.Array:
     """``softmax(q kᵀ / sqrt(Dh)) v`` for one query per row (as ``dot_product_attention``).
 
     Computed in the wider of the query and cache dtypes: with bf16 compute and an f32 cache

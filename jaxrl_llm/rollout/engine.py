@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -35,8 +36,15 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from jaxrl_llm.models import sharding
+from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import CausalLM, KVCache
 from jaxrl_llm.rollout import decode, sampling
+
+Params = dict[str, Any]
+"""Model parameters as a pure dict (``nnx.to_pure_dict``): nested dicts of arrays."""
+
+ModelLike = CausalLM | tuple[nnx.GraphDef, nnx.State | Params]
+"""What ``generate`` samples from: a model, or its ``nnx.split`` halves."""
 
 
 class Rollout(NamedTuple):
@@ -72,11 +80,11 @@ class _Static:
     cache_dtype: str
 
 
-def _cast_params(params, dtype):
+def _cast_params(params: Params, dtype: jax.typing.DTypeLike) -> Params:
     """Weights wider than the compute dtype, cast once (not in every decode step)."""
     dtype = jnp.dtype(dtype)
 
-    def cast(x):
+    def cast(x: jax.Array) -> jax.Array:
         wider = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dtype.itemsize
         return x.astype(dtype) if wider else x
 
@@ -85,8 +93,17 @@ def _cast_params(params, dtype):
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"))
 def _rollout(
-    graphdef, params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, stop_ids_s, *, static
-):
+    graphdef: nnx.GraphDef,
+    params: Params,
+    prompt_ids_bp: jax.Array,
+    prompt_mask_bp: jax.Array,
+    rng: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    stop_ids_s: jax.Array,
+    *,
+    static: _Static,
+) -> Rollout:
     dtype = nnx.merge(graphdef, params).config.jnp_dtype  # trace time only
     lm: CausalLM = nnx.merge(graphdef, _cast_params(params, dtype))
     b, p = prompt_ids_bp.shape
@@ -105,7 +122,7 @@ def _rollout(
     cache = decode.constrain(cache)
     logits_nv = sharding.constrain(logits_nv, ("batch", "vocab"))
 
-    def pick(logits_nv, step):
+    def pick(logits_nv: jax.Array, step: jax.Array | int) -> tuple[jax.Array, jax.Array]:
         return sampling.sample(
             logits_nv,
             jax.random.fold_in(rng, step),
@@ -115,7 +132,9 @@ def _rollout(
             greedy=static.greedy,
         )
 
-    def stopped(token_n):  # stop ids are padded with -1, which no token equals
+    def stopped(
+        token_n: jax.Array,
+    ) -> jax.Array:  # stop ids are padded with -1, which no token equals
         return jnp.any(token_n[:, None] == stop_ids_s[None, :], axis=1)
 
     token_n, logp_n = pick(logits_nv, 0)
@@ -126,11 +145,16 @@ def _rollout(
 
     layers = decode.unstack_layers(lm.model.layers)  # once, outside the decode loop
 
-    def cond(carry):
+    # (step, token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn)
+    Carry = tuple[
+        jax.Array, jax.Array, jax.Array, decode.DecodeCache, jax.Array, jax.Array, jax.Array
+    ]
+
+    def cond(carry: Carry) -> jax.Array:
         step, _, alive_n, *_ = carry
         return (step < t) & jnp.any(alive_n)
 
-    def body(carry):
+    def body(carry: Carry) -> Carry:
         step, token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn = carry
         logits_nv, cache = decode.decode_step(lm, token_n, alive_n, cache, layers)
         new_n, logp_n = pick(logits_nv, step)
@@ -143,13 +167,13 @@ def _rollout(
     carry = (jnp.int32(1), token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn)
     _, _, alive_n, _, tokens_tn, logp_tn, mask_tn = jax.lax.while_loop(cond, body, carry)
 
-    def bgt(x_tn):
+    def bgt(x_tn: jax.Array) -> jax.Array:
         return x_tn.T.reshape(b, g, t)
 
     return Rollout(bgt(tokens_tn), bgt(mask_tn), bgt(logp_tn), alive_n.reshape(b, g))
 
 
-def _split_model(model) -> tuple[Any, Any, CausalLM | None]:
+def _split_model(model: ModelLike) -> tuple[nnx.GraphDef, Params, CausalLM | None]:
     """(graphdef, pure param dict, module or None) from a CausalLM or a (graphdef, params) pair."""
     if isinstance(model, CausalLM):
         graphdef, state = nnx.split(model)
@@ -165,11 +189,11 @@ def _split_model(model) -> tuple[Any, Any, CausalLM | None]:
     )
 
 
-def _config_of(graphdef, params, module):
+def _config_of(graphdef: nnx.GraphDef, params: Params, module: CausalLM | None) -> ModelConfig:
     return (module if module is not None else nnx.merge(graphdef, params)).config
 
 
-def _as_int(name: str, value, minimum: int) -> int:
+def _as_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"generate: {name} must be an int, got {value!r}")
     if value < minimum:
@@ -177,7 +201,7 @@ def _as_int(name: str, value, minimum: int) -> int:
     return int(value)
 
 
-def _as_float(name: str, value) -> float:
+def _as_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.floating | np.integer):
         raise TypeError(f"generate: {name} must be a number, got {value!r}")
     value = float(value)
@@ -186,7 +210,7 @@ def _as_float(name: str, value) -> float:
     return value
 
 
-def _stop_ids(stop_token_ids, config) -> np.ndarray:
+def _stop_ids(stop_token_ids: int | Sequence[int] | None, config: ModelConfig) -> np.ndarray:
     """int32[S], S a multiple of 8 (padded with -1): few distinct shapes, no recompiles."""
     if stop_token_ids is None:
         eos = config.eos_token_id
@@ -203,7 +227,12 @@ def _stop_ids(stop_token_ids, config) -> np.ndarray:
     return padded
 
 
-def _check_prompts(prompt_ids_bt, prompt_mask_bt, config, max_new_tokens):
+def _check_prompts(
+    prompt_ids_bt: jax.typing.ArrayLike,
+    prompt_mask_bt: jax.typing.ArrayLike,
+    config: ModelConfig,
+    max_new_tokens: int,
+) -> tuple[np.ndarray, np.ndarray]:
     """Host-side checks; returns (ids with padding set to 0, mask) as numpy arrays."""
     ids = np.asarray(prompt_ids_bt)
     mask = np.asarray(prompt_mask_bt)
@@ -260,14 +289,14 @@ def _check_prompts(prompt_ids_bt, prompt_mask_bt, config, max_new_tokens):
     return np.where(mask, ids, 0).astype(np.int32), mask
 
 
-def _left_pad_to(ids, mask, width):
+def _left_pad_to(ids: np.ndarray, mask: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     extra = width - ids.shape[1]
     if extra <= 0:
         return ids, mask
     return np.pad(ids, ((0, 0), (extra, 0))), np.pad(mask, ((0, 0), (extra, 0)))
 
 
-def _cache_dtype(cache_dtype, config) -> jnp.dtype:
+def _cache_dtype(cache_dtype: jax.typing.DTypeLike | None, config: ModelConfig) -> jnp.dtype:
     """The KV-cache dtype: as asked; by default the compute dtype, except float32 on CPU.
 
     XLA:CPU emulates bf16 arithmetic in f32: a bf16 cache there costs a full-cache convert in
@@ -281,7 +310,7 @@ def _cache_dtype(cache_dtype, config) -> jnp.dtype:
     return jnp.dtype(config.dtype)
 
 
-def _mesh_of(params) -> jax.sharding.Mesh | None:
+def _mesh_of(params: Params) -> jax.sharding.Mesh | None:
     for leaf in jax.tree.leaves(params):
         s = getattr(leaf, "sharding", None)
         if isinstance(s, NamedSharding) and s.mesh.size > 1:
@@ -289,7 +318,12 @@ def _mesh_of(params) -> jax.sharding.Mesh | None:
     return None
 
 
-def _rollout_multiprocess(graphdef, args, static: _Static, mesh) -> Rollout:
+def _rollout_multiprocess(
+    graphdef: nnx.GraphDef,
+    args: tuple[Params, np.ndarray, np.ndarray, jax.Array, np.float32, np.float32, np.ndarray],
+    static: _Static,
+    mesh: jax.sharding.Mesh | None,
+) -> Rollout:
     """One process's share of a multi-process rollout: its prompt rows in, its rows out.
 
     The processes' rows form the global batch (process order) with
@@ -328,9 +362,9 @@ def _rollout_multiprocess(graphdef, args, static: _Static, mesh) -> Rollout:
 
 
 def generate(
-    model,
-    prompt_ids_bt,
-    prompt_mask_bt,
+    model: ModelLike,
+    prompt_ids_bt: jax.typing.ArrayLike,
+    prompt_mask_bt: jax.typing.ArrayLike,
     *,
     rng: jax.Array,
     max_new_tokens: int,
@@ -338,8 +372,8 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    stop_token_ids=None,
-    cache_dtype: Any = None,
+    stop_token_ids: int | Sequence[int] | None = None,
+    cache_dtype: jax.typing.DTypeLike | None = None,
     prompt_bucket: int = 16,
 ) -> Rollout:
     """Samples ``num_samples`` completions of ``max_new_tokens`` tokens for each prompt.

@@ -60,11 +60,13 @@ def top_p_mask(z_nv: jax.Array, top_p: jax.Array | float) -> jax.Array:
     target_n = jnp.asarray(top_p, jnp.float32) * jnp.sum(p_nv, axis=-1)
     n = z_nv.shape[0]
 
-    def mass_above(bits_n):
+    def mass_above(bits_n: jax.Array) -> jax.Array:
         t_n = jax.lax.bitcast_convert_type(bits_n, jnp.float32)
         return jnp.sum(jnp.where(p_nv > t_n[:, None], p_nv, 0.0), axis=-1)
 
-    def body(_, bounds):
+    def body(
+        _: int | jax.Array, bounds: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
         lo_n, hi_n = bounds  # M(lo) >= target > M(hi)
         mid_n = lo_n + (hi_n - lo_n) // 2
         high_mass_n = mass_above(mid_n) >= target_n

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from jaxrl_llm.data.tokens import Messages, bucket_length, left_pad, pad_token_id, render_prompts
 
@@ -69,7 +70,9 @@ def _eos_ids(tokenizer: Any) -> set[int]:
     return {int(e) for e in np.atleast_1d(eos)}
 
 
-def completion_ids(tokens_t, mask_t, *, stop_ids: set[int] | frozenset = frozenset()) -> list[int]:
+def completion_ids(
+    tokens_t: ArrayLike, mask_t: ArrayLike, *, stop_ids: set[int] | frozenset = frozenset()
+) -> list[int]:
     """The valid ids of one completion, cut before the first stop id."""
     out = []
     for token in np.asarray(tokens_t)[np.asarray(mask_t, bool)].tolist():
@@ -81,8 +84,8 @@ def completion_ids(tokens_t, mask_t, *, stop_ids: set[int] | frozenset = frozens
 
 def decode_completions(
     tokenizer: Any,
-    tokens_bgt,
-    mask_bgt,
+    tokens_bgt: ArrayLike,
+    mask_bgt: ArrayLike,
     *,
     skip_special_tokens: bool = True,
 ) -> list[list[str]]:

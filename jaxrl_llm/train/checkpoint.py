@@ -173,7 +173,9 @@ def _describe(flat: Mapping[tuple[str, ...], Any]) -> dict[str, list]:
     }
 
 
-def _check_fits(saved: Mapping[str, list], template: Mapping[str, list], step: int, where: str):
+def _check_fits(
+    saved: Mapping[str, list], template: Mapping[str, list], step: int, where: str
+) -> None:
     missing = [k for k in template if k not in saved]
     extra = [k for k in saved if k not in template]
     changed = [
@@ -251,7 +253,7 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state: TrainState, *, meta: Mapping[str, Any] | None = None):
+    def save(self, step: int, state: TrainState, *, meta: Mapping[str, Any] | None = None) -> None:
         """Starts saving ``state`` as step ``step`` (returns before the files are written)."""
         self.wait()  # raises a CheckpointSaveError for a failed previous save
         if jax.process_index() == 0:
@@ -385,7 +387,9 @@ class Checkpointer:
         self._manager.reload()
         return dst
 
-    def _orbax_restore(self, step: int, args: ocp.args.Composite, *, barriers: int):
+    def _orbax_restore(
+        self, step: int, args: ocp.args.Composite, *, barriers: int
+    ) -> ocp.args.Composite:
         """``CheckpointManager.restore``. Orbax ends each restore with a barrier on every
         process; a process whose read raises joins the ``barriers`` it would now skip (this one
         and the rest of :meth:`_restore`'s), so that a read that fails on some processes only
@@ -398,7 +402,9 @@ class Checkpointer:
                 _barrier(_ORBAX_RESTORE_BARRIER)
             raise
 
-    def _restore(self, template: TrainState, sharding: Any, step: int):
+    def _restore(
+        self, template: TrainState, sharding: Any, step: int
+    ) -> tuple[TrainState, dict[str, Any]]:
         self.wait()
         meta_args = ocp.args.Composite(meta=ocp.args.JsonRestore())
         meta = dict(self._orbax_restore(step, meta_args, barriers=2)["meta"])

@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+from collections.abc import Callable
 
 import jax
 
@@ -27,7 +28,7 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 @functools.cache
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
     try:
         return ctypes.CDLL(None).malloc_trim
     except (AttributeError, OSError):
