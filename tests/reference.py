@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxrl_llm.numerics import Numerics
+
+if TYPE_CHECKING:
+    import jax
+
+    from jaxrl_llm import Rollout
+
+    Array = np.ndarray | jax.Array  # the references read either as numpy, element by element
 
 # ==============================================================================================
 # Slow, obvious reference implementations for masked stats, log-probs, KL and returns.
@@ -26,21 +35,21 @@ from jaxrl_llm.numerics import Numerics
 # ----------------------------------------------------------------------------------------------
 
 
-def _selected(x, mask):
+def _selected(x: Array, mask: Array) -> list[float]:
     x, mask = np.asarray(x, np.float64), np.asarray(mask, bool)
     return [float(v) for v, m in zip(x.ravel(), mask.ravel(), strict=True) if m]
 
 
-def ref_masked_sum(x, mask):
+def ref_masked_sum(x: Array, mask: Array) -> float:
     return sum(_selected(x, mask))
 
 
-def ref_masked_mean(x, mask):
+def ref_masked_mean(x: Array, mask: Array) -> float:
     values = _selected(x, mask)
     return sum(values) / len(values) if values else 0.0
 
 
-def ref_masked_var(x, mask, ddof=0):
+def ref_masked_var(x: Array, mask: Array, ddof: int = 0) -> float:
     values = _selected(x, mask)
     n = len(values)
     if n <= ddof:
@@ -49,7 +58,9 @@ def ref_masked_var(x, mask, ddof=0):
     return sum((v - mean) ** 2 for v in values) / (n - ddof)
 
 
-def ref_masked_stat_last_axis(stat, x, mask, **kwargs):
+def ref_masked_stat_last_axis(
+    stat: Callable[..., float], x: Array, mask: Array, **kwargs: int
+) -> np.ndarray:
     """Applies a whole-array reference statistic to every row along the last axis."""
     x, mask = np.asarray(x, np.float64), np.asarray(mask, bool)
     out = np.zeros(x.shape[:-1])
@@ -58,7 +69,15 @@ def ref_masked_stat_last_axis(stat, x, mask, **kwargs):
     return out
 
 
-def ref_masked_whiten(x, mask, *, shift_mean=True, ddof=0, eps=1e-8, eps_as_floor=False):
+def ref_masked_whiten(
+    x: Array,
+    mask: Array,
+    *,
+    shift_mean: bool = True,
+    ddof: int = 0,
+    eps: float = 1e-8,
+    eps_as_floor: bool = False,
+) -> np.ndarray:
     x, mask = np.asarray(x, np.float64), np.asarray(mask, bool)
     mean = ref_masked_mean(x, mask)
     var = ref_masked_var(x, mask, ddof)
@@ -70,7 +89,7 @@ def ref_masked_whiten(x, mask, *, shift_mean=True, ddof=0, eps=1e-8, eps_as_floo
     return out
 
 
-def ref_last_valid_index(mask):
+def ref_last_valid_index(mask: Array) -> np.ndarray:
     mask = np.asarray(mask, bool)
     out = np.zeros(mask.shape[:-1], np.int64)
     for idx in np.ndindex(*mask.shape[:-1]):
@@ -80,7 +99,7 @@ def ref_last_valid_index(mask):
     return out
 
 
-def ref_first_valid_index(mask):
+def ref_first_valid_index(mask: Array) -> np.ndarray:
     mask = np.asarray(mask, bool)
     out = np.zeros(mask.shape[:-1], np.int64)
     for idx in np.ndindex(*mask.shape[:-1]):
@@ -90,7 +109,7 @@ def ref_first_valid_index(mask):
     return out
 
 
-def ref_place_on_last_token(value, mask):
+def ref_place_on_last_token(value: Array, mask: Array) -> np.ndarray:
     value, mask = np.asarray(value, np.float64), np.asarray(mask, bool)
     out = np.zeros(mask.shape)
     for idx in np.ndindex(*mask.shape[:-1]):
@@ -100,7 +119,7 @@ def ref_place_on_last_token(value, mask):
     return out
 
 
-def ref_value_at_first_token(x, mask):
+def ref_value_at_first_token(x: Array, mask: Array) -> np.ndarray:
     x, mask = np.asarray(x, np.float64), np.asarray(mask, bool)
     out = np.zeros(mask.shape[:-1])
     for idx in np.ndindex(*mask.shape[:-1]):
@@ -115,7 +134,9 @@ def ref_value_at_first_token(x, mask):
 # ----------------------------------------------------------------------------------------------
 
 
-def ref_token_logprobs_and_entropy(logits, tokens, temperature=1.0):
+def ref_token_logprobs_and_entropy(
+    logits: Array, tokens: Array, temperature: float = 1.0
+) -> tuple[np.ndarray, np.ndarray]:
     """log softmax(z)[y] and −Σ p log p per position, one position at a time in float64."""
     logits = np.asarray(logits, np.float64)
     tokens = np.asarray(tokens)
@@ -138,7 +159,13 @@ def ref_token_logprobs_and_entropy(logits, tokens, temperature=1.0):
 # ----------------------------------------------------------------------------------------------
 
 
-def ref_kl(name, logp, logp_ref, log_ratio_clamp=None, value_clamp=None):
+def ref_kl(
+    name: str,
+    logp: Array,
+    logp_ref: Array,
+    log_ratio_clamp: float | None = None,
+    value_clamp: float | None = None,
+) -> np.ndarray:
     """Elementwise k1/abs/k2/k3 with verl's clamps, one scalar at a time."""
     logp, logp_ref = np.asarray(logp, np.float64), np.asarray(logp_ref, np.float64)
     out = np.zeros(logp.shape)
@@ -158,12 +185,14 @@ def ref_kl(name, logp, logp_ref, log_ratio_clamp=None, value_clamp=None):
     return out
 
 
-def ref_adaptive_kl_beta(beta, observed_kl, n_steps, *, target, horizon):
+def ref_adaptive_kl_beta(
+    beta: float, observed_kl: float, n_steps: int, *, target: float, horizon: float
+) -> float:
     error = min(max(observed_kl / target - 1.0, -0.2), 0.2)
     return beta * (1.0 + error * n_steps / horizon)
 
 
-def ref_mean_sequence_kl(kl, mask):
+def ref_mean_sequence_kl(kl: Array, mask: Array) -> float:
     kl, mask = np.asarray(kl, np.float64), np.asarray(mask, bool)
     per_sequence = []
     for idx in np.ndindex(*kl.shape[:-1]):
@@ -177,7 +206,7 @@ def ref_mean_sequence_kl(kl, mask):
 # ----------------------------------------------------------------------------------------------
 
 
-def ref_discounted_returns(reward, mask, gamma):
+def ref_discounted_returns(reward: Array, mask: Array, gamma: float) -> np.ndarray:
     reward, mask = np.asarray(reward, np.float64), np.asarray(mask, bool)
     out = np.zeros(reward.shape)
     for idx in np.ndindex(*reward.shape[:-1]):
@@ -189,7 +218,9 @@ def ref_discounted_returns(reward, mask, gamma):
     return out
 
 
-def ref_gae(reward, value, mask, gamma, lam):
+def ref_gae(
+    reward: Array, value: Array, mask: Array, gamma: float, lam: float
+) -> tuple[np.ndarray, np.ndarray]:
     reward, value = np.asarray(reward, np.float64), np.asarray(value, np.float64)
     mask = np.asarray(mask, bool)
     adv, ret = np.zeros(reward.shape), np.zeros(reward.shape)
@@ -212,15 +243,20 @@ def ref_gae(reward, value, mask, gamma, lam):
 #
 # Each function walks prompts one by one, collects the members of the group in a Python list and
 # applies the textbook formula; nothing is vectorised. Non-member outputs are 0.
-def _members(values_g, mask_g):
+def _members(values_g: Array, mask_g: Array) -> list[float]:
     return [float(values_g[g]) for g in range(len(mask_g)) if mask_g[g]]
 
 
-def ref_group_count(mask_bg):
+def ref_group_count(mask_bg: Array) -> np.ndarray:
     return np.array([sum(bool(x) for x in row) for row in mask_bg], np.float64)
 
 
-def _per_group_baseline(score_bg, mask_bg, singleton_baseline, rule):
+def _per_group_baseline(
+    score_bg: Array,
+    mask_bg: Array,
+    singleton_baseline: float | None,
+    rule: Callable[[int, list[int], list[float], int], float],
+) -> np.ndarray:
     """rule(members, g_index_among_members) -> baseline for groups with >= 2 members."""
     score_bg = np.asarray(score_bg, np.float64)
     out = np.zeros(score_bg.shape)
@@ -235,22 +271,28 @@ def _per_group_baseline(score_bg, mask_bg, singleton_baseline, rule):
     return out
 
 
-def ref_group_mean_baseline(score_bg, mask_bg, singleton_baseline=None):
+def ref_group_mean_baseline(
+    score_bg: Array, mask_bg: Array, singleton_baseline: float | None = None
+) -> np.ndarray:
     return _per_group_baseline(
         score_bg, mask_bg, singleton_baseline, lambda b, slots, s, i: sum(s) / len(s)
     )
 
 
-def ref_leave_one_out_baseline(score_bg, mask_bg, singleton_baseline=None):
-    def rule(b, slots, s, i):
+def ref_leave_one_out_baseline(
+    score_bg: Array, mask_bg: Array, singleton_baseline: float | None = None
+) -> np.ndarray:
+    def rule(b: int, slots: list[int], s: list[float], i: int) -> float:
         others = [s[j] for j in range(len(s)) if j != i]
         return sum(others) / len(others)
 
     return _per_group_baseline(score_bg, mask_bg, singleton_baseline, rule)
 
 
-def ref_length_weighted_baseline(score_bg, length_bg, mask_bg, singleton_baseline=None):
-    def rule(b, slots, s, i):
+def ref_length_weighted_baseline(
+    score_bg: Array, length_bg: Array, mask_bg: Array, singleton_baseline: float | None = None
+) -> np.ndarray:
+    def rule(b: int, slots: list[int], s: list[float], i: int) -> float:
         lengths = [float(length_bg[b, g]) for g in slots]
         if sum(lengths) == 0:
             return sum(s) / len(s)
@@ -259,7 +301,7 @@ def ref_length_weighted_baseline(score_bg, length_bg, mask_bg, singleton_baselin
     return _per_group_baseline(score_bg, mask_bg, singleton_baseline, rule)
 
 
-def ref_group_std(score_bg, mask_bg, ddof=0):
+def ref_group_std(score_bg: Array, mask_bg: Array, ddof: int = 0) -> np.ndarray:
     out = np.zeros(score_bg.shape[0])
     for b in range(score_bg.shape[0]):
         s = _members(np.asarray(score_bg[b], np.float64), mask_bg[b])
@@ -269,7 +311,7 @@ def ref_group_std(score_bg, mask_bg, ddof=0):
     return out
 
 
-def _scale(x, mask_bg, denom_b):
+def _scale(x: Array, mask_bg: Array, denom_b: Sequence[float] | np.ndarray) -> np.ndarray:
     x = np.asarray(x, np.float64)
     out = np.zeros(x.shape)
     for b in range(x.shape[0]):
@@ -280,14 +322,23 @@ def _scale(x, mask_bg, denom_b):
     return out
 
 
-def ref_scale_by_group_std(x, score_bg, mask_bg, ddof=0, eps=1e-6, singleton_std=1.0):
+def ref_scale_by_group_std(
+    x: Array,
+    score_bg: Array,
+    mask_bg: Array,
+    ddof: int = 0,
+    eps: float = 1e-6,
+    singleton_std: float = 1.0,
+) -> np.ndarray:
     std = ref_group_std(score_bg, mask_bg, ddof)
     counts = ref_group_count(mask_bg)
     denom = [(singleton_std if counts[b] == 1 else std[b]) + eps for b in range(len(std))]
     return _scale(x, mask_bg, denom)
 
 
-def ref_scale_by_batch_std(x, score_bg, mask_bg, ddof=0, eps=1e-6):
+def ref_scale_by_batch_std(
+    x: Array, score_bg: Array, mask_bg: Array, ddof: int = 0, eps: float = 1e-6
+) -> np.ndarray:
     s = [float(score_bg[b, g]) for b, g in zip(*np.nonzero(mask_bg), strict=True)]
     std = 0.0
     if len(s) > ddof:
@@ -296,7 +347,14 @@ def ref_scale_by_batch_std(x, score_bg, mask_bg, ddof=0, eps=1e-6):
     return _scale(x, mask_bg, [std + eps] * score_bg.shape[0])
 
 
-def ref_whiten(x, mask, ddof=0, eps=1e-8, eps_as_floor=False, shift_mean=True):
+def ref_whiten(
+    x: Array,
+    mask: Array,
+    ddof: int = 0,
+    eps: float = 1e-8,
+    eps_as_floor: bool = False,
+    shift_mean: bool = True,
+) -> np.ndarray:
     x = np.asarray(x, np.float64)
     flat_x, flat_m = x.reshape(-1), np.asarray(mask).reshape(-1)
     vals = [float(flat_x[i]) for i in range(flat_x.size) if flat_m[i]]
@@ -312,12 +370,12 @@ def ref_whiten(x, mask, ddof=0, eps=1e-8, eps_as_floor=False, shift_mean=True):
     return out.reshape(x.shape)
 
 
-def population_variance(values):
+def population_variance(values: Sequence[float]) -> float:
     mean = sum(values) / len(values)
     return sum((v - mean) ** 2 for v in values) / len(values)
 
 
-def ref_pods_best_variance(reward_bg, mask_bg, num_keep):
+def ref_pods_best_variance(reward_bg: Array, mask_bg: Array, num_keep: int) -> np.ndarray:
     """Brute force over every subset of size min(num_keep, n): the maximal kept variance."""
     out = np.zeros(reward_bg.shape[0])
     for b in range(reward_bg.shape[0]):
@@ -328,7 +386,7 @@ def ref_pods_best_variance(reward_bg, mask_bg, num_keep):
     return out
 
 
-def ref_dapo_group_filter(reward_bg, mask_bg):
+def ref_dapo_group_filter(reward_bg: Array, mask_bg: Array) -> np.ndarray:
     keep = []
     for b in range(reward_bg.shape[0]):
         r = _members(np.asarray(reward_bg[b], np.float64), mask_bg[b])
@@ -336,7 +394,13 @@ def ref_dapo_group_filter(reward_bg, mask_bg):
     return np.array(keep)
 
 
-def ref_overlong_reward_penalty(length, max_length, buffer_length, penalty_factor=1.0, cap=True):
+def ref_overlong_reward_penalty(
+    length: Array,
+    max_length: int,
+    buffer_length: int,
+    penalty_factor: float = 1.0,
+    cap: bool = True,
+) -> np.ndarray:
     out = np.zeros(np.shape(length))
     for idx in np.ndindex(out.shape):
         exceed = float(length[idx]) - (max_length - buffer_length)
@@ -355,16 +419,16 @@ def ref_overlong_reward_penalty(length, max_length, buffer_length, penalty_facto
 # time, written straight from the formulas in the docstrings of ``jaxrl_llm.core.policy_losses``,
 # ``aggregation`` and ``preference``. No vectorisation tricks: these are what the fast code is
 # checked against. Masked positions are never read.
-def _sequences(shape):
+def _sequences(shape: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     """Every index of the leading (sequence) axes of a ``[..., T]`` array."""
     return np.ndindex(*shape[:-1])
 
 
-def _clip(x, lo, hi):
+def _clip(x: float, lo: float, hi: float) -> float:
     return min(max(x, lo), hi)
 
 
-def log_sigmoid(z):
+def log_sigmoid(z: float) -> float:
     z = float(z)
     if z >= 0:
         return -math.log1p(math.exp(-z))
@@ -375,7 +439,7 @@ def log_sigmoid(z):
 # Policy losses. Each returns (loss, dloss/dlogp) as float64 arrays of the input shape.
 
 
-def reinforce(logp, adv, mask):
+def reinforce(logp: Array, adv: Array, mask: Array) -> tuple[np.ndarray, np.ndarray]:
     loss = np.zeros(logp.shape)
     grad = np.zeros(logp.shape)
     for idx in np.ndindex(*logp.shape):
@@ -385,7 +449,17 @@ def reinforce(logp, adv, mask):
     return loss, grad
 
 
-def ppo(logp, logp_old, adv, mask, *, clip_low, clip_high, dual_clip=None, log_ratio_clamp=None):
+def ppo(
+    logp: Array,
+    logp_old: Array,
+    adv: Array,
+    mask: Array,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+    log_ratio_clamp: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     loss = np.zeros(logp.shape)
     grad = np.zeros(logp.shape)
     for idx in np.ndindex(*logp.shape):
@@ -411,7 +485,16 @@ def ppo(logp, logp_old, adv, mask, *, clip_low, clip_high, dual_clip=None, log_r
     return loss, grad
 
 
-def gspo(logp, logp_old, adv, mask, *, clip_low, clip_high, log_ratio_clamp=10.0):
+def gspo(
+    logp: Array,
+    logp_old: Array,
+    adv: Array,
+    mask: Array,
+    *,
+    clip_low: float,
+    clip_high: float,
+    log_ratio_clamp: float | None = 10.0,
+) -> tuple[np.ndarray, np.ndarray]:
     loss = np.zeros(logp.shape)
     grad = np.zeros(logp.shape)
     num_tokens = logp.shape[-1]
@@ -438,7 +521,9 @@ def gspo(logp, logp_old, adv, mask, *, clip_low, clip_high, log_ratio_clamp=10.0
     return loss, grad
 
 
-def cispo(logp, logp_old, adv, mask, *, clip_low, clip_high):
+def cispo(
+    logp: Array, logp_old: Array, adv: Array, mask: Array, *, clip_low: float, clip_high: float
+) -> tuple[np.ndarray, np.ndarray]:
     loss = np.zeros(logp.shape)
     grad = np.zeros(logp.shape)
     for idx in np.ndindex(*logp.shape):
@@ -450,7 +535,9 @@ def cispo(logp, logp_old, adv, mask, *, clip_low, clip_high):
     return loss, grad
 
 
-def value_loss(value, value_old, ret, mask, *, clip_eps=None):
+def value_loss(
+    value: Array, value_old: Array, ret: Array, mask: Array, *, clip_eps: float | None = None
+) -> np.ndarray:
     loss = np.zeros(value.shape)
     for idx in np.ndindex(*value.shape):
         if not mask[idx]:
@@ -464,7 +551,16 @@ def value_loss(value, value_old, ret, mask, *, clip_eps=None):
     return loss
 
 
-def ratio_metrics(logp, logp_old, adv, mask, *, clip_low, clip_high, dual_clip=None):
+def ratio_metrics(
+    logp: Array,
+    logp_old: Array,
+    adv: Array,
+    mask: Array,
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> dict[str, tuple[float, float]]:
     sums = dict.fromkeys(
         [
             "clip_fraction_low",
@@ -499,7 +595,9 @@ def ratio_metrics(logp, logp_old, adv, mask, *, clip_low, clip_high, dual_clip=N
 # Aggregation: (sum, denominator) with the token axis last.
 
 
-def aggregate(loss, mask, mode, *, norm=None):
+def aggregate(
+    loss: Array, mask: Array, mode: str, *, norm: float | None = None
+) -> tuple[float, float]:
     num_tokens = loss.shape[-1]
     norm = num_tokens if norm is None else norm
     total, denominator = 0.0, 0.0
@@ -531,7 +629,7 @@ def aggregate(loss, mask, mode, *, norm=None):
     return total, denominator
 
 
-def finalize(total, denominator):
+def finalize(total: float, denominator: float) -> float:
     return total / denominator if denominator > 0 else total
 
 
@@ -539,7 +637,18 @@ def finalize(total, denominator):
 # Preference losses, one pair at a time.
 
 
-def dpo_family(loss_type, lw, ll, rw, rl, *, beta, label_smoothing=0.0, len_w=None, len_l=None):
+def dpo_family(
+    loss_type: str,
+    lw: Array,
+    ll: Array,
+    rw: Array,
+    rl: Array,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    len_w: Array | None = None,
+    len_l: Array | None = None,
+) -> np.ndarray:
     out = np.zeros(len(lw))
     eps = label_smoothing
     for p in range(len(lw)):
@@ -560,7 +669,9 @@ def dpo_family(loss_type, lw, ll, rw, rl, *, beta, label_smoothing=0.0, len_w=No
     return out
 
 
-def simpo(lw, ll, len_w, len_l, *, beta, gamma):
+def simpo(
+    lw: Array, ll: Array, len_w: Array, len_l: Array, *, beta: float, gamma: float
+) -> np.ndarray:
     out = np.zeros(len(lw))
     for p in range(len(lw)):
         margin = beta * float(lw[p]) / max(float(len_w[p]), 1.0)
@@ -569,7 +680,7 @@ def simpo(lw, ll, len_w, len_l, *, beta, gamma):
     return out
 
 
-def sequence_logprob(logp, mask):
+def sequence_logprob(logp: Array, mask: Array) -> np.ndarray:
     out = np.zeros(logp.shape[:-1])
     for seq in _sequences(logp.shape):
         for t in range(logp.shape[-1]):
@@ -584,11 +695,11 @@ def sequence_logprob(logp, mask):
 #
 # Each follows the recipe's documented composition literally (see jaxrl_llm/algorithms.py), with
 # the numerics of a preset, so the fast chain can be checked number by number.
-def _valid(mask_t):
+def _valid(mask_t: Array) -> list[int]:
     return [t for t in range(len(mask_t)) if mask_t[t]]
 
 
-def _kl(estimator, lp, lr, n: Numerics):
+def _kl(estimator: str, lp: float, lr: float, n: Numerics) -> float:
     d = lp - lr
     base = estimator.rstrip("+")
     if base in ("k1", "kl"):
@@ -608,7 +719,7 @@ def _kl(estimator, lp, lr, n: Numerics):
     return v
 
 
-def _std(values, ddof):
+def _std(values: Sequence[float], ddof: int) -> float | None:
     k = len(values)
     if k <= ddof:
         return None
@@ -616,7 +727,9 @@ def _std(values, ddof):
     return math.sqrt(sum((v - mu) ** 2 for v in values) / (k - ddof))
 
 
-def reference_advantages(name: str, rollout, n: Numerics, **hp) -> np.ndarray:
+def reference_advantages(
+    name: str, rollout: Rollout, n: Numerics, **hp: float | str | bool
+) -> np.ndarray:
     """Advantages of recipe ``name`` built with numerics ``n`` and hyperparameters ``hp``."""
     reward = np.asarray(rollout.reward_bg, np.float64)
     mask = np.asarray(rollout.mask_bgt, bool)
@@ -767,12 +880,18 @@ def token_rewards(reward_bg: np.ndarray, mask_bgt: np.ndarray) -> np.ndarray:
     return r_bgt
 
 
-def kl_k1_in_reward(r_bgt, logp_old_bgt, logp_ref_bgt, mask_bgt, beta: float) -> np.ndarray:
+def kl_k1_in_reward(
+    r_bgt: np.ndarray,
+    logp_old_bgt: np.ndarray,
+    logp_ref_bgt: np.ndarray,
+    mask_bgt: np.ndarray,
+    beta: float,
+) -> np.ndarray:
     """``r_t − β·(logp_old − logp_ref)`` on valid tokens."""
     return r_bgt - beta * np.where(mask_bgt, logp_old_bgt - logp_ref_bgt, 0)
 
 
-def outcome_scores(r_bgt, mask_bgt) -> np.ndarray:
+def outcome_scores(r_bgt: np.ndarray, mask_bgt: np.ndarray) -> np.ndarray:
     """One number per sequence: the sum of its token rewards."""
     return np.where(mask_bgt, r_bgt, 0).sum(-1)
 
@@ -794,7 +913,7 @@ def group_loop(score_bg: np.ndarray, *, scale_by_std: bool, loo: bool = False) -
     return adv_bg
 
 
-def reward_to_go_loop(r_bgt, mask_bgt, gamma: float) -> np.ndarray:
+def reward_to_go_loop(r_bgt: np.ndarray, mask_bgt: np.ndarray, gamma: float) -> np.ndarray:
     """``G_t = r_t + γ·G_{t+1}`` on valid tokens, carried unchanged through masked ones;
     a loop over t from the end, vectorised over every sequence of the batch."""
     running = np.zeros(r_bgt.shape[:-1], r_bgt.dtype)
@@ -806,7 +925,9 @@ def reward_to_go_loop(r_bgt, mask_bgt, gamma: float) -> np.ndarray:
     return np.where(mask_bgt, out, 0)
 
 
-def gae_loop(r_bgt, value_bgt, mask_bgt, gamma: float, lam: float) -> np.ndarray:
+def gae_loop(
+    r_bgt: np.ndarray, value_bgt: np.ndarray, mask_bgt: np.ndarray, gamma: float, lam: float
+) -> np.ndarray:
     """verl's GAE loop: ``δ_t = r_t + γV_next − V_t``, ``A_t = δ_t + γλA_next``; masked tokens
     carry ``V_next`` and ``A_next`` through unchanged."""
     next_value = np.zeros(r_bgt.shape[:-1], r_bgt.dtype)
@@ -822,7 +943,7 @@ def gae_loop(r_bgt, value_bgt, mask_bgt, gamma: float, lam: float) -> np.ndarray
     return np.where(mask_bgt, out, 0)
 
 
-def whiten(x_bgt, mask_bgt) -> np.ndarray:
+def whiten(x_bgt: np.ndarray, mask_bgt: np.ndarray) -> np.ndarray:
     """``(x − μ)·rsqrt(σ² + 1e-8)`` over every valid token (ddof 0)."""
     values = x_bgt[mask_bgt]
     mean = values.mean() if values.size else 0.0
@@ -830,7 +951,7 @@ def whiten(x_bgt, mask_bgt) -> np.ndarray:
     return np.where(mask_bgt, (x_bgt - mean) / np.sqrt(var + WHITEN_EPS), 0)
 
 
-def _broadcast(adv_bg, mask_bgt):
+def _broadcast(adv_bg: np.ndarray, mask_bgt: np.ndarray) -> np.ndarray:
     return np.where(mask_bgt, adv_bg[..., None], 0)
 
 
@@ -847,7 +968,9 @@ ESTIMATOR = {
 }
 
 
-def recipe_advantages(name: str, data: dict, *, beta: float, gamma=1.0, lam=0.95) -> np.ndarray:
+def recipe_advantages(
+    name: str, data: dict[str, np.ndarray], *, beta: float, gamma: float = 1.0, lam: float = 0.95
+) -> np.ndarray:
     """Advantages of recipe ``name`` (default numerics) on ``data``: a dict of ``reward_bg``,
     ``mask_bgt`` and, as needed, ``logp_old_bgt``, ``logp_ref_bgt``, ``value_bgt``.
     ``beta`` is the recipe's KL coefficient (used only by KL-in-reward recipes)."""
