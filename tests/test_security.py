@@ -25,6 +25,7 @@ import pytest
 from jaxrl_llm import models
 from jaxrl_llm.config import ConfigError, ModelLoadConfig, load_config
 from jaxrl_llm.train import models as train_models
+from jaxrl_llm.train import setup as train_setup
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -65,7 +66,8 @@ def test_bin_weights_are_refused_without_the_flag(pickled_folder, monkeypatch):
         models.from_pretrained(pickled_folder)
     assert calls == []  # refused before anything was read
     with pytest.raises(models.UnsafeCheckpointError, match=r"model\.allow_pickle"):
-        train_models.load_policy(ModelLoadConfig(path=str(pickled_folder)))
+        model = ModelLoadConfig(path=str(pickled_folder))
+        train_models.load_policy(model.path, allow_pickle=model.allow_pickle)
     assert calls == []
     models.from_pretrained(pickled_folder, allow_pickle=True)
     assert calls and all(k.get("weights_only") is True for k in calls)
@@ -139,14 +141,14 @@ def test_trust_remote_code_is_false_unless_the_config_asks(pickled_folder, monke
             return _real(*args, **kwargs)
 
         monkeypatch.setattr(cls, "from_pretrained", record)
-    train_models.load_tokenizer(ModelLoadConfig(path="tiny-random"))
+    train_setup.load_tokenizer(ModelLoadConfig(path="tiny-random"))
     models.from_pretrained(pickled_folder, allow_pickle=True)
     # (AutoTokenizer also reads the config through AutoConfig, passing the flag on)
     assert {name for name, _ in seen} == {"AutoTokenizer", "AutoConfig"}
     assert {flag for _, flag in seen} == {False}
     assert ModelLoadConfig().trust_remote_code is False
     seen.clear()
-    train_models.load_tokenizer(ModelLoadConfig(path="tiny-random", trust_remote_code=True))
+    train_setup.load_tokenizer(ModelLoadConfig(path="tiny-random", trust_remote_code=True))
     assert ("AutoTokenizer", True) in seen
 
 
@@ -171,8 +173,6 @@ def marker_module(tmp_path, monkeypatch):
 
 
 def test_dataset_rows_are_text_never_code(tmp_path, marker_module):
-    from jaxrl_llm.train.data import build_data, build_run_reward
-
     code = f"__import__({MARKER_MODULE!r}); import os; os.system('touch {marker_module}')"
     spec = f"{MARKER_MODULE}:score"
     rows = [
@@ -184,9 +184,9 @@ def test_dataset_rows_are_text_never_code(tmp_path, marker_module):
     config = load_config(
         TINY, ["data.source=file", f"data.path={data}", "data.eval_size=0", "data.shuffle=false"]
     )
-    tokenizer = train_models.load_tokenizer(config.model)
-    run_data = build_data(config, tokenizer)
-    reward = build_run_reward(config)  # the config's own rewards: integer_answer
+    tokenizer = train_setup.load_tokenizer(config.model)
+    run_data = train_setup.build_data(config, tokenizer)
+    reward = train_setup.build_reward(config)  # the config's own rewards: integer_answer
     prompts, answers = run_data.train.prompts, run_data.train.fields["answer"]
     assert prompts[0] == code and run_data.train.fields["reward"][0] == spec  # verbatim text
     assert prompts[1].startswith("{{ 7 * 6 }}")
@@ -196,12 +196,10 @@ def test_dataset_rows_are_text_never_code(tmp_path, marker_module):
 
 
 def test_a_reward_function_is_imported_only_when_the_config_names_it(marker_module):
-    from jaxrl_llm.train.data import build_run_reward
-
-    build_run_reward(load_config(TINY))
+    train_setup.build_reward(load_config(TINY))
     assert not marker_module.exists() and MARKER_MODULE not in sys.modules
     config = load_config(TINY, [f"rewards.terms=[{{type: '{MARKER_MODULE}:score'}}]"])
-    reward = build_run_reward(config)
+    reward = train_setup.build_reward(config)
     assert marker_module.exists() and reward.names == ("score",)
 
 

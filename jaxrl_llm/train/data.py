@@ -1,21 +1,26 @@
-"""The run's data and reward from its config: datasets, held-out split, the weighted reward.
+"""The run's data and reward: datasets, held-out split, the weighted reward.
 
-* ``data.source: arithmetic``: :func:`jaxrl_llm.data.arithmetic_task` with ``data.seed``; its
-  ``eval_size`` held-out problems are disjoint from the training ones. For ``dpo`` each problem
-  becomes a pair (chosen: the correct answer; rejected: a wrong number), by
-  :func:`jaxrl_llm.data.arithmetic_preference_pairs` (seeded with ``data.seed``, ``+ 1`` for the
+The functions take plain values (a :class:`DataSpec`, reward terms as mappings);
+:mod:`jaxrl_llm.train.setup` builds them from the config's ``data``, ``preference`` and
+``rewards`` sections.
+
+* ``source = "arithmetic"``: :func:`jaxrl_llm.data.arithmetic_task` with ``seed``; its
+  ``eval_size`` held-out problems are disjoint from the training ones. Offline (``dpo``) each
+  problem becomes a pair (chosen: the correct answer; rejected: a wrong number), by
+  :func:`jaxrl_llm.data.arithmetic_preference_pairs` (seeded with ``seed``, ``+ 1`` for the
   held-out pairs).
-* ``data.source: file``: JSONL/Parquet/CSV read with ``datasets``; the evaluation split is
-  ``data.eval_path``, or ``eval_size`` rows held out of the training file by a permutation seeded
-  with ``data.seed``.
+* ``source = "file"``: JSONL/Parquet/CSV read with ``datasets``; the evaluation split is
+  ``eval_path``, or ``eval_size`` rows held out of the training file by a permutation seeded
+  with ``seed``.
 
-Prompts longer than ``data.max_prompt_length`` are dropped and counted (the loop logs it).
+Prompts longer than ``max_prompt_length`` are dropped and counted (the loop logs it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +30,55 @@ import numpy as np
 
 from jaxrl_llm import data as D
 from jaxrl_llm import rewards as R
-from jaxrl_llm.config import TrainConfig, data_format, to_dict
 
 _ANSWER_TYPES = ("integer_answer", "gsm8k", "gsm8k_answer", "boxed", "boxed_answer")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArithmeticSpec:
+    """The built-in arithmetic task: ``train_size`` distinct problems ``a ∘ b`` with operands in
+    ``[min_operand, max_operand]`` and ``∘`` drawn from ``operations``."""
+
+    train_size: int = 4000
+    operations: tuple[str, ...] = ("+", "-")
+    min_operand: int = 0
+    max_operand: int = 99
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """Where a run's prompts (and answers, or preference pairs) come from and how they are read.
+
+    Attributes:
+      source: ``"arithmetic"`` (generated from ``seed`` with ``arithmetic``) or ``"file"``.
+      path, format: the training file and its format (``"jsonl"``, ``"parquet"``, ``"csv"``;
+        None: from the extension).
+      eval_path, eval_format: the evaluation file and its format; no ``eval_path`` holds out
+        ``eval_size`` rows of the training file instead.
+      eval_size: evaluation prompts (0: no evaluation).
+      seed: the split's and the arithmetic task's seed.
+      arithmetic: the built-in task's settings (``source = "arithmetic"``).
+      prompt_field, answer_field, chosen_field, rejected_field: the columns read.
+      system_prompt: a system message before each prompt (None: the template's default).
+      chat_template: format prompts with the tokenizer's chat template.
+      max_prompt_length: longer prompts (in tokens, after templating) are dropped and counted.
+    """
+
+    source: str = "arithmetic"
+    path: str | None = None
+    format: str | None = None
+    eval_path: str | None = None
+    eval_format: str | None = None
+    eval_size: int = 200
+    seed: int = 0
+    arithmetic: ArithmeticSpec = dataclasses.field(default_factory=ArithmeticSpec)
+    prompt_field: str = "prompt"
+    answer_field: str = "answer"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    system_prompt: str | None = None
+    chat_template: bool = True
+    max_prompt_length: int = 256
 
 
 @dataclasses.dataclass
@@ -47,8 +98,8 @@ class RunData:
     notes: list[str] = dataclasses.field(default_factory=list)
 
 
-def _columns_of_file(config: TrainConfig, path: str) -> dict[str, list[Any]]:
-    table = D.load_table(path, format=data_format(config.data, path))
+def _columns_of_file(path: str, format: str | None) -> dict[str, list[Any]]:
+    table = D.load_table(path, format=format)
     return D.to_columns(table, source=path)
 
 
@@ -56,9 +107,8 @@ def _take(columns: dict[str, list[Any]], rows: np.ndarray) -> dict[str, list[Any
     return {k: [v[i] for i in rows] for k, v in columns.items()}
 
 
-def _split_columns(config: TrainConfig) -> tuple[dict, dict | None, str]:
+def _split_columns(d: DataSpec) -> tuple[dict, dict | None, str]:
     """(train columns, eval columns or None, source name)."""
-    d = config.data
     if d.source == "arithmetic":
         a = d.arithmetic
         train_rows, eval_rows = D.arithmetic_task(
@@ -74,9 +124,13 @@ def _split_columns(config: TrainConfig) -> tuple[dict, dict | None, str]:
             (D.to_columns(eval_rows, source="arithmetic") if eval_rows else None),
             "arithmetic",
         )
-    train = _columns_of_file(config, d.path)
+    train = _columns_of_file(d.path, d.format)
     if d.eval_path:
-        return train, _columns_of_file(config, d.eval_path) if d.eval_size else None, d.path
+        return (
+            train,
+            _columns_of_file(d.eval_path, d.eval_format) if d.eval_size else None,
+            d.path,
+        )
     n = len(next(iter(train.values())))
     if not d.eval_size:
         return train, None, d.path
@@ -93,10 +147,23 @@ def _split_columns(config: TrainConfig) -> tuple[dict, dict | None, str]:
     )
 
 
-def build_data(config: TrainConfig, tokenizer: Any) -> RunData:
-    """The training and held-out datasets of ``config`` (see the module docstring)."""
-    d = config.data
-    train_cols, eval_cols, source = _split_columns(config)
+def build_data(
+    spec: DataSpec,
+    tokenizer: Any,
+    *,
+    offline: bool = False,
+    max_response_length: int = 512,
+) -> RunData:
+    """The training and held-out datasets of ``spec`` (see the module docstring).
+
+    Args:
+      spec: the data settings.
+      tokenizer: the policy's tokenizer.
+      offline: preference pairs (dpo) rather than prompts.
+      max_response_length: offline: the longest chosen/rejected answer, in tokens.
+    """
+    d = spec
+    train_cols, eval_cols, source = _split_columns(d)
     prompt_kwargs = dict(
         prompt_field=d.prompt_field if d.source == "file" else "prompt",
         system_prompt=d.system_prompt,
@@ -104,14 +171,14 @@ def build_data(config: TrainConfig, tokenizer: Any) -> RunData:
         chat_template=d.chat_template,
     )
     notes = []
-    if config.is_offline:
+    if offline:
         pref_kwargs = dict(
             prompt_field=d.prompt_field,
             chosen_field=d.chosen_field,
             rejected_field=d.rejected_field,
             system_prompt=d.system_prompt,
             max_prompt_length=d.max_prompt_length,
-            max_completion_length=config.preference.max_response_length,
+            max_completion_length=max_response_length,
             chat_template=d.chat_template,
         )
         if d.source == "arithmetic":
@@ -143,7 +210,7 @@ def build_data(config: TrainConfig, tokenizer: Any) -> RunData:
         if train.num_truncated:
             notes.append(
                 f"{train.num_truncated} training pairs have an answer cut to "
-                f"{config.preference.max_response_length} tokens"
+                f"{max_response_length} tokens"
             )
         return RunData(train=train, eval_prompts=prompts, eval_pairs=pairs, notes=notes)
     train = D.PromptDataset.from_records(train_cols, tokenizer, source=source, **prompt_kwargs)
@@ -210,26 +277,42 @@ def reward_model_scorer(path: str, *, batch_pad: int = 32):
     return score
 
 
-def build_run_reward(config: TrainConfig, *, base_dir: str | Path | None = None) -> R.WeightedSum:
-    """The weighted reward of ``config.rewards`` (answer rewards read ``data.answer_field``)."""
-    terms = []
-    for i, term in enumerate(config.rewards.terms):
-        item = to_dict(term)
-        kwargs = dict(item.pop("kwargs") or {})
+def build_run_reward(
+    terms: Sequence[Mapping[str, Any]],
+    *,
+    on_error: str = "raise",
+    answer_field: str = "answer",
+    base_dir: str | Path | None = None,
+) -> R.WeightedSum:
+    """The weighted sum of reward ``terms``.
+
+    Args:
+      terms: one plain mapping per term: ``type`` (a built-in reward type or
+        ``"module:function"``), ``weight``, ``name`` (None: the type) and ``kwargs``; errors
+        name the term ``rewards.terms[i]``.
+      on_error: ``"raise"``, or ``"zero"`` (a failing term scores 0 and is counted).
+      answer_field: the field answer rewards read (unless their kwargs name one).
+      base_dir: where relative paths of the terms are resolved.
+    """
+    built = []
+    for i, term in enumerate(terms):
+        item = dict(term)
+        kwargs = dict(item.pop("kwargs", None) or {})
         if item["type"] in _ANSWER_TYPES:
-            kwargs.setdefault("field", config.data.answer_field)
+            kwargs.setdefault("field", answer_field)
         scorer = None
         if item["type"] == "reward_model" and "score" not in kwargs:
             scorer = _cached_scorer(kwargs["path"])
         item = {k: v for k, v in item.items() if v is not None}
-        built = R.build_term(
-            {**item, "kwargs": kwargs},
-            where=f"rewards.terms[{i}]",
-            reward_model=scorer,
-            base_dir=base_dir,
+        built.append(
+            R.build_term(
+                {**item, "kwargs": kwargs},
+                where=f"rewards.terms[{i}]",
+                reward_model=scorer,
+                base_dir=base_dir,
+            )
         )
-        terms.append(built)
-    return R.WeightedSum(terms, on_error=config.rewards.on_error)
+    return R.WeightedSum(built, on_error=on_error)
 
 
 @functools.cache
@@ -237,4 +320,11 @@ def _cached_scorer(path: str):
     return reward_model_scorer(path)
 
 
-__all__ = ["RunData", "build_data", "build_run_reward", "reward_model_scorer"]
+__all__ = [
+    "ArithmeticSpec",
+    "DataSpec",
+    "RunData",
+    "build_data",
+    "build_run_reward",
+    "reward_model_scorer",
+]

@@ -15,7 +15,7 @@ import pytest
 
 from jaxrl_llm import models
 from jaxrl_llm.config import load_config
-from jaxrl_llm.train.data import build_run_reward
+from jaxrl_llm.train.setup import build_reward
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -79,7 +79,7 @@ def test_reward_model_term_scores_like_transformers_and_is_weighted(reward_folde
             " {type: regex, weight: 2.0, kwargs: {pattern: '[0-9]'}}]"
         ],
     )
-    reward = build_run_reward(config)
+    reward = build_reward(config)
     assert reward.names == ("reward_model", "regex")
     out = reward(PROMPTS, COMPLETIONS)
     expected = _hf_scores(hf, tokenizer)
