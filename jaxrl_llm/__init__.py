@@ -5,22 +5,29 @@ The public API is the seed documents' chain,
     raw reward -> +KL -> return -> -baseline -> advantage -> normalize -> x grad log pi -> update
 
 as pure, jit-compiled functions: :mod:`jaxrl_llm.core` (the math), :mod:`jaxrl_llm.chain` (the
-composable stages), :mod:`jaxrl_llm.algorithms` (named recipes), and :func:`explain` (the five
-questions for any recipe).
+composable stages), :mod:`jaxrl_llm.recipe` (what a recipe is and how one runs),
+:mod:`jaxrl_llm.algorithms` (the named recipes), and :func:`explain` (the five questions for any
+recipe).
 """
 
-from jaxrl_llm import algorithms, chain, core, numerics, objective
-from jaxrl_llm.algorithms import Recipe
+from jaxrl_llm import algorithms, chain, core, numerics, recipe
 from jaxrl_llm.chain import Rollout
 from jaxrl_llm.explain import Explanation, comparison_table, explain
 from jaxrl_llm.numerics import Numerics
-from jaxrl_llm.objective import compute_advantages, policy_objective, select
+from jaxrl_llm.recipe import (
+    PreferenceRecipe,
+    Recipe,
+    compute_advantages,
+    policy_objective,
+    select,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Explanation",
     "Numerics",
+    "PreferenceRecipe",
     "Recipe",
     "Rollout",
     "algorithms",
@@ -30,7 +37,7 @@ __all__ = [
     "core",
     "explain",
     "numerics",
-    "objective",
     "policy_objective",
+    "recipe",
     "select",
 ]

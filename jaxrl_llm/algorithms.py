@@ -1,13 +1,13 @@
 """Named algorithms as recipes: compositions of the chain, a policy loss and an aggregation.
 
-A :class:`~jaxrl_llm.recipe.Recipe` is data, not a class to subclass: the advantage chain, a
-per-token policy loss, a loss aggregation that returns ``(sum, denominator)``, where the KL goes,
-and which samples are selected (see :mod:`jaxrl_llm.recipe`). Each function below builds one,
-documented like the paper it comes from; variants are keyword arguments (or
-``functools.partial``), never subclasses. Hyperparameters are named as in the literature: ``beta``
-(KL coefficient), ``gamma``, ``lam``, ``clip_eps`` or ``clip_low``/``clip_high``,
-``kl_estimator``; ``numerics`` picks this project's conventions or a peer's preset
-(``"verl"``, ``"trl"``, ``"openrlhf"``; see :mod:`jaxrl_llm.numerics`).
+A :class:`~jaxrl_llm.recipe.Recipe` is a value made of functions, not a class to subclass: the
+advantage chain, the objective (per-token loss, aggregation, KL and entropy terms), the critic,
+the selection, and what it requires of the trainer (see :mod:`jaxrl_llm.recipe`). Each function
+below is a docstring, like the paper it comes from, and one composition; variants are keyword
+arguments (or ``functools.partial``), never subclasses. Hyperparameters are named as in the
+literature: ``beta`` (KL coefficient), ``gamma``, ``lam``, ``clip_eps`` or
+``clip_low``/``clip_high``, ``kl_estimator``; ``numerics`` picks this project's conventions or a
+peer's preset (``"verl"``, ``"trl"``, ``"openrlhf"``; see :mod:`jaxrl_llm.numerics`).
 
 Where the KL goes follows the seed documents: ``ppo``, ``reinforce``, ``rloo`` and
 ``reinforce_pp`` shape the token rewards with the KL between the rollout policy and the
@@ -24,23 +24,11 @@ from collections.abc import Callable
 
 from jaxrl_llm import chain as ch
 from jaxrl_llm import numerics as nm
-from jaxrl_llm.core import aggregation as agg
+from jaxrl_llm import recipe as rc
 from jaxrl_llm.core import kl as _kl
 from jaxrl_llm.core import policy_losses as pl
-from jaxrl_llm.objective import preference_loss
-from jaxrl_llm.recipe import (
-    Recipe,
-    Selection,
-    clip_range,
-    group_norm_stages,
-    kl_reward_stages,
-    make_recipe,
-    ppo_loss,
-    reinforce_policy_loss,
-    resolve_agg_mode,
-    reward_stages,
-    whiten_stage,
-)
+from jaxrl_llm.core import preference as pref
+from jaxrl_llm.recipe import PreferenceRecipe, Recipe, Selection
 
 # --------------------------------------------------------------------------------------------
 # The recipes.
@@ -63,24 +51,20 @@ def reinforce(
     summed over tokens and averaged over sequences (``seq-mean-token-sum``).
     """
     n = nm.resolve(numerics)
-    advantage = ch.chain(
-        *reward_stages(n),
-        *kl_reward_stages(beta, kl_estimator, n, kl_controller),
-        ch.discounted_return(gamma),
-    )
-    return make_recipe(
+    return rc.make_recipe(
         "reinforce",
-        advantage=advantage,
-        policy_loss=reinforce_policy_loss,
-        agg_mode=resolve_agg_mode("seq-mean-token-sum", loss_agg_mode, n),
-        beta=beta,
-        kl_estimator=kl_estimator,
-        kl_in_reward=True,
         numerics=n,
-        entropy_coef=entropy_coef,
-        hparams=dict(beta=beta, gamma=gamma, kl_estimator=kl_estimator),
-        loss_name="REINFORCE −A·log π",
-        objective="−A·log π (vanilla policy gradient, no ratio, no clip)",
+        advantage=ch.chain(
+            *rc.reward_stages(n),
+            *rc.kl_reward_stages(beta, kl_estimator, n, kl_controller),
+            ch.discounted_return(gamma),
+        ),
+        objective=rc.reinforce_objective(
+            agg=rc.agg_mode("seq-mean-token-sum", loss_agg_mode, n),
+            entropy_coef=entropy_coef,
+            text="−A·log π (vanilla policy gradient, no ratio, no clip)",
+        ),
+        hparams=dict(beta=beta, gamma=gamma, kl_estimator=kl_estimator, entropy_coef=entropy_coef),
     )
 
 
@@ -105,34 +89,42 @@ def ppo(
     arXiv:2203.02155): per-token rewards ``r_t − β·KL_t`` with the score on the last token, GAE
     with a learned critic (arXiv:1506.02438), batch-whitened advantages, clipped surrogate
     ``max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))`` (dual clip ``c`` optional, arXiv:1912.09729),
-    clipped value loss.
+    clipped value loss regressed on the unwhitened GAE returns ``A_t + V_t``.
     """
     n = nm.resolve(numerics)
-    low, high = clip_range(clip_eps, clip_low, clip_high)
-    advantage = ch.chain(
-        *reward_stages(n),
-        *kl_reward_stages(beta, kl_estimator, n, kl_controller),
+    low, high = rc.clip_range(clip_eps, clip_low, clip_high)
+    returns = ch.chain(
+        *rc.reward_stages(n),
+        *rc.kl_reward_stages(beta, kl_estimator, n, kl_controller),
         ch.gae(gamma, lam),
-        whiten_stage(n, axis_name),
     )
-    return make_recipe(
+    return rc.make_recipe(
         "ppo",
-        advantage=advantage,
-        policy_loss=ppo_loss(low, high, n, dual_clip),
-        agg_mode=resolve_agg_mode("token-mean", loss_agg_mode, n),
-        beta=beta,
-        kl_estimator=kl_estimator,
-        kl_in_reward=True,
         numerics=n,
-        entropy_coef=entropy_coef,
-        needs_critic=True,
-        value_clip=value_clip,
-        hparams=dict(
-            beta=beta, gamma=gamma, lam=lam, clip_low=low, clip_high=high, value_clip=value_clip
+        advantage=ch.chain(returns, rc.whiten_stage(n, axis_name)),
+        objective=rc.ppo_objective(
+            clip_low=low,
+            clip_high=high,
+            dual_clip=dual_clip,
+            numerics=n,
+            agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+            entropy_coef=entropy_coef,
+            label="PPO clip + value loss",
+            text=(
+                f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A) + a clipped value "
+                "loss"
+            ),
         ),
-        loss_name="PPO clip + value loss",
-        objective=(
-            f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A) + a clipped value loss"
+        critic=rc.gae_critic(returns, value_clip=value_clip),
+        hparams=dict(
+            beta=beta,
+            gamma=gamma,
+            lam=lam,
+            clip_low=low,
+            clip_high=high,
+            value_clip=value_clip,
+            kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef,
         ),
     )
 
@@ -158,20 +150,22 @@ def grpo(
     ``pods_num_keep`` enables PODS down-sampling (arXiv:2504.13818) before the advantages.
     """
     n = nm.resolve(numerics)
-    low, high = clip_range(clip_eps, clip_low, clip_high)
-    advantage = ch.chain(
-        *reward_stages(n), ch.outcome_return(), *group_norm_stages(n, scale_by_std)
-    )
-    return make_recipe(
+    low, high = rc.clip_range(clip_eps, clip_low, clip_high)
+    return rc.make_recipe(
         "grpo",
-        advantage=advantage,
-        policy_loss=ppo_loss(low, high, n, dual_clip),
-        agg_mode=resolve_agg_mode("seq-mean-token-mean", loss_agg_mode, n),
-        beta=beta,
-        kl_estimator=kl_estimator,
-        kl_in_reward=False,
         numerics=n,
-        entropy_coef=entropy_coef,
+        advantage=ch.chain(
+            *rc.reward_stages(n), ch.outcome_return(), *rc.group_norm_stages(n, scale_by_std)
+        ),
+        objective=rc.ppo_objective(
+            clip_low=low,
+            clip_high=high,
+            dual_clip=dual_clip,
+            numerics=n,
+            agg=rc.agg_mode("seq-mean-token-mean", loss_agg_mode, n),
+            kl=rc.kl_term(beta, kl_estimator, n),
+            entropy_coef=entropy_coef,
+        ),
         selection=Selection(pods_num_keep=pods_num_keep),
         hparams=dict(
             beta=beta,
@@ -179,9 +173,9 @@ def grpo(
             clip_high=high,
             scale_by_std=scale_by_std,
             pods_num_keep=pods_num_keep,
+            kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef,
         ),
-        loss_name="PPO clip",
-        objective=f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A)",
     )
 
 
@@ -204,19 +198,27 @@ def dr_grpo(
     default the padded T) times the number of sequences (``seq-mean-token-sum-norm``); no KL.
     """
     n = nm.resolve(numerics)
-    low, high = clip_range(clip_eps, clip_low, clip_high)
-    advantage = ch.chain(*reward_stages(n), ch.outcome_return(), *group_norm_stages(n, False))
-    return make_recipe(
+    low, high = rc.clip_range(clip_eps, clip_low, clip_high)
+    return rc.make_recipe(
         "dr_grpo",
-        advantage=advantage,
-        policy_loss=ppo_loss(low, high, n, dual_clip),
-        agg_mode="seq-mean-token-sum-norm",
-        agg_norm=max_completion_length,
-        beta=beta,
-        kl_estimator=kl_estimator,
-        kl_in_reward=False,
         numerics=n,
-        entropy_coef=entropy_coef,
+        advantage=ch.chain(
+            *rc.reward_stages(n), ch.outcome_return(), *rc.group_norm_stages(n, False)
+        ),
+        objective=rc.ppo_objective(
+            clip_low=low,
+            clip_high=high,
+            dual_clip=dual_clip,
+            numerics=n,
+            agg="seq-mean-token-sum-norm",
+            agg_norm=max_completion_length,
+            kl=rc.kl_term(beta, kl_estimator, n),
+            entropy_coef=entropy_coef,
+            text=(
+                f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A), token sums ÷ a "
+                "constant length"
+            ),
+        ),
         selection=Selection(pods_num_keep=pods_num_keep),
         hparams=dict(
             beta=beta,
@@ -224,11 +226,8 @@ def dr_grpo(
             clip_high=high,
             max_completion_length=max_completion_length,
             pods_num_keep=pods_num_keep,
-        ),
-        loss_name="PPO clip",
-        objective=(
-            f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A), token sums ÷ a "
-            "constant length"
+            kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef,
         ),
     )
 
@@ -248,26 +247,27 @@ def rloo(
     sequence reward), no std, no clipping: REINFORCE on whole sequences.
     """
     n = nm.resolve(numerics)
-    advantage = ch.chain(
-        *reward_stages(n),
-        *kl_reward_stages(beta, kl_estimator, n, kl_controller),
-        ch.outcome_return(),
-        ch.leave_one_out_baseline(singleton_baseline=n.loo_singleton_baseline),
-    )
-    return make_recipe(
+    return rc.make_recipe(
         "rloo",
-        advantage=advantage,
-        policy_loss=reinforce_policy_loss,
-        agg_mode=resolve_agg_mode("seq-mean-token-sum", loss_agg_mode, n),
-        beta=beta,
-        kl_estimator=kl_estimator,
-        kl_in_reward=True,
         numerics=n,
-        entropy_coef=entropy_coef,
+        advantage=ch.chain(
+            *rc.reward_stages(n),
+            *rc.kl_reward_stages(beta, kl_estimator, n, kl_controller),
+            ch.outcome_return(),
+            ch.leave_one_out_baseline(singleton_baseline=n.loo_singleton_baseline),
+        ),
+        objective=rc.reinforce_objective(
+            agg=rc.agg_mode("seq-mean-token-sum", loss_agg_mode, n),
+            entropy_coef=entropy_coef,
+            text="−A·log π summed over each sequence (REINFORCE, no ratio, no clip)",
+        ),
         selection=Selection(pods_num_keep=pods_num_keep),
-        hparams=dict(beta=beta, kl_estimator=kl_estimator, pods_num_keep=pods_num_keep),
-        loss_name="REINFORCE −A·log π",
-        objective="−A·log π summed over each sequence (REINFORCE, no ratio, no clip)",
+        hparams=dict(
+            beta=beta,
+            kl_estimator=kl_estimator,
+            pods_num_keep=pods_num_keep,
+            entropy_coef=entropy_coef,
+        ),
     )
 
 
@@ -291,26 +291,32 @@ def reinforce_pp(
     PPO's clipped surrogate with a token mean.
     """
     n = nm.resolve(numerics)
-    low, high = clip_range(clip_eps, clip_low, clip_high)
-    advantage = ch.chain(
-        *reward_stages(n),
-        *kl_reward_stages(beta, kl_estimator, n, kl_controller),
-        ch.discounted_return(gamma),
-        whiten_stage(n, axis_name),
-    )
-    return make_recipe(
+    low, high = rc.clip_range(clip_eps, clip_low, clip_high)
+    return rc.make_recipe(
         "reinforce_pp",
-        advantage=advantage,
-        policy_loss=ppo_loss(low, high, n, dual_clip),
-        agg_mode=resolve_agg_mode("token-mean", loss_agg_mode, n),
-        beta=beta,
-        kl_estimator=kl_estimator,
-        kl_in_reward=True,
         numerics=n,
-        entropy_coef=entropy_coef,
-        hparams=dict(beta=beta, gamma=gamma, clip_low=low, clip_high=high),
-        loss_name="PPO clip",
-        objective=f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A)",
+        advantage=ch.chain(
+            *rc.reward_stages(n),
+            *rc.kl_reward_stages(beta, kl_estimator, n, kl_controller),
+            ch.discounted_return(gamma),
+            rc.whiten_stage(n, axis_name),
+        ),
+        objective=rc.ppo_objective(
+            clip_low=low,
+            clip_high=high,
+            dual_clip=dual_clip,
+            numerics=n,
+            agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+            entropy_coef=entropy_coef,
+        ),
+        hparams=dict(
+            beta=beta,
+            gamma=gamma,
+            clip_low=low,
+            clip_high=high,
+            kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef,
+        ),
     )
 
 
@@ -332,27 +338,34 @@ def reinforce_pp_baseline(
     per-group std), then global batch whitening; ``β·k3`` as a loss term; clipped surrogate.
     """
     n = nm.resolve(numerics)
-    low, high = clip_range(clip_eps, clip_low, clip_high)
-    advantage = ch.chain(
-        *reward_stages(n),
-        ch.outcome_return(),
-        *group_norm_stages(n, False),
-        whiten_stage(n, axis_name),
-    )
-    return make_recipe(
+    low, high = rc.clip_range(clip_eps, clip_low, clip_high)
+    return rc.make_recipe(
         "reinforce_pp_baseline",
-        advantage=advantage,
-        policy_loss=ppo_loss(low, high, n, dual_clip),
-        agg_mode=resolve_agg_mode("token-mean", loss_agg_mode, n),
-        beta=beta,
-        kl_estimator=kl_estimator,
-        kl_in_reward=False,
         numerics=n,
-        entropy_coef=entropy_coef,
+        advantage=ch.chain(
+            *rc.reward_stages(n),
+            ch.outcome_return(),
+            *rc.group_norm_stages(n, False),
+            rc.whiten_stage(n, axis_name),
+        ),
+        objective=rc.ppo_objective(
+            clip_low=low,
+            clip_high=high,
+            dual_clip=dual_clip,
+            numerics=n,
+            agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+            kl=rc.kl_term(beta, kl_estimator, n),
+            entropy_coef=entropy_coef,
+        ),
         selection=Selection(pods_num_keep=pods_num_keep),
-        hparams=dict(beta=beta, clip_low=low, clip_high=high, pods_num_keep=pods_num_keep),
-        loss_name="PPO clip",
-        objective=f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A)",
+        hparams=dict(
+            beta=beta,
+            clip_low=low,
+            clip_high=high,
+            pods_num_keep=pods_num_keep,
+            kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef,
+        ),
     )
 
 
@@ -378,32 +391,41 @@ def dapo(
     overlong punishment (when ``max_length`` and ``overlong_buffer`` are given) and no KL.
     """
     n = nm.resolve(numerics)
-    shaping = ()
     if (max_length is None) != (overlong_buffer is None):
         raise ValueError(
             "dapo: give both `max_length` and `overlong_buffer` for overlong shaping, or neither"
         )
-    if max_length is not None:
-        shaping = (
+    shaping = (
+        ()
+        if max_length is None
+        else (
             ch.overlong_penalty(
                 max_length=max_length,
                 buffer_length=overlong_buffer,
                 penalty_factor=overlong_penalty,
             ),
         )
-    advantage = ch.chain(
-        *reward_stages(n), *shaping, ch.outcome_return(), *group_norm_stages(n, True)
     )
-    return make_recipe(
+    return rc.make_recipe(
         "dapo",
-        advantage=advantage,
-        policy_loss=ppo_loss(float(clip_low), float(clip_high), n, dual_clip),
-        agg_mode=loss_agg_mode or "token-mean",
-        beta=beta,
-        kl_estimator=kl_estimator,
-        kl_in_reward=False,
         numerics=n,
-        entropy_coef=entropy_coef,
+        advantage=ch.chain(
+            *rc.reward_stages(n), *shaping, ch.outcome_return(), *rc.group_norm_stages(n, True)
+        ),
+        objective=rc.ppo_objective(
+            clip_low=float(clip_low),
+            clip_high=float(clip_high),
+            dual_clip=dual_clip,
+            numerics=n,
+            agg=loss_agg_mode or "token-mean",
+            kl=rc.kl_term(beta, kl_estimator, n),
+            entropy_coef=entropy_coef,
+            label="PPO clip-higher",
+            text=(
+                f"clip-higher surrogate −min(ρA, clip(ρ, 1−{clip_low:g}, 1+{clip_high:g})A), "
+                "token mean over the batch"
+            ),
+        ),
         selection=Selection(pods_num_keep=pods_num_keep, dynamic_sampling=dynamic_sampling),
         hparams=dict(
             beta=beta,
@@ -412,11 +434,9 @@ def dapo(
             max_length=max_length,
             overlong_buffer=overlong_buffer,
             dynamic_sampling=dynamic_sampling,
-        ),
-        loss_name="PPO clip-higher",
-        objective=(
-            f"clip-higher surrogate −min(ρA, clip(ρ, 1−{clip_low:g}, 1+{clip_high:g})A), "
-            "token mean over the batch"
+            kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef,
+            pods_num_keep=pods_num_keep,
         ),
     )
 
@@ -436,34 +456,69 @@ def gspo(
     clipped to ``[1−ε_low, 1+ε_high]`` (paper: 3e-4, 4e-4); ``seq-mean-token-mean``.
     """
     n = nm.resolve(numerics)
-    advantage = ch.chain(*reward_stages(n), ch.outcome_return(), *group_norm_stages(n, True))
-    loss = functools.partial(
-        pl.gspo_loss,
-        clip_low=float(clip_low),
-        clip_high=float(clip_high),
-        log_ratio_clamp=n.gspo_log_ratio_clamp,
+    clip = dict(
+        clip_low=float(clip_low), clip_high=float(clip_high), log_ratio_clamp=n.gspo_log_ratio_clamp
     )
-    return make_recipe(
+    return rc.make_recipe(
         "gspo",
-        advantage=advantage,
-        policy_loss=loss,
-        agg_mode="seq-mean-token-mean",
-        beta=beta,
-        kl_estimator=kl_estimator,
-        kl_in_reward=False,
         numerics=n,
-        entropy_coef=entropy_coef,
+        advantage=ch.chain(
+            *rc.reward_stages(n), ch.outcome_return(), *rc.group_norm_stages(n, True)
+        ),
+        objective=rc.objective(
+            functools.partial(pl.gspo_loss, **clip),
+            agg="seq-mean-token-mean",
+            ratio_metrics=functools.partial(pl.ratio_metrics, **clip),
+            kl=rc.kl_term(beta, kl_estimator, n),
+            entropy_coef=entropy_coef,
+            label="GSPO sequence ratio",
+            text=(
+                f"sequence-ratio surrogate −min(sA, clip(s, 1−{clip_low:g}, 1+{clip_high:g})A), "
+                "s = exp(mean_t log ρ_t)"
+            ),
+        ),
         selection=Selection(pods_num_keep=pods_num_keep),
-        hparams=dict(beta=beta, clip_low=clip_low, clip_high=clip_high),
-        loss_name="GSPO sequence ratio",
-        objective=(
-            f"sequence-ratio surrogate −min(sA, clip(s, 1−{clip_low:g}, 1+{clip_high:g})A), "
-            "s = exp(mean_t log ρ_t)"
+        hparams=dict(
+            beta=beta,
+            clip_low=clip_low,
+            clip_high=clip_high,
+            kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef,
+            pods_num_keep=pods_num_keep,
         ),
     )
 
 
-_PREFERENCE_TYPES = ("sigmoid", "ipo", "hinge", "robust", "simpo")
+def _reference_losses(beta: float, label_smoothing: float) -> dict[str, Callable]:
+    """``loss_type -> PairLogprobs -> f32[P]`` for the losses against a reference."""
+
+    def with_ref(fn: Callable, *, lengths: bool = False, **kw) -> Callable:
+        def loss(pairs: rc.PairLogprobs):
+            if pairs.ref_chosen_p is None or pairs.ref_rejected_p is None:
+                raise ValueError("dpo: reference log-probs are required (ref_chosen_p)")
+            args = (pairs.logp_chosen_p, pairs.logp_rejected_p, pairs.ref_chosen_p)
+            args += (pairs.ref_rejected_p,)
+            if lengths:
+                args += (pairs.len_chosen_p, pairs.len_rejected_p)
+            return fn(*args, beta=beta, **kw)
+
+        return loss
+
+    return {
+        "sigmoid": with_ref(pref.dpo_sigmoid_loss, label_smoothing=label_smoothing),
+        "ipo": with_ref(pref.ipo_loss, lengths=True),
+        "hinge": with_ref(pref.hinge_loss),
+        "robust": with_ref(pref.robust_dpo_loss, label_smoothing=label_smoothing),
+    }
+
+
+_PREFERENCE_TEXT = {
+    "sigmoid": "−log σ(βΔ) on the policy-vs-reference log-ratio margin Δ",
+    "ipo": "(Δ̄ − 1/(2β))², Δ̄ the length-averaged margin",
+    "hinge": "max(0, 1 − βΔ)",
+    "robust": "noise-robust −[(1−ε)log σ(βΔ) − ε log σ(−βΔ)]/(1−2ε)",
+    "simpo": "−log σ(β(logπ(y_w)/|y_w| − logπ(y_l)/|y_l|) − γ), reference-free",
+}
 
 
 def dpo(
@@ -473,7 +528,7 @@ def dpo(
     label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5,
     numerics: nm.Numerics | str | None = None,
-) -> Recipe:
+) -> PreferenceRecipe:
     """DPO (Rafailov et al. 2023, arXiv:2305.18290) and its family, offline on preference pairs:
     ``−log σ(β[(log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l))])``.
 
@@ -482,52 +537,43 @@ def dpo(
     length-normalised, margin ``simpo_gamma``). DPO is the seeds' side branch: no reward model,
     no rollouts, no advantage; :func:`jaxrl_llm.compute_advantages` does not apply to it.
     """
-    n = nm.resolve(numerics)
-    if loss_type not in _PREFERENCE_TYPES:
-        raise ValueError(f"dpo: loss_type={loss_type!r}; expected one of {_PREFERENCE_TYPES}")
+    nm.resolve(numerics)  # validates the name; no preset changes a preference loss
+    if loss_type not in _PREFERENCE_TEXT:
+        raise ValueError(f"dpo: loss_type={loss_type!r}; expected one of {tuple(_PREFERENCE_TEXT)}")
     if beta <= 0:
         raise ValueError(f"dpo: `beta` must be > 0, got {beta!r}")
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"dpo: `label_smoothing` must be in [0, 0.5), got {label_smoothing!r}")
-    loss = functools.partial(
-        preference_loss,
-        loss_type=loss_type,
-        beta=beta,
-        label_smoothing=label_smoothing,
-        simpo_gamma=simpo_gamma,
-    )
-    objective = {
-        "sigmoid": "−log σ(βΔ) on the policy-vs-reference log-ratio margin Δ",
-        "ipo": "(Δ̄ − 1/(2β))², Δ̄ the length-averaged margin",
-        "hinge": "max(0, 1 − βΔ)",
-        "robust": "noise-robust −[(1−ε)log σ(βΔ) − ε log σ(−βΔ)]/(1−2ε)",
-        "simpo": "−log σ(β(logπ(y_w)/|y_w| − logπ(y_l)/|y_l|) − γ), reference-free",
-    }[loss_type]
-    return Recipe(
+    if loss_type == "simpo":
+
+        def loss(pairs: rc.PairLogprobs):
+            return pref.simpo_loss(
+                pairs.logp_chosen_p,
+                pairs.logp_rejected_p,
+                pairs.len_chosen_p,
+                pairs.len_rejected_p,
+                beta=beta,
+                gamma=simpo_gamma,
+            )
+
+        requires = frozenset({rc.PREFERENCE_PAIRS})
+    else:
+        loss = _reference_losses(beta, label_smoothing)[loss_type]
+        requires = frozenset({rc.PREFERENCE_PAIRS, rc.REFERENCE_LOGPROBS})
+    return PreferenceRecipe(
         name="dpo",
-        advantage=None,
-        policy_loss=None,
-        aggregation=agg.get_aggregation("token-mean"),
-        aggregation_name="mean over pairs",
+        loss=loss,
         beta=float(beta),
-        kl_estimator="implicit",
-        kl_in_reward=False,
-        kl_loss=None,
-        entropy_coef=0.0,
-        needs_critic=False,
-        value_clip=None,
-        selection=Selection(),
-        preference_loss=loss,
-        numerics=n,
+        requires=requires,
+        label=f"DPO {loss_type}",
+        text=_PREFERENCE_TEXT[loss_type],
         hparams=types.MappingProxyType(
             dict(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
         ),
-        objective=objective,
-        loss_name=f"DPO {loss_type}",
     )
 
 
-RECIPES: dict[str, Callable[..., Recipe]] = {
+RECIPES: dict[str, Callable[..., rc.AnyRecipe]] = {
     "reinforce": reinforce,
     "ppo": ppo,
     "grpo": grpo,
@@ -540,10 +586,10 @@ RECIPES: dict[str, Callable[..., Recipe]] = {
     "dpo": dpo,
 }
 
-ONLINE_RECIPES = tuple(name for name in RECIPES if name != "dpo")
+ONLINE_RECIPES = tuple(name for name, fn in RECIPES.items() if isinstance(fn(), Recipe))
 
 
-def get(name: str, **hparams) -> Recipe:
+def get(name: str, **hparams) -> rc.AnyRecipe:
     """Builds the recipe called ``name`` (the CLI and config layer's lookup)."""
     if name not in RECIPES:
         raise ValueError(f"unknown algorithm {name!r}; available: {', '.join(RECIPES)}")
@@ -553,6 +599,7 @@ def get(name: str, **hparams) -> Recipe:
 __all__ = [
     "ONLINE_RECIPES",
     "RECIPES",
+    "PreferenceRecipe",
     "Recipe",
     "Selection",
     "dapo",

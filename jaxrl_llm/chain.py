@@ -128,14 +128,29 @@ def require(rollout: Rollout, field: str, stage: str) -> chex.Array:
 # The transformation type and its combinators (optax's shape).
 
 
+# What a stage may need from the trainer beyond rewards and masks (see ``StageInfo.requires``).
+BEHAVIOUR_LOGPROBS = "behaviour_logprobs"  # Rollout.logp_old_bgt: the rollout policy's log-probs
+REFERENCE_LOGPROBS = "reference_logprobs"  # Rollout.logp_ref_bgt: the frozen reference's
+VALUES = "values"  # Rollout.value_bgt: a critic
+GROUPS = "groups"  # G ≥ 2 completions per prompt, compared with each other
+GIVEN_BASELINE = "given_baseline"  # Rollout.baseline_b (ReMax's greedy reward)
+
+
 class StageInfo(NamedTuple):
     """Which arrow of the chain a stage is, and what it does, for :func:`jaxrl_llm.explain`.
 
-    ``kind`` is one of ``"reward"``, ``"kl"``, ``"return"``, ``"baseline"``, ``"normalize"``.
+    Attributes:
+      kind: ``"reward"``, ``"kl"``, ``"return"``, ``"baseline"`` or ``"normalize"``.
+      text: one sentence on what the stage does, with its hyperparameters.
+      label: the same in a few words, for tables (``"group mean"``, ``"batch whitening"``).
+      requires: what the stage reads beyond rewards and masks (the constants above), so that a
+        recipe knows what the trainer must compute for it without being inspected.
     """
 
     kind: str
     text: str
+    label: str = ""
+    requires: frozenset[str] = frozenset()
 
 
 class AdvantageTransform(NamedTuple):
@@ -195,6 +210,11 @@ def chain(*stages: AdvantageTransform) -> AdvantageTransform:
     return AdvantageTransform(init, update, info)
 
 
+def requirements(transform: AdvantageTransform) -> frozenset[str]:
+    """Everything the stages of ``transform`` read beyond rewards and masks."""
+    return frozenset().union(*(info.requires for info in transform.info))
+
+
 def token_rewards(rollout: Rollout) -> chex.Array:
     """The chain's input: ``f32[B, G, T]`` with each sequence reward on its last valid token.
 
@@ -222,6 +242,37 @@ def _subtract_per_sequence(signal_bgt, baseline_bg, rollout):
 
 
 # --------------------------------------------------------------------------------------------
+# Names of the KL estimators (resolved when a stage or a recipe is built, never in traced math).
+
+KL_ESTIMATORS: dict[str, Callable[..., chex.Array]] = {
+    "k1": _kl.kl_k1,
+    "abs": _kl.kl_abs,
+    "k2": _kl.kl_k2,
+    "k3": _kl.kl_k3,
+    "k1+": _kl.kl_k1_st,
+    "k3+": _kl.kl_k3_st,
+    # verl's names
+    "kl": _kl.kl_k1,
+    "mse": _kl.kl_k2,
+    "low_var_kl": _kl.kl_k3,
+    "low_var_kl+": _kl.kl_k3_st,
+}
+
+
+def kl_estimator(name: str) -> Callable[..., chex.Array]:
+    """The per-token KL estimator called ``name`` (see :mod:`jaxrl_llm.core.kl`).
+
+    Raises:
+      ValueError: listing the valid names if ``name`` is unknown.
+    """
+    try:
+        return KL_ESTIMATORS[name]
+    except KeyError:
+        valid = ", ".join(repr(k) for k in KL_ESTIMATORS)
+        raise ValueError(f"unknown KL estimator {name!r}; valid names: {valid}") from None
+
+
+# --------------------------------------------------------------------------------------------
 # Reward shaping.
 
 
@@ -231,7 +282,9 @@ def clip_reward(low: float, high: float) -> AdvantageTransform:
     def fn(signal_bgt, rollout):
         return jnp.where(token_mask(rollout), jnp.clip(signal_bgt, low, high), 0.0)
 
-    return stateless(fn, StageInfo("reward", f"score clipped to [{low:g}, {high:g}]"))
+    return stateless(
+        fn, StageInfo("reward", f"score clipped to [{low:g}, {high:g}]", "clipped score")
+    )
 
 
 def overlong_penalty(
@@ -256,7 +309,7 @@ def overlong_penalty(
         f"overlong penalty: completions longer than {max_length - buffer_length} tokens lose up "
         f"to {penalty_factor:g} (linear over the last {buffer_length})"
     )
-    return stateless(fn, StageInfo("reward", text))
+    return stateless(fn, StageInfo("reward", text, "overlong shaping"))
 
 
 def kl_penalty(
@@ -274,7 +327,7 @@ def kl_penalty(
     controller = (
         beta if isinstance(beta, _kl.KLController) else _kl.fixed_kl_controller(float(beta))
     )
-    kl_fn = _kl.get_kl_estimator(estimator) if isinstance(estimator, str) else estimator
+    kl_fn = kl_estimator(estimator) if isinstance(estimator, str) else estimator
     name = estimator if isinstance(estimator, str) else getattr(estimator, "__name__", "custom")
 
     def init(rollout):
@@ -295,7 +348,8 @@ def kl_penalty(
     text = f"in the reward: r_t − β·{name}(π_old ‖ π_ref) per token ({kind} β)"
     if not isinstance(beta, _kl.KLController):
         text += f", β = {float(beta):g}"
-    return AdvantageTransform(init, update, (StageInfo("kl", text),))
+    needs = frozenset({BEHAVIOUR_LOGPROBS, REFERENCE_LOGPROBS})
+    return AdvantageTransform(init, update, (StageInfo("kl", text, "in reward", needs),))
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,7 +365,8 @@ def outcome_return() -> AdvantageTransform:
         total_bg = _masked.masked_sum(signal_bgt, mask_bgt, axis=-1)
         return jnp.where(mask_bgt, total_bg[..., None], 0.0)
 
-    return stateless(fn, StageInfo("return", "outcome: the sequence's total reward on every token"))
+    text = "outcome: the sequence's total reward on every token"
+    return stateless(fn, StageInfo("return", text, "outcome"))
 
 
 def discounted_return(gamma: float = 1.0) -> AdvantageTransform:
@@ -320,7 +375,8 @@ def discounted_return(gamma: float = 1.0) -> AdvantageTransform:
     def fn(signal_bgt, rollout):
         return _returns.discounted_returns(signal_bgt, token_mask(rollout), gamma=gamma)
 
-    return stateless(fn, StageInfo("return", f"reward-to-go G_t = r_t + γ·G_(t+1), γ = {gamma:g}"))
+    text = f"reward-to-go G_t = r_t + γ·G_(t+1), γ = {gamma:g}"
+    return stateless(fn, StageInfo("return", text, f"reward-to-go (γ = {gamma:g})"))
 
 
 def gae(gamma: float = 1.0, lam: float = 0.95) -> AdvantageTransform:
@@ -338,20 +394,17 @@ def gae(gamma: float = 1.0, lam: float = 0.95) -> AdvantageTransform:
     return AdvantageTransform(
         *stateless(fn)[:2],
         (
-            StageInfo("return", f"GAE over TD errors, γ = {gamma:g}, λ = {lam:g}"),
-            StageInfo("baseline", "a learned critic V(s_t), inside GAE's TD errors"),
+            StageInfo(
+                "return", f"GAE over TD errors, γ = {gamma:g}, λ = {lam:g}", "GAE", frozenset()
+            ),
+            StageInfo(
+                "baseline",
+                "a learned critic V(s_t), inside GAE's TD errors",
+                "critic V(s)",
+                frozenset({VALUES}),
+            ),
         ),
     )
-
-
-def gae_returns(rollout: Rollout, *, gamma: float = 1.0, lam: float = 0.95) -> chex.Array:
-    """The critic's regression targets ``R_t = A_t + V_t`` of GAE on the rollout's token rewards
-    (unwhitened), for the value loss. The KL shaping, if any, must be applied by the caller."""
-    value_bgt = require(rollout, "value_bgt", "gae_returns")
-    _, returns_bgt = _returns.gae(
-        token_rewards(rollout), C.f32(value_bgt), token_mask(rollout), gamma=gamma, lam=lam
-    )
-    return returns_bgt
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,7 +421,8 @@ def group_mean_baseline(*, singleton_baseline: float | None = None) -> Advantage
         )
         return _subtract_per_sequence(signal_bgt, b_bg, rollout)
 
-    return stateless(fn, StageInfo("baseline", "the group mean of the G answers' returns"))
+    text = "the group mean of the G answers' returns"
+    return stateless(fn, StageInfo("baseline", text, "group mean", frozenset({GROUPS})))
 
 
 def leave_one_out_baseline(*, singleton_baseline: float | None = None) -> AdvantageTransform:
@@ -381,7 +435,8 @@ def leave_one_out_baseline(*, singleton_baseline: float | None = None) -> Advant
         )
         return _subtract_per_sequence(signal_bgt, b_bg, rollout)
 
-    return stateless(fn, StageInfo("baseline", "the mean of the other G−1 answers (leave-one-out)"))
+    text = "the mean of the other G−1 answers (leave-one-out)"
+    return stateless(fn, StageInfo("baseline", text, "leave-one-out", frozenset({GROUPS})))
 
 
 def length_weighted_baseline(*, singleton_baseline: float | None = None) -> AdvantageTransform:
@@ -395,7 +450,8 @@ def length_weighted_baseline(*, singleton_baseline: float | None = None) -> Adva
         )
         return _subtract_per_sequence(signal_bgt, b_bg, rollout)
 
-    return stateless(fn, StageInfo("baseline", "the length-weighted group mean (OPO)"))
+    text = "the length-weighted group mean (OPO)"
+    return stateless(fn, StageInfo("baseline", text, "length-weighted mean", frozenset({GROUPS})))
 
 
 def given_baseline() -> AdvantageTransform:
@@ -408,7 +464,8 @@ def given_baseline() -> AdvantageTransform:
         b_bg = _baselines.given_baseline(score_bg, C.f32(baseline_b), scoring_members(rollout))
         return _subtract_per_sequence(signal_bgt, b_bg, rollout)
 
-    return stateless(fn, StageInfo("baseline", "a given per-prompt reward (ReMax: greedy rollout)"))
+    text = "a given per-prompt reward (ReMax: greedy rollout)"
+    return stateless(fn, StageInfo("baseline", text, "given (greedy)", frozenset({GIVEN_BASELINE})))
 
 
 def critic_baseline() -> AdvantageTransform:
@@ -422,7 +479,8 @@ def critic_baseline() -> AdvantageTransform:
             mask_bgt, signal_bgt - _baselines.critic_baseline(value_bgt, mask_bgt), 0.0
         )
 
-    return stateless(fn, StageInfo("baseline", "a learned critic V(s_t) per token"))
+    text = "a learned critic V(s_t) per token"
+    return stateless(fn, StageInfo("baseline", text, "critic V(s)", frozenset({VALUES})))
 
 
 # --------------------------------------------------------------------------------------------
@@ -446,7 +504,7 @@ def group_std_scale(
         )
 
     text = f"per group: ÷ (std of the group's returns + {eps:g}), ddof = {ddof}"
-    return stateless(fn, StageInfo("normalize", text))
+    return stateless(fn, StageInfo("normalize", text, "group std", frozenset({GROUPS})))
 
 
 def batch_std_scale(*, ddof: int = 0, eps: float = 1e-6) -> AdvantageTransform:
@@ -459,7 +517,7 @@ def batch_std_scale(*, ddof: int = 0, eps: float = 1e-6) -> AdvantageTransform:
         )
 
     text = f"batch: ÷ (std of all returns in the batch + {eps:g}), ddof = {ddof}"
-    return stateless(fn, StageInfo("normalize", text))
+    return stateless(fn, StageInfo("normalize", text, "batch std"))
 
 
 def batch_whiten(
@@ -489,7 +547,7 @@ def batch_whiten(
     text = f"global batch whitening over all valid tokens: (A − μ)/√({where}), ddof = {ddof}"
     if not shift_mean:
         text += ", mean kept"
-    return stateless(fn, StageInfo("normalize", text))
+    return stateless(fn, StageInfo("normalize", text, "batch whitening"))
 
 
 def apply(
@@ -508,6 +566,12 @@ def apply(
 
 
 __all__ = [
+    "BEHAVIOUR_LOGPROBS",
+    "GIVEN_BASELINE",
+    "GROUPS",
+    "KL_ESTIMATORS",
+    "REFERENCE_LOGPROBS",
+    "VALUES",
     "AdvantageTransform",
     "EmptyState",
     "Rollout",
@@ -521,16 +585,17 @@ __all__ = [
     "critic_baseline",
     "discounted_return",
     "gae",
-    "gae_returns",
     "given_baseline",
     "group_mean_baseline",
     "group_std_scale",
+    "kl_estimator",
     "kl_penalty",
     "leave_one_out_baseline",
     "length_weighted_baseline",
     "member_mask",
     "outcome_return",
     "overlong_penalty",
+    "requirements",
     "scoring_members",
     "stateless",
     "token_mask",

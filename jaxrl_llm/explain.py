@@ -13,7 +13,7 @@ import textwrap
 from typing import NamedTuple
 
 from jaxrl_llm import algorithms
-from jaxrl_llm.algorithms import Recipe
+from jaxrl_llm.recipe import AnyRecipe, PreferenceRecipe, Recipe
 
 QUESTIONS = (
     ("reward", "Where does the reward come from?"),
@@ -39,34 +39,34 @@ def _join(texts: list[str], empty: str) -> str:
     return "; then ".join(texts) if texts else empty
 
 
-def explain(recipe: Recipe | str) -> Explanation:
-    """Answers the five questions for ``recipe`` (a :class:`Recipe` or an algorithm name)."""
+def explain(recipe: AnyRecipe | str) -> Explanation:
+    """Answers the five questions for ``recipe`` (a recipe or an algorithm name)."""
     if isinstance(recipe, str):
         recipe = algorithms.get(recipe)
-    if recipe.advantage is None:  # offline preference optimisation (DPO family)
+    if isinstance(recipe, PreferenceRecipe):  # offline preference optimisation (DPO family)
         return Explanation(
             recipe=recipe.name,
             reward="implicit: β·log(π/π_ref) of the chosen vs rejected answer of each pair; no "
             "reward model, no rollouts",
             kl=f"implicit in the objective through the reference log-ratio (β = {recipe.beta:g})"
-            if recipe.needs_reference
+            if "reference_logprobs" in recipe.requires
             else "none: reference-free",
             baseline="none: the rejected answer plays the role of a baseline",
             normalization="none",
-            objective=f"{recipe.objective}; mean over pairs",
+            objective=f"{recipe.text}; mean over pairs",
         )
-    infos = recipe.advantage.info
     by_kind: dict[str, list[str]] = {}
-    for info in infos:
+    for info in recipe.advantage.info:
         by_kind.setdefault(info.kind, []).append(info.text)
     source = "the sequence score (verifier or reward model), placed on the last token"
     reward = _join([source, *by_kind.get("reward", [])], "")
+    obj = recipe.objective
     if "kl" in by_kind:
         kl = _join(by_kind["kl"], "")
-    elif recipe.kl_loss is not None:
+    elif obj.kl is not None:
         kl = (
-            f"in the loss: + β·{recipe.kl_estimator}(π_θ ‖ π_ref) per token on the current "
-            f"policy, β = {recipe.beta:g}"
+            f"in the loss: + β·{obj.kl.label}(π_θ ‖ π_ref) per token on the current "
+            f"policy, β = {obj.kl.beta:g}"
         )
     else:
         kl = "nowhere (β = 0): no reference model is needed"
@@ -75,9 +75,9 @@ def explain(recipe: Recipe | str) -> Explanation:
     if returns:
         baseline = f"{baseline} (credit: {_join(returns, '')})"
     normalization = _join(by_kind.get("normalize", []), "none")
-    objective = f"{recipe.objective}; aggregated {recipe.aggregation_name}"
-    if recipe.entropy_coef > 0:
-        objective += f"; entropy bonus {recipe.entropy_coef:g}"
+    objective = f"{obj.text}; aggregated {obj.aggregation_label}"
+    if obj.entropy_coef > 0:
+        objective += f"; entropy bonus {obj.entropy_coef:g}"
     if recipe.selection.dynamic_sampling:
         objective += "; all-equal groups dropped (dynamic sampling)"
     if recipe.selection.pods_num_keep is not None:
@@ -97,62 +97,28 @@ def format_explanation(explanation: Explanation, width: int = 100) -> str:
     return "\n".join(lines)
 
 
-_SHORT = {
-    # The seed's comparison in a few words per cell, derived from the recipes' stages.
-    "reward": lambda r: (
-        "preference pairs" if r.advantage is None else "score" + (" + shaping" * _has(r, "reward"))
-    ),
-    "kl": lambda r: (
-        "in reward"
-        if "kl" in _kinds(r)
-        else ("in loss" if r.kl_loss is not None else ("implicit" if r.advantage is None else "—"))
-    ),
-    "baseline": lambda r: _short_baseline(r),
-    "normalization": lambda r: _short_norm(r),
-    "objective": lambda r: r.loss_name,
-}
+def _labels(recipe: Recipe, kind: str) -> list[str]:
+    return [i.label for i in recipe.advantage.info if i.kind == kind]
 
 
-def _kinds(recipe: Recipe) -> list[str]:
-    return [] if recipe.advantage is None else [i.kind for i in recipe.advantage.info]
-
-
-def _has(recipe: Recipe, kind: str) -> bool:
-    return kind in _kinds(recipe)
-
-
-def _short_baseline(recipe: Recipe) -> str:
-    if recipe.advantage is None:
-        return "rejected answer"
-    texts = [i.text for i in recipe.advantage.info if i.kind == "baseline"]
-    if not texts:
-        return "none"
-    text = texts[0]
-    for key, short in (
-        ("critic", "critic V(s)"),
-        ("leave-one-out", "leave-one-out"),
-        ("length-weighted", "length-weighted mean"),
-        ("group mean", "group mean"),
-        ("given", "given (greedy)"),
-    ):
-        if key in text:
-            return short
-    return text[:24]
-
-
-def _short_norm(recipe: Recipe) -> str:
-    if recipe.advantage is None:
-        return "none"
-    texts = [i.text for i in recipe.advantage.info if i.kind == "normalize"]
-    shorts = []
-    for text in texts:
-        if text.startswith("per group"):
-            shorts.append("group std")
-        elif text.startswith("batch:"):
-            shorts.append("batch std")
-        else:
-            shorts.append("batch whitening")
-    return " + ".join(shorts) or "none"
+def _short_row(recipe: AnyRecipe) -> list[str]:
+    """The seed's comparison in a few words per cell, read off the stages' labels."""
+    if isinstance(recipe, PreferenceRecipe):
+        cells = ("preference pairs", "implicit", "rejected answer", "none", recipe.label)
+        return [recipe.name, *cells, "mean over pairs"]
+    if _labels(recipe, "kl"):
+        kl = "in reward"
+    else:
+        kl = "in loss" if recipe.objective.kl is not None else "—"
+    return [
+        recipe.name,
+        "score" + " + shaping" * bool(_labels(recipe, "reward")),
+        kl,
+        (_labels(recipe, "baseline") or ["none"])[0],
+        " + ".join(_labels(recipe, "normalize")) or "none",
+        recipe.objective.label,
+        recipe.objective.aggregation_label,
+    ]
 
 
 def comparison_table(names: tuple[str, ...] | None = None) -> str:
@@ -160,18 +126,7 @@ def comparison_table(names: tuple[str, ...] | None = None) -> str:
     names = names or tuple(algorithms.RECIPES)
     recipes = [algorithms.get(n) for n in names]
     header = ["algorithm", "reward", "KL", "baseline", "normalisation", "optimises", "agg."]
-    rows = [
-        [
-            r.name,
-            _SHORT["reward"](r),
-            _SHORT["kl"](r),
-            _SHORT["baseline"](r),
-            _SHORT["normalization"](r),
-            _SHORT["objective"](r),
-            r.aggregation_name,
-        ]
-        for r in recipes
-    ]
+    rows = [_short_row(r) for r in recipes]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     fmt = lambda row: " | ".join(
         cell.ljust(w) for cell, w in zip(row, widths, strict=True)

@@ -1,31 +1,166 @@
-"""What a recipe is, and the building blocks the named algorithms are assembled from.
+"""What a recipe is — a value made of functions — and how one runs.
 
-A :class:`Recipe` is data, not a class to subclass: the advantage chain (an
-:class:`~jaxrl_llm.chain.AdvantageTransform`), a per-token policy loss, a loss aggregation that
-returns ``(sum, denominator)``, where the KL goes, and which samples are selected. The named
-algorithms in :mod:`jaxrl_llm.algorithms` are built from the helpers below, which resolve names
-and :class:`~jaxrl_llm.numerics.Numerics` into plain keyword arguments at build time, so nothing
-string-typed or config-like ever reaches traced math.
+A recipe is to an RL algorithm what ``optax.GradientTransformation`` is to an optimiser: a few
+pure functions bundled as data, composed from smaller ones, never a class to subclass. An online
+:class:`Recipe` holds
+
+* ``advantage``: the reward → advantage chain (a :class:`~jaxrl_llm.chain.AdvantageTransform`,
+  its state carried by the trainer, e.g. an adaptive KL coefficient);
+* ``objective``: the per-token policy loss, its aggregation into a ``(sum, denominator)`` pair
+  whose denominator depends on the mask alone, the optional KL and entropy terms, and its own
+  diagnostics (:class:`Objective`);
+* ``critic``: PPO's value targets and value-loss clip (:class:`Critic`), or ``None``;
+* ``selection``: which rollouts reach the update (PODS, DAPO's dynamic sampling);
+* ``requires``: what the trainer must compute for it (reference log-probs, critic values,
+  groups of G ≥ 2, one update per batch ...), derived from its parts, so that nothing outside a
+  recipe inspects its functions or tests its name.
+
+The DPO family is a :class:`PreferenceRecipe`: a per-pair loss on sequence log-probs
+(:class:`PairLogprobs`), no chain.
+
+Running a recipe: :func:`compute_advantages` (the chain under one ``jit`` per recipe and shape),
+:func:`select` (PODS / DAPO membership), :func:`policy_objective` (the loss as additive
+``(sum, denominator)`` pairs) and :func:`value_targets` (the critic's regression targets).
+
+Names are resolved here, when a recipe is built (:data:`AGGREGATIONS`,
+:data:`~jaxrl_llm.chain.KL_ESTIMATORS`): no string ever reaches traced math, and ``core/`` holds
+no lookup tables.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import types
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import chex
+import jax
+import jax.numpy as jnp
 
 from jaxrl_llm import chain as ch
 from jaxrl_llm import numerics as nm
 from jaxrl_llm.core import aggregation as agg
-from jaxrl_llm.core import kl as _kl
 from jaxrl_llm.core import policy_losses as pl
+from jaxrl_llm.core import selection as sel
 
+Pair = tuple[chex.Array, chex.Array]
 PolicyLoss = Callable[[chex.Array, chex.Array, chex.Array, chex.Array], chex.Array]
-Aggregation = Callable[[chex.Array, chex.Array], tuple[chex.Array, chex.Array]]
+Aggregation = Callable[[chex.Array, chex.Array], Pair]
+RatioMetrics = Callable[[chex.Array, chex.Array, chex.Array, chex.Array], dict[str, Pair]]
+
+# What a recipe may require of the trainer: the chain's own requirements
+# (ch.BEHAVIOUR_LOGPROBS, ch.REFERENCE_LOGPROBS, ch.VALUES, ch.GROUPS, ch.GIVEN_BASELINE), and:
+REFERENCE_LOGPROBS = ch.REFERENCE_LOGPROBS
+BEHAVIOUR_LOGPROBS = ch.BEHAVIOUR_LOGPROBS
+VALUES = ch.VALUES
+GROUPS = ch.GROUPS
+ON_POLICY = "on_policy"  # the loss has no importance ratio: each batch feeds exactly one update
+PREFERENCE_PAIRS = "preference_pairs"  # offline (prompt, chosen, rejected) pairs, no rollouts
+
+
+# --------------------------------------------------------------------------------------------
+# Aggregation names (verl's), resolved at build time.
+
+AGGREGATIONS: dict[str, Callable[..., Pair]] = {
+    "token-mean": agg.token_mean,
+    "token-sum": agg.token_sum,
+    "seq-mean-token-mean": agg.seq_mean_token_mean,
+    "seq-mean-token-sum": agg.seq_mean_token_sum,
+    "seq-mean-token-sum-norm": agg.seq_mean_token_sum_norm,
+}
+
+
+def aggregation(name: str, *, norm: int | None = None) -> Aggregation:
+    """The aggregation called ``name`` as ``(loss_bgt, mask_bgt) -> (sum, denominator)``.
+
+    ``seq-mean-token-sum-norm`` divides each sequence's token sum by ``norm`` (default: the
+    padded completion length T of the batch, Dr. GRPO's constant); no other mode takes ``norm``.
+
+    Raises:
+      ValueError: for an unknown name (listing the valid ones) or a ``norm`` the mode does not
+        take or that is not ≥ 1.
+    """
+    if name not in AGGREGATIONS:
+        raise ValueError(f"unknown aggregation {name!r}; valid names: {sorted(AGGREGATIONS)}")
+    fn = AGGREGATIONS[name]
+    if name != "seq-mean-token-sum-norm":
+        if norm is not None:
+            raise ValueError(f"aggregation {name!r} takes no `norm` (got {norm!r})")
+        return fn
+    if norm is not None and not norm >= 1:
+        raise ValueError(f"aggregation {name!r}: `norm` must be ≥ 1, got {norm!r}")
+
+    def seq_sum_norm(loss_bgt: chex.Array, mask_bgt: chex.Array) -> Pair:
+        return fn(loss_bgt, mask_bgt, norm=norm if norm is not None else mask_bgt.shape[-1])
+
+    return seq_sum_norm
+
+
+# --------------------------------------------------------------------------------------------
+# The parts of a recipe.
+
+
+class KLTerm(NamedTuple):
+    """A KL penalty in the loss: ``+ β·estimate(log π_θ, log π_ref)`` per token.
+
+    Attributes:
+      estimate: ``(logp_bgt, logp_ref_bgt) -> kl_bgt``, β-free.
+      beta: the coefficient β > 0.
+      label: the estimator's name (``"k3"``), for ``explain``.
+    """
+
+    estimate: Callable[[chex.Array, chex.Array], chex.Array]
+    beta: float
+    label: str
+
+
+class Objective(NamedTuple):
+    """The per-token policy objective of an online recipe.
+
+    Per token ``ℓ_t = loss_t + β·KL_t − c_H·H_t`` (the KL term when ``kl`` is given, the entropy
+    bonus when ``entropy_coef > 0``), reduced by ``aggregate`` to a ``(sum, denominator)`` pair
+    whose denominator depends only on the mask, so that micro-batches and shards add up to the
+    whole-batch loss exactly (see :func:`policy_objective`).
+
+    Attributes:
+      loss: ``(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt) -> loss_bgt``, 0 on padding.
+      aggregate: ``(x_bgt, mask_bgt) -> (sum, denominator)``.
+      ratio_metrics: ``(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt) -> {name: (sum, den)}``, the
+        loss's own diagnostics of its importance ratio (clip fractions at its clip range).
+      kl: the KL loss term, or ``None``.
+      entropy_coef: the entropy bonus coefficient ``c_H ≥ 0``.
+      requires: what it needs from the trainer (``REFERENCE_LOGPROBS`` for a KL term,
+        ``ON_POLICY`` for a loss without importance ratio).
+      label: the loss in a few words (``"PPO clip"``).
+      aggregation_label: the aggregation's name (``"seq-mean-token-mean"``).
+      text: one sentence on what is optimised.
+    """
+
+    loss: PolicyLoss
+    aggregate: Aggregation
+    ratio_metrics: RatioMetrics
+    kl: KLTerm | None = None
+    entropy_coef: float = 0.0
+    requires: frozenset[str] = frozenset()
+    label: str = ""
+    aggregation_label: str = ""
+    text: str = ""
+
+
+class Critic(NamedTuple):
+    """A learned value function trained next to the policy (PPO).
+
+    Attributes:
+      targets: ``(rollout, advantage_state) -> return_bgt``, the value loss's regression targets
+        computed with the same chain state as the advantages (e.g. the same adaptive β).
+      value_clip: clip range of the value loss around the rollout-time values, or ``None``.
+    """
+
+    targets: Callable[[ch.Rollout, Any], chex.Array]
+    value_clip: float | None
 
 
 class Selection(NamedTuple):
@@ -43,131 +178,249 @@ class Selection(NamedTuple):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Recipe:
-    """One algorithm: the chain, the loss, the aggregation, the KL placement, the selection.
+    """An online RL algorithm: the chain, the objective, the critic, the selection.
 
     Hashed by identity, so a recipe can be a static argument of ``jax.jit`` and each recipe
-    object compiles once per shape.
+    object compiles once per shape. Build one with :func:`make_recipe` (which derives
+    ``requires``) or take a named one from :mod:`jaxrl_llm.algorithms`.
 
     Attributes:
-      name: the algorithm's name.
-      advantage: the reward → advantage chain; ``None`` for offline preference recipes (DPO).
-      policy_loss: ``(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt) -> loss_bgt`` per token.
-      aggregation: ``(loss_bgt, mask_bgt) -> (sum, denominator)``.
-      aggregation_name: its name (for ``explain`` and logs).
-      beta: KL coefficient.
-      kl_estimator: the KL estimator's name.
-      kl_in_reward: True if the KL shapes the rewards (inside ``advantage``), False if it is a
-        loss term.
-      kl_loss: ``(logp_bgt, logp_ref_bgt) -> kl_bgt`` per token when ``beta > 0`` and the KL is a
-        loss term, else ``None``.
-      entropy_coef: coefficient of the entropy bonus (``− c·H`` per token).
-      needs_critic: whether the recipe trains a value function (PPO).
-      value_clip: clip range of the value loss (PPO).
+      name: the algorithm's name (for logs and ``explain``; nothing dispatches on it).
+      advantage: the reward → advantage chain.
+      objective: the policy objective.
+      critic: the value function's targets and clip, or ``None``.
       selection: PODS / DAPO dynamic sampling.
-      preference_loss: the per-pair loss of an offline preference recipe (DPO family).
-      numerics: the conventions the recipe was built with.
-      hparams: the keyword arguments it was built with (read-only), for logs and ``explain``.
-      objective: one sentence on what is finally optimised, for ``explain``.
-      loss_name: the policy loss in a few words (for tables).
+      requires: what the trainer must provide (see the module's requirement constants).
+      numerics: the conventions it was built with (this project's or a peer's preset).
+      hparams: the keyword arguments it was built with (read-only), for logs.
     """
 
     name: str
-    advantage: ch.AdvantageTransform | None
-    policy_loss: PolicyLoss | None
-    aggregation: Aggregation
-    aggregation_name: str
-    beta: float
-    kl_estimator: str
-    kl_in_reward: bool
-    kl_loss: Callable[[chex.Array, chex.Array], chex.Array] | None
-    entropy_coef: float
-    needs_critic: bool
-    value_clip: float | None
-    selection: Selection
-    preference_loss: Callable[..., chex.Array] | None
-    numerics: nm.Numerics
-    hparams: Mapping[str, Any]
-    objective: str
-    loss_name: str = ""
+    advantage: ch.AdvantageTransform
+    objective: Objective
+    critic: Critic | None = None
+    selection: Selection = dataclasses.field(default_factory=Selection)
+    requires: frozenset[str] = frozenset()
+    numerics: nm.Numerics = nm.DEFAULT
+    hparams: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
 
-    @property
-    def needs_reference(self) -> bool:
-        """Whether reference log-probs are needed at all (False when β = 0 and DPO is
-        reference-free): the trainer then skips the reference model entirely."""
-        if self.preference_loss is not None:
-            return self.hparams.get("loss_type") != "simpo"
-        return self.beta > 0
+
+class PairLogprobs(NamedTuple):
+    """Sequence log-probs and lengths of ``P`` preference pairs (``f32[P]`` each).
+
+    ``ref_chosen_p`` / ``ref_rejected_p`` may be ``None`` for reference-free losses (SimPO).
+    """
+
+    logp_chosen_p: chex.Array
+    logp_rejected_p: chex.Array
+    len_chosen_p: chex.Array
+    len_rejected_p: chex.Array
+    ref_chosen_p: chex.Array | None = None
+    ref_rejected_p: chex.Array | None = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PreferenceRecipe:
+    """An offline preference-optimisation algorithm (the DPO family).
+
+    Attributes:
+      name: the algorithm's name.
+      loss: ``PairLogprobs -> f32[P]`` per-pair loss (mean over pairs is optimised).
+      beta: the coefficient of the implicit reward ``β·log(π/π_ref)`` (also for its metrics).
+      requires: ``PREFERENCE_PAIRS`` and, unless reference-free, ``REFERENCE_LOGPROBS``.
+      label: the loss in a few words (``"DPO sigmoid"``).
+      text: one sentence on what is optimised.
+      hparams: the keyword arguments it was built with (read-only), for logs.
+    """
+
+    name: str
+    loss: Callable[[PairLogprobs], chex.Array]
+    beta: float
+    requires: frozenset[str]
+    label: str
+    text: str
+    hparams: Mapping[str, Any] = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
+
+
+AnyRecipe = Recipe | PreferenceRecipe
 
 
 # --------------------------------------------------------------------------------------------
-# Building blocks shared by the recipes (resolved at build time, never inside traced math).
+# Building blocks of the named recipes (names and numerics resolved here, at build time).
 
 
-def aggregation_by_name(mode: str, *, norm: int | None = None) -> Aggregation:
-    """The aggregation named ``mode``; ``seq-mean-token-sum-norm`` divides by ``norm`` (default:
-    the padded completion length T of the batch)."""
-    if mode == "seq-mean-token-sum-norm":
+def make_recipe(
+    name: str,
+    *,
+    advantage: ch.AdvantageTransform,
+    objective: Objective,
+    critic: Critic | None = None,
+    selection: Selection | None = None,
+    numerics: nm.Numerics = nm.DEFAULT,
+    hparams: Mapping[str, Any] | None = None,
+) -> Recipe:
+    """A :class:`Recipe` whose ``requires`` is the union of its parts' requirements."""
+    selection = selection or Selection()
+    hparams = dict(hparams or {})
+    check_hparams(
+        name,
+        **{k: hparams.get(k) for k in ("beta", "entropy_coef", "gamma", "lam")},
+        **{k: hparams.get(k) for k in ("clip_low", "clip_high")},
+        pods_num_keep=selection.pods_num_keep,
+    )
+    requires = ch.requirements(advantage) | objective.requires
+    if critic is not None:
+        requires |= {VALUES}
+    if selection.pods_num_keep is not None or selection.dynamic_sampling:
+        requires |= {GROUPS}
+    return Recipe(
+        name=name,
+        advantage=advantage,
+        objective=objective,
+        critic=critic,
+        selection=selection,
+        requires=frozenset(requires),
+        numerics=numerics,
+        hparams=types.MappingProxyType(hparams),
+    )
 
-        def seq_sum_norm(loss_bgt, mask_bgt):
-            scale = norm if norm is not None else mask_bgt.shape[-1]
-            return agg.seq_mean_token_sum_norm(loss_bgt, mask_bgt, norm=scale)
 
-        return seq_sum_norm
-    return agg.get_aggregation(mode)
-
-
-def resolve_agg_mode(recipe_default: str, loss_agg_mode: str | None, numerics: nm.Numerics) -> str:
-    return loss_agg_mode or numerics.loss_agg_mode or recipe_default
-
-
-def clip_range(clip_eps, clip_low, clip_high) -> tuple[float, float]:
+def clip_range(
+    clip_eps: float, clip_low: float | None, clip_high: float | None
+) -> tuple[float, float]:
+    """``(ε_low, ε_high)``: each side ``clip_eps`` unless given."""
     low = clip_eps if clip_low is None else clip_low
     high = clip_eps if clip_high is None else clip_high
     return float(low), float(high)
 
 
-def ppo_loss(clip_low, clip_high, numerics: nm.Numerics, dual_clip) -> PolicyLoss:
-    c = numerics.dual_clip if dual_clip is None else (dual_clip or None)
-    return functools.partial(
-        _ppo_loss_call,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=c,
-        log_ratio_clamp=numerics.log_ratio_clamp,
+def agg_mode(recipe_default: str, loss_agg_mode: str | None, numerics: nm.Numerics) -> str:
+    """The aggregation: the call's ``loss_agg_mode``, else the preset's, else the recipe's."""
+    return loss_agg_mode or numerics.loss_agg_mode or recipe_default
+
+
+def kl_term(beta: float, estimator: str, numerics: nm.Numerics) -> KLTerm | None:
+    """``β·estimator(π_θ ‖ π_ref)`` as a loss term, or ``None`` when β = 0."""
+    if beta <= 0:
+        return None
+    fn = functools.partial(ch.kl_estimator(estimator), **numerics.kl_kwargs(estimator))
+    return KLTerm(estimate=fn, beta=float(beta), label=estimator)
+
+
+def objective(
+    loss: PolicyLoss,
+    *,
+    agg: str,
+    agg_norm: int | None = None,
+    ratio_metrics: RatioMetrics,
+    kl: KLTerm | None = None,
+    entropy_coef: float = 0.0,
+    on_policy: bool = False,
+    label: str,
+    text: str,
+) -> Objective:
+    """An :class:`Objective` with its requirements: reference log-probs for a KL term, one
+    update per batch for a loss without importance ratio (``on_policy``)."""
+    requires = set()
+    if kl is not None:
+        requires.add(REFERENCE_LOGPROBS)
+    if on_policy:
+        requires.add(ON_POLICY)
+    return Objective(
+        loss=loss,
+        aggregate=aggregation(agg, norm=agg_norm),
+        ratio_metrics=ratio_metrics,
+        kl=kl,
+        entropy_coef=float(entropy_coef),
+        requires=frozenset(requires),
+        label=label,
+        aggregation_label=agg,
+        text=text,
     )
 
 
-def _ppo_loss_call(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt, **kw):
-    return pl.ppo_clip_loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt, **kw)
+def ppo_objective(
+    *,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+    numerics: nm.Numerics,
+    agg: str,
+    agg_norm: int | None = None,
+    kl: KLTerm | None = None,
+    entropy_coef: float = 0.0,
+    label: str = "PPO clip",
+    text: str | None = None,
+) -> Objective:
+    """PPO's clipped surrogate (``pl.ppo_clip_loss``) at ``[1 − ε_low, 1 + ε_high]``; the dual
+    clip ``c`` is the preset's unless given (0 turns it off)."""
+    kwargs = dict(
+        clip_low=float(clip_low),
+        clip_high=float(clip_high),
+        dual_clip=numerics.dual_clip if dual_clip is None else (dual_clip or None),
+        log_ratio_clamp=numerics.log_ratio_clamp,
+    )
+    default_text = f"clipped surrogate −min(ρA, clip(ρ, 1−{clip_low:g}, 1+{clip_high:g})A)"
+    return objective(
+        functools.partial(pl.ppo_clip_loss, **kwargs),
+        agg=agg,
+        agg_norm=agg_norm,
+        ratio_metrics=functools.partial(pl.ratio_metrics, **kwargs),
+        kl=kl,
+        entropy_coef=entropy_coef,
+        label=label,
+        text=text or default_text,
+    )
 
 
-def reinforce_policy_loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt):
-    del logp_old_bgt
+def _reinforce_loss(
+    logp_bgt: chex.Array, logp_old_bgt: chex.Array, adv_bgt: chex.Array, mask_bgt: chex.Array
+) -> chex.Array:
+    del logp_old_bgt  # no importance ratio
     return pl.reinforce_loss(logp_bgt, adv_bgt, mask_bgt)
 
 
-def kl_loss_fn(beta: float, estimator: str, numerics: nm.Numerics):
-    if beta <= 0:
-        return None
-    fn = _kl.get_kl_estimator(estimator)
-    return functools.partial(fn, **numerics.kl_kwargs(estimator))
+def reinforce_objective(
+    *, agg: str, kl: KLTerm | None = None, entropy_coef: float = 0.0, text: str
+) -> Objective:
+    """The vanilla policy gradient ``−A·log π`` (no ratio, so one update per batch)."""
+    return objective(
+        _reinforce_loss,
+        agg=agg,
+        ratio_metrics=pl.ratio_metrics,
+        kl=kl,
+        entropy_coef=entropy_coef,
+        on_policy=True,
+        label="REINFORCE −A·log π",
+        text=text,
+    )
 
 
 def reward_stages(numerics: nm.Numerics) -> tuple[ch.AdvantageTransform, ...]:
+    """The preset's score clip (OpenRLHF ±10), if any."""
     if numerics.reward_clip is None:
         return ()
     return (ch.clip_reward(*numerics.reward_clip),)
 
 
-def kl_reward_stages(beta, estimator, numerics, kl_controller) -> tuple[ch.AdvantageTransform, ...]:
+def kl_reward_stages(
+    beta: float, estimator: str, numerics: nm.Numerics, kl_controller: Any
+) -> tuple[ch.AdvantageTransform, ...]:
+    """The KL folded into the rewards (a fixed β, or the given controller), if any."""
+    kwargs = numerics.kl_kwargs(estimator)
     if kl_controller is not None:
-        return (ch.kl_penalty(kl_controller, estimator=estimator, **numerics.kl_kwargs(estimator)),)
+        return (ch.kl_penalty(kl_controller, estimator=estimator, **kwargs),)
     if beta <= 0:
         return ()
-    return (ch.kl_penalty(beta, estimator=estimator, **numerics.kl_kwargs(estimator)),)
+    return (ch.kl_penalty(beta, estimator=estimator, **kwargs),)
 
 
 def whiten_stage(numerics: nm.Numerics, axis_name: str | None) -> ch.AdvantageTransform:
+    """Global batch whitening with the preset's ddof and eps."""
     return ch.batch_whiten(
         ddof=numerics.whiten_ddof,
         eps=numerics.whiten_eps,
@@ -179,6 +432,7 @@ def whiten_stage(numerics: nm.Numerics, axis_name: str | None) -> ch.AdvantageTr
 def group_norm_stages(
     numerics: nm.Numerics, scale_by_std: bool
 ) -> tuple[ch.AdvantageTransform, ...]:
+    """The group-mean baseline and, with ``scale_by_std``, the group std (GRPO)."""
     stages = [ch.group_mean_baseline(singleton_baseline=numerics.group_singleton_baseline)]
     if scale_by_std:
         stages.append(
@@ -191,7 +445,21 @@ def group_norm_stages(
     return tuple(stages)
 
 
-def check_hparams(name: str, **values) -> None:
+def gae_critic(returns: ch.AdvantageTransform, *, value_clip: float | None) -> Critic:
+    """A critic regressed on ``R_t = A_t + V_t``, the unnormalised output of ``returns`` (the
+    advantage chain up to and including GAE), run with the advantage chain's state for those
+    stages: the recipe's advantage must be ``chain(returns, *normalisation)``."""
+
+    def targets(rollout: ch.Rollout, advantage_state: Any) -> chex.Array:
+        adv_bgt, _ = ch.apply(returns, rollout, advantage_state[0])
+        value_bgt = ch.require(rollout, "value_bgt", "value targets")
+        return jnp.where(ch.token_mask(rollout), adv_bgt + value_bgt, 0.0)
+
+    return Critic(targets=targets, value_clip=value_clip)
+
+
+def check_hparams(name: str, **values: float | None) -> None:
+    """Range checks shared by the recipes, naming the recipe and the keyword."""
     for key, value in values.items():
         if value is None:
             continue
@@ -205,52 +473,146 @@ def check_hparams(name: str, **values) -> None:
             raise ValueError(f"{name}: `pods_num_keep` must be >= 1, got {value!r}")
 
 
-def make_recipe(
-    name: str,
+def hparam_defaults(builder: Callable[..., AnyRecipe]) -> dict[str, Any]:
+    """The keyword defaults of a recipe builder (what a config may set)."""
+    return {
+        n: p.default
+        for n, p in inspect.signature(builder).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Running a recipe.
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _compute_advantages_jit(recipe: Recipe, rollout: ch.Rollout) -> chex.Array:
+    adv_bgt, _ = ch.apply(recipe.advantage, rollout)
+    return adv_bgt
+
+
+def compute_advantages(recipe: AnyRecipe, rollout: ch.Rollout) -> chex.Array:
+    """``f32[B, G, T]`` advantages of ``recipe`` on ``rollout`` (jit-compiled once per recipe
+    object and shape; 0 on padding and non-members).
+
+    Stateful stages (an adaptive KL controller) start from their initial state here; to carry
+    the state across steps use ``recipe.advantage.init`` / ``chain.apply`` directly.
+    """
+    if isinstance(recipe, PreferenceRecipe):
+        raise ValueError(
+            f"compute_advantages: recipe {recipe.name!r} is an offline preference recipe with no "
+            "advantage; call its `loss` on a jaxrl_llm.recipe.PairLogprobs"
+        )
+    ch.check_rollout(rollout, fn=f"compute_advantages({recipe.name})")
+    return _compute_advantages_jit(recipe, rollout)
+
+
+def select(recipe: Recipe, rollout: ch.Rollout) -> ch.Rollout:
+    """Applies the recipe's sample selection to the group membership ``mask_bg``.
+
+    PODS keeps ``pods_num_keep`` rollouts per prompt maximising reward variance; DAPO's dynamic
+    sampling drops every member of prompts whose rewards are all equal. Shapes are unchanged;
+    the trainer gathers the kept rows (and refills dropped prompts) before the update.
+    """
+    ch.check_rollout(rollout, fn=f"select({recipe.name})")
+    mask_bg = ch.member_mask(rollout)
+    reward_bg = jnp.asarray(rollout.reward_bg, jnp.float32)
+    if recipe.selection.pods_num_keep is not None:
+        mask_bg = sel.pods_max_variance(reward_bg, mask_bg, num_keep=recipe.selection.pods_num_keep)
+    if recipe.selection.dynamic_sampling:
+        keep_b = sel.dapo_group_filter(reward_bg, mask_bg)
+        mask_bg = mask_bg & keep_b[:, None]
+    return rollout._replace(mask_bg=mask_bg)
+
+
+class LossTerms(NamedTuple):
+    """``(sum, denominator)`` pairs of each loss term; the loss is ``finalize(*total)``."""
+
+    total: Pair
+    policy: Pair
+    kl: Pair
+    entropy: Pair
+
+
+def policy_objective(
+    recipe: Recipe | Objective,
+    logp_bgt: chex.Array,
+    adv_bgt: chex.Array,
+    mask_bgt: chex.Array,
     *,
-    advantage: ch.AdvantageTransform,
-    policy_loss: PolicyLoss,
-    agg_mode: str,
-    agg_norm: int | None = None,
-    beta: float,
-    kl_estimator: str,
-    kl_in_reward: bool,
-    numerics: nm.Numerics,
-    entropy_coef: float = 0.0,
-    needs_critic: bool = False,
-    value_clip: float | None = None,
-    selection: Selection | None = None,
-    hparams: dict,
-    objective: str,
-    loss_name: str,
-) -> Recipe:
-    check_hparams(
-        name,
-        beta=beta,
-        entropy_coef=entropy_coef,
-        gamma=hparams.get("gamma"),
-        lam=hparams.get("lam"),
-        clip_low=hparams.get("clip_low"),
-        clip_high=hparams.get("clip_high"),
-        pods_num_keep=selection.pods_num_keep if selection else None,
+    logp_old_bgt: chex.Array | None = None,
+    logp_ref_bgt: chex.Array | None = None,
+    entropy_bgt: chex.Array | None = None,
+) -> LossTerms:
+    """The policy objective as ``(sum, denominator)`` pairs, differentiable in ``logp_bgt``.
+
+    Per token: ``ℓ_t = loss_t + β·KL_t(π_θ ‖ π_ref) − c_H·H_t`` (the KL term only when the
+    objective has one), aggregated with the objective's mode. Because sums and denominators
+    add, micro-batches and shards combine to exactly the whole-batch loss. Without
+    ``logp_old_bgt`` the rollout is taken as on-policy: ``logp_old = stop_gradient(logp)``.
+    """
+    obj = recipe.objective if isinstance(recipe, Recipe) else recipe
+    where = recipe.name if isinstance(recipe, Recipe) else obj.label
+    if logp_old_bgt is None:
+        logp_old_bgt = jax.lax.stop_gradient(logp_bgt)
+    zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
+    policy_bgt = obj.loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt)
+    total_bgt = policy_bgt
+    kl_terms = entropy_terms = zero
+    if obj.kl is not None:
+        if logp_ref_bgt is None:
+            raise ValueError(
+                f"policy_objective({where}): beta={obj.kl.beta} puts a KL term in the loss, "
+                "so `logp_ref_bgt` is required"
+            )
+        kl_bgt = jnp.where(mask_bgt, obj.kl.estimate(logp_bgt, logp_ref_bgt), 0.0)
+        total_bgt = total_bgt + obj.kl.beta * kl_bgt
+        kl_terms = obj.aggregate(kl_bgt, mask_bgt)
+    if obj.entropy_coef > 0:
+        if entropy_bgt is None:
+            raise ValueError(
+                f"policy_objective({where}): entropy_coef={obj.entropy_coef} needs `entropy_bgt`"
+            )
+        bonus_bgt = pl.entropy_bonus(entropy_bgt, mask_bgt, coef=obj.entropy_coef)
+        total_bgt = total_bgt + bonus_bgt
+        entropy_terms = obj.aggregate(jnp.where(mask_bgt, entropy_bgt, 0.0), mask_bgt)
+    return LossTerms(
+        total=obj.aggregate(total_bgt, mask_bgt),
+        policy=obj.aggregate(policy_bgt, mask_bgt),
+        kl=kl_terms,
+        entropy=entropy_terms,
     )
-    return Recipe(
-        name=name,
-        advantage=advantage,
-        policy_loss=policy_loss,
-        aggregation=aggregation_by_name(agg_mode, norm=agg_norm),
-        aggregation_name=agg_mode,
-        beta=float(beta),
-        kl_estimator=kl_estimator,
-        kl_in_reward=kl_in_reward,
-        kl_loss=None if kl_in_reward else kl_loss_fn(beta, kl_estimator, numerics),
-        entropy_coef=float(entropy_coef),
-        needs_critic=needs_critic,
-        value_clip=value_clip,
-        selection=selection or Selection(),
-        preference_loss=None,
-        numerics=numerics,
-        hparams=types.MappingProxyType(dict(hparams)),
-        objective=objective,
-        loss_name=loss_name,
-    )
+
+
+def value_targets(recipe: Recipe, rollout: ch.Rollout, advantage_state: Any) -> chex.Array:
+    """``f32[B, G, T]`` regression targets of the recipe's critic (0 on padding)."""
+    if recipe.critic is None:
+        raise ValueError(f"value_targets: recipe {recipe.name!r} has no critic")
+    return recipe.critic.targets(rollout, advantage_state)
+
+
+__all__ = [
+    "AGGREGATIONS",
+    "BEHAVIOUR_LOGPROBS",
+    "GROUPS",
+    "ON_POLICY",
+    "PREFERENCE_PAIRS",
+    "REFERENCE_LOGPROBS",
+    "VALUES",
+    "AnyRecipe",
+    "Critic",
+    "KLTerm",
+    "LossTerms",
+    "Objective",
+    "PairLogprobs",
+    "PreferenceRecipe",
+    "Recipe",
+    "Selection",
+    "aggregation",
+    "compute_advantages",
+    "make_recipe",
+    "policy_objective",
+    "select",
+    "value_targets",
+]

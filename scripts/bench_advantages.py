@@ -123,9 +123,9 @@ def make_data(batch: int, group: int, tokens: int, seed: int) -> dict[str, np.nd
 def fields_for(recipe: jrl.Recipe) -> tuple[str, ...]:
     """The Rollout fields a recipe's advantage chain reads."""
     names = ["reward_bg", "mask_bgt"]
-    if recipe.kl_in_reward and recipe.beta > 0:
+    if jrl.recipe.BEHAVIOUR_LOGPROBS in recipe.requires:
         names += ["logp_old_bgt", "logp_ref_bgt"]
-    if recipe.needs_critic:
+    if recipe.critic is not None:
         names.append("value_bgt")
     return tuple(names)
 
@@ -172,21 +172,21 @@ def prepare(
     adv = jrl.compute_advantages(recipe, rollout).block_until_ready()
     first_call_s = time.perf_counter() - start
 
-    expected = ref.recipe_advantages(name, numpy_data, beta=recipe.beta)
+    expected = ref.recipe_advantages(name, numpy_data, beta=recipe.hparams["beta"])
     got = np.asarray(adv)
     scale = max(1.0, float(np.max(np.abs(expected))))
     case = Case(
         name,
         recipe,
         fast=lambda: jrl.compute_advantages(recipe, rollout).block_until_ready(),
-        loop=lambda: ref.recipe_advantages(name, numpy_data, beta=recipe.beta),
+        loop=lambda: ref.recipe_advantages(name, numpy_data, beta=recipe.hparams["beta"]),
         again=lambda: jrl.compute_advantages(recipe, rollout2).block_until_ready(),
     )
     estimator = ref.ESTIMATOR[name]
     info = {
         "estimator": estimator,
         "fields": list(names),
-        "beta": recipe.beta,
+        "beta": recipe.hparams["beta"],
         "compile_s": first_call_s,
         "backend_compile_s": counter.seconds - compile_s_before,
         "compilations_first_call": counter.count - compiles_before,

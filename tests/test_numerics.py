@@ -71,11 +71,11 @@ def test_openrlhf_clips_scores_and_kl_values():
 def test_verl_dual_clip_is_on():
     recipe = alg.grpo(numerics="verl", beta=0.0)
     logp = jnp.log(jnp.array([[[10.0]]]))  # ratio 10 against logp_old = 0
-    loss = recipe.policy_loss(
+    loss = recipe.objective.loss(
         logp, jnp.zeros_like(logp), -jnp.ones_like(logp), jnp.ones_like(logp, bool)
     )
     np.testing.assert_allclose(loss, 3.0)  # capped at -c*A with c = 3
-    plain = alg.grpo(beta=0.0).policy_loss(
+    plain = alg.grpo(beta=0.0).objective.loss(
         logp, jnp.zeros_like(logp), -jnp.ones_like(logp), jnp.ones_like(logp, bool)
     )
     np.testing.assert_allclose(plain, 10.0)

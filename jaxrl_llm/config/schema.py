@@ -15,12 +15,14 @@ in :mod:`jaxrl_llm.config.validation`. Recipe and numerics preset names come fro
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any, Literal
 
 from jaxrl_llm import algorithms
 from jaxrl_llm import numerics as _numerics
 from jaxrl_llm.config.engine import FrozenDict, _field
+from jaxrl_llm.recipe import PREFERENCE_PAIRS
 
 
 def _first_names(table: Mapping[str, Any]) -> tuple[str, ...]:
@@ -297,6 +299,12 @@ class MeshConfig:
     tensor: int = 1
 
 
+@functools.cache
+def _trains_on_pairs(name: str) -> bool:
+    """Asked of the recipe: does it train offline on preference pairs?"""
+    return PREFERENCE_PAIRS in algorithms.RECIPES[name]().requires
+
+
 @dataclasses.dataclass(**_CONFIG)
 class TrainConfig:
     """A whole training run. ``rollout`` is ``None`` exactly when the recipe is ``dpo``."""
@@ -331,7 +339,7 @@ class TrainConfig:
     @property
     def is_offline(self) -> bool:
         """True for preference training (dpo): no generation, no rewards."""
-        return self.algorithm.name == "dpo"
+        return _trains_on_pairs(self.algorithm.name)
 
     @property
     def batch_size(self) -> int:

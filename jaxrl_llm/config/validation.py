@@ -21,6 +21,7 @@ section into a :class:`~jaxrl_llm.recipe.Recipe` with plain keyword arguments.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxrl_llm import algorithms
+from jaxrl_llm import chain as ch
+from jaxrl_llm import recipe as rc
 from jaxrl_llm.config import engine
 from jaxrl_llm.config.engine import (
     ConfigError,
@@ -53,10 +56,29 @@ from jaxrl_llm.config.schema import (
 from jaxrl_llm.core import kl as _kl
 from jaxrl_llm.rewards import registry as _reward_registry
 
-# Recipes whose baseline or normalisation compares the G answers of a prompt.
-GROUP_RECIPES = ("grpo", "dr_grpo", "rloo", "dapo", "gspo", "reinforce_pp_baseline")
-# Recipes whose loss is −A·log π without an importance ratio: only on-policy updates are unbiased.
-RATIO_FREE_RECIPES = ("reinforce", "rloo")
+
+@functools.cache
+def _default_requires(name: str) -> frozenset[str]:
+    """What the named recipe, built with its default hyperparameters, requires of the trainer."""
+    return algorithms.RECIPES[name]().requires
+
+
+# Asked of the recipes themselves (their ``requires``), never listed by name: those whose
+# baseline or normalisation compares the G answers of a prompt, and those whose loss has no
+# importance ratio (only on-policy updates are unbiased).
+GROUP_RECIPES = tuple(n for n in algorithms.RECIPES if rc.GROUPS in _default_requires(n))
+RATIO_FREE_RECIPES = tuple(n for n in algorithms.RECIPES if rc.ON_POLICY in _default_requires(n))
+# Recipes whose builder takes a KL controller (an adaptive β for a KL folded into the reward).
+_CONTROLLED_RECIPES = tuple(
+    n for n, fn in algorithms.RECIPES.items() if "kl_controller" in inspect.signature(fn).parameters
+)
+
+
+def is_offline_recipe(name: str) -> bool:
+    """Whether the recipe called ``name`` trains on preference pairs (no rollouts)."""
+    return name in algorithms.RECIPES and rc.PREFERENCE_PAIRS in _default_requires(name)
+
+
 # Built-in reward types (host-side, see jaxrl_llm.rewards), spelled as a config names them: the
 # registry's types under their short aliases (gsm8k, boxed). The registry's "user" type is not
 # one: a config names a user's function as the type itself, "module:function".
@@ -146,7 +168,7 @@ def from_dict(raw: Mapping) -> TrainConfig:
     _check_top_level(raw)
     raw = dict(raw)
     name = _effective_name(raw.get("algorithm", {}))
-    if name == "dpo":
+    if is_offline_recipe(name):
         rollout = raw.get("rollout")
         if rollout is not None:
             keys = [f"rollout.{k}" for k in rollout] if isinstance(rollout, Mapping) else []
@@ -220,15 +242,10 @@ def build_recipe(config: TrainConfig, **extra: Any):
 
 
 def needs_reference_model(config: TrainConfig) -> bool:
-    """Whether the run loads a frozen reference copy of the policy.
-
-    Online recipes need it only when a KL is used (β > 0 or an adaptive controller); dpo needs it
-    except for the reference-free SimPO loss.
-    """
-    hp = recipe_hparams(config)
-    if config.is_offline:
-        return hp["loss_type"] != "simpo"
-    return float(hp.get("beta") or 0.0) > 0 or config.kl.controller == "adaptive"
+    """Whether the run loads a frozen reference copy of the policy: whether its recipe requires
+    reference log-probs (online recipes when a KL is used, β > 0 or an adaptive controller; dpo
+    except for the reference-free SimPO loss)."""
+    return rc.REFERENCE_LOGPROBS in build_recipe(config).requires
 
 
 def _check_algorithm(config: TrainConfig) -> None:
@@ -239,7 +256,7 @@ def _check_algorithm(config: TrainConfig) -> None:
                 "kl.controller",
                 "adaptive",
                 f"'fixed' for {name}: an adaptive β steers a KL folded into the reward, which "
-                "only reinforce, ppo, rloo and reinforce_pp do",
+                f"only {', '.join(_CONTROLLED_RECIPES)} do",
             )
         if not float(hp.get("beta") or 0.0) > 0:
             raise _bad(
@@ -248,14 +265,14 @@ def _check_algorithm(config: TrainConfig) -> None:
                 "β > 0 with kl.controller=adaptive (the controller scales β multiplicatively)",
             )
     estimator = hp.get("kl_estimator")
-    if estimator is not None and estimator not in _kl.KL_ESTIMATORS:
+    if estimator is not None and estimator not in ch.KL_ESTIMATORS:
         raise ConfigError(
             f"algorithm.hparams.kl_estimator = {estimator!r}: expected one of "
-            f"{', '.join(_kl.KL_ESTIMATORS)}{_suggest(estimator, list(_kl.KL_ESTIMATORS))}",
+            f"{', '.join(ch.KL_ESTIMATORS)}{_suggest(estimator, list(ch.KL_ESTIMATORS))}",
             "algorithm.hparams.kl_estimator",
         )
     try:
-        build_recipe(config)
+        recipe = build_recipe(config)
     except (ValueError, TypeError) as e:
         raise ConfigError(
             f"algorithm.hparams = {dict(config.algorithm.hparams)!r}: {e}", "algorithm.hparams"
@@ -264,7 +281,7 @@ def _check_algorithm(config: TrainConfig) -> None:
         return
     rollout = config.rollout
     g = rollout.num_samples
-    if name in GROUP_RECIPES and g < 2:
+    if rc.GROUPS in recipe.requires and g < 2:
         raise _bad(
             "rollout.num_samples",
             g,
@@ -279,12 +296,12 @@ def _check_algorithm(config: TrainConfig) -> None:
             f"2 ≤ m < G = rollout.num_samples = {g} (PODS keeps m of the G answers of a prompt; "
             "m = G keeps all of them and m = 1 leaves no group to compare)",
         )
-    if name == "dapo" and hp.get("max_length") is not None:
+    if hp.get("max_length") is not None:  # overlong shaping (DAPO)
         if hp["max_length"] > rollout.max_new_tokens:
             raise _bad(
                 "algorithm.hparams.max_length",
                 hp["max_length"],
-                f"≤ rollout.max_new_tokens = {rollout.max_new_tokens} (DAPO's overlong "
+                f"≤ rollout.max_new_tokens = {rollout.max_new_tokens} ({name}'s overlong "
                 "shaping is measured against the generation limit)",
             )
         if not 0 < hp["overlong_buffer"] < hp["max_length"]:
@@ -293,7 +310,7 @@ def _check_algorithm(config: TrainConfig) -> None:
                 hp["overlong_buffer"],
                 f"0 < buffer < max_length = {hp['max_length']}",
             )
-    if name in RATIO_FREE_RECIPES:
+    if rc.ON_POLICY in recipe.requires:
         for field in ("ppo_epochs", "num_minibatches"):
             if getattr(config.optim, field) != 1:
                 raise _bad(

@@ -81,6 +81,7 @@ from jaxrl_llm.core.policy_losses import (
     ratio_metrics,
     value_loss,
     entropy_bonus,
+    truncated_importance_weight,
 )
 
 # --- x grad log pi: aggregation of per-token losses into (sum, denominator) pairs ----------
@@ -168,6 +169,7 @@ __all__ = [  # noqa: RUF022 (chain order, as the imports)
     "ratio_metrics",
     "value_loss",
     "entropy_bonus",
+    "truncated_importance_weight",
     # x grad log pi: aggregation
     "token_mean",
     "token_sum",

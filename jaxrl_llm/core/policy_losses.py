@@ -421,3 +421,44 @@ def entropy_bonus(entropy_bgt: chex.Array, mask_bgt: chex.Array, *, coef: float)
     _check_token_inputs(fn, {"entropy_bgt": entropy_bgt}, "mask_bgt", mask_bgt)
     (entropy,) = _masked_f32(mask_bgt, entropy_bgt)
     return jnp.where(mask_bgt, -f32(coef) * entropy, 0.0)
+
+
+def truncated_importance_weight(
+    logp_bgt: chex.Array,
+    logp_sampler_bgt: chex.Array,
+    mask_bgt: chex.Array,
+    *,
+    cap: float | None = None,
+) -> chex.Array:
+    """Truncated importance weights correcting a sampler/trainer mismatch, per token.
+
+        w_t = min(exp(sg(log π_θ(y_t)) − log μ(y_t)), C)        (no min when C is None)
+
+    with μ the distribution the rollout engine sampled from (its own numerics, kernels or
+    stale weights) and π_θ the trainer's policy. Multiplying the advantages by w_t turns any
+    policy gradient into E_μ[min(π_θ/μ, C)·A·∇log π_θ], the truncated-IS estimator of Yao et al.
+    2025 ("Your Efficient RL Framework Secretly Brings You Off-Policy RL Training", the TIS
+    correction also used by verl and SkyRL); Ionides 2008 ("Truncated importance sampling")
+    for the truncation's bias-variance trade-off. The weight is a constant of the loss (no
+    gradient flows through it).
+
+    Args:
+      logp_bgt: float log π_θ of the sampled tokens, any shape (e.g. ``[B, G, T]``).
+      logp_sampler_bgt: float log μ of the same tokens, same shape.
+      mask_bgt: bool, same shape.
+      cap: the truncation C > 0, or ``None`` for plain importance weights.
+
+    Returns:
+      f32 weights of the same shape, exactly 1 where ``mask_bgt`` is False (a neutral factor).
+    """
+    fn = "truncated_importance_weight"
+    _check_token_inputs(
+        fn, {"logp_bgt": logp_bgt, "logp_sampler_bgt": logp_sampler_bgt}, "mask_bgt", mask_bgt
+    )
+    if cap is not None:
+        check_positive(fn, "cap", cap)
+    logp, logp_sampler = _sg(_masked_f32(mask_bgt, logp_bgt, logp_sampler_bgt))
+    w = jnp.exp(jnp.where(mask_bgt, logp - logp_sampler, 0.0))
+    if cap is not None:
+        w = jnp.where(mask_bgt, jnp.minimum(w, cap), 1.0)
+    return w

@@ -12,12 +12,6 @@ from absl.testing import parameterized
 
 from jaxrl_llm.core import policy_losses as pl
 
-CAP_BELOW_ONE_BUG = (
-    "policy_losses.truncated_importance_weight applies jnp.minimum(w, cap) (line 463) after "
-    "setting padding to exp(0) = 1, so with 0 < cap < 1 padded tokens get cap instead of the "
-    "documented neutral 1"
-)
-
 
 def _batch(seed, shape=(2, 3, 4), *, spread=0.7):
     """Random [B, G, T] trainer and sampler log-probs and a random (non-prefix) mask."""
@@ -57,7 +51,6 @@ class TruncatedImportanceWeightTest(chex.TestCase):
             self.assertTrue(np.any(want[mask] >= cap) and np.any(want[mask] < cap))
             self.assertTrue(np.all(np.asarray(got) <= max(cap, 1.0)))
 
-    @pytest.mark.xfail(strict=True, reason=CAP_BELOW_ONE_BUG)
     def test_cap_below_one_keeps_padding_at_one(self):
         logp, logp_sampler, mask = _batch(2)
         got = pl.truncated_importance_weight(logp, logp_sampler, mask, cap=0.5)
