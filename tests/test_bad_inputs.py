@@ -87,12 +87,12 @@ def _llama_folder(folder: Path, vocab_size: int, *, pickle: bool = False) -> Pat
 def _make_existing_run(run_dir: Path) -> None:
     """What ``train`` leaves after step 1: config.yaml, metrics.jsonl, checkpoints/1."""
     from jaxrl_llm.data import BatchIterator
-    from jaxrl_llm.train import loop
+    from jaxrl_llm.train import setup
     from jaxrl_llm.train.checkpoint import Checkpointer
 
     config = load_config(TINY, ["data.eval_size=0"])
-    run = loop.prepare(config, run_dir)
-    state = run.setup.state
+    run = setup.resolve(config, run_dir)
+    state = run.state
     it = BatchIterator(run.data.train, config.rollout.prompts_per_step, seed=0, pad_multiple=32)
     it.next_batch()
     with Checkpointer(run_dir / "checkpoints") as ckpt:

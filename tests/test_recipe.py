@@ -610,3 +610,59 @@ def test_comparison_table_uses_the_stage_labels_of_a_custom_recipe(monkeypatch):
     normalisation = _table_column(table, "normalisation")
     assert normalisation["opo"] == "batch std"
     assert normalisation["labelled"] == "none"
+
+
+# ---------------------------------------------------------------------------------------------
+# The name lookups that used to live in core (moved with their tables, assertions unchanged).
+
+
+def test_aggregation_lookup_moved_from_core():
+    from jaxrl_llm.core import aggregation as agg
+
+    assert set(rc.AGGREGATIONS) == {
+        "token-mean",
+        "token-sum",
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+    }
+    assert rc.aggregation("token-mean") is agg.token_mean
+    rng = np.random.default_rng(8)
+    loss = rng.normal(size=(2, 3, 5)).astype(np.float32)
+    mask = rng.random((2, 3, 5)) < 0.6
+    bound = rc.aggregation("seq-mean-token-sum-norm", norm=16)
+    np.testing.assert_allclose(
+        bound(loss, mask), agg.seq_mean_token_sum_norm(loss, mask, norm=16), rtol=1e-7
+    )
+    with pytest.raises(ValueError, match="valid names"):
+        rc.aggregation("token_mean")
+    with pytest.raises(ValueError, match="does not take"):
+        rc.aggregation("token-mean", norm=16)
+    with pytest.raises(ValueError, match="argument `norm`"):
+        rc.aggregation("seq-mean-token-sum-norm", norm=0.5)
+
+
+@pytest.mark.parametrize(
+    ("name", "estimator"),
+    [
+        ("k1", "kl_k1"),
+        ("kl", "kl_k1"),
+        ("abs", "kl_abs"),
+        ("k2", "kl_k2"),
+        ("mse", "kl_k2"),
+        ("k3", "kl_k3"),
+        ("low_var_kl", "kl_k3"),
+        ("k1+", "kl_k1_st"),
+        ("k3+", "kl_k3_st"),
+        ("low_var_kl+", "kl_k3_st"),
+    ],
+)
+def test_kl_estimator_lookup_moved_from_core(name, estimator):
+    from jaxrl_llm.core import kl
+
+    assert ch.kl_estimator(name) is getattr(kl, estimator)
+
+
+def test_unknown_kl_estimator_lists_the_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'full'.*'low_var_kl\+'"):
+        ch.kl_estimator("full")

@@ -55,8 +55,7 @@ unless a batch holds empty completions (rare: a completion normally holds at lea
 from __future__ import annotations
 
 import functools
-import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import chex
 import jax
@@ -218,36 +217,3 @@ def combine(parts: Iterable[Pair]) -> Pair:
     total = functools.reduce(jnp.add, (f32(p[0]) for p in parts))
     denominator = functools.reduce(jnp.add, (f32(p[1]) for p in parts))
     return total, denominator
-
-
-AGGREGATIONS: dict[str, Callable[..., Pair]] = {
-    "token-mean": token_mean,
-    "token-sum": token_sum,
-    "seq-mean-token-mean": seq_mean_token_mean,
-    "seq-mean-token-sum": seq_mean_token_sum,
-    "seq-mean-token-sum-norm": seq_mean_token_sum_norm,
-}
-
-
-def get_aggregation(name: str, **kwargs) -> Callable[..., Pair]:
-    """Looks up an aggregation mode by its verl name, binding keyword arguments (e.g. ``norm``).
-
-    Called once when a recipe is built, never inside traced code. Raises ValueError for an
-    unknown name (listing the valid ones) or a keyword the mode does not take.
-    """
-    if name not in AGGREGATIONS:
-        raise ValueError(
-            f"get_aggregation: unknown aggregation {name!r}; valid names: {sorted(AGGREGATIONS)}"
-        )
-    fn = AGGREGATIONS[name]
-    if not kwargs:
-        return fn
-    try:
-        inspect.signature(fn).bind_partial(**kwargs)
-    except TypeError as e:
-        raise ValueError(
-            f"get_aggregation: aggregation {name!r} does not take {kwargs}: {e}"
-        ) from e
-    if kwargs.get("norm") is not None:
-        _check_norm("get_aggregation", kwargs["norm"])
-    return functools.partial(fn, **kwargs)

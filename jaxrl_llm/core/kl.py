@@ -169,34 +169,6 @@ def kl_k3_st(
     return _estimate("kl_k3_st", _k3, logp, logp_ref, log_ratio_clamp, value_clamp, True)
 
 
-KL_ESTIMATORS: dict[str, Callable[..., chex.Array]] = {
-    "k1": kl_k1,
-    "abs": kl_abs,
-    "k2": kl_k2,
-    "k3": kl_k3,
-    "k1+": kl_k1_st,
-    "k3+": kl_k3_st,
-    # verl's names
-    "kl": kl_k1,
-    "mse": kl_k2,
-    "low_var_kl": kl_k3,
-    "low_var_kl+": kl_k3_st,
-}
-
-
-def get_kl_estimator(name: str) -> Callable[..., chex.Array]:
-    """Looks up an estimator by name (at recipe construction, never inside traced math).
-
-    Raises:
-      ValueError: listing the valid names if ``name`` is unknown.
-    """
-    try:
-        return KL_ESTIMATORS[name]
-    except KeyError:
-        valid = ", ".join(repr(k) for k in KL_ESTIMATORS)
-        raise ValueError(f"unknown KL estimator {name!r}; valid names: {valid}") from None
-
-
 # ----------------------------------------------------------------------------------------------
 # Placement
 # ----------------------------------------------------------------------------------------------

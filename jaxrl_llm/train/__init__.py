@@ -1,18 +1,22 @@
-"""The trainer: train state, update steps, checkpoints, metrics and the RL loop.
+"""The trainer: the config resolved once, the device step, the host's collection, the loop.
 
-    from jaxrl_llm.train import build_setup, make_update_step
-    setup = build_setup(config)                    # models, recipe, optimizers, TrainState
-    step = make_update_step(setup.recipe, setup.graphdef, setup.tx, ...)
-    state, metrics = step(setup.state, batch)      # one PPO-style update of a rollout batch
+    from jaxrl_llm.train import resolve, make_rl_step
+    setup = resolve(config, run_dir)          # models, recipe, optimizers, plans, a TrainState
+    step = make_rl_step(setup.recipe, setup.models, setup.update)
+    state, metrics = step(setup.state, groups)   # π_old/π_ref/V, advantages, update: one jit
 
-Submodules: ``state`` (TrainState, optimizers, build_setup), ``models`` (policy, reference,
-critic, the ``tiny-random`` model), ``update`` (update-step factories), ``forward`` (log-probs
-and values before the update), ``checkpoint`` (orbax), ``metrics`` (metrics.jsonl, TensorBoard,
-progress bar, plot), ``data`` (datasets and reward from a config), ``run`` (a run's static
-parts, ``prepare``), ``batches`` (rollout → selection → update batch), ``evaluation``,
-``loop`` (``train`` / ``evaluate`` / ``export``), ``cli`` (``add_train_parsers``).
+Submodules: ``setup`` (the config → frozen values: Sampler, UpdateShape, Models, plans),
+``step`` (``make_rl_step``, the ``Groups`` it takes), ``collect`` (host: generation, rewards,
+PODS / DAPO selection; DPO's pair batches), ``update`` (the policy, critic and DPO losses and
+their update steps), ``accumulate`` (epochs × minibatches × micro-batches with exact
+accumulation), ``forward`` (log-prob and value passes), ``state`` (TrainState, optimizers,
+shardings), ``models`` / ``data`` (loading models, datasets and rewards), ``checkpoint`` and
+``checksums`` (orbax), ``metrics``, ``evaluation``, ``loop`` (``train`` / ``evaluate`` /
+``export``), ``cli``.
 """
 
-from jaxrl_llm.train.state import TrainSetup, TrainState, build_setup, init_train_state
+from jaxrl_llm.train.setup import Setup, resolve
+from jaxrl_llm.train.state import TrainState, init_train_state
+from jaxrl_llm.train.step import Groups, make_rl_step
 
-__all__ = ["TrainSetup", "TrainState", "build_setup", "init_train_state"]
+__all__ = ["Groups", "Setup", "TrainState", "init_train_state", "make_rl_step", "resolve"]

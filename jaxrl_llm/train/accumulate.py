@@ -394,6 +394,7 @@ def make_step(
     state_sharding: Any = None,
     batch_axes: BatchAxes = None,
     check: Callable[[BatchT], None] | None = None,
+    jit: bool = True,
 ) -> Callable[[StateT, BatchT], tuple[StateT, dict[str, jax.Array]]]:
     """The jitted ``step(state, batch) -> (state, metrics)`` training ``trainees`` on a batch.
 
@@ -405,6 +406,8 @@ def make_step(
       epochs, num_minibatches, micro_batch_size: the shape of the update (see :func:`optimize`).
       mesh, state_sharding, batch_axes: the layout (see :func:`jit_step`); no mesh: a plain jit.
       check: ``batch -> None``, called when the step is traced; raise to refuse a batch.
+      jit: False returns the traceable step itself (its batch constrained onto ``batch_axes``
+        of ``mesh``), for a caller that jits a larger program around it.
 
     Metrics: those of :func:`optimize`, plus ``{name}/lr`` (the schedule at the state's step) for
     every trainee with a schedule.
@@ -437,6 +440,8 @@ def make_step(
                 metrics[f"{t.name}/lr"] = t.schedule(count)
         return write(state, count + 1, params, opt_states), metrics
 
+    if not jit:
+        return step
     return jit_step(step, mesh=mesh, state_sharding=state_sharding, batch_axes=batch_axes)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -13,46 +14,45 @@ import numpy as np
 from jaxrl_llm import distributed as dist
 from jaxrl_llm.data import sequential_batches
 from jaxrl_llm.models import sharding as shd
-from jaxrl_llm.train import data as run_data
-from jaxrl_llm.train.batches import dpo_batch, sample_completions, score_completions
-from jaxrl_llm.train.run import PAD_MULTIPLE, Run
+from jaxrl_llm.train.collect import dpo_batch, sample_completions, score_completions
+from jaxrl_llm.train.setup import PAD_MULTIPLE, Models, Setup
 
 # ---------------------------------------------------------------------------------------------
 # Evaluation.
 
 
-def _eval_batch_size(n: int, run: Run | None = None) -> int:
+def _eval_batch_size(n: int, models: Models | None = None) -> int:
     """At most 64 prompts; with several processes a multiple of the data-parallel size, so
     each process samples its own block of every batch."""
     bs = max(1, min(n, 64))
-    if run is not None and dist.is_multiprocess():
-        dp = shd.data_parallel_size(run.mesh)
+    if models is not None and dist.is_multiprocess():
+        dp = shd.data_parallel_size(models.mesh)
         bs = -(-bs // dp) * dp
     return bs
 
 
 def evaluate_prompts(
-    run: Run, params, *, mode: str | None = None, max_new_tokens: int | None = None, step: int = 0
+    setup: Setup,
+    params: dict,
+    *,
+    mode: str | None = None,
+    max_new_tokens: int | None = None,
+    step: int = 0,
 ) -> dict[str, float]:
     """Accuracy and mean reward of one completion per held-out prompt (greedy or sampled)."""
-    ds = run.data.eval_prompts
+    ds = setup.data.eval_prompts
     if ds is None or len(ds) == 0:
         return {}
-    c = run.config
-    mode = mode or c.train.eval_mode
-    reward = run.reward or run_data.build_run_reward(c)
-    if c.rollout is None:  # dpo: greedy answers of the pairs' length
-        max_new = max_new_tokens or c.train.eval_max_new_tokens or c.preference.max_response_length
-        run = dataclasses.replace(
-            run,
-            config=dataclasses.replace(
-                c, rollout=dataclasses.replace(_default_rollout(), max_new_tokens=max_new)
-            ),
-        )
-        mode = "greedy"
-    max_new = max_new_tokens or c.train.eval_max_new_tokens or run.config.rollout.max_new_tokens
-    bs = _eval_batch_size(len(ds), run)
-    key = jax.random.fold_in(jax.random.key(c.train.seed + 1), step)
+    plan = setup.evaluation
+    mode = "greedy" if setup.offline else (mode or plan.mode)
+    sampler = plan.sampler
+    if max_new_tokens:
+        sampler = dataclasses.replace(sampler, max_new_tokens=max_new_tokens)
+    if mode == "greedy":
+        sampler = sampler.greedy()
+    models = setup.models
+    bs = _eval_batch_size(len(ds), models)
+    key = jax.random.fold_in(jax.random.key(plan.seed), step)
     correct, rewards, lengths = [], [], []
     for i, batch in enumerate(sequential_batches(ds, bs, pad_multiple=PAD_MULTIPLE)):
         k = len(batch.prompts)
@@ -60,16 +60,9 @@ def evaluate_prompts(
         if k < bs:  # keep one shape: repeat the last prompt, ignore the copies
             ids = np.concatenate([ids, np.repeat(ids[-1:], bs - k, 0)])
             mask = np.concatenate([mask, np.repeat(mask[-1:], bs - k, 0)])
-        rows = run.process_prompt_rows(bs)
+        rows = models.process_rows(bs)
         out = sample_completions(
-            run,
-            params,
-            ids[rows],
-            mask[rows],
-            jax.random.fold_in(key, i),
-            num_samples=1,
-            greedy=mode == "greedy",
-            max_new_tokens=max_new,
+            models, params, sampler, ids[rows], mask[rows], jax.random.fold_in(key, i)
         )
         # One process scores the k real prompts. Several score all their rows (the copies
         # too), so that every process gathers the same shape; the first k rows are kept.
@@ -79,7 +72,8 @@ def evaluate_prompts(
         fields = {f: list(v) + list(v[-1:]) * (bs - k) for f, v in batch.fields.items()}
         tokens, tmask = out.tokens[:num], out.mask[:num]
         reward_bg, reward_out, _ = score_completions(
-            dataclasses.replace(run, reward=reward),
+            setup.tokenizer,
+            setup.reward,
             prompts[mine],
             {f: v[mine] for f, v in fields.items()},
             tokens,
@@ -106,27 +100,24 @@ def evaluate_prompts(
     return out
 
 
-def _default_rollout():
-    from jaxrl_llm.config import RolloutConfig
-
-    return RolloutConfig(prompts_per_step=1, num_samples=1)
-
-
-def evaluate_pairs(run: Run, params) -> dict[str, float]:
+def evaluate_pairs(
+    setup: Setup, params: dict, logprob: Callable[..., jax.Array]
+) -> dict[str, float]:
     """DPO: the fraction of held-out pairs whose chosen answer the policy prefers (implicit
     reward margin > 0 against the reference; average log-prob for reference-free SimPO)."""
-    ds = run.data.eval_pairs
+    ds = setup.data.eval_pairs
     if ds is None or len(ds) == 0:
         return {}
-    beta = float(run.recipe.hparams["beta"])
+    beta = setup.recipe.beta
+    models = setup.models
     wins, margins = [], []
     for pairs in sequential_batches(ds, _eval_batch_size(len(ds)), pad_multiple=PAD_MULTIPLE):
-        batch, _ = dpo_batch(run, pairs)
+        batch, _ = dpo_batch(models, pairs, logprob)
         seq = {}
-        with jax.set_mesh(run.mesh):
+        with jax.set_mesh(models.mesh):
             for side in ("chosen", "rejected"):
                 mask = getattr(batch, f"{side}_mask_nt")
-                logp = run.logprob(
+                logp = logprob(
                     params,
                     getattr(batch, f"{side}_tokens_nl"),
                     getattr(batch, f"{side}_input_mask_nl"),
@@ -148,12 +139,20 @@ def evaluate_pairs(run: Run, params) -> dict[str, float]:
 
 
 def run_evaluation(
-    run: Run, params, *, step: int, mode: str | None = None, max_new_tokens: int | None = None
+    setup: Setup,
+    params: dict,
+    *,
+    step: int,
+    logprob: Callable[..., jax.Array] | None = None,
+    mode: str | None = None,
+    max_new_tokens: int | None = None,
 ) -> dict[str, float]:
+    """The held-out metrics at ``step``: prompts (every run with held-out prompts) and, for
+    DPO, preference pairs (``logprob``: the run's jitted log-prob function)."""
     t0 = time.perf_counter()
-    out = evaluate_prompts(run, params, mode=mode, max_new_tokens=max_new_tokens, step=step)
-    if run.config.is_offline:
-        out.update(evaluate_pairs(run, params))
+    out = evaluate_prompts(setup, params, mode=mode, max_new_tokens=max_new_tokens, step=step)
+    if setup.offline and logprob is not None:
+        out.update(evaluate_pairs(setup, params, logprob))
     if out:
         out["eval/time"] = time.perf_counter() - t0
     return out

@@ -1,9 +1,11 @@
-"""Forward passes before the update: old/reference log-probs and critic values, jitted.
+"""Forward passes before the update: old/reference log-probs and critic values.
 
-Each factory returns a jitted function of ``(params, tokens_nl, input_mask_nl)`` with the
-completion length static. ``micro_batch_size`` bounds memory the way the update does: the N
-rows are processed in strided micro-batches (row ``i·S + s`` in micro-batch ``s``, so each
-device works on its own rows) under ``lax.map``, and put back in order.
+:func:`completion_logprobs_nt` and :func:`completion_values_nt` are traceable (the RL step calls
+them inside its jit); each ``make_*`` factory returns one jitted as a function of ``(params,
+tokens_nl, input_mask_nl)`` with the completion length static. ``micro_batch_size`` bounds
+memory the way the update does: the N rows are processed in strided micro-batches (row
+``i·S + s`` in micro-batch ``s``, so each device works on its own rows) under ``lax.map``, and
+put back in order.
 """
 
 from __future__ import annotations
@@ -31,6 +33,51 @@ def _by_micro_batches(fn: Callable, micro_batch_size: int | None, *arrays: jax.A
     return jax.tree.map(lambda y: y.swapaxes(0, 1).reshape(n, *y.shape[2:]), out)
 
 
+def completion_logprobs_nt(
+    graphdef: nnx.GraphDef,
+    params: dict,
+    tokens_nl: jax.Array,
+    input_mask_nl: jax.Array,
+    *,
+    completion_len: int,
+    temperature: float = 1.0,
+    chunk_size: int | None = 256,
+    micro_batch_size: int | None = None,
+) -> jax.Array:
+    """``f32[N, T]`` log-probs of the last ``completion_len`` tokens under the model
+    ``(graphdef, params)`` at ``temperature`` (π_old with the policy's params, π_ref with the
+    reference's); traceable, in micro-batches of ``micro_batch_size`` rows."""
+    model = nnx.merge(graphdef, params)
+    start = tokens_nl.shape[1] - completion_len
+
+    def one(tokens, mask):
+        return completion_logprobs(
+            model, tokens, mask, start=start, temperature=temperature, chunk_size=chunk_size
+        )
+
+    return _by_micro_batches(one, micro_batch_size, tokens_nl, input_mask_nl)
+
+
+def completion_values_nt(
+    critic_graphdef: nnx.GraphDef,
+    params: dict,
+    tokens_nl: jax.Array,
+    input_mask_nl: jax.Array,
+    *,
+    completion_len: int,
+    micro_batch_size: int | None = None,
+) -> jax.Array:
+    """``f32[N, T]``: V(s_t) at the state before each of the last ``completion_len`` tokens (the
+    position that predicts it); traceable, in micro-batches of ``micro_batch_size`` rows."""
+    critic = nnx.merge(critic_graphdef, params)
+    start = tokens_nl.shape[1] - completion_len
+
+    def one(tokens, mask):
+        return critic(tokens, mask)[:, start - 1 : -1]
+
+    return _by_micro_batches(one, micro_batch_size, tokens_nl, input_mask_nl)
+
+
 def make_logprob_fn(
     graphdef: nnx.GraphDef,
     *,
@@ -38,41 +85,29 @@ def make_logprob_fn(
     chunk_size: int | None = 256,
     micro_batch_size: int | None = None,
 ) -> Callable[..., jax.Array]:
-    """``fn(params, tokens_nl, input_mask_nl, *, completion_len) -> f32[N, T]`` log-probs of the
-    last ``completion_len`` tokens (π_old with the policy's params, π_ref with the reference's)."""
-
-    @functools.partial(jax.jit, static_argnames=("completion_len",))
-    def fn(params, tokens_nl, input_mask_nl, *, completion_len: int):
-        model = nnx.merge(graphdef, params)
-        start = tokens_nl.shape[1] - completion_len
-
-        def one(tokens, mask):
-            return completion_logprobs(
-                model, tokens, mask, start=start, temperature=temperature, chunk_size=chunk_size
-            )
-
-        return _by_micro_batches(one, micro_batch_size, tokens_nl, input_mask_nl)
-
-    return fn
+    """:func:`completion_logprobs_nt` jitted: ``fn(params, tokens_nl, input_mask_nl, *,
+    completion_len) -> f32[N, T]``."""
+    return jax.jit(
+        functools.partial(
+            completion_logprobs_nt,
+            graphdef,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            micro_batch_size=micro_batch_size,
+        ),
+        static_argnames=("completion_len",),
+    )
 
 
 def make_value_fn(
     critic_graphdef: nnx.GraphDef, *, micro_batch_size: int | None = None
 ) -> Callable[..., jax.Array]:
-    """``fn(critic_params, tokens_nl, input_mask_nl, *, completion_len) -> f32[N, T]``: V(s_t)
-    at the state before each completion token (the position that predicts it)."""
-
-    @functools.partial(jax.jit, static_argnames=("completion_len",))
-    def fn(params, tokens_nl, input_mask_nl, *, completion_len: int):
-        critic = nnx.merge(critic_graphdef, params)
-        start = tokens_nl.shape[1] - completion_len
-
-        def one(tokens, mask):
-            return critic(tokens, mask)[:, start - 1 : -1]
-
-        return _by_micro_batches(one, micro_batch_size, tokens_nl, input_mask_nl)
-
-    return fn
+    """:func:`completion_values_nt` jitted: ``fn(critic_params, tokens_nl, input_mask_nl, *,
+    completion_len) -> f32[N, T]``."""
+    return jax.jit(
+        functools.partial(completion_values_nt, critic_graphdef, micro_batch_size=micro_batch_size),
+        static_argnames=("completion_len",),
+    )
 
 
 def make_sequence_logprob_fn(
@@ -89,4 +124,10 @@ def make_sequence_logprob_fn(
     return fn
 
 
-__all__ = ["make_logprob_fn", "make_sequence_logprob_fn", "make_value_fn"]
+__all__ = [
+    "completion_logprobs_nt",
+    "completion_values_nt",
+    "make_logprob_fn",
+    "make_sequence_logprob_fn",
+    "make_value_fn",
+]

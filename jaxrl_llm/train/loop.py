@@ -1,36 +1,31 @@
 """The RL loop: ``train(config) -> final metrics``, ``evaluate(config)`` and ``export``.
 
-One training step of an online recipe::
+One training step, in the shape of purejaxrl's ``train``::
 
-    prompts (B, from the resumable stream)
-      → rollout.generate (G samples each; key split from state.rng)
-      → rewards (host, score_groups)
-      → selection: PODS keeps m of G per prompt; DAPO drops prompts whose G rewards are equal and
-        refills them from the next prompts (at most train.max_refill_batches extra batches of B;
-        still-missing groups stay in the batch as non-members, so shapes are static)
-      → forward passes: π_old (only when needed: several updates per batch, or a KL folded into
-        the reward), π_ref (β > 0), critic values (ppo)
-      → the recipe's advantage chain (its state, e.g. an adaptive β, carried in TrainState)
-      → make_update_step (PPO epochs × minibatches × exact micro-batch accumulation)
-      → metrics.jsonl / TensorBoard / progress bar → checkpoint every K steps → eval (greedy by
-        default) on the held-out split every E steps, before the first and after the last
-    at the end: export the policy as a Hugging Face folder (RUN_DIR/export) and plot the curves.
+    groups  = collect(setup, params, prompts, key)   # host: generate, score, PODS / DAPO refill
+    state   = rl_step(state, groups)                  # device, one jit: π_old / π_ref / V, the
+                                                      # advantage chain, value targets, update
+    log; maybe checkpoint; maybe evaluate
 
-``dpo`` runs the same loop on preference pairs (no generation, no rewards) with
-:func:`~jaxrl_llm.train.update.make_dpo_step`; its evaluation is the preference accuracy on
-held-out pairs, plus the generation accuracy when the pairs come with answers.
+:mod:`~jaxrl_llm.train.setup` resolves the config once; :mod:`~jaxrl_llm.train.collect` is the
+host's part and :mod:`~jaxrl_llm.train.step` the device's. ``dpo`` runs the same loop on
+preference pairs (no generation, no rewards): the reference's log-probs are computed as the pairs
+are batched and :func:`~jaxrl_llm.train.update.make_dpo_step` updates; its evaluation is the
+preference accuracy on held-out pairs, plus the generation accuracy when the pairs come with
+answers.
 
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl``,
 ``tensorboard/``, ``checkpoints/``, ``curves.png`` and ``export/``. Calling :func:`train` on a
 directory with checkpoints resumes from the latest one: the state carries the PRNG key, the
-data position and the KL controller, so the resumed run computes exactly what an
-uninterrupted one would.
+data position and the advantage chain's state (an adaptive KL controller), so the resumed run
+computes exactly what an uninterrupted one would.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,39 +35,137 @@ import numpy as np
 from jaxrl_llm import distributed as dist
 from jaxrl_llm.config import TrainConfig, save_config, to_yaml
 from jaxrl_llm.data import BatchIterator
-from jaxrl_llm.train import hostmem
+from jaxrl_llm.train import forward, hostmem
 from jaxrl_llm.train import state as st
-from jaxrl_llm.train.batches import build_update_batch, collect, dpo_batch
+from jaxrl_llm.train import update as up
+from jaxrl_llm.train.checkpoint import Checkpointer
+from jaxrl_llm.train.collect import collect, dpo_batch, to_global
 from jaxrl_llm.train.evaluation import run_evaluation
 from jaxrl_llm.train.faults import mark_phase
 from jaxrl_llm.train.metrics import MetricsLogger, NullLogger, plot_run
-from jaxrl_llm.train.run import (
+from jaxrl_llm.train.setup import (
     CHECKPOINT_DIR,
     CONFIG_FILE,
     EXPORT_DIR,
     PAD_MULTIPLE,
-    Run,
-    checkpointer,
-    config_changes,
-    make_step_fn,
-    prepare,
+    CheckpointPlan,
+    Setup,
+    resolve,
 )
+from jaxrl_llm.train.step import make_rl_step
+
+StepFn = Callable[[st.TrainState, BatchIterator, jax.Array], tuple[st.TrainState, dict]]
 
 # ---------------------------------------------------------------------------------------------
-# The loop.
+# The pieces the loop calls.
 
 
-def _print_header(run: Run, log) -> None:
+def checkpointer(plan: CheckpointPlan) -> Checkpointer:
+    """The run's orbax checkpoint manager."""
+    return Checkpointer(plan.directory, max_to_keep=plan.keep, save_every=plan.save_every)
+
+
+def reference_logprob_fn(setup: Setup) -> Callable[..., jax.Array]:
+    """The jitted log-prob pass of the policy's architecture (DPO's reference and evaluation)."""
+    return forward.make_logprob_fn(
+        setup.models.graphdef, micro_batch_size=setup.update.micro_batch_size
+    )
+
+
+def make_train_step(setup: Setup, logprob: Callable[..., jax.Array]) -> StepFn:
+    """``step(state, iterator, key) -> (state, metrics)``: the host's part of a step, then the
+    device step (the RL step, or DPO's update on a batch of pairs)."""
+    models, update = setup.models, setup.update
+    if setup.offline:
+        dpo_step = up.make_dpo_step(
+            setup.recipe,
+            models.graphdef,
+            models.tx,
+            schedule=models.schedule,
+            ppo_epochs=update.epochs,
+            num_minibatches=update.num_minibatches,
+            micro_batch_size=update.micro_batch_size,
+            mesh=models.mesh,
+            state_sharding=models.state_sharding,
+            rules=models.rules,
+        )
+
+        def offline(state, iterator, key):
+            del key
+            batch, metrics = dpo_batch(models, iterator.next_batch(), logprob)
+            state, device_metrics = _timed(dpo_step, _positioned(state, iterator), batch)
+            return state, {**metrics, **device_metrics}
+
+        return offline
+
+    rl_step = make_rl_step(
+        setup.recipe,
+        models,
+        update,
+        temperature=setup.sampler.temperature,
+        old_logprobs=setup.old_logprobs,
+    )
+
+    def online(state, iterator, key):
+        groups, metrics = collect(setup, state.params, iterator, key)
+        groups = to_global(models, groups)
+        state, device_metrics = _timed(rl_step, _positioned(state, iterator), groups)
+        return state, {**metrics, **device_metrics}
+
+    return online
+
+
+def _positioned(state: st.TrainState, iterator: BatchIterator) -> st.TrainState:
+    """The state with the data position after this step's prompts (saved with it)."""
+    return state._replace(data_position=np.asarray(iterator.position, np.int32))
+
+
+def _timed(fn: Callable, state: st.TrainState, batch: Any) -> tuple:
+    """Runs the device step, waiting for its metrics; adds ``time/update``."""
+    t0 = time.perf_counter()
+    hostmem.release_free_heap()
+    mark_phase("update", int(state.step) + 1)
+    state, out = fn(state, batch)
+    out = {k: float(np.asarray(v)) for k, v in jax.device_get(out).items()}
+    out["time/update"] = time.perf_counter() - t0
+    return state, out
+
+
+def _step_metrics(metrics: dict[str, float], t_step: float) -> dict[str, float]:
+    metrics["time/step"] = time.perf_counter() - t_step
+    metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / metrics["time/step"]
+    metrics["perf/peak_rss_gib"] = hostmem.peak_rss_gib()
+    if "actor/kl_ref" in metrics:
+        metrics["kl"] = metrics["actor/kl_ref"]
+    elif "kl/rollout" in metrics:
+        metrics["kl"] = metrics["kl/rollout"]
+    return metrics
+
+
+def _print_header(setup: Setup, log: Callable) -> None:
     from jaxrl_llm.explain import explain, format_explanation
 
-    log(format_explanation(explain(run.recipe)))
-    for note in run.data.notes:
+    log(format_explanation(explain(setup.recipe)))
+    for note in setup.data.notes:
         log(note)
 
 
-def _tensor_metrics(metrics: dict[str, Any]) -> dict[str, float]:
-    host = jax.device_get(metrics)
-    return {k: float(np.asarray(v)) for k, v in host.items()}
+def _resolve_run(
+    config: TrainConfig, run_dir: str | Path | None, max_steps: int | None
+) -> tuple[TrainConfig, Setup]:
+    if max_steps is not None:
+        config = dataclasses.replace(
+            config, train=dataclasses.replace(config.train, max_steps=int(max_steps))
+        )
+    run_dir = Path(run_dir or config.run_dir or "").expanduser()
+    if not str(run_dir):
+        raise ValueError("train: give a run directory (--run-dir or run_dir in the config)")
+    config = dataclasses.replace(config, run_dir=str(run_dir.absolute()))
+    return config, resolve(config, run_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop.
 
 
 def train(
@@ -81,7 +174,7 @@ def train(
     run_dir: str | Path | None = None,
     max_steps: int | None = None,
     progress: bool = True,
-    log=print,
+    log: Callable[..., None] = print,
 ) -> dict[str, float]:
     """Trains (or resumes) the run of ``config`` in ``run_dir``; returns the final metrics.
 
@@ -92,136 +185,101 @@ def train(
       progress: show the progress bar.
       log: where the header and notes are printed.
     """
-    if max_steps is not None:
-        config = dataclasses.replace(
-            config, train=dataclasses.replace(config.train, max_steps=int(max_steps))
-        )
-    run_dir = Path(run_dir or config.run_dir or "").expanduser()
-    if not str(run_dir):
-        raise ValueError("train: give a run directory (--run-dir or run_dir in the config)")
-    config = dataclasses.replace(config, run_dir=str(run_dir.absolute()))
-    run = prepare(config, run_dir)
+    config, setup = _resolve_run(config, run_dir, max_steps)
     primary = dist.is_primary()  # with several processes, process 0 alone logs and writes files
     log = log if primary else (lambda *_: None)
-    run.run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt = checkpointer(run)
-    setup = run.setup
-    state = setup.state
-    batch_size = (
-        config.preference.pairs_per_step if config.is_offline else (config.rollout.prompts_per_step)
-    )
+    setup.run_dir.mkdir(parents=True, exist_ok=True)
+    plan = setup.loop
+    ckpt = checkpointer(setup.checkpoint)
     iterator = BatchIterator(
-        run.data.train,
-        batch_size,
-        seed=config.data.seed,
-        shuffle=config.data.shuffle,
+        setup.data.train,
+        plan.batch_size,
+        seed=plan.data_seed,
+        shuffle=plan.shuffle,
         pad_multiple=PAD_MULTIPLE,
     )
-    start = skipped = 0  # skipped: steps whose update was non-finite (train.on_nonfinite)
+    state, start, skipped = setup.state, 0, 0  # skipped: non-finite updates (on_nonfinite)
     if ckpt.latest_step() is not None:
         state, meta = ckpt.restore(setup.state, setup.state_sharding)
         iterator.load_state_dict(meta["data"])
         skipped = int(meta.get("skipped_steps", 0))
         start = int(state.step)
         changes = config_changes(meta.get("config"), config)
-        log(f"resuming {run.run_dir} from step {start}")
+        log(f"resuming {setup.run_dir} from step {start}")
         if changes:
             log("config changed since the checkpoint: " + "; ".join(changes[:10]))
     # A resumed run rewrites config.yaml only once its first step has succeeded, so a launch that
     # fails (a bad override, a reward that raises) leaves the run's previous config in place.
     config_pending = primary
     if config_pending and start == 0:
-        save_config(config, run.run_dir / CONFIG_FILE)
+        save_config(config, setup.run_dir / CONFIG_FILE)
         config_pending = False
     mark_phase("start", start)
     hostmem.release_after_compiles()
-    _print_header(run, log)
-    step_fn = make_step_fn(run)
-    t = config.train
+    _print_header(setup, log)
+    logprob = reference_logprob_fn(setup)
+    train_step = make_train_step(setup, logprob)
+    evaluating = bool(setup.data.eval_prompts or setup.data.eval_pairs)
+    evaluate_every = setup.evaluation.every
+
+    def evaluate_at(step: int, params: dict, logger: MetricsLogger) -> dict[str, float]:
+        ev = run_evaluation(setup, params, step=step, logprob=logprob)
+        logger.log(step, ev)
+        logger.write(_format_eval(step, ev))
+        return ev
+
     final: dict[str, float] = {}
+    step = start
     try:
         with (MetricsLogger if primary else NullLogger)(
-            run.run_dir, max_steps=t.max_steps, start_step=start, progress=progress
+            setup.run_dir, max_steps=plan.max_steps, start_step=start, progress=progress
         ) as logger:
-            evaluating = bool(run.data.eval_prompts or run.data.eval_pairs)
             if evaluating and start == 0:
-                ev = run_evaluation(run, state.params, step=0)
-                logger.log(0, ev)
-                logger.write(_format_eval(0, ev))
-            step = start
-            while step < t.max_steps:
+                evaluate_at(0, state.params, logger)
+            while step < plan.max_steps:
                 t_step = time.perf_counter()
                 hostmem.release_free_heap()  # see hostmem: lowers the host peak on CPU
                 mark_phase("rollout", step + 1)
                 key, gen_key = jax.random.split(jax.random.wrap_key_data(state.rng))
-                if config.is_offline:
-                    batch, metrics = dpo_batch(run, iterator.next_batch())
-                    kl_state = state.kl_state
-                else:
-                    groups, metrics = collect(run, state.params, iterator, gen_key)
-                    batch, kl_state, more = build_update_batch(run, state, groups)
-                    metrics.update(more)
-                position = np.asarray(iterator.position, np.int32)
-                sh = setup.state_sharding
-                state = state._replace(
-                    rng=jax.device_put(jax.random.key_data(key), sh.rng),
-                    data_position=jax.device_put(position, sh.data_position),
-                    kl_state=jax.device_put(kl_state, sh.kl_state),
-                )
-                t_update = time.perf_counter()
-                hostmem.release_free_heap()
-                mark_phase("update", step + 1)
-                state, update_metrics = step_fn(state, batch)
-                update_metrics = _tensor_metrics(update_metrics)
+                state = state._replace(rng=jax.random.key_data(key))
+                state, metrics = train_step(state, iterator, gen_key)
                 step = int(state.step)
-                metrics.update(update_metrics)
-                metrics["time/update"] = time.perf_counter() - t_update
-                metrics["time/step"] = time.perf_counter() - t_step
-                metrics["perf/tokens_per_s"] = metrics["perf/tokens"] / metrics["time/step"]
-                metrics["perf/peak_rss_gib"] = hostmem.peak_rss_gib()
-                if "actor/kl_ref" in metrics:
-                    metrics["kl"] = metrics["actor/kl_ref"]
-                elif "kl/rollout" in metrics:
-                    metrics["kl"] = metrics["kl/rollout"]
+                metrics = _step_metrics(metrics, t_step)
                 if metrics.get("update/nonfinite", 0) > 0:
                     skipped += 1
-                    if t.on_nonfinite == "skip":
+                    if plan.on_nonfinite == "skip":
                         logger.write(
                             f"step {step}: non-finite loss or gradient, update skipped (parameters "
                             f"and optimizer state unchanged; {skipped} steps skipped so far)"
                         )
                 metrics["train/skipped_steps"] = skipped
-                if step % t.log_every == 0 or step == t.max_steps:
+                if step % plan.log_every == 0 or step == plan.max_steps:
                     logger.log(step, metrics)
                 logger.progress(step, metrics)
                 final = metrics
                 if config_pending:
-                    save_config(config, run.run_dir / CONFIG_FILE)
+                    save_config(config, setup.run_dir / CONFIG_FILE)
                     config_pending = False
-                if metrics.get("update/nonfinite", 0) > 0 and t.on_nonfinite == "raise":
+                if metrics.get("update/nonfinite", 0) > 0 and plan.on_nonfinite == "raise":
                     raise FloatingPointError(
                         f"step {step}: non-finite loss or gradient; the update was skipped and the "
                         f"parameters are unchanged (metrics in {logger.path}). Set "
                         "train.on_nonfinite=skip to continue past such batches."
                     )
-                if ckpt.should_save(step, final=step == t.max_steps):
+                if ckpt.should_save(step, final=step == plan.max_steps):
                     hostmem.release_free_heap()  # on CPU the save copies the state to host
                     ckpt.save(step, state, meta=_meta(config, iterator, skipped))
                     mark_phase("save", step)
-                if evaluating and (
-                    step == t.max_steps or (t.eval_every and step % t.eval_every == 0)
-                ):
-                    ev = run_evaluation(run, state.params, step=step)
-                    logger.log(step, ev)
-                    logger.write(_format_eval(step, ev))
-                    final = {**final, **ev}
+                last = step == plan.max_steps
+                if evaluating and (last or (evaluate_every and step % evaluate_every == 0)):
+                    final = {**final, **evaluate_at(step, state.params, logger)}
             if ckpt.should_save(step, final=True):
                 ckpt.save(step, state, meta=_meta(config, iterator, skipped))
     finally:
         ckpt.close()  # waits for pending saves, also when interrupted
-    export_policy(run, state.params)
+    export_policy(setup, state.params)
     if primary:
-        plot_run(run.run_dir)
+        plot_run(setup.run_dir)
     final = dict(final)
     final["step"] = step
     return final
@@ -240,26 +298,56 @@ def _format_eval(step: int, ev: dict[str, float]) -> str:
     return f"eval @ step {step}: " + ", ".join(parts)
 
 
-def export_policy(run: Run, params, out: str | Path | None = None) -> Path:
+def config_changes(saved_yaml: str | None, config: TrainConfig) -> list[str]:
+    """``key: old -> new`` for every setting that differs from a checkpoint's config."""
+    if not saved_yaml:
+        return []
+    import yaml
+
+    def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+        out = {}
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict):
+                out.update(flat(v, key + "."))
+            else:
+                out[key] = v
+        return out
+
+    old = flat(yaml.safe_load(saved_yaml) or {})
+    new = flat(yaml.safe_load(to_yaml(config)) or {})
+    return [
+        f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+        for k in sorted(set(old) | set(new))
+        if old.get(k) != new.get(k) and k != "run_dir"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluate / export.
+
+
+def export_policy(setup: Setup, params: dict, out: str | Path | None = None) -> Path:
     """Writes the policy with ``params`` as a Hugging Face folder (default RUN_DIR/export)."""
     from jaxrl_llm.models import save_pretrained
 
-    out = Path(out) if out is not None else run.run_dir / EXPORT_DIR
-    return save_pretrained(run.setup.policy(params), out, tokenizer=run.tokenizer)
+    out = Path(out) if out is not None else setup.run_dir / EXPORT_DIR
+    return save_pretrained(setup.policy(params), out, tokenizer=setup.tokenizer)
 
 
-def _restored(config: TrainConfig, run_dir: str | Path | None, log) -> tuple[Run, st.TrainState]:
-    run = prepare(config, run_dir)
-    state = run.setup.state
-    ckpt_dir = run.run_dir / CHECKPOINT_DIR
-    if ckpt_dir.exists():
-        with checkpointer(run) as ckpt:
+def _restored(
+    config: TrainConfig, run_dir: str | Path | None, log: Callable
+) -> tuple[Setup, st.TrainState]:
+    setup = resolve(config, run_dir)
+    state = setup.state
+    if setup.checkpoint.directory.exists():
+        with checkpointer(setup.checkpoint) as ckpt:
             if ckpt.latest_step() is not None:
-                state, _ = ckpt.restore(run.setup.state, run.setup.state_sharding)
-                log(f"restored step {int(state.step)} from {ckpt_dir}")
+                state, _ = ckpt.restore(setup.state, setup.state_sharding)
+                log(f"restored step {int(state.step)} from {setup.checkpoint.directory}")
     else:
-        log(f"no checkpoint in {run.run_dir}: using the initial weights")
-    return run, state
+        log(f"no checkpoint in {setup.run_dir}: using the initial weights")
+    return setup, state
 
 
 def evaluate(
@@ -268,13 +356,18 @@ def evaluate(
     run_dir: str | Path | None = None,
     mode: str | None = None,
     max_new_tokens: int | None = None,
-    log=print,
+    log: Callable[..., None] = print,
 ) -> dict[str, float]:
     """Held-out accuracy / mean reward (and dpo preference accuracy) of the latest checkpoint
     in ``run_dir`` (the initial weights without one); ``mode``: greedy or sampled."""
-    run, state = _restored(config, run_dir, log)
+    setup, state = _restored(config, run_dir, log)
     return run_evaluation(
-        run, state.params, step=int(state.step), mode=mode, max_new_tokens=max_new_tokens
+        setup,
+        state.params,
+        step=int(state.step),
+        logprob=reference_logprob_fn(setup),
+        mode=mode,
+        max_new_tokens=max_new_tokens,
     )
 
 
@@ -283,7 +376,7 @@ def export(
     *,
     run_dir: str | Path | None = None,
     out: str | Path | None = None,
-    log=print,
+    log: Callable[..., None] = print,
 ) -> Path:
     """Exports the latest checkpoint of ``run_dir`` as a Hugging Face folder.
 
@@ -294,21 +387,17 @@ def export(
         raise FileNotFoundError(
             f"no checkpoint in {ckpt_dir} to export; train the run first (or check --run-dir)"
         )
-    run, state = _restored(config, run_dir, log)
-    return export_policy(run, state.params, out)
+    setup, state = _restored(config, run_dir, log)
+    return export_policy(setup, state.params, out)
 
 
 __all__ = [
     "CONFIG_FILE",
-    "Run",
-    "build_update_batch",
-    "collect",
-    "dpo_batch",
+    "checkpointer",
+    "config_changes",
     "evaluate",
     "export",
     "export_policy",
-    "make_step_fn",
-    "prepare",
-    "run_evaluation",
+    "make_train_step",
     "train",
 ]

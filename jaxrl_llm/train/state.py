@@ -1,4 +1,4 @@
-"""The RL train state as pure pytrees, the optimizers, and building both from a config.
+"""The RL train state as pure pytrees, its shardings, the optimizers and schedules.
 
 :class:`TrainState` is everything that changes during a run and must survive a restart, as
 plain pytrees (``nnx.split`` + ``nnx.to_pure_dict`` for the models, optax states, arrays):
@@ -25,29 +25,18 @@ wasted at lr 0. After warmup: constant, or cosine / linear decay to ``final_lr_r
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import chain as ch
-from jaxrl_llm.config import (
-    CriticConfig,
-    OptimConfig,
-    TrainConfig,
-    build_recipe,
-    needs_reference_model,
-)
 from jaxrl_llm.core import kl as _kl
-from jaxrl_llm.models import sharding as shd
-from jaxrl_llm.recipe import Recipe
-from jaxrl_llm.train import models as train_models
+from jaxrl_llm.recipe import AnyRecipe, PreferenceRecipe
 
 Schedule = Callable[[jax.Array], jax.Array]
 
@@ -103,58 +92,39 @@ def _per_update(schedule: Schedule, updates_per_step: int) -> Schedule:
 
 
 def make_optimizer(
-    optim: OptimConfig, *, max_steps: int, updates_per_step: int
-) -> tuple[optax.GradientTransformation, Schedule]:
-    """The policy's optimizer (global-norm clipping, then AdamW or SGD) and its step schedule."""
-    schedule = lr_schedule(
-        lr=optim.lr,
-        schedule=optim.schedule,
-        warmup_steps=optim.warmup_steps,
-        max_steps=max_steps,
-        final_lr_ratio=optim.final_lr_ratio,
-    )
+    schedule: Schedule,
+    *,
+    updates_per_step: int,
+    optimizer: str = "adamw",
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum: float | None = None,
+    max_grad_norm: float | None = None,
+) -> optax.GradientTransformation:
+    """Global-norm clipping (``max_grad_norm``), then AdamW or SGD (with decoupled weight decay
+    and momentum) at ``schedule`` of the training step, seen through the optimizer's update
+    count divided by ``updates_per_step`` (see the module docstring)."""
     lr = _per_update(schedule, updates_per_step)
-    if optim.optimizer == "adamw":
-        opt = optax.adamw(
-            lr,
-            b1=optim.adam_b1,
-            b2=optim.adam_b2,
-            eps=optim.adam_eps,
-            weight_decay=optim.weight_decay,
-        )
-    elif optim.optimizer == "sgd":
-        parts = [optax.add_decayed_weights(optim.weight_decay)] if optim.weight_decay else []
-        opt = optax.chain(*parts, optax.sgd(lr, momentum=optim.momentum or None))
+    if optimizer == "adamw":
+        opt = optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
+    elif optimizer == "sgd":
+        parts = [optax.add_decayed_weights(weight_decay)] if weight_decay else []
+        opt = optax.chain(*parts, optax.sgd(lr, momentum=momentum or None))
     else:
-        raise ValueError(f"unknown optimizer {optim.optimizer!r}")
-    clip = [optax.clip_by_global_norm(optim.max_grad_norm)] if optim.max_grad_norm else []
-    return optax.chain(*clip, opt), schedule
-
-
-def make_critic_optimizer(
-    critic: CriticConfig, optim: OptimConfig, *, max_steps: int, updates_per_step: int
-) -> tuple[optax.GradientTransformation, Schedule]:
-    """The critic's AdamW: its own lr and warmup, the policy's schedule shape, betas and clip."""
-    return make_optimizer(
-        dataclasses.replace(
-            optim, optimizer="adamw", lr=critic.lr, warmup_steps=critic.warmup_steps
-        ),
-        max_steps=max_steps,
-        updates_per_step=updates_per_step,
-    )
-
-
-def updates_per_step(config: TrainConfig) -> int:
-    return config.optim.ppo_epochs * config.optim.num_minibatches
+        raise ValueError(f"unknown optimizer {optimizer!r}")
+    clip = [optax.clip_by_global_norm(max_grad_norm)] if max_grad_norm else []
+    return optax.chain(*clip, opt)
 
 
 # ---------------------------------------------------------------------------------------------
 # The KL controller's state (the advantage chain's state).
 
 
-def initial_kl_state(recipe: Recipe) -> Any:
+def initial_kl_state(recipe: AnyRecipe) -> Any:
     """The chain's initial state (``()`` for offline recipes)."""
-    if recipe.advantage is None:
+    if isinstance(recipe, PreferenceRecipe):
         return ()
     dummy = ch.Rollout(reward_bg=jnp.zeros((1, 1)), mask_bgt=jnp.zeros((1, 1, 1), bool))
     return recipe.advantage.init(dummy)
@@ -223,7 +193,7 @@ def init_train_state(
     params: dict,
     tx: optax.GradientTransformation,
     *,
-    recipe: Recipe,
+    recipe: AnyRecipe,
     seed: int,
     critic_params: dict | None = None,
     critic_tx: optax.GradientTransformation | None = None,
@@ -266,129 +236,15 @@ def split_params(module: nnx.Module) -> tuple[nnx.GraphDef, dict]:
     return graphdef, params
 
 
-@dataclasses.dataclass
-class TrainSetup:
-    """What a run is made of: the static pieces (graphdefs, optimizers, mesh) and the state.
-
-    ``state`` is the only part that changes; everything else is rebuilt from the config.
-    """
-
-    config: TrainConfig
-    recipe: Recipe
-    mesh: jax.sharding.Mesh
-    rules: shd.Rules
-    graphdef: nnx.GraphDef
-    tx: optax.GradientTransformation
-    schedule: Schedule
-    state: TrainState
-    state_sharding: TrainState
-    ref_params: dict | None = None
-    critic_graphdef: nnx.GraphDef | None = None
-    critic_tx: optax.GradientTransformation | None = None
-    critic_schedule: Schedule | None = None
-
-    @property
-    def model_config(self):
-        return self.policy().config
-
-    def policy(self, params: dict | None = None) -> nnx.Module:
-        """The policy module with ``params`` (default: the state's)."""
-        return nnx.merge(self.graphdef, self.state.params if params is None else params)
-
-
-def build_setup(config: TrainConfig, *, mesh: jax.sharding.Mesh | None = None) -> TrainSetup:
-    """Loads the models, builds the recipe, optimizers and a fresh state on the mesh.
-
-    Args:
-      config: the run.
-      mesh: a ``(data, fsdp, tensor)`` mesh; default from ``config.mesh`` and the devices.
-    """
-    if mesh is None:
-        mesh, rules = train_models.make_mesh(config)
-    else:
-        rules = shd.PRESETS[config.mesh.preset]
-    recipe = build_recipe(config)
-    seed = config.train.seed
-    with jax.set_mesh(mesh):
-        policy = train_models.load_policy(config.model, mesh=mesh, rules=rules, seed=seed)
-        graphdef, params = split_params(policy)
-        param_sh = shd.param_shardings(nnx.state(policy, nnx.Param), mesh, rules)
-        ref = None
-        if needs_reference_model(config):
-            ref = train_models.reference_params(params, config.kl.reference_param_dtype)
-        n_updates = updates_per_step(config)
-        tx, schedule = make_optimizer(
-            config.optim, max_steps=config.train.max_steps, updates_per_step=n_updates
-        )
-        critic_graphdef = critic_params = critic_sh = critic_tx = critic_schedule = None
-        if recipe.needs_critic:
-            critic = train_models.load_critic(config, policy, mesh=mesh, rules=rules, seed=seed)
-            critic_graphdef, critic_params = split_params(critic)
-            critic_sh = shd.param_shardings(nnx.state(critic, nnx.Param), mesh, rules)
-            critic_tx, critic_schedule = make_critic_optimizer(
-                config.critic,
-                config.optim,
-                max_steps=config.train.max_steps,
-                updates_per_step=n_updates,
-            )
-        skeleton = TrainState(
-            step=np.zeros((), np.int32),
-            params=params,
-            opt_state=None,
-            rng=np.zeros((2,), np.uint32),
-            kl_state=initial_kl_state(recipe),
-            data_position=np.zeros((2,), np.int32),
-            critic_params=critic_params,
-        )
-        sharding = state_shardings(
-            skeleton,
-            mesh,
-            param_sharding=param_sh,
-            tx=tx,
-            critic_param_sharding=critic_sh,
-            critic_tx=critic_tx,
-        )
-        state = init_train_state(
-            params,
-            tx,
-            recipe=recipe,
-            seed=seed,
-            critic_params=critic_params,
-            critic_tx=critic_tx,
-            opt_sharding=sharding.opt_state,
-            critic_opt_sharding=sharding.critic_opt_state,
-        )
-        state = jax.device_put(state, sharding)
-    return TrainSetup(
-        config=config,
-        recipe=recipe,
-        mesh=mesh,
-        rules=rules,
-        graphdef=graphdef,
-        tx=tx,
-        schedule=schedule,
-        state=state,
-        state_sharding=sharding,
-        ref_params=ref,
-        critic_graphdef=critic_graphdef,
-        critic_tx=critic_tx,
-        critic_schedule=critic_schedule,
-    )
-
-
 __all__ = [
-    "TrainSetup",
     "TrainState",
-    "build_setup",
     "init_train_state",
     "initial_kl_state",
     "kl_beta",
     "lr_schedule",
-    "make_critic_optimizer",
     "make_optimizer",
     "opt_state_shardings",
     "replicated",
     "split_params",
     "state_shardings",
-    "updates_per_step",
 ]

@@ -101,27 +101,6 @@ class EstimatorsTest(chex.TestCase):
             self.assertTrue(np.isfinite(out).all())
 
 
-class RegistryTest(parameterized.TestCase):
-    @parameterized.parameters(
-        ("k1", kl.kl_k1),
-        ("kl", kl.kl_k1),
-        ("abs", kl.kl_abs),
-        ("k2", kl.kl_k2),
-        ("mse", kl.kl_k2),
-        ("k3", kl.kl_k3),
-        ("low_var_kl", kl.kl_k3),
-        ("k1+", kl.kl_k1_st),
-        ("k3+", kl.kl_k3_st),
-        ("low_var_kl+", kl.kl_k3_st),
-    )
-    def test_lookup(self, name, estimator):
-        self.assertIs(kl.get_kl_estimator(name), estimator)
-
-    def test_unknown_name_lists_the_valid_ones(self):
-        with pytest.raises(ValueError, match=r"unknown KL estimator 'full'.*'low_var_kl\+'"):
-            kl.get_kl_estimator("full")
-
-
 class ShapingTest(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_kl_in_reward(self):

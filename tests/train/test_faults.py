@@ -26,7 +26,7 @@ import optax
 import pytest
 
 from jaxrl_llm.train import checkpoint as C
-from jaxrl_llm.train import loop
+from jaxrl_llm.train import loop, setup
 from jaxrl_llm.train import metrics as M
 from jaxrl_llm.train.faults import PHASE_LOG_ENV
 from tests.train import helpers as H
@@ -158,16 +158,21 @@ def test_disk_full_during_a_save_is_a_clear_error_and_keeps_the_previous_checkpo
 
 
 def _poison_step(monkeypatch, bad_step: int):
-    """Makes the advantages of training step ``bad_step`` (from 1) NaN."""
-    original = loop.build_update_batch
+    """Makes one reward, hence the advantages of its group, of training step ``bad_step``
+    (from 1) NaN: the host hands the device step a NaN it must not write into the state."""
+    original = loop.collect
+    calls = []
 
-    def build(run, state, groups):
-        batch, kl_state, more = original(run, state, groups)
-        if int(state.step) + 1 == bad_step:
-            batch = batch._replace(adv_nt=batch.adv_nt.at[0, 0].set(jnp.nan))
-        return batch, kl_state, more
+    def poisoned(setup, params, iterator, key):
+        groups, metrics = original(setup, params, iterator, key)
+        calls.append(None)
+        if len(calls) == bad_step:
+            reward_bg = np.array(groups.reward_bg)
+            reward_bg[0, 0] = np.nan
+            groups = groups._replace(reward_bg=reward_bg)
+        return groups, metrics
 
-    monkeypatch.setattr(loop, "build_update_batch", build)
+    monkeypatch.setattr(loop, "collect", poisoned)
 
 
 def test_a_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch, capsys):
@@ -196,7 +201,7 @@ def test_a_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch, capsys
     assert "step 2: non-finite loss or gradient, update skipped" in capsys.readouterr().out
     # step 2 left parameters and optimizer state as step 1 had them (only the count moved)
     with C.Checkpointer(tmp_path / "checkpoints") as ckpt:
-        template = loop.prepare(config).setup.state
+        template = setup.resolve(config).state
         assert ckpt.all_steps() == [1, 2, 3]
         (one, _), (two, meta) = ckpt.restore(template, step=1), ckpt.restore(template, step=2)
         three = ckpt.restore(template, step=3)[0]
@@ -322,7 +327,7 @@ def test_kill_9_at_20_moments_then_resume_ends_with_the_same_parameters(tmp_path
     assert full.exitcode == 0, lives.output.read_text()[-3000:]
     t_full = time.monotonic() - t0
     config = H.config("tiny.yaml", "data.eval_size=0", *VARIED)
-    template = loop.prepare(config).setup.state
+    template = setup.resolve(config).state
 
     rng = random.Random(6)
     phases = (["rollout", "update", "save"] * KILLS)[:KILLS]

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 
-from jaxrl_llm.train import cli, loop
+from jaxrl_llm.train import cli, loop, setup
 from jaxrl_llm.train import metrics as M
 from jaxrl_llm.train.checkpoint import Checkpointer
 from tests.train import helpers as H
@@ -126,7 +126,7 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path, monkeypatch):
     states = []
     for name in ("full", "killed"):
         with Checkpointer(tmp_path / name / "checkpoints") as ckpt:
-            states.append(ckpt.restore(loop.prepare(config).setup.state)[0])
+            states.append(ckpt.restore(setup.resolve(config).state)[0])
     a, b = states
     assert int(a.step) == int(b.step) == 4
     for x, y in zip(np.asarray(a.data_position), np.asarray(b.data_position), strict=True):

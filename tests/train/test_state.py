@@ -9,6 +9,7 @@ import pytest
 
 from jaxrl_llm.config import OptimConfig
 from jaxrl_llm.core import kl as _kl
+from jaxrl_llm.train import setup as S
 from jaxrl_llm.train import state as st
 from tests.train import helpers as H
 
@@ -26,7 +27,7 @@ def test_lr_schedule_warmup_and_decay():
 
 def test_optimizer_counts_training_steps_not_updates():
     optim = OptimConfig(lr=1.0, warmup_steps=2, optimizer="sgd", max_grad_norm=None)
-    tx, sched = st.make_optimizer(optim, max_steps=10, updates_per_step=3)
+    tx, sched = S.make_optimizer(optim, max_steps=10, updates_per_step=3)
     params = {"w": jnp.zeros(())}
     opt = tx.init(params)
     seen = []
@@ -39,19 +40,19 @@ def test_optimizer_counts_training_steps_not_updates():
 
 def test_optimizer_clips_the_global_norm():
     optim = OptimConfig(lr=1.0, optimizer="sgd", max_grad_norm=1.0)
-    tx, _ = st.make_optimizer(optim, max_steps=1, updates_per_step=1)
+    tx, _ = S.make_optimizer(optim, max_steps=1, updates_per_step=1)
     g = {"a": jnp.full((4,), 3.0)}
     upd, _ = tx.update(g, tx.init(g), g)
     assert float(jnp.linalg.norm(upd["a"])) == pytest.approx(1.0, rel=1e-5)
 
 
 def test_build_setup_from_the_tiny_config():
-    setup = st.build_setup(H.config("tiny.yaml"))
+    setup = S.resolve(H.config("tiny.yaml"))
     s = setup.state
     assert int(s.step) == 0 and s.rng.dtype == jnp.uint32 and s.rng.shape == (2,)
     assert s.data_position.shape == (2,) and s.critic_params is None
-    assert setup.ref_params is not None  # β = 0.04: the reference is loaded
-    assert H.tree_max_diff(setup.ref_params, s.params) == 0.0
+    assert setup.models.ref_params is not None  # β = 0.04: the reference is loaded
+    assert H.tree_max_diff(setup.models.ref_params, s.params) == 0.0
     lm = setup.policy()
     assert lm.config.vocab_size == 49152 and lm.config.num_layers == 2
     # every array lives where the sharding tree says
@@ -60,9 +61,9 @@ def test_build_setup_from_the_tiny_config():
 
 
 def test_build_setup_skips_the_reference_at_beta_zero_and_adds_a_critic_for_ppo():
-    setup = st.build_setup(H.config("tiny.yaml", "algorithm.hparams.beta=0.0"))
-    assert setup.ref_params is None
-    ppo = st.build_setup(
+    setup = S.resolve(H.config("tiny.yaml", "algorithm.hparams.beta=0.0"))
+    assert setup.models.ref_params is None
+    ppo = S.resolve(
         H.config("algorithms/ppo.yaml", "rollout.prompts_per_step=4", "kl.controller=adaptive")
     )
     s = ppo.state

@@ -34,7 +34,7 @@ def _copy(tree):
 def _setup(name, tx=None, *, critic_tx=None, seed=0, **hparams):
     rec = H.recipe(name, **hparams)
     lm = H.tiny_lm(seed)
-    critic = H.tiny_critic(lm) if rec.needs_critic else None
+    critic = H.tiny_critic(lm) if rec.critic is not None else None
     tx = tx or optax.adam(1e-2)
     if critic is not None:
         critic_tx = critic_tx or optax.adam(1e-2)
@@ -49,7 +49,7 @@ def test_one_step_per_recipe(name):
     """One update of a synthetic rollout: finite metrics, the parameters move."""
     hp = {"beta": 0.05} if name in ("grpo", "dapo", "gspo", "dr_grpo") else {}
     rec, gd, cgd, state, tx, ctx = _setup(name, **hp)
-    batch = H.synthetic_batch(values=rec.needs_critic)
+    batch = H.synthetic_batch(values=rec.critic is not None)
     step = up.make_update_step(rec, gd, tx, critic_graphdef=cgd, critic_tx=ctx)
     before = _copy(state.params)
     state, metrics = step(state, batch)
@@ -65,7 +65,7 @@ def test_one_step_per_recipe(name):
         assert np.isfinite(float(metrics[key])), key
     assert float(metrics["update/nonfinite"]) == 0
     assert H.tree_max_diff(before, state.params) > 0
-    if rec.needs_critic:
+    if rec.critic is not None:
         assert np.isfinite(float(metrics["critic/loss"]))
         assert "critic/grad_norm" in metrics
 
@@ -97,7 +97,7 @@ def test_loss_decreases_on_a_fixed_batch_and_nonfinite_updates_are_skipped():
 
 def _grads(name, micro, *, num_minibatches=1, mesh=None, n=8, **hp):
     rec, gd, cgd, state, _, _ = _setup(name, grad_capture(), critic_tx=grad_capture(), **hp)
-    batch = H.synthetic_batch(n=n, values=rec.needs_critic, sampler=False)
+    batch = H.synthetic_batch(n=n, values=rec.critic is not None, sampler=False)
     sharding = None
     if mesh is not None:
         skeleton = state._replace(opt_state=None, critic_opt_state=None)

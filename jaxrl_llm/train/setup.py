@@ -1,0 +1,608 @@
+"""A run's config, resolved once into frozen, typed values.
+
+:func:`resolve` is the only place below the loop and the CLI that reads a
+:class:`~jaxrl_llm.config.TrainConfig`. It loads the models, tokenizer, data and reward, builds
+the recipe, the optimizers, the mesh and a fresh :class:`~jaxrl_llm.train.state.TrainState`,
+and turns every knob the rest of the trainer needs into one of the small frozen values below:
+
+    Sampler        how completions are drawn (G, T, temperature, top-k/p, stop ids, cache dtype)
+    UpdateShape    epochs × minibatches × micro-batches of one update
+    OldLogprobs    where π_old comes from (a recompute pass, or the sampler with truncated IS)
+    LoopPlan       steps, batch size, logging, refills, what to do with a non-finite update
+    CheckpointPlan where, how often, how many
+    EvalPlan       how often and how the held-out split is evaluated
+    Models         the mesh, graph definitions, optimizers, schedules, reference parameters,
+                   the state's shardings, and where batches go on the mesh
+
+Everything else (the device step, collection, evaluation, the loop) takes these values, never
+the config: a run is described once, and each layer sees only what it uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxrl_llm import distributed as dist
+from jaxrl_llm import rewards as R
+from jaxrl_llm.config import (
+    ConfigError,
+    CriticConfig,
+    ModelLoadConfig,
+    OptimConfig,
+    TrainConfig,
+    build_recipe,
+    check_devices,
+    data_format,
+    to_dict,
+)
+from jaxrl_llm.models import sharding as shd
+from jaxrl_llm.recipe import REFERENCE_LOGPROBS, AnyRecipe, PreferenceRecipe, Recipe
+from jaxrl_llm.train import data as run_data
+from jaxrl_llm.train import models as train_models
+from jaxrl_llm.train import state as st
+
+CONFIG_FILE = "config.yaml"
+EXPORT_DIR = "export"
+CHECKPOINT_DIR = "checkpoints"
+PAD_MULTIPLE = 32  # prompt widths are padded to a multiple of this (fewer distinct shapes)
+
+
+# ---------------------------------------------------------------------------------------------
+# The resolved values.
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """How completions are drawn.
+
+    Attributes:
+      num_samples: G, completions per prompt.
+      max_new_tokens: T, the completion budget.
+      temperature: sampling temperature (0: greedy); log-probs are of the tempered policy.
+      top_k: keep the k most likely tokens (0: all).
+      top_p: nucleus mass (1: all).
+      stop_ids: token ids that end a completion.
+      cache_dtype: the KV cache's dtype (None: the model's).
+    """
+
+    num_samples: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+    cache_dtype: Any = None
+
+    def greedy(self, max_new_tokens: int | None = None) -> Sampler:
+        """One greedy completion per prompt (evaluation)."""
+        return dataclasses.replace(
+            self,
+            num_samples=1,
+            temperature=0.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateShape:
+    """One update: ``epochs`` passes over ``num_minibatches`` minibatches of the batch, each an
+    optimizer step accumulated exactly over micro-batches of ``micro_batch_size`` rows."""
+
+    epochs: int = 1
+    num_minibatches: int = 1
+    micro_batch_size: int | None = None
+
+    @property
+    def updates_per_step(self) -> int:
+        return self.epochs * self.num_minibatches
+
+
+@dataclasses.dataclass(frozen=True)
+class OldLogprobs:
+    """π_old of the importance ratio: ``"recompute"`` (a forward pass before the update when it
+    is needed) or ``"sampler"`` (the sampler's log-probs, corrected by truncated IS capped at
+    ``tis_cap``)."""
+
+    source: str = "recompute"
+    tis_cap: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """The loop's schedule.
+
+    Attributes:
+      max_steps: training steps.
+      batch_size: prompts (online) or pairs (DPO) per step.
+      log_every: steps between metric lines.
+      on_nonfinite: ``"skip"`` or ``"raise"`` on a non-finite update.
+      max_refill_batches: DAPO: extra batches of prompts drawn to refill dropped groups.
+      data_seed, shuffle: the prompt stream's order.
+    """
+
+    max_steps: int
+    batch_size: int
+    log_every: int = 1
+    on_nonfinite: str = "skip"
+    max_refill_batches: int = 0
+    data_seed: int = 0
+    shuffle: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPlan:
+    """Checkpoints in ``directory`` every ``save_every`` steps (and at the end), ``keep`` kept."""
+
+    directory: Path
+    save_every: int
+    keep: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalPlan:
+    """Held-out evaluation every ``every`` steps (0: only before the first and after the last),
+    ``mode`` greedy or sampled with ``sampler``, keyed from ``seed``."""
+
+    every: int
+    mode: str
+    sampler: Sampler
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Models:
+    """The run's models on its mesh (static parts; parameters travel in the TrainState).
+
+    Attributes:
+      mesh, rules: the ``(data, fsdp, tensor)`` mesh and the logical-axis rules.
+      graphdef: the policy's ``nnx`` graph definition.
+      tx, schedule: the policy's optimizer and its ``step -> lr``.
+      state_sharding: a TrainState of shardings.
+      ref_params: the frozen reference's parameters, or None when the recipe needs none.
+      critic_graphdef, critic_tx, critic_schedule: the critic's, or None.
+    """
+
+    mesh: jax.sharding.Mesh
+    rules: shd.Rules
+    graphdef: nnx.GraphDef
+    tx: optax.GradientTransformation
+    schedule: st.Schedule
+    state_sharding: st.TrainState
+    ref_params: dict | None = None
+    critic_graphdef: nnx.GraphDef | None = None
+    critic_tx: optax.GradientTransformation | None = None
+    critic_schedule: st.Schedule | None = None
+
+    def policy(self, params: dict) -> nnx.Module:
+        """The policy module with ``params``."""
+        return nnx.merge(self.graphdef, params)
+
+    @property
+    def batch_axes(self) -> Any:
+        """The mesh axes a batch's leading axis is split over."""
+        return dict(self.rules).get("batch")
+
+    def batch_sharding(self, ndim: int) -> jax.sharding.NamedSharding:
+        return shd.batch_sharding(self.mesh, ndim, self.rules)
+
+    def to_device(self, x: np.ndarray) -> jax.Array:
+        """Puts a ``[N, ...]`` host array on the mesh, split over the batch axes if it divides.
+
+        With several processes every process holds the same global ``x`` and contributes only
+        its own rows (``jax.make_array_from_process_local_data``).
+        """
+        if dist.is_multiprocess():
+            return dist.to_global(x, self.batch_sharding(np.ndim(x)))
+        if x.shape[0] % shd.data_parallel_size(self.mesh):
+            return jax.device_put(x, st.replicated(self.mesh))
+        return jax.device_put(x, self.batch_sharding(x.ndim))
+
+    def process_rows(self, num_rows: int) -> slice:
+        """This process's rows of a batch (every row in a single-process run)."""
+        return dist.process_rows(self.batch_sharding(1), (int(num_rows),))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Setup:
+    """Everything a run is made of, resolved from its config (see the module docstring).
+
+    ``state`` is the fresh initial state; the loop restores a checkpoint over it.
+    ``sampler`` is None for offline (DPO) runs; ``reward`` scores completions (for DPO only
+    its held-out prompts, None without them).
+    """
+
+    run_dir: Path
+    recipe: AnyRecipe
+    models: Models
+    state: st.TrainState
+    loop: LoopPlan
+    update: UpdateShape
+    old_logprobs: OldLogprobs
+    checkpoint: CheckpointPlan
+    evaluation: EvalPlan
+    sampler: Sampler | None
+    tokenizer: Any
+    data: run_data.RunData
+    reward: R.WeightedSum | None
+
+    @property
+    def offline(self) -> bool:
+        return isinstance(self.recipe, PreferenceRecipe)
+
+    def policy(self, params: dict | None = None) -> nnx.Module:
+        """The policy module with ``params`` (default: the initial state's)."""
+        return self.models.policy(self.state.params if params is None else params)
+
+    @property
+    def state_sharding(self) -> st.TrainState:
+        return self.models.state_sharding
+
+
+# ---------------------------------------------------------------------------------------------
+# From the config.
+
+
+def make_optimizer(
+    optim: OptimConfig, *, max_steps: int, updates_per_step: int
+) -> tuple[optax.GradientTransformation, st.Schedule]:
+    """The policy's optimizer (global-norm clipping, then AdamW or SGD) and its step schedule
+    (see :func:`~jaxrl_llm.train.state.lr_schedule`)."""
+    schedule = st.lr_schedule(
+        lr=optim.lr,
+        schedule=optim.schedule,
+        warmup_steps=optim.warmup_steps,
+        max_steps=max_steps,
+        final_lr_ratio=optim.final_lr_ratio,
+    )
+    return st.make_optimizer(
+        schedule,
+        updates_per_step=updates_per_step,
+        optimizer=optim.optimizer,
+        b1=optim.adam_b1,
+        b2=optim.adam_b2,
+        eps=optim.adam_eps,
+        weight_decay=optim.weight_decay,
+        momentum=optim.momentum,
+        max_grad_norm=optim.max_grad_norm,
+    ), schedule
+
+
+def make_critic_optimizer(
+    critic: CriticConfig, optim: OptimConfig, *, max_steps: int, updates_per_step: int
+) -> tuple[optax.GradientTransformation, st.Schedule]:
+    """The critic's AdamW: its own lr and warmup, the policy's schedule shape, betas and clip."""
+    return make_optimizer(
+        dataclasses.replace(
+            optim, optimizer="adamw", lr=critic.lr, warmup_steps=critic.warmup_steps
+        ),
+        max_steps=max_steps,
+        updates_per_step=updates_per_step,
+    )
+
+
+def update_shape(config: TrainConfig) -> UpdateShape:
+    o = config.optim
+    return UpdateShape(o.ppo_epochs, o.num_minibatches, o.micro_batch_size)
+
+
+def make_mesh(config: TrainConfig) -> tuple[jax.sharding.Mesh, shd.Rules]:
+    """The run's ``(data, fsdp, tensor)`` mesh over the first devices (sizes from
+    ``config.mesh``, checked against the devices and the batch split), and its rules."""
+    sizes = check_devices(config, jax.device_count())
+    return train_models.make_mesh(sizes, config.mesh.preset)
+
+
+def _load_options(model: ModelLoadConfig) -> dict[str, Any]:
+    """How ``model``'s weights are read (the policy's, and a critic checkpoint's)."""
+    return dict(
+        dtype=model.dtype,
+        param_dtype=model.param_dtype,
+        remat=model.remat,
+        allow_pickle=model.allow_pickle,
+    )
+
+
+def load_tokenizer(model: ModelLoadConfig, *, vocab_size: int | None = None) -> Any:
+    """The tokenizer of ``model`` (``model.tokenizer`` or the model's own), checked against
+    ``vocab_size`` when given (see :func:`jaxrl_llm.train.models.load_tokenizer`)."""
+    return train_models.load_tokenizer(
+        model.path,
+        tokenizer=model.tokenizer,
+        trust_remote_code=model.trust_remote_code,
+        vocab_size=vocab_size,
+    )
+
+
+def _data_spec(config: TrainConfig) -> run_data.DataSpec:
+    """``config.data`` as a :class:`~jaxrl_llm.train.data.DataSpec`, file formats resolved
+    (only those of the files that are read)."""
+    d, a = config.data, config.data.arithmetic
+    file = d.source == "file"
+    return run_data.DataSpec(
+        source=d.source,
+        path=d.path,
+        format=data_format(d, d.path) if file else None,
+        eval_path=d.eval_path,
+        eval_format=data_format(d, d.eval_path) if file and d.eval_path and d.eval_size else None,
+        eval_size=d.eval_size,
+        seed=d.seed,
+        arithmetic=run_data.ArithmeticSpec(
+            train_size=a.train_size,
+            operations=tuple(a.operations),
+            min_operand=a.min_operand,
+            max_operand=a.max_operand,
+        ),
+        prompt_field=d.prompt_field,
+        answer_field=d.answer_field,
+        chosen_field=d.chosen_field,
+        rejected_field=d.rejected_field,
+        system_prompt=d.system_prompt,
+        chat_template=d.chat_template,
+        max_prompt_length=d.max_prompt_length,
+    )
+
+
+def build_data(config: TrainConfig, tokenizer: Any) -> run_data.RunData:
+    """The training and held-out datasets of ``config.data`` (pairs for ``dpo``)."""
+    return run_data.build_data(
+        _data_spec(config),
+        tokenizer,
+        offline=config.is_offline,
+        max_response_length=config.preference.max_response_length,
+    )
+
+
+def build_reward(config: TrainConfig, *, base_dir: str | Path | None = None) -> R.WeightedSum:
+    """The weighted reward of ``config.rewards`` (answer rewards read ``data.answer_field``)."""
+    return run_data.build_run_reward(
+        [to_dict(term) for term in config.rewards.terms],
+        on_error=config.rewards.on_error,
+        answer_field=config.data.answer_field,
+        base_dir=base_dir,
+    )
+
+
+def build_models(
+    config: TrainConfig, recipe: AnyRecipe, *, mesh: jax.sharding.Mesh | None = None
+) -> tuple[Models, st.TrainState]:
+    """Loads the models and builds the optimizers and a fresh state on the mesh.
+
+    Args:
+      config: the run.
+      recipe: its recipe (a critic is loaded when it has one).
+      mesh: a ``(data, fsdp, tensor)`` mesh; default from ``config.mesh`` and the devices.
+    """
+    if mesh is None:
+        mesh, rules = make_mesh(config)
+    else:
+        rules = shd.PRESETS[config.mesh.preset]
+    seed = config.train.seed
+    n_updates = update_shape(config).updates_per_step
+    with jax.set_mesh(mesh):
+        policy = train_models.load_policy(
+            config.model.path, **_load_options(config.model), mesh=mesh, rules=rules, seed=seed
+        )
+        graphdef, params = st.split_params(policy)
+        param_sh = shd.param_shardings(nnx.state(policy, nnx.Param), mesh, rules)
+        ref = None
+        if REFERENCE_LOGPROBS in recipe.requires:
+            ref = train_models.reference_params(params, config.kl.reference_param_dtype)
+        tx, schedule = make_optimizer(
+            config.optim, max_steps=config.train.max_steps, updates_per_step=n_updates
+        )
+        critic_graphdef = critic_params = critic_sh = critic_tx = critic_schedule = None
+        if isinstance(recipe, Recipe) and recipe.critic is not None:
+            critic = train_models.load_critic(
+                policy,
+                path=config.critic.path,
+                **_load_options(config.model),
+                mesh=mesh,
+                rules=rules,
+                seed=seed,
+            )
+            critic_graphdef, critic_params = st.split_params(critic)
+            critic_sh = shd.param_shardings(nnx.state(critic, nnx.Param), mesh, rules)
+            critic_tx, critic_schedule = make_critic_optimizer(
+                config.critic,
+                config.optim,
+                max_steps=config.train.max_steps,
+                updates_per_step=n_updates,
+            )
+        skeleton = st.TrainState(
+            step=np.zeros((), np.int32),
+            params=params,
+            opt_state=None,
+            rng=np.zeros((2,), np.uint32),
+            kl_state=st.initial_kl_state(recipe),
+            data_position=np.zeros((2,), np.int32),
+            critic_params=critic_params,
+        )
+        sharding = st.state_shardings(
+            skeleton,
+            mesh,
+            param_sharding=param_sh,
+            tx=tx,
+            critic_param_sharding=critic_sh,
+            critic_tx=critic_tx,
+        )
+        state = st.init_train_state(
+            params,
+            tx,
+            recipe=recipe,
+            seed=seed,
+            critic_params=critic_params,
+            critic_tx=critic_tx,
+            opt_sharding=sharding.opt_state,
+            critic_opt_sharding=sharding.critic_opt_state,
+        )
+        state = jax.device_put(state, sharding)
+    models = Models(
+        mesh=mesh,
+        rules=rules,
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        state_sharding=sharding,
+        ref_params=ref,
+        critic_graphdef=critic_graphdef,
+        critic_tx=critic_tx,
+        critic_schedule=critic_schedule,
+    )
+    return models, state
+
+
+def _stop_ids(config: TrainConfig, tokenizer: Any, model_config: Any) -> tuple[int, ...]:
+    if config.rollout is not None and config.rollout.stop_token_ids is not None:
+        return tuple(config.rollout.stop_token_ids)
+    ids = set()
+    for eos in (getattr(tokenizer, "eos_token_id", None), model_config.eos_token_id):
+        if eos is not None:
+            ids.update(int(e) for e in np.atleast_1d(eos))
+    return tuple(sorted(i for i in ids if 0 <= i < model_config.vocab_size))
+
+
+def check_processes(config: TrainConfig, mesh: jax.sharding.Mesh) -> None:
+    """With several processes: the mesh spans every process's devices, each process owns whole
+    data-parallel shards, and the prompts of a step split evenly over those shards.
+
+    Raises:
+      ConfigError: naming the mesh or batch key and the sizes that do not fit.
+    """
+    procs = jax.process_count()
+    if procs == 1:
+        return
+    sizes = dict(mesh.shape)
+    where = f"mesh (data={sizes['data']}, fsdp={sizes['fsdp']}, tensor={sizes['tensor']})"
+    if mesh.size != jax.device_count():
+        raise ConfigError(
+            f"{where} uses {mesh.size} of the {jax.device_count()} devices of this {procs}-process "
+            "run: a multi-process mesh must hold every process's devices (e.g. mesh.data=-1)",
+            "mesh",
+        )
+    dp = shd.data_parallel_size(mesh)
+    if dp % procs:
+        raise ConfigError(
+            f"{where}: the data-parallel size data × fsdp = {dp} is not a multiple of the "
+            f"{procs} processes; keep mesh.tensor within one process's "
+            f"{jax.local_device_count()} devices and split data/fsdp across processes",
+            "mesh",
+        )
+    if config.rollout is not None and config.rollout.prompts_per_step % dp:
+        raise ConfigError(
+            f"rollout.prompts_per_step = {config.rollout.prompts_per_step}: expected a multiple "
+            f"of the data-parallel size {dp} ({where} over {procs} processes), so that each "
+            "process samples whole groups for its own prompts",
+            "rollout.prompts_per_step",
+        )
+
+
+def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
+    r = config.rollout
+    if r is None:
+        return None
+    return Sampler(
+        num_samples=r.num_samples,
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        stop_ids=tuple(stop_ids),
+        cache_dtype=None if r.cache_dtype == "auto" else jnp.dtype(r.cache_dtype),
+    )
+
+
+def _eval_plan(config: TrainConfig, sampler: Sampler | None, stop_ids: Sequence[int]) -> EvalPlan:
+    t = config.train
+    if sampler is None:  # dpo: greedy answers of the pairs' length
+        max_new = t.eval_max_new_tokens or config.preference.max_response_length
+        base = Sampler(num_samples=1, max_new_tokens=max_new, stop_ids=tuple(stop_ids))
+        return EvalPlan(every=t.eval_every, mode="greedy", sampler=base, seed=t.seed + 1)
+    max_new = t.eval_max_new_tokens or sampler.max_new_tokens
+    eval_sampler = dataclasses.replace(sampler, num_samples=1, max_new_tokens=max_new)
+    return EvalPlan(every=t.eval_every, mode=t.eval_mode, sampler=eval_sampler, seed=t.seed + 1)
+
+
+def resolve(
+    config: TrainConfig,
+    run_dir: str | Path | None = None,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+) -> Setup:
+    """The run of ``config`` in ``run_dir`` (default ``config.run_dir``), resolved: models,
+    tokenizer, data, reward, recipe, optimizers, a fresh state, and the plans (not restored)."""
+    recipe = build_recipe(config)
+    models, state = build_models(config, recipe, mesh=mesh)
+    check_processes(config, models.mesh)
+    model_config = models.policy(state.params).config
+    tokenizer = load_tokenizer(config.model, vocab_size=model_config.vocab_size)
+    data = build_data(config, tokenizer)
+    # DPO scores only its held-out prompts (when it has any) with the configured reward.
+    scored = not config.is_offline or data.eval_prompts is not None
+    reward = build_reward(config) if scored else None
+    stop_ids = _stop_ids(config, tokenizer, model_config)
+    sampler = _sampler(config, stop_ids)
+    run_dir = Path(run_dir or config.run_dir or ".").expanduser().absolute()
+    t = config.train
+    batch_size = (
+        config.preference.pairs_per_step if config.is_offline else config.rollout.prompts_per_step
+    )
+    return Setup(
+        run_dir=run_dir,
+        recipe=recipe,
+        models=models,
+        state=state,
+        loop=LoopPlan(
+            max_steps=t.max_steps,
+            batch_size=batch_size,
+            log_every=t.log_every,
+            on_nonfinite=t.on_nonfinite,
+            max_refill_batches=t.max_refill_batches,
+            data_seed=config.data.seed,
+            shuffle=config.data.shuffle,
+        ),
+        update=update_shape(config),
+        old_logprobs=OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
+        checkpoint=CheckpointPlan(run_dir / CHECKPOINT_DIR, t.save_every, t.keep_checkpoints),
+        evaluation=_eval_plan(config, sampler, stop_ids),
+        sampler=sampler,
+        tokenizer=tokenizer,
+        data=data,
+        reward=reward,
+    )
+
+
+__all__ = [
+    "CHECKPOINT_DIR",
+    "CONFIG_FILE",
+    "EXPORT_DIR",
+    "PAD_MULTIPLE",
+    "CheckpointPlan",
+    "EvalPlan",
+    "LoopPlan",
+    "Models",
+    "OldLogprobs",
+    "Sampler",
+    "Setup",
+    "UpdateShape",
+    "build_data",
+    "build_models",
+    "build_reward",
+    "check_processes",
+    "load_tokenizer",
+    "make_critic_optimizer",
+    "make_mesh",
+    "make_optimizer",
+    "resolve",
+    "update_shape",
+]

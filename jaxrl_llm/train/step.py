@@ -1,0 +1,291 @@
+"""One RL step on device: ``make_rl_step(...) -> step(state, groups) -> (state, metrics)``.
+
+The host generates, scores and selects (:mod:`jaxrl_llm.train.collect`); everything after that
+is one jitted program on the run's mesh, with the groups kept as ``[B, G, T]``::
+
+    tokens_nl = [prompt_b ⧺ completion_bg]                       (a reshape, inside the jit)
+    π_old     = forward(params)        when a recompute is needed (several updates per batch, or a
+                                       chain that reads the rollout policy's log-probs)
+    π_ref     = forward(ref_params)    when the recipe requires reference log-probs
+    V         = critic(critic_params)  when the recipe has a critic
+    A, s'     = recipe.advantage on the Rollout (its state s carried in TrainState.kl_state)
+    R         = recipe's value targets (same chain state)
+    θ, opt    = epochs × minibatches × micro-batches of exact (sum, denominator) accumulation
+
+so one step costs one host → device transfer (the groups) and one device → host transfer (the
+metrics). The only inputs besides the state and the groups are the frozen reference
+parameters, passed as an argument (never baked into the program as constants).
+
+Old log-probs (π_old of the importance ratio), by :class:`~jaxrl_llm.train.setup.OldLogprobs`:
+``recompute`` runs the forward pass only when it changes the numbers (with one update per batch
+on-policy π_old = sg(π_θ) is exact and saves the pass); ``sampler`` takes the rollout engine's
+log-probs and corrects the mismatch with truncated importance sampling
+(:func:`~jaxrl_llm.core.policy_losses.truncated_importance_weight`, see
+:mod:`jaxrl_llm.train.update`).
+
+Metrics of the step, besides the update's (``actor/*``, ``critic/*``, ``update/nonfinite``):
+``advantages/{mean,std,min,max}`` over valid tokens (0 when none), ``kl/rollout`` (the mean
+sequence k1 KL of the rollout policy to the reference, when the chain reads it), ``kl/beta``
+(the chain's KL coefficient, when it has one) and ``perf/tokens`` (real prompt + completion
+tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxrl_llm import chain as ch
+from jaxrl_llm import recipe as rc
+from jaxrl_llm.core import kl as _kl
+from jaxrl_llm.models import sharding as shd
+from jaxrl_llm.recipe import Recipe
+from jaxrl_llm.train import forward
+from jaxrl_llm.train import state as st
+from jaxrl_llm.train import update as up
+from jaxrl_llm.train.setup import Models, OldLogprobs, UpdateShape
+
+Metrics = dict[str, jax.Array]
+
+
+class Groups(NamedTuple):
+    """B prompts × G completions, as the step takes them.
+
+    Attributes:
+      prompt_ids_bp: ``int32[B, P]`` left-padded prompts.
+      prompt_mask_bp: ``bool[B, P]`` real prompt tokens.
+      tokens_bgt: ``int32[B, G, T]`` completions.
+      mask_bgt: ``bool[B, G, T]`` real completion tokens.
+      logp_sampler_bgt: ``f32[B, G, T]`` the sampler's log-probs of the completion tokens.
+      reward_bg: ``f32[B, G]`` sequence rewards.
+      member_bg: ``bool[B, G]`` completions that reach the update (selection).
+    """
+
+    prompt_ids_bp: jax.Array
+    prompt_mask_bp: jax.Array
+    tokens_bgt: jax.Array
+    mask_bgt: jax.Array
+    logp_sampler_bgt: jax.Array
+    reward_bg: jax.Array
+    member_bg: jax.Array
+
+
+def needs_old_logprob_pass(recipe: Recipe, update: UpdateShape, old: OldLogprobs) -> bool:
+    """Whether π_old is recomputed by a forward pass before the update."""
+    if old.source != "recompute":
+        return False
+    return update.updates_per_step > 1 or rc.BEHAVIOUR_LOGPROBS in recipe.requires
+
+
+def _sequences(groups: Groups) -> tuple[jax.Array, jax.Array]:
+    """``[B, P] ⧺ [B, G, T] -> [N, P + T]`` token ids and attention mask, N = B·G."""
+    b, g, t = groups.tokens_bgt.shape
+    p = groups.prompt_ids_bp.shape[1]
+
+    def rows(prompt_bp, completion_bgt):
+        prompt_bgp = jnp.broadcast_to(prompt_bp[:, None, :], (b, g, p))
+        return jnp.concatenate([prompt_bgp, completion_bgt], axis=-1).reshape(b * g, p + t)
+
+    return rows(groups.prompt_ids_bp, groups.tokens_bgt), rows(
+        groups.prompt_mask_bp, groups.mask_bgt
+    )
+
+
+def _masked_stats(x_bgt: jax.Array, mask_bgt: jax.Array, prefix: str) -> Metrics:
+    """Mean, std (ddof 0), min and max of ``x`` over ``mask`` (all 0 when the mask is empty)."""
+    count = jnp.sum(mask_bgt, dtype=jnp.int32).astype(jnp.float32)
+    some = count > 0
+    mean = jnp.sum(jnp.where(mask_bgt, x_bgt, 0.0)) / jnp.maximum(count, 1.0)
+    var = jnp.sum(jnp.where(mask_bgt, jnp.square(x_bgt - mean), 0.0)) / jnp.maximum(count, 1.0)
+    low = jnp.min(jnp.where(mask_bgt, x_bgt, jnp.inf))
+    high = jnp.max(jnp.where(mask_bgt, x_bgt, -jnp.inf))
+    zero = jnp.zeros((), jnp.float32)
+    return {
+        f"{prefix}/mean": mean,
+        f"{prefix}/std": jnp.sqrt(var),
+        f"{prefix}/min": jnp.where(some, low, zero),
+        f"{prefix}/max": jnp.where(some, high, zero),
+    }
+
+
+def make_rl_step(
+    recipe: Recipe,
+    models: Models,
+    update: UpdateShape,
+    *,
+    temperature: float = 1.0,
+    old_logprobs: OldLogprobs | None = None,
+    chunk_size: int | None = 256,
+) -> Callable[[st.TrainState, Groups], tuple[st.TrainState, dict[str, float]]]:
+    """The run's RL step ``step(state, groups) -> (state, metrics)`` as one jit on its mesh.
+
+    See the module docstring for what runs inside. The state is donated; the metrics come back
+    as Python floats in one transfer (the step's only device → host copy); ``groups`` may be host
+    arrays (put on the mesh with their leading axis B over the batch axes when it divides) or
+    global arrays of a multi-process run.
+
+    Args:
+      recipe: the online recipe.
+      models: the run's models (graph definitions, optimizers, mesh, reference parameters).
+      update: epochs × minibatches × micro-batches of the update (micro-batches also bound the
+        forward passes' memory).
+      temperature: the sampling temperature (log-probs are of the tempered policy).
+      old_logprobs: where π_old comes from (see the module docstring; default: recompute).
+      chunk_size: time chunk of the log-prob computations (bounds ``[rows, chunk, V]``).
+    """
+    old_logprobs = old_logprobs or OldLogprobs()
+    recompute = needs_old_logprob_pass(recipe, update, old_logprobs)
+    use_sampler = old_logprobs.source == "sampler"
+    reads_old = rc.BEHAVIOUR_LOGPROBS in recipe.requires
+    with_critic = recipe.critic is not None
+    micro = update.micro_batch_size
+    mesh, sharding = models.mesh, models.state_sharding
+    update_fn = up.make_update_step(
+        recipe,
+        models.graphdef,
+        models.tx,
+        schedule=models.schedule,
+        critic_graphdef=models.critic_graphdef,
+        critic_tx=models.critic_tx,
+        critic_schedule=models.critic_schedule,
+        ppo_epochs=update.epochs,
+        num_minibatches=update.num_minibatches,
+        micro_batch_size=micro,
+        temperature=temperature,
+        tis_cap=old_logprobs.tis_cap,
+        chunk_size=chunk_size,
+        mesh=mesh,
+        state_sharding=sharding,
+        rules=models.rules,
+        jit=False,
+    )
+    batch_axes = models.batch_axes
+
+    def constrain(x: jax.Array) -> jax.Array:
+        spec = PartitionSpec(batch_axes, *([None] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    def logprobs(params: Any, tokens_nl: jax.Array, mask_nl: jax.Array, t: int) -> jax.Array:
+        return forward.completion_logprobs_nt(
+            models.graphdef,
+            params,
+            tokens_nl,
+            mask_nl,
+            completion_len=t,
+            temperature=temperature,
+            chunk_size=chunk_size,
+            micro_batch_size=micro,
+        )
+
+    def step(state: st.TrainState, groups: Groups, ref_params: Any):
+        b, g, t = groups.tokens_bgt.shape
+        n = b * g
+        tokens_nl, input_mask_nl = _sequences(groups)
+        if n % shd.data_parallel_size(mesh) == 0:
+            tokens_nl, input_mask_nl = constrain(tokens_nl), constrain(input_mask_nl)
+        bgt = lambda x_nt: None if x_nt is None else x_nt.reshape(b, g, t)
+        logp_old = logp_ref = values = None
+        if recompute:
+            logp_old = bgt(logprobs(state.params, tokens_nl, input_mask_nl, t))
+        if ref_params is not None:
+            logp_ref = bgt(logprobs(ref_params, tokens_nl, input_mask_nl, t))
+        if with_critic:
+            values = bgt(
+                forward.completion_values_nt(
+                    models.critic_graphdef,
+                    state.critic_params,
+                    tokens_nl,
+                    input_mask_nl,
+                    completion_len=t,
+                    micro_batch_size=micro,
+                )
+            )
+        sampler_bgt = groups.logp_sampler_bgt.astype(jnp.float32)
+        chain_old = (
+            logp_old
+            if logp_old is not None
+            else (sampler_bgt if use_sampler or reads_old else None)
+        )
+        rollout = ch.Rollout(
+            reward_bg=groups.reward_bg.astype(jnp.float32),
+            mask_bgt=groups.mask_bgt,
+            mask_bg=groups.member_bg,
+            logp_old_bgt=chain_old,
+            logp_ref_bgt=logp_ref,
+            value_bgt=values,
+        )
+        adv_bgt, kl_state = ch.apply(recipe.advantage, rollout, state.kl_state)
+        returns = rc.value_targets(recipe, rollout, state.kl_state) if with_critic else None
+        mask_bgt = ch.token_mask(rollout)
+        metrics = _masked_stats(adv_bgt, mask_bgt, "advantages")
+        if reads_old and logp_ref is not None and chain_old is not None:
+            kl_bgt = _kl.kl_k1(chain_old, logp_ref)
+            metrics["kl/rollout"] = _kl.mean_sequence_kl(kl_bgt, mask_bgt)
+        beta = st.kl_beta(kl_state)
+        if beta is not None:
+            metrics["kl/beta"] = beta
+        nt = lambda x_bgt: None if x_bgt is None else x_bgt.reshape(n, t)
+        batch = up.UpdateBatch(
+            tokens_nl=tokens_nl,
+            input_mask_nl=input_mask_nl,
+            mask_nt=nt(mask_bgt),
+            adv_nt=nt(adv_bgt),
+            logp_old_nt=nt(logp_old),
+            logp_sampler_nt=nt(sampler_bgt) if use_sampler else None,
+            logp_ref_nt=nt(logp_ref),
+            value_old_nt=nt(values),
+            return_nt=nt(returns),
+        )
+        state, update_metrics = update_fn(state._replace(kl_state=kl_state), batch)
+        metrics.update(update_metrics)
+        metrics["perf/tokens"] = jnp.sum(input_mask_nl, dtype=jnp.int32).astype(jnp.float32)
+        # One vector, so the metrics come back in one transfer; the names are fixed at trace.
+        names = sorted(metrics)
+        traced_names.append(names)
+        return state, jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in names])
+
+    rep = NamedSharding(mesh, PartitionSpec())
+    ref_params = models.ref_params
+    ref_sharding = None if ref_params is None else sharding.params
+    cache: dict[Any, tuple[Callable, list[str]]] = {}
+    traced_names: list[list[str]] = []
+
+    def groups_sharding(groups: Groups) -> Groups:
+        b = groups.tokens_bgt.shape[0]
+        if b % shd.data_parallel_size(mesh):
+            return jax.tree.map(lambda _: rep, groups)
+        return jax.tree.map(
+            lambda x: NamedSharding(mesh, PartitionSpec(batch_axes, *([None] * (x.ndim - 1)))),
+            groups,
+        )
+
+    def call(state: st.TrainState, groups: Groups) -> tuple[st.TrainState, dict[str, float]]:
+        g_sharding = groups_sharding(groups)
+        key = jax.tree.structure(groups), tuple(g_sharding)
+        if key not in cache:
+            jitted = jax.jit(
+                step,
+                in_shardings=(sharding, g_sharding, ref_sharding),
+                out_shardings=(sharding, rep),
+                donate_argnums=0,
+            )
+            cache[key] = (jitted, [])
+        jitted, names = cache[key]
+        state = jax.device_put(state, sharding)
+        groups = jax.device_put(groups, g_sharding)
+        with jax.set_mesh(mesh):
+            state, packed = jitted(state, groups, ref_params)
+        if not names:  # traced by the call above
+            names.extend(traced_names.pop())
+        values = np.asarray(jax.device_get(packed)).tolist()
+        return state, dict(zip(names, values, strict=True))
+
+    return call
+
+
+__all__ = ["Groups", "make_rl_step", "needs_old_logprob_pass"]
