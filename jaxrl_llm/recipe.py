@@ -88,10 +88,10 @@ def aggregation(name: str, *, norm: int | None = None) -> Aggregation:
     fn = AGGREGATIONS[name]
     if name != "seq-mean-token-sum-norm":
         if norm is not None:
-            raise ValueError(f"aggregation {name!r} takes no `norm` (got {norm!r})")
+            raise ValueError(f"aggregation {name!r} does not take `norm` (got {norm!r})")
         return fn
     if norm is not None and not norm >= 1:
-        raise ValueError(f"aggregation {name!r}: `norm` must be ≥ 1, got {norm!r}")
+        raise ValueError(f"aggregation {name!r}: argument `norm` must be ≥ 1, got {norm!r}")
 
     def seq_sum_norm(loss_bgt: chex.Array, mask_bgt: chex.Array) -> Pair:
         return fn(loss_bgt, mask_bgt, norm=norm if norm is not None else mask_bgt.shape[-1])
