@@ -9,12 +9,12 @@ out = rollout.generate(model, ids, mask, rng=jax.random.key(0), max_new_tokens=3
 rollout.decode_completions(tokenizer, out.tokens, out.mask)   # [B][G] strings
 """
 
-from jaxrl_llm.rollout.engine import Rollout, generate
+from jaxrl_llm.rollout.engine import Generation, generate
 from jaxrl_llm.rollout.sampling import sample
 from jaxrl_llm.rollout.text import completion_ids, decode_completions, encode_prompts
 
 __all__ = [
-    "Rollout",
+    "Generation",
     "completion_ids",
     "decode_completions",
     "encode_prompts",

@@ -47,8 +47,8 @@ ModelLike = CausalLM | tuple[nnx.GraphDef, nnx.State | Params]
 """What ``generate`` samples from: a model, or its ``nnx.split`` halves."""
 
 
-class Rollout(NamedTuple):
-    """G sampled completions for each of B prompts.
+class Generation(NamedTuple):
+    """What :func:`generate` returns: G sampled completions for each of B prompts.
 
     Attributes:
       tokens: ``int32[B, G, T]`` completion token ids; the pad id after a sequence stops.
@@ -103,7 +103,7 @@ def _rollout(
     stop_ids_s: jax.Array,
     *,
     static: _Static,
-) -> Rollout:
+) -> Generation:
     dtype = nnx.merge(graphdef, params).config.jnp_dtype  # trace time only
     lm: CausalLM = nnx.merge(graphdef, _cast_params(params, dtype))
     b, p = prompt_ids_bp.shape
@@ -170,7 +170,7 @@ def _rollout(
     def bgt(x_tn: jax.Array) -> jax.Array:
         return x_tn.T.reshape(b, g, t)
 
-    return Rollout(bgt(tokens_tn), bgt(mask_tn), bgt(logp_tn), alive_n.reshape(b, g))
+    return Generation(bgt(tokens_tn), bgt(mask_tn), bgt(logp_tn), alive_n.reshape(b, g))
 
 
 def _split_model(model: ModelLike) -> tuple[nnx.GraphDef, Params, CausalLM | None]:
@@ -323,7 +323,7 @@ def _rollout_multiprocess(
     args: tuple[Params, np.ndarray, np.ndarray, jax.Array, np.float32, np.float32, np.ndarray],
     static: _Static,
     mesh: jax.sharding.Mesh | None,
-) -> Rollout:
+) -> Generation:
     """One process's share of a multi-process rollout: its prompt rows in, its rows out.
 
     The processes' rows form the global batch (process order) with
@@ -375,12 +375,12 @@ def generate(
     stop_token_ids: int | Sequence[int] | None = None,
     cache_dtype: jax.typing.DTypeLike | None = None,
     prompt_bucket: int = 16,
-) -> Rollout:
+) -> Generation:
     """Samples ``num_samples`` completions of ``max_new_tokens`` tokens for each prompt.
 
         y_t ~ π(· | x, y_<t),   π ∝ exp(logits / τ) on the top-k ∩ top-p set,   t < T
 
-    stopping a sequence after its first stop token. See :class:`Rollout` for the outputs.
+    stopping a sequence after its first stop token. See :class:`Generation` for the outputs.
 
     Args:
       model: a :class:`~jaxrl_llm.models.CausalLM`, or its ``(graphdef, params)`` from
@@ -407,7 +407,7 @@ def generate(
         batches reuse one compiled program.
 
     Returns:
-      A :class:`Rollout` of ``[B, G, T]`` tokens, mask and log-probs and ``[B, G]`` truncated.
+      A :class:`Generation` of ``[B, G, T]`` tokens, mask and log-probs and ``[B, G]`` truncated.
     """
     graphdef, params, module = _split_model(model)
     config = _config_of(graphdef, params, module)
