@@ -175,7 +175,9 @@ def stateless(
         del rollout
         return EmptyState()
 
-    def update(signal_bgt, state, rollout):
+    def update(
+        signal_bgt: chex.Array, state: EmptyState, rollout: Rollout
+    ) -> tuple[chex.Array, EmptyState]:
         return fn(signal_bgt, rollout), state
 
     return AdvantageTransform(init, update, (info,) if info is not None else ())
@@ -187,7 +189,9 @@ def chain(*stages: AdvantageTransform) -> AdvantageTransform:
     def init(rollout: Rollout) -> tuple[State, ...]:
         return tuple(stage.init(rollout) for stage in stages)
 
-    def update(signal_bgt, state, rollout):
+    def update(
+        signal_bgt: chex.Array, state: tuple[State, ...], rollout: Rollout
+    ) -> tuple[chex.Array, tuple[State, ...]]:
         if len(state) != len(stages):
             raise ValueError(
                 f"chain: state has {len(state)} entries for {len(stages)} stages; build it with "
@@ -237,7 +241,9 @@ def scoring_members(rollout: Rollout) -> chex.Array:
     return token_mask(rollout).any(-1)
 
 
-def _subtract_per_sequence(signal_bgt, baseline_bg, rollout):
+def _subtract_per_sequence(
+    signal_bgt: chex.Array, baseline_bg: chex.Array, rollout: Rollout
+) -> chex.Array:
     return jnp.where(token_mask(rollout), signal_bgt - baseline_bg[..., None], 0.0)
 
 
@@ -279,7 +285,7 @@ def kl_estimator(name: str) -> Callable[..., chex.Array]:
 def clip_reward(low: float, high: float) -> AdvantageTransform:
     """Clips token rewards to ``[low, high]`` (OpenRLHF clips scores to (−10, 10))."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         return jnp.where(token_mask(rollout), jnp.clip(signal_bgt, low, high), 0.0)
 
     return stateless(
@@ -293,7 +299,7 @@ def overlong_penalty(
     """DAPO's soft overlong punishment added to the last token's reward (Yu et al. 2025,
     arXiv:2503.14476); the length is the number of valid completion tokens."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         mask_bgt = token_mask(rollout)
         length_bg = mask_bgt.sum(-1)
         penalty_bg = _selection.overlong_reward_penalty(
@@ -330,11 +336,13 @@ def kl_penalty(
     kl_fn = kl_estimator(estimator) if isinstance(estimator, str) else estimator
     name = estimator if isinstance(estimator, str) else getattr(estimator, "__name__", "custom")
 
-    def init(rollout):
+    def init(rollout: Rollout) -> _kl.KLControllerState:
         del rollout
         return controller.init()
 
-    def update(signal_bgt, state, rollout):
+    def update(
+        signal_bgt: chex.Array, state: _kl.KLControllerState, rollout: Rollout
+    ) -> tuple[chex.Array, _kl.KLControllerState]:
         logp_old = require(rollout, "logp_old_bgt", "kl_penalty")
         logp_ref = require(rollout, "logp_ref_bgt", "kl_penalty")
         mask_bgt = token_mask(rollout)
@@ -360,7 +368,7 @@ def outcome_return() -> AdvantageTransform:
     """Every valid token gets the sequence's total reward ``Σ_t r_t`` (verl's outcome estimators:
     GRPO, RLOO, REINFORCE++-baseline sum token rewards, KL included, before grouping)."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         mask_bgt = token_mask(rollout)
         total_bg = _masked.masked_sum(signal_bgt, mask_bgt, axis=-1)
         return jnp.where(mask_bgt, total_bg[..., None], 0.0)
@@ -372,7 +380,7 @@ def outcome_return() -> AdvantageTransform:
 def discounted_return(gamma: float = 1.0) -> AdvantageTransform:
     """Reward-to-go ``G_t = r_t + γ·G_{t+1}``; masked (observation) tokens carry ``G`` through."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         return _returns.discounted_returns(signal_bgt, token_mask(rollout), gamma=gamma)
 
     text = f"reward-to-go G_t = r_t + γ·G_(t+1), γ = {gamma:g}"
@@ -384,7 +392,7 @@ def gae(gamma: float = 1.0, lam: float = 0.95) -> AdvantageTransform:
     arXiv:1506.02438). The critic is the baseline, inside the TD errors
     ``δ_t = r_t + γV_(t+1) − V_t``."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         value_bgt = require(rollout, "value_bgt", "gae")
         adv_bgt, _ = _returns.gae(
             signal_bgt, C.f32(value_bgt), token_mask(rollout), gamma=gamma, lam=lam
@@ -414,7 +422,7 @@ def gae(gamma: float = 1.0, lam: float = 0.95) -> AdvantageTransform:
 def group_mean_baseline(*, singleton_baseline: float | None = None) -> AdvantageTransform:
     """``A_i = R_i − mean_{j∈group} R_j`` (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300)."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         score_bg = _sequence_score(signal_bgt, rollout)
         b_bg = _baselines.group_mean_baseline(
             score_bg, scoring_members(rollout), singleton_baseline=singleton_baseline
@@ -428,7 +436,7 @@ def group_mean_baseline(*, singleton_baseline: float | None = None) -> Advantage
 def leave_one_out_baseline(*, singleton_baseline: float | None = None) -> AdvantageTransform:
     """``A_i = R_i − mean_{j≠i} R_j`` (Kool et al. 2019; Ahmadian et al. 2024, arXiv:2402.14740)."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         score_bg = _sequence_score(signal_bgt, rollout)
         b_bg = _baselines.leave_one_out_baseline(
             score_bg, scoring_members(rollout), singleton_baseline=singleton_baseline
@@ -442,7 +450,7 @@ def leave_one_out_baseline(*, singleton_baseline: float | None = None) -> Advant
 def length_weighted_baseline(*, singleton_baseline: float | None = None) -> AdvantageTransform:
     """OPO's length-weighted group mean ``b = Σ|y_j|R_j / Σ|y_j|`` (arXiv:2505.23585)."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         score_bg = _sequence_score(signal_bgt, rollout)
         length_bg = token_mask(rollout).sum(-1).astype(jnp.float32)
         b_bg = _baselines.length_weighted_baseline(
@@ -458,7 +466,7 @@ def given_baseline() -> AdvantageTransform:
     """A per-prompt baseline supplied in ``Rollout.baseline_b``, e.g. ReMax's greedy rollout reward
     (Li et al. 2023, arXiv:2310.10505)."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         baseline_b = require(rollout, "baseline_b", "given_baseline")
         score_bg = _sequence_score(signal_bgt, rollout)
         b_bg = _baselines.given_baseline(score_bg, C.f32(baseline_b), scoring_members(rollout))
@@ -472,7 +480,7 @@ def critic_baseline() -> AdvantageTransform:
     """``A_t = G_t − V(s_t)`` with the rollout's critic values (REINFORCE with a learned
     baseline; GAE with λ = 1)."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         value_bgt = require(rollout, "value_bgt", "critic_baseline")
         mask_bgt = token_mask(rollout)
         return jnp.where(
@@ -492,7 +500,7 @@ def group_std_scale(
 ) -> AdvantageTransform:
     """Divides each sequence's signal by its group's std of returns plus ``eps`` (GRPO)."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         score_bg = _sequence_score(signal_bgt, rollout)
         return _norm.scale_by_group_std(
             signal_bgt,
@@ -510,7 +518,7 @@ def group_std_scale(
 def batch_std_scale(*, ddof: int = 0, eps: float = 1e-6) -> AdvantageTransform:
     """Divides by the std of all member returns of the batch (TRL ``scale_rewards="batch"``)."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         score_bg = _sequence_score(signal_bgt, rollout)
         return _norm.scale_by_batch_std(
             signal_bgt, score_bg, scoring_members(rollout), ddof=ddof, eps=eps
@@ -532,7 +540,7 @@ def batch_whiten(
     arXiv:2501.03262). Under ``jit`` on sharded inputs the statistics are global; inside
     ``shard_map`` pass ``axis_name`` to ``psum`` them."""
 
-    def fn(signal_bgt, rollout):
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         return _norm.batch_whiten(
             signal_bgt,
             token_mask(rollout),

@@ -114,7 +114,7 @@ class FrozenDict(Mapping):
     def __init__(self, data: Mapping | None = None):
         object.__setattr__(self, "_data", dict(data or {}))
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: Any) -> Any:
         return self._data[key]
 
     def __iter__(self) -> Iterator:
@@ -129,7 +129,7 @@ class FrozenDict(Mapping):
     def __repr__(self) -> str:
         return f"FrozenDict({self._data!r})"
 
-    def __setattr__(self, name, value):
+    def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("FrozenDict is immutable")
 
     def __reduce__(self):

@@ -228,7 +228,7 @@ def recipe_hparams(config: TrainConfig) -> dict[str, Any]:
     return out
 
 
-def build_recipe(config: TrainConfig, **extra: Any):
+def build_recipe(config: TrainConfig, **extra: Any) -> rc.AnyRecipe:
     """The :class:`~jaxrl_llm.recipe.Recipe` the config names (``extra``: e.g. ``axis_name``)."""
     name = config.algorithm.name
     kwargs = dict(config.algorithm.hparams, numerics=config.algorithm.numerics, **extra)

@@ -190,7 +190,9 @@ def _accumulate(
         (loss, aux), grads = grad_fn(params, constrain(_first(mb)))
         return loss, aux, grads
 
-    def body(carry, micro):
+    def body(
+        carry: tuple[jax.Array, dict[str, Pair], Any], micro: Any
+    ) -> tuple[tuple[jax.Array, dict[str, Pair], Any], None]:
         (loss, aux), grads = grad_fn(params, constrain(micro))
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         return _add(carry, (loss, aux, grads)), None
@@ -218,7 +220,7 @@ def _apply(
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss_sum)
 
-    def update(operands):
+    def update(operands: tuple[Any, Any]) -> tuple[Any, Any]:
         params, opt_state = operands
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
@@ -277,7 +279,9 @@ def optimize(
     )
     mbs = jax.tree.map(lambda x: strided_split(x, num_minibatches, num_micro), batch)
 
-    def minibatch_step(carry, mb):
+    def minibatch_step(
+        carry: tuple[tuple[Any, ...], tuple[Any, ...]], mb: Any
+    ) -> tuple[tuple[tuple[Any, ...], tuple[Any, ...]], dict[str, jax.Array]]:
         params, opt_states = carry
         new_params, new_opts, metrics = [], [], {}
         for trainee, p, o in zip(trainees, params, opt_states, strict=True):
@@ -292,7 +296,9 @@ def optimize(
             new_opts.append(o)
         return (tuple(new_params), tuple(new_opts)), metrics
 
-    def epoch(carry, _):
+    def epoch(
+        carry: tuple[tuple[Any, ...], tuple[Any, ...]], _: None
+    ) -> tuple[tuple[tuple[Any, ...], tuple[Any, ...]], dict[str, jax.Array]]:
         if num_minibatches == 1:  # no loop: a smaller program to compile
             carry, metrics = minibatch_step(carry, _first(mbs))
             return carry, jax.tree.map(lambda m: m[None], metrics)
@@ -328,7 +334,7 @@ def batch_constrainer(mesh: Mesh | None, batch_axes: BatchAxes) -> Callable[[Any
     if mesh is None:
         return identity
 
-    def constrain(tree):
+    def constrain(tree: Any) -> Any:
         return jax.tree.map(
             lambda x: jax.lax.with_sharding_constraint(x, _batch_sharding(mesh, batch_axes, x)),
             tree,
@@ -358,7 +364,7 @@ def jit_step(
     rep = NamedSharding(mesh, PartitionSpec())
     cache: dict[Hashable, Callable] = {}
 
-    def call(state, batch):
+    def call(state: StateT, batch: BatchT) -> tuple[StateT, dict[str, jax.Array]]:
         batch_sharding = jax.tree.map(lambda x: _batch_sharding(mesh, batch_axes, x), batch)
         treedef = jax.tree.structure(batch)
         if treedef not in cache:
@@ -421,7 +427,7 @@ def make_step(
     _check_sizes(epochs=epochs, num_minibatches=num_minibatches, micro_batch_size=micro_batch_size)
     constrain = batch_constrainer(mesh, batch_axes)
 
-    def step(state, batch):
+    def step(state: StateT, batch: BatchT) -> tuple[StateT, dict[str, jax.Array]]:
         if check is not None:
             check(batch)
         count, params, opt_states = read(state)

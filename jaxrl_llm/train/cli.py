@@ -21,6 +21,10 @@ import argparse
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 
 def _load(args: argparse.Namespace, *, need_config: bool):
@@ -62,7 +66,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-def _run(fn):
+def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def wrapped(args: argparse.Namespace) -> int:
         try:
             return fn(args)

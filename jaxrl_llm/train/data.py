@@ -22,7 +22,7 @@ import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,9 @@ import numpy as np
 
 from jaxrl_llm import data as D
 from jaxrl_llm import rewards as R
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 _ANSWER_TYPES = ("integer_answer", "gsm8k", "gsm8k_answer", "boxed", "boxed_answer")
 
@@ -238,7 +241,9 @@ def _notes(ds: Any, what: str) -> list[str]:
 # The reward.
 
 
-def reward_model_scorer(path: str, *, batch_pad: int = 32):
+def reward_model_scorer(
+    path: str, *, batch_pad: int = 32
+) -> Callable[[list[str], list[str]], np.ndarray]:
     """``score(prompts, completions) -> f32[N]`` of a reward model folder (its own tokenizer
     and chat template: the conversation [user: prompt, assistant: completion])."""
     from jaxrl_llm import models
@@ -252,7 +257,7 @@ def reward_model_scorer(path: str, *, batch_pad: int = 32):
     graphdef, params = nnx.split(model)
 
     @jax.jit
-    def forward(params, ids, mask):
+    def forward(params: nnx.State, ids: jax.Array, mask: jax.Array) -> jax.Array:
         return nnx.merge(graphdef, params)(ids, mask)
 
     def score(prompts: list[str], completions: list[str]) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,9 @@ from flax import nnx
 
 from jaxrl_llm.core import preference as pref
 from jaxrl_llm.models.logprobs import completion_logprobs
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 def _by_micro_batches(fn: Callable, micro_batch_size: int | None, *arrays: jax.Array):
@@ -50,7 +54,7 @@ def completion_logprobs_nt(
     model = nnx.merge(graphdef, params)
     start = tokens_nl.shape[1] - completion_len
 
-    def one(tokens, mask):
+    def one(tokens: jax.Array, mask: jax.Array) -> jax.Array:
         return completion_logprobs(
             model, tokens, mask, start=start, temperature=temperature, chunk_size=chunk_size
         )
@@ -72,7 +76,7 @@ def completion_values_nt(
     critic = nnx.merge(critic_graphdef, params)
     start = tokens_nl.shape[1] - completion_len
 
-    def one(tokens, mask):
+    def one(tokens: jax.Array, mask: jax.Array) -> jax.Array:
         return critic(tokens, mask)[:, start - 1 : -1]
 
     return _by_micro_batches(one, micro_batch_size, tokens_nl, input_mask_nl)
@@ -117,7 +121,12 @@ def make_sequence_logprob_fn(
     tokens (``mask_nt``), for DPO's reference log-probs."""
     logprob = make_logprob_fn(graphdef, chunk_size=chunk_size, micro_batch_size=micro_batch_size)
 
-    def fn(params, tokens_nl, input_mask_nl, mask_nt):
+    def fn(
+        params: dict,
+        tokens_nl: jax.Array,
+        input_mask_nl: jax.Array,
+        mask_nt: jax.Array | np.ndarray,
+    ) -> jax.Array:
         logp = logprob(params, tokens_nl, input_mask_nl, completion_len=mask_nt.shape[1])
         return pref.sequence_logprob(logp, jnp.asarray(mask_nt))
 

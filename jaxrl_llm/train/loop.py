@@ -90,7 +90,9 @@ def make_train_step(setup: Setup, logprob: Callable[..., jax.Array]) -> StepFn:
             rules=models.rules,
         )
 
-        def offline(state, iterator, key):
+        def offline(
+            state: st.TrainState, iterator: BatchIterator, key: jax.Array
+        ) -> tuple[st.TrainState, dict[str, float]]:
             del key
             batch, metrics = dpo_batch(models, iterator.next_batch(), logprob)
             state, device_metrics = _timed(dpo_step, _positioned(state, iterator), batch)
@@ -106,7 +108,9 @@ def make_train_step(setup: Setup, logprob: Callable[..., jax.Array]) -> StepFn:
         old_logprobs=setup.old_logprobs,
     )
 
-    def online(state, iterator, key):
+    def online(
+        state: st.TrainState, iterator: BatchIterator, key: jax.Array
+    ) -> tuple[st.TrainState, dict[str, float]]:
         groups, metrics = collect(setup, state.params, iterator, key)
         groups = to_global(models, groups)
         state, device_metrics = _timed(rl_step, _positioned(state, iterator), groups)

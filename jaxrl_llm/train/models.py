@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +31,9 @@ from flax import nnx
 from jaxrl_llm import models
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.models.tiny import TINY_RANDOM, tiny_random_config
+
+if TYPE_CHECKING:
+    import transformers
 
 DEFAULT = "default"
 
@@ -58,7 +61,7 @@ def load_tokenizer(
     tokenizer: str | None = None,
     trust_remote_code: bool = False,
     vocab_size: int | None = None,
-):
+) -> transformers.PreTrainedTokenizerBase:
     """The tokenizer of the model at ``path``: the folder ``tokenizer`` or the model's own
     (SmolLM2's for tiny-random).
 

@@ -69,7 +69,7 @@ def lr_schedule(
     """``step -> learning rate`` (see the module docstring); traceable, f32."""
     final = lr * final_lr_ratio
 
-    def fn(step):
+    def fn(step: jax.typing.ArrayLike) -> jax.Array:
         step = jnp.asarray(step, jnp.float32)
         warm = jnp.minimum((step + 1.0) / max(warmup_steps, 1), 1.0)
         span = max(max_steps - warmup_steps, 1)
@@ -206,7 +206,7 @@ def init_train_state(
     device builds its shard; counters are replicated rather than left on device 0).
     """
 
-    def init_opt(t, p, sharding):
+    def init_opt(t: optax.GradientTransformation, p: dict, sharding: Any) -> optax.OptState:
         if sharding is None:
             return t.init(p)
         return jax.jit(t.init, out_shardings=sharding)(p)

@@ -87,7 +87,7 @@ def _sequences(groups: Groups) -> tuple[jax.Array, jax.Array]:
     b, g, t = groups.tokens_bgt.shape
     p = groups.prompt_ids_bp.shape[1]
 
-    def rows(prompt_bp, completion_bgt):
+    def rows(prompt_bp: jax.Array, completion_bgt: jax.Array) -> jax.Array:
         prompt_bgp = jnp.broadcast_to(prompt_bp[:, None, :], (b, g, p))
         return jnp.concatenate([prompt_bgp, completion_bgt], axis=-1).reshape(b * g, p + t)
 

@@ -124,7 +124,12 @@ def _state_io(with_critic: bool) -> tuple[Callable, Callable]:
             return state.step, params, (state.opt_state, state.critic_opt_state)
         return state.step, (state.params,), (state.opt_state,)
 
-    def write(state: TrainState, step, params, opts) -> TrainState:
+    def write(
+        state: TrainState,
+        step: jax.Array,
+        params: tuple[dict, ...],
+        opts: tuple[optax.OptState, ...],
+    ) -> TrainState:
         new = state._replace(step=step, params=params[0], opt_state=opts[0])
         if with_critic:
             new = new._replace(critic_params=params[1], critic_opt_state=opts[1])
@@ -162,7 +167,7 @@ def policy_sums_fn(
     obj = recipe.objective
     with_entropy = entropy_metrics or obj.entropy_coef > 0
 
-    def sums(params, mb: UpdateBatch):
+    def sums(params: dict, mb: UpdateBatch) -> tuple[jax.Array, dict[str, Pair]]:
         model = nnx.merge(graphdef, params)
         mask = mb.mask_nt
         out = completion_logprobs(
@@ -219,7 +224,7 @@ def critic_sums_fn(
 ) -> Callable[[Any, UpdateBatch], tuple[jax.Array, dict[str, Pair]]]:
     """``(critic_params, micro_batch) -> (Σ value loss, metric pairs)``; token-mean loss."""
 
-    def sums(params, mb: UpdateBatch):
+    def sums(params: dict, mb: UpdateBatch) -> tuple[jax.Array, dict[str, Pair]]:
         critic = nnx.merge(critic_graphdef, params)
         start = _completion_start(mb.tokens_nl, mb.mask_nt)
         value = critic(mb.tokens_nl, mb.input_mask_nl)[:, start - 1 : -1]
@@ -348,7 +353,7 @@ def dpo_sums_fn(
     rejected stacked."""
     beta = recipe.beta
 
-    def sums(params, mb: DPOBatch):
+    def sums(params: dict, mb: DPOBatch) -> tuple[jax.Array, dict[str, Pair]]:
         model = nnx.merge(graphdef, params)
         n = mb.chosen_tokens_nl.shape[0]
         tokens = jnp.concatenate([mb.chosen_tokens_nl, mb.rejected_tokens_nl])
