@@ -9,10 +9,11 @@ Per step, seconds split into:
 
 * generation: sampling the 32 completions (ours: ``time/rollout``; TRL: its ``_generate``);
 * log-probs: reference (and old, when needed) log-prob passes plus rewards and advantages
-  (ours: ``time/forward`` + ``time/reward``; TRL: the rest of
-  ``_generate_and_score_completions``);
-* update: forward, backward and optimizer step on the 32 sequences (ours: ``time/update``;
-  TRL: step time minus the two above).
+  (ours: ``time/reward``, plus ``time/forward`` in versions before the one-jit RL step; TRL: the
+  rest of ``_generate_and_score_completions``);
+* update: forward, backward and optimizer step on the 32 sequences (ours: ``time/update``,
+  which since the one-jit RL step also holds the reference pass and the advantages; TRL: step
+  time minus the two above).
 
 Both sides are the libraries' own training loops: ours is ``jaxrl_llm.train.train`` on
 ``configs/quickstart.yaml`` with the overrides in :data:`OURS_OVERRIDES`, TRL is
@@ -111,7 +112,7 @@ def ours_child(steps: int) -> dict:
         "steps": [
             {
                 "generation": r["time/rollout"],
-                "logprobs": r["time/forward"] + r["time/reward"],
+                "logprobs": r.get("time/forward", 0.0) + r["time/reward"],
                 "update": r["time/update"],
                 "step": r["time/step"],
                 "tokens": r["perf/tokens"],

@@ -15,14 +15,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_llm.core import preference as pref
 from jaxrl_llm.models.logprobs import completion_logprobs
 
 if TYPE_CHECKING:
-    import numpy as np
+    pass
 
 
 def _by_micro_batches(fn: Callable, micro_batch_size: int | None, *arrays: jax.Array):
@@ -114,29 +112,9 @@ def make_value_fn(
     )
 
 
-def make_sequence_logprob_fn(
-    graphdef: nnx.GraphDef, *, chunk_size: int | None = 256, micro_batch_size: int | None = None
-) -> Callable[..., jax.Array]:
-    """``fn(params, tokens_nl, input_mask_nl, mask_nt) -> f32[N]``: Σ_t log π of the answer
-    tokens (``mask_nt``), for DPO's reference log-probs."""
-    logprob = make_logprob_fn(graphdef, chunk_size=chunk_size, micro_batch_size=micro_batch_size)
-
-    def fn(
-        params: dict,
-        tokens_nl: jax.Array,
-        input_mask_nl: jax.Array,
-        mask_nt: jax.Array | np.ndarray,
-    ) -> jax.Array:
-        logp = logprob(params, tokens_nl, input_mask_nl, completion_len=mask_nt.shape[1])
-        return pref.sequence_logprob(logp, jnp.asarray(mask_nt))
-
-    return fn
-
-
 __all__ = [
     "completion_logprobs_nt",
     "completion_values_nt",
     "make_logprob_fn",
-    "make_sequence_logprob_fn",
     "make_value_fn",
 ]
