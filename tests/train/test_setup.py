@@ -1,0 +1,246 @@
+"""jaxrl_llm.train.setup: ``resolve`` maps a config onto the frozen values the trainer reads.
+
+Sampler, UpdateShape, OldLogprobs, LoopPlan, CheckpointPlan, EvalPlan, Models (reference and
+critic) and Setup.offline, each against the config keys it comes from; and the layering rule
+that below the loop and the CLI only ``setup.py`` reads the config.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+import jaxrl_llm.train
+from jaxrl_llm.recipe import PreferenceRecipe, Recipe
+from jaxrl_llm.train import setup as S
+from tests.train import helpers as H
+
+SMALL = ("rollout.prompts_per_step=2", "rollout.num_samples=2", "data.eval_size=4")
+
+
+def resolve(*overrides: str, name: str = "tiny.yaml", run_dir=None) -> S.Setup:
+    return S.resolve(H.config(name, *overrides), run_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Online runs.
+
+
+def test_sampler_and_eval_plan_from_the_rollout_section():
+    setup = resolve(
+        "rollout.prompts_per_step=2",
+        "rollout.num_samples=3",
+        "rollout.max_new_tokens=5",
+        "rollout.temperature=0.7",
+        "rollout.top_k=5",
+        "rollout.top_p=0.9",
+        "rollout.cache_dtype=bfloat16",
+        "train.eval_every=3",
+        "train.seed=11",
+        "data.eval_size=4",
+    )
+    eos = setup.tokenizer.eos_token_id
+    assert eos == setup.policy().config.eos_token_id == 2  # SmolLM2's <|im_end|>
+    assert setup.sampler == S.Sampler(
+        num_samples=3,
+        max_new_tokens=5,
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        stop_ids=(eos,),  # rollout.stop_token_ids = null: the tokenizer's eos
+        cache_dtype=jnp.dtype("bfloat16"),
+    )
+    assert not setup.offline and isinstance(setup.recipe, Recipe)
+    # Evaluation: greedy by default, one completion per prompt of the rollout's length.
+    plan = setup.evaluation
+    assert (plan.every, plan.mode, plan.seed) == (3, "greedy", 12)
+    assert plan.sampler.num_samples == 1 and plan.sampler.max_new_tokens == 5
+    assert plan.sampler.stop_ids == (eos,)
+    greedy = plan.sampler.greedy()
+    assert (greedy.temperature, greedy.top_k, greedy.top_p, greedy.num_samples) == (0.0, 0, 1.0, 1)
+
+
+def test_stop_ids_override_cache_dtype_auto_and_eval_length():
+    setup = resolve(
+        *SMALL,
+        "rollout.stop_token_ids=[7, 5]",
+        "train.eval_max_new_tokens=12",
+        "train.eval_mode=sampled",
+    )
+    assert setup.sampler.stop_ids == (7, 5)
+    assert setup.sampler.cache_dtype is None  # auto: the model's dtype
+    assert setup.sampler.max_new_tokens == 8  # configs/tiny.yaml
+    plan = setup.evaluation
+    assert plan.mode == "sampled" and plan.sampler.max_new_tokens == 12
+    assert plan.sampler.stop_ids == (7, 5) and plan.sampler.temperature == 1.0
+    never = resolve(*SMALL, "rollout.stop_token_ids=[]")
+    assert never.sampler.stop_ids == ()  # [] = never stop early
+
+
+def test_update_shape_old_logprobs_loop_and_checkpoint_plans(tmp_path):
+    setup = resolve(
+        "rollout.prompts_per_step=2",
+        "rollout.num_samples=4",
+        "optim.ppo_epochs=3",
+        "optim.num_minibatches=2",
+        "optim.micro_batch_size=2",
+        "old_logprobs.source=sampler",
+        "old_logprobs.tis_cap=3.0",
+        "train.max_steps=7",
+        "train.log_every=3",
+        "train.on_nonfinite=skip",
+        "train.max_refill_batches=1",
+        "train.save_every=5",
+        "train.keep_checkpoints=4",
+        "data.seed=5",
+        "data.shuffle=false",
+        "data.eval_size=4",
+        run_dir=tmp_path / "run",
+    )
+    assert setup.update == S.UpdateShape(epochs=3, num_minibatches=2, micro_batch_size=2)
+    assert setup.update.updates_per_step == 6
+    assert setup.old_logprobs == S.OldLogprobs(source="sampler", tis_cap=3.0)
+    assert setup.loop == S.LoopPlan(
+        max_steps=7,
+        batch_size=2,  # prompts per step, not sequences
+        log_every=3,
+        on_nonfinite="skip",
+        max_refill_batches=1,
+        data_seed=5,
+        shuffle=False,
+    )
+    assert setup.run_dir == tmp_path / "run"
+    assert setup.checkpoint == S.CheckpointPlan(
+        directory=tmp_path / "run" / S.CHECKPOINT_DIR, save_every=5, keep=4
+    )
+
+
+def test_defaults_and_run_dir_from_the_config(tmp_path, monkeypatch):
+    setup = resolve(*SMALL, f"run_dir={tmp_path / 'from_config'}")
+    assert setup.update == S.UpdateShape(1, 1, None) and setup.update.updates_per_step == 1
+    assert setup.old_logprobs == S.OldLogprobs("recompute", 2.0)  # base.yaml
+    assert setup.run_dir == tmp_path / "from_config"
+    assert setup.checkpoint.directory == tmp_path / "from_config" / "checkpoints"
+    assert (setup.checkpoint.save_every, setup.checkpoint.keep) == (2, 2)  # configs/tiny.yaml
+    assert setup.loop.on_nonfinite == "raise" and setup.loop.max_steps == 4
+    # An explicit run_dir wins over the config's, and a relative one is made absolute.
+    monkeypatch.chdir(tmp_path)
+    rel = S.resolve(H.config("tiny.yaml", *SMALL, "run_dir=/elsewhere"), "rel")
+    assert rel.run_dir == tmp_path / "rel" and rel.run_dir.is_absolute()
+    assert rel.checkpoint.directory == tmp_path / "rel" / "checkpoints"
+    nowhere = S.resolve(H.config("tiny.yaml", *SMALL, "old_logprobs.tis_cap=null"))
+    assert nowhere.old_logprobs.tis_cap is None
+    assert nowhere.run_dir == tmp_path  # no run_dir anywhere: the working directory
+
+
+# ---------------------------------------------------------------------------------------------
+# Models.
+
+
+def test_reference_only_with_a_kl_and_a_critic_only_for_ppo():
+    grpo = resolve(*SMALL, "algorithm.hparams.beta=0.04")
+    assert grpo.models.ref_params is not None
+    assert grpo.models.critic_graphdef is None and grpo.models.critic_tx is None
+    assert grpo.models.critic_schedule is None and grpo.state.critic_params is None
+    no_kl = resolve(*SMALL, "algorithm.hparams.beta=0.0")
+    assert no_kl.models.ref_params is None
+    ppo = resolve(*SMALL, "algorithm.name=ppo", "algorithm.hparams.beta=0.0", "critic.lr=3e-3")
+    assert ppo.recipe.critic is not None and ppo.models.ref_params is None
+    m = ppo.models
+    assert m.critic_graphdef is not None and m.critic_tx is not None
+    assert ppo.state.critic_params is not None and ppo.state.critic_opt_state is not None
+    assert float(m.critic_schedule(0)) == pytest.approx(3e-3)
+    assert float(m.schedule(0)) == pytest.approx(1e-4)  # the policy's: configs/tiny.yaml
+
+
+# ---------------------------------------------------------------------------------------------
+# DPO.
+
+
+def test_dpo_is_offline_with_an_eval_sampler_of_the_pairs_length():
+    dpo = resolve(
+        "preference.pairs_per_step=2",
+        "preference.max_response_length=16",
+        "data.eval_size=4",
+        "data.arithmetic.train_size=16",
+        name="algorithms/dpo.yaml",
+    )
+    assert dpo.offline and isinstance(dpo.recipe, PreferenceRecipe)
+    assert dpo.sampler is None
+    assert dpo.loop.batch_size == 2  # pairs per step
+    assert dpo.models.ref_params is not None  # sigmoid DPO: a reference
+    assert dpo.models.critic_graphdef is None and dpo.state.kl_state == ()
+    plan = dpo.evaluation
+    assert plan.mode == "greedy" and plan.sampler.num_samples == 1
+    assert plan.sampler.max_new_tokens == 16  # preference.max_response_length
+    assert plan.sampler.stop_ids == (dpo.tokenizer.eos_token_id,)
+    longer = resolve(
+        "preference.pairs_per_step=2",
+        "preference.max_response_length=16",
+        "train.eval_max_new_tokens=9",
+        "data.eval_size=4",
+        "data.arithmetic.train_size=16",
+        "algorithm.hparams.loss_type=simpo",
+        "algorithm.hparams.beta=2.0",
+        name="algorithms/dpo.yaml",
+    )
+    assert longer.evaluation.sampler.max_new_tokens == 9
+    assert longer.models.ref_params is None  # SimPO is reference-free
+
+
+# ---------------------------------------------------------------------------------------------
+# Layering.
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a source file imports (absolute names; relative imports resolved)."""
+    package = "jaxrl_llm.train"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parts, *([base] if base else [])])
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_the_import_scan_sees_every_spelling(tmp_path):
+    src = tmp_path / "probe.py"
+    spellings = {
+        "import jaxrl_llm.config.schema": True,
+        "from jaxrl_llm.config import TrainConfig": True,
+        "from jaxrl_llm import config": True,
+        "from .. import config": True,
+        "from ..config.engine import ConfigError": True,
+        "def f():\n    from jaxrl_llm.config import load_config": True,
+        "from jaxrl_llm import chain": False,
+        "from jaxrl_llm.train import setup": False,
+        "from . import config_notes": False,
+    }
+    for line, reads in spellings.items():
+        src.write_text(line + "\n", encoding="utf-8")
+        assert _reads_config(_imported_modules(src)) is reads, line
+
+
+def _reads_config(modules: set[str]) -> bool:
+    return any(m == "jaxrl_llm.config" or m.startswith("jaxrl_llm.config.") for m in modules)
+
+
+def test_only_setup_loop_and_cli_import_the_config():
+    folder = Path(jaxrl_llm.train.__file__).parent
+    files = sorted(folder.glob("*.py"))
+    assert len(files) > 10
+    readers = set()
+    for path in files:
+        if _reads_config(_imported_modules(path)):
+            readers.add(path.name)
+    assert "setup.py" in readers  # the scan sees setup's own import
+    assert readers <= {"setup.py", "loop.py", "cli.py"}, sorted(readers)
