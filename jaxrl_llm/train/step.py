@@ -26,8 +26,8 @@ log-probs and corrects the mismatch with truncated importance sampling
 Metrics of the step, besides the update's (``actor/*``, ``critic/*``, ``update/nonfinite``):
 ``advantages/{mean,std,min,max}`` over valid tokens (0 when none), ``kl/rollout`` (the mean
 sequence k1 KL of the rollout policy to the reference, when the chain reads it), ``kl/beta``
-(the chain's KL coefficient, when it has one) and ``perf/tokens`` (real prompt + completion
-tokens).
+(the chain's KL coefficient after this step's controller update, as before the redesign; verl
+logs the β the step used) and ``perf/tokens`` (real prompt + completion tokens).
 """
 
 from __future__ import annotations
