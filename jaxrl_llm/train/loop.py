@@ -202,16 +202,7 @@ def train(
         shuffle=plan.shuffle,
         pad_multiple=PAD_MULTIPLE,
     )
-    state, start, skipped = setup.state, 0, 0  # skipped: non-finite updates (on_nonfinite)
-    if ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(setup.state, setup.state_sharding)
-        iterator.load_state_dict(meta["data"])
-        skipped = int(meta.get("skipped_steps", 0))
-        start = int(state.step)
-        changes = config_changes(meta.get("config"), config)
-        log(f"resuming {setup.run_dir} from step {start}")
-        if changes:
-            log("config changed since the checkpoint: " + "; ".join(changes[:10]))
+    state, start, skipped = _resume(ckpt, setup, iterator, config, log)
     # A resumed run rewrites config.yaml only once its first step has succeeded, so a launch that
     # fails (a bad override, a reward that raises) leaves the run's previous config in place.
     config_pending = primary
@@ -244,19 +235,17 @@ def train(
                 t_step = time.perf_counter()
                 hostmem.release_free_heap()  # see hostmem: lowers the host peak on CPU
                 mark_phase("rollout", step + 1)
-                key, gen_key = jax.random.split(jax.random.wrap_key_data(state.rng))
-                state = state._replace(rng=jax.random.key_data(key))
-                state, metrics = train_step(state, iterator, gen_key)
+                state, key = _split_key(state)
+                state, metrics = train_step(state, iterator, key)  # collect, then the device step
                 step = int(state.step)
-                metrics = _step_metrics(metrics, t_step)
-                if metrics.get("update/nonfinite", 0) > 0:
-                    skipped += 1
-                    if plan.on_nonfinite == "skip":
-                        logger.write(
-                            f"step {step}: non-finite loss or gradient, update skipped (parameters "
-                            f"and optimizer state unchanged; {skipped} steps skipped so far)"
-                        )
-                metrics["train/skipped_steps"] = skipped
+                nonfinite = metrics.get("update/nonfinite", 0) > 0
+                skipped += int(nonfinite)
+                if nonfinite and plan.on_nonfinite == "skip":
+                    logger.write(
+                        f"step {step}: non-finite loss or gradient, update skipped (parameters "
+                        f"and optimizer state unchanged; {skipped} steps skipped so far)"
+                    )
+                metrics = _step_metrics(metrics, t_step) | {"train/skipped_steps": skipped}
                 if step % plan.log_every == 0 or step == plan.max_steps:
                     logger.log(step, metrics)
                 logger.progress(step, metrics)
@@ -264,7 +253,7 @@ def train(
                 if config_pending:
                     save_config(config, setup.run_dir / CONFIG_FILE)
                     config_pending = False
-                if metrics.get("update/nonfinite", 0) > 0 and plan.on_nonfinite == "raise":
+                if nonfinite and plan.on_nonfinite == "raise":
                     raise FloatingPointError(
                         f"step {step}: non-finite loss or gradient; the update was skipped and the "
                         f"parameters are unchanged (metrics in {logger.path}). Set "
@@ -287,6 +276,29 @@ def train(
     final = dict(final)
     final["step"] = step
     return final
+
+
+def _resume(
+    ckpt: Checkpointer, setup: Setup, iterator: BatchIterator, config: TrainConfig, log: Callable
+) -> tuple[st.TrainState, int, int]:
+    """``(state, start step, skipped steps)``: the latest checkpoint's, with the data stream
+    moved to its position, or the fresh state."""
+    if ckpt.latest_step() is None:
+        return setup.state, 0, 0
+    state, meta = ckpt.restore(setup.state, setup.state_sharding)
+    iterator.load_state_dict(meta["data"])
+    start = int(state.step)
+    log(f"resuming {setup.run_dir} from step {start}")
+    changes = config_changes(meta.get("config"), config)
+    if changes:
+        log("config changed since the checkpoint: " + "; ".join(changes[:10]))
+    return state, start, int(meta.get("skipped_steps", 0))
+
+
+def _split_key(state: st.TrainState) -> tuple[st.TrainState, jax.Array]:
+    """The state with its PRNG key advanced, and this step's key."""
+    key, step_key = jax.random.split(jax.random.wrap_key_data(state.rng))
+    return state._replace(rng=jax.random.key_data(key)), step_key
 
 
 def _meta(config: TrainConfig, iterator: BatchIterator, skipped: int = 0) -> dict[str, Any]:
