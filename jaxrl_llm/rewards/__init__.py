@@ -17,12 +17,12 @@ from jaxrl_llm.rewards.answers import (
     BoxedAnswer,
     Gsm8kAnswer,
     IntegerAnswer,
+    MathVerifyAnswer,
     expected_number,
     extract_boxed,
     gsm8k_answer,
     last_number,
     math_answers_equal,
-    normalize_math_answer,
     parse_number,
 )
 from jaxrl_llm.rewards.base import (
@@ -31,6 +31,7 @@ from jaxrl_llm.rewards.base import (
     RewardConfigError,
     RewardError,
     RewardFn,
+    Scores,
     checked_call,
 )
 from jaxrl_llm.rewards.combine import RewardOutput, RewardTerm, WeightedSum, score_groups
@@ -44,6 +45,7 @@ from jaxrl_llm.rewards.registry import (
     reward_options,
 )
 from jaxrl_llm.rewards.shaping import LengthPenalty, RegexFormat
+from jaxrl_llm.rewards.verify import MathVerifier, VerificationTimeout, VerifierError
 
 __all__ = [
     "COMMON_KEYS",
@@ -55,6 +57,8 @@ __all__ = [
     "Gsm8kAnswer",
     "IntegerAnswer",
     "LengthPenalty",
+    "MathVerifier",
+    "MathVerifyAnswer",
     "RegexFormat",
     "RewardConfigError",
     "RewardError",
@@ -62,6 +66,9 @@ __all__ = [
     "RewardModelReward",
     "RewardOutput",
     "RewardTerm",
+    "Scores",
+    "VerificationTimeout",
+    "VerifierError",
     "WeightedSum",
     "build_reward",
     "build_term",
@@ -72,7 +79,6 @@ __all__ = [
     "last_number",
     "load_callable",
     "math_answers_equal",
-    "normalize_math_answer",
     "parse_number",
     "reward_options",
     "score_groups",

@@ -1,17 +1,21 @@
-"""Verifiable answer rewards: integer/arithmetic, GSM8K ``#### n`` and ``\\boxed{...}`` answers.
+"""Verifiable answer rewards: integer/arithmetic, GSM8K ``#### n``, ``\\boxed{...}``, MATH answers.
 
 Each reward compares the answer found in a completion with the expected answer in a dataset
 field (``answer`` by default) and scores ``correct`` (1.0) or ``incorrect`` (0.0). A completion
 without a parsable answer is simply incorrect; an *expected* answer that cannot be parsed is a
 data error (``ValueError``, reported by :func:`jaxrl_llm.rewards.checked_call` with the sample).
 
-Numbers compare exactly as rationals (``fractions.Fraction``), so ``30``, ``30.0``, ``+30`` and
-``30.`` are the same answer, ``1,234`` is ``1234`` and ``0.1`` is exactly one tenth.
+Integer and GSM8K answers compare exactly as rationals (``fractions.Fraction``), so ``30``,
+``30.0``, ``+30`` and ``30.`` are the same answer, ``1,234`` is ``1234`` and ``0.1`` is exactly
+one tenth.
+``\\boxed{}`` and ``math_verify`` answers are compared by Hugging Face's math-verify (LaTeX parsed
+into sympy, see :mod:`jaxrl_llm.rewards.verify`), with a time limit per answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 import re
 from collections.abc import Callable, Sequence
@@ -19,6 +23,10 @@ from fractions import Fraction
 from typing import Any
 
 from jaxrl_llm.rewards._validate import check_bool, check_field_name, check_real
+from jaxrl_llm.rewards.base import Scores, excerpt
+from jaxrl_llm.rewards.verify import VerificationTimeout, shared_verifier
+
+_LOG = logging.getLogger(__name__)
 
 # A number: optional sign (ASCII or Unicode minus) not glued to a preceding word or number,
 # digits with optional thousands commas, optional decimals. "5-3" yields 5 and 3, not -3.
@@ -183,104 +191,94 @@ def extract_boxed(text: str) -> str | None:
     return None if group is None else group[0]
 
 
-def _frac_argument(text: str, i: int) -> tuple[str, int] | None:
-    """A ``\\frac`` argument: a ``{...}`` group or a single character (``\\frac12``)."""
-    if i < len(text) and text[i] == "{":
-        return _read_group(text, i)
-    if i < len(text) and text[i] not in "}\\":
-        return text[i], i + 1
-    return None
+def math_answers_equal(answer: str, expected: str, *, timeout: float = 5.0) -> bool:
+    """Whether two bare answers are equal by math-verify (LaTeX + sympy; ``expected`` is the gold).
 
-
-def _atom(text: str) -> str:
-    return text if re.fullmatch(r"-?[\w.]+", text) else f"({text})"
-
-
-def _replace_frac(text: str) -> str:
-    """``\\frac{a}{b}`` → ``a/b`` (``(a)/(b)`` when a side is not a single term), recursively."""
-    out, i = [], 0
-    while True:
-        j = text.find("\\frac", i)
-        if j < 0:
-            out.append(text[i:])
-            return "".join(out)
-        out.append(text[i:j])
-        num = _frac_argument(text, j + 5)
-        den = None if num is None else _frac_argument(text, num[1])
-        if num is None or den is None:
-            out.append(text[j:])
-            return "".join(out)
-        out.append(f"{_atom(_replace_frac(num[0]))}/{_atom(_replace_frac(den[0]))}")
-        i = den[1]
-
-
-_DROPPED = ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "^\\circ", "^{\\circ}", "$")
-
-
-def normalize_math_answer(text: str) -> str:
-    """Simple normalisation of a math answer for string comparison.
-
-    Drops spaces, ``$``, ``\\left``/``\\right``, spacing commands and degree signs; reads
-    ``\\dfrac``/``\\tfrac`` as ``\\frac`` and writes ``\\frac{a}{b}`` as ``a/b``; drops a trailing
-    period, thousands commas of a plain number and trailing decimal zeros (``2.50`` → ``2.5``,
-    ``3.0`` → ``3``).
+    ``\\frac{1}{2}`` = ``1/2`` = ``0.5``, ``[1,2)`` = ``\\left[1, 2\\right)``, ``\\{1,2\\}`` =
+    ``\\{2,1\\}``, ``x = 3`` = ``3``, ``5\\text{ cm}`` = ``5``. Raises
+    :class:`~jaxrl_llm.rewards.verify.VerificationTimeout` after ``timeout`` seconds.
     """
-    text = text.strip()
-    for token in _DROPPED:
-        text = text.replace(token, "")
-    text = re.sub(r"\s+", "", text)
-    text = text.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    text = _replace_frac(text).rstrip(".")
-    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", text):
-        text = text.replace(",", "")
-    text = re.sub(r"(\d)\.(\d*?)0+(?!\d)", lambda m: m[1] + ("." + m[2] if m[2] else ""), text)
-    return text
+    return shared_verifier().verify(expected, answer, extract=False, timeout=timeout)
 
 
-_RATIONAL_RE = re.compile(r"\(?([-+]?\d+(?:\.\d+)?)\)?(?:/\(?(\d+(?:\.\d+)?)\)?)?")
-
-
-def _as_rational(text: str) -> Fraction | None:
-    negative = text.startswith("-") and text[1:2] == "("
-    match = _RATIONAL_RE.fullmatch(text[1:] if negative else text)
-    if match is None:
-        return None
-    value = Fraction(match[1])
-    if match[2] is not None:
-        if Fraction(match[2]) == 0:
-            return None
-        value /= Fraction(match[2])
-    return -value if negative else value
-
-
-def math_answers_equal(answer: str, expected: str) -> bool:
-    """Equal after :func:`normalize_math_answer`; plain numbers and fractions compare by value."""
-    a, b = normalize_math_answer(answer), normalize_math_answer(expected)
-    if a == b:
-        return True
-    ra, rb = _as_rational(a), _as_rational(b)
-    return ra is not None and ra == rb
+def _gold_text(value: Any, field: str) -> str:
+    """The bare expected answer: the field's text, or the contents of its last ``\\boxed{}``."""
+    if value is None or isinstance(value, bool):
+        raise ValueError(f"expected answer in field {field!r} is {value!r}")
+    target = str(value)
+    target = extract_boxed(target) if "\\boxed" in target or "\\fbox" in target else target
+    if target is None or not target.strip():
+        raise ValueError(f"expected answer {value!r} in field {field!r} is empty")
+    return target
 
 
 @dataclasses.dataclass(frozen=True)
-class BoxedAnswer(_AnswerReward):
-    """``\\boxed{...}`` math answer: the completion's last boxed expression equals the expected.
+class _MathVerifyReward(_AnswerReward):
+    """An answer reward checked by math-verify in a worker process, ``timeout`` seconds per answer.
 
-    The expected field may itself contain a ``\\boxed{...}`` (e.g. a MATH solution) or be the bare
-    answer. Comparison is :func:`math_answers_equal` (simple normalisation, not symbolic).
+    A verification that times out scores ``incorrect`` and is counted as an error of the sample
+    (:class:`~jaxrl_llm.rewards.base.Scores`), in both ``on_error`` modes.
     """
 
-    def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
+    timeout: float = 5.0
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_real("timeout", self.timeout)
+        if self.timeout <= 0:
+            raise ValueError(f"`timeout` must be > 0 seconds, got {self.timeout!r}")
+
+    def _answer(self, completion: str) -> str | None:
+        raise NotImplementedError
+
+    _extract = False  # whether math-verify finds the answer in the completion itself
+
+    def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> Scores:
         expected = _field(fields, self.field, type(self).__name__)
-        out = []
-        for completion, value in zip(completions, expected, strict=True):
-            if value is None or isinstance(value, bool):
-                raise ValueError(f"expected answer in field {self.field!r} is {value!r}")
-            target = str(value)
-            target = extract_boxed(target) if "\\boxed" in target else target
-            if target is None or not target.strip():
-                raise ValueError(f"expected answer {value!r} in field {self.field!r} is empty")
-            found = extract_boxed(completion)
-            ok = found is not None and math_answers_equal(found, target)
+        verifier = shared_verifier()
+        out, timed_out = [], []
+        for i, (completion, value) in enumerate(zip(completions, expected, strict=True)):
+            gold = _gold_text(value, self.field)
+            answer = self._answer(completion)
+            ok = False
+            if answer is not None and answer.strip():
+                try:
+                    ok = verifier.verify(gold, answer, extract=self._extract, timeout=self.timeout)
+                except VerificationTimeout:
+                    _LOG.warning(
+                        "%s: verifying %s took more than %gs; scored incorrect",
+                        type(self).__name__,
+                        excerpt(answer),
+                        self.timeout,
+                    )
+                    timed_out.append(i)
             out.append(self.correct if ok else self.incorrect)
-        return out
+        return Scores(out, soft_errors=timed_out)
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxedAnswer(_MathVerifyReward):
+    """``\\boxed{...}`` math answer: the completion's last boxed expression equals the expected.
+
+    The boxed contents (:func:`extract_boxed`) are compared with math-verify
+    (:func:`math_answers_equal`); a completion without a ``\\boxed{}`` is incorrect. The expected
+    field may itself contain a ``\\boxed{...}`` (e.g. a MATH solution) or be the bare answer.
+    """
+
+    def _answer(self, completion: str) -> str | None:
+        return extract_boxed(completion)
+
+
+@dataclasses.dataclass(frozen=True)
+class MathVerifyAnswer(_MathVerifyReward):
+    """MATH-style answer found and compared by math-verify in the whole completion.
+
+    math-verify's own extraction picks the answer (a ``\\boxed{}`` first, else the last LaTeX
+    ``$...$``/``\\[...\\]`` expression or "final answer is ...", else a plain expression such as
+    ``0.5``); the expected field is a bare answer or contains a ``\\boxed{...}``.
+    """
+
+    _extract = True
+
+    def _answer(self, completion: str) -> str | None:
+        return completion

@@ -19,6 +19,11 @@ NaN/inf or a non-number, or returns the wrong number of scores is either
   A batched call that raises or returns the wrong count falls back to one call per sample, so one
   bad sample costs only its own score.
 
+A reward may also return :class:`Scores` (a list of floats) naming samples it scored despite a
+*soft* error, e.g. an answer whose verification timed out and was scored ``incorrect``: those
+scores are kept and the samples are counted in ``num_errors`` whatever ``on_error`` says (a
+timeout is a property of the sampled completion, not a bug to stop training for).
+
 A reward may declare ``required_fields`` (a tuple of field names); a missing one is a wiring
 error and raises :class:`RewardError` whatever ``on_error`` says.
 """
@@ -47,6 +52,19 @@ class RewardFn(Protocol):
     def __call__(
         self, prompts: list[str], completions: list[str], **fields: list[Any]
     ) -> Sequence[float]: ...
+
+
+class Scores(list):
+    """One score per completion, plus the indices of samples scored despite a soft error.
+
+    ``Scores([1.0, 0.0], soft_errors=[1])``: sample 1 was scored (its ``incorrect`` value) but
+    could not be checked (e.g. a verification timeout); :func:`checked_call` counts it in
+    ``num_errors`` and keeps its score, in both ``on_error`` modes.
+    """
+
+    def __init__(self, scores: Sequence[float] = (), soft_errors: Sequence[int] = ()):
+        super().__init__(scores)
+        self.soft_errors: tuple[int, ...] = tuple(sorted(set(soft_errors)))
 
 
 class RewardError(ValueError):
@@ -155,7 +173,8 @@ def checked_call(
 
     Returns:
       ``(scores_n, num_errors)``: ``f32[N]`` finite scores and the number of samples scored 0
-      because of an error (always 0 with ``on_error="raise"``).
+      because of an error (none with ``on_error="raise"``), plus the samples the reward flagged
+      as soft errors (:class:`Scores`, counted in both modes).
 
     Raises:
       RewardError: with ``on_error="raise"``, on the first failing sample.
@@ -191,6 +210,7 @@ def checked_call(
         return _one_by_one(fn, prompts, completions, fields, name, on_error, cause=None)
     scores = np.zeros((n,), np.float64)
     num_errors = 0
+    soft = set(getattr(raw, "soft_errors", ()))
     for i, value in enumerate(values):
         score = _as_float(value)
         if score is None or not math.isfinite(score):
@@ -205,6 +225,7 @@ def checked_call(
             num_errors += 1
             continue
         scores[i] = score
+        num_errors += i in soft
     return scores.astype(np.float32), num_errors
 
 
@@ -260,6 +281,7 @@ def _one_by_one(
                     problem = f"returned {values[0]!r}"
                 else:
                     scores[i] = score
+                    num_errors += 0 in set(getattr(raw, "soft_errors", ()))
         if problem is None:
             continue
         if on_error == "raise":

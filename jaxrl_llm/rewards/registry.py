@@ -3,6 +3,7 @@
 A reward config is a list of terms (or a single term), each a mapping::
 
     - {type: integer_answer, weight: 1.0, field: answer}
+    - {type: math_verify, field: answer, timeout: 5.0}  # math-verify, seconds per answer
     - {type: regex, weight: 0.1, pattern: "^\\d+$", mode: fullmatch}
     - {type: length_penalty, weight: 1.0, target: 128, coef: 0.01}
     - {type: user, function: "my_rewards.py:score", kwargs: {tolerance: 0.01}}
@@ -27,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from jaxrl_llm.rewards.answers import BoxedAnswer, Gsm8kAnswer, IntegerAnswer
+from jaxrl_llm.rewards.answers import BoxedAnswer, Gsm8kAnswer, IntegerAnswer, MathVerifyAnswer
 from jaxrl_llm.rewards.base import OnError, RewardConfigError, RewardFn
 from jaxrl_llm.rewards.combine import RewardTerm, WeightedSum
 from jaxrl_llm.rewards.external import RewardModelReward, load_callable
@@ -42,6 +43,7 @@ _OPTION_CLASSES: dict[str, type] = {
     "integer_answer": IntegerAnswer,
     "gsm8k_answer": Gsm8kAnswer,
     "boxed_answer": BoxedAnswer,
+    "math_verify": MathVerifyAnswer,
     "regex": RegexFormat,
     "length_penalty": LengthPenalty,
 }

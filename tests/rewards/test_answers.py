@@ -16,7 +16,6 @@ from jaxrl_llm.rewards import (
     gsm8k_answer,
     last_number,
     math_answers_equal,
-    normalize_math_answer,
     parse_number,
 )
 
@@ -148,24 +147,24 @@ def test_extract_boxed(text, expected):
 
 
 @pytest.mark.parametrize(
-    ("a", "b", "normal"),
+    ("a", "b"),
     [
-        (r"\frac{1}{2}", "1/2", "1/2"),
-        (r"\dfrac{1}{2}", r"\tfrac12", "1/2"),
-        (r"\frac{x+1}{2}", "(x+1)/2", "(x+1)/2"),
-        (r"-\frac{1}{2}", "-1/2", "-1/2"),
-        ("2.0", "2", "2"),
-        ("3.50", "3.5", "3.5"),
-        ("1,000", "1000", "1000"),
-        (r"\left( 1, 2 \right)", "(1,2)", "(1,2)"),
-        ("$ x ^ 2 $", "x^2", "x^2"),
-        (r"90^\circ", "90", "90"),
+        (r"\frac{1}{2}", "1/2"),
+        (r"\dfrac{1}{2}", r"\tfrac12"),
+        (r"\frac{x+1}{2}", "(x+1)/2"),
+        (r"-\frac{1}{2}", "-1/2"),
+        ("2.0", "2"),
+        ("3.50", "3.5"),
+        ("1,000", "1000"),
+        (r"\left( 1, 2 \right)", "(1,2)"),
+        ("$ x ^ 2 $", "x^2"),
+        (r"90^\circ", "90"),
     ],
 )
-def test_normalize_math_answer(a, b, normal):
-    assert normalize_math_answer(a) == normal
-    assert normalize_math_answer(b) == normal
+def test_old_normalisation_cases_stay_equal(a, b):
+    # Pairs the hand-written normaliser (removed) made equal; math-verify keeps them equal.
     assert math_answers_equal(a, b)
+    assert math_answers_equal(b, a)
 
 
 @pytest.mark.parametrize(

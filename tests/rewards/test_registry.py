@@ -48,6 +48,7 @@ def test_reward_types():
         "integer_answer",
         "gsm8k_answer",
         "boxed_answer",
+        "math_verify",
         "regex",
         "length_penalty",
         "user",
