@@ -31,16 +31,40 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configs(args: argparse.Namespace) -> int:
+    from jaxrl_llm.config import ConfigError, describe_configs, resolve_config
+
+    if args.path is not None:
+        try:
+            path = resolve_config(args.path)
+            if not path.is_file():
+                raise ConfigError(f"config file not found: {args.path}")
+        except ConfigError as e:
+            print(f"jaxrl-llm configs: {e}", file=sys.stderr)
+            return 2
+        print(path)
+        return 0
+    configs = describe_configs()
+    width = max(map(len, configs), default=0)
+    for name, description in configs.items():
+        print(f"{name:<{width}}  {description}".rstrip())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False everywhere: a prefix must not silently become another flag (argparse
+    # read `evaluate --n 4` as --num-processes 4).
     parser = argparse.ArgumentParser(
         prog="jaxrl-llm",
         description="JAX-native reinforcement learning for language models.",
+        allow_abbrev=False,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     explain = sub.add_parser(
         "explain",
         help="answer the five questions (reward, KL, baseline, normalisation, "
         "objective) for an algorithm",
+        allow_abbrev=False,
     )
     explain.add_argument("algorithm", nargs="?", help="algorithm name, e.g. grpo")
     explain.add_argument("--all", action="store_true", help="compare every algorithm")
@@ -51,6 +75,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="numerical conventions preset",
     )
     explain.set_defaults(func=_explain)
+
+    configs = sub.add_parser(
+        "configs",
+        help="list the shipped configs (names --config takes from any directory)",
+        description="The configs shipped with the package, by the name --config takes "
+        "(e.g. `jaxrl-llm train --config quickstart --run-dir runs/q`), each with its first "
+        "comment line.",
+        allow_abbrev=False,
+    )
+    configs.add_argument(
+        "--path",
+        metavar="NAME",
+        default=None,
+        help="print the file `--config NAME` reads instead (e.g. to copy and edit it)",
+    )
+    configs.set_defaults(func=_configs)
 
     from jaxrl_llm.rollout.cli import add_generate_parser
     from jaxrl_llm.train.cli import add_train_parsers

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.resources
 import inspect
 import math
 import os
@@ -118,6 +119,76 @@ def merge_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
     return engine.merge_overrides(raw, overrides, _drop_other_recipes_hparams)
 
 
+_CONFIG_SUFFIXES = (".yaml", ".yml")
+
+
+def _shipped_root() -> Path | None:
+    """The folder of the configs shipped in the package (``jaxrl_llm/configs``, a symlink to the
+    top-level ``configs/`` in a checkout, plain files in a wheel); ``None`` when there is none."""
+    root = importlib.resources.files("jaxrl_llm") / "configs"
+    if isinstance(root, Path) and root.is_dir():
+        return root
+    checkout = Path(__file__).resolve().parents[2] / "configs"  # a checkout without the symlink
+    return checkout if checkout.is_dir() else None
+
+
+def _description(path: Path) -> str:
+    """The first comment line of a YAML file (``""`` when it does not start with a comment)."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line.startswith("#"):
+            return ""
+        if line.lstrip("#").strip():
+            return line.lstrip("#").strip()
+    return ""
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The shipped configs by name (``quickstart``, ``algorithms/grpo``, ...): top-level first."""
+    root = _shipped_root()
+    if root is None:
+        return {}
+    paths = [p for p in root.rglob("*") if p.suffix in _CONFIG_SUFFIXES and p.is_file()]
+    named = {p.relative_to(root).with_suffix("").as_posix(): p for p in paths}
+    return {n: named[n] for n in sorted(named, key=lambda n: (n.count("/"), n))}
+
+
+def describe_configs() -> dict[str, str]:
+    """Each shipped config's name and one-line description (its first comment line)."""
+    return {name: _description(path) for name, path in shipped_configs().items()}
+
+
+def resolve_config(path: str | os.PathLike) -> Path:
+    """The file ``--config`` means: an existing path as given; otherwise a name without ``.yaml``
+    (``quickstart``, ``algorithms/grpo``) is the shipped config of that name.
+
+    Raises:
+      ConfigError: for a name that is neither a file nor a shipped config (listing the shipped
+        ones, with the closest as a suggestion).
+    """
+    given = Path(path)
+    text = os.fspath(path)
+    if given.is_file():
+        return given
+    shipped = shipped_configs()
+    if given.suffix in _CONFIG_SUFFIXES:
+        stem = given.with_suffix("").as_posix().removeprefix("./").removeprefix("configs/")
+        if stem in shipped:
+            raise ConfigError(
+                f"config file not found: {text}; the shipped config of that name is called "
+                f"{stem!r} (--config {stem}, from any directory)"
+            )
+        return given  # the reader reports the missing file
+    if text in shipped:
+        return shipped[text]
+    names = ", ".join(shipped) or "none (the package has no configs folder)"
+    raise ConfigError(
+        f"config {text!r}: no such file and no shipped config of that name"
+        f"{_suggest(text, list(shipped))} (shipped configs: {names}; `jaxrl-llm configs` "
+        "describes them)"
+    )
+
+
 def load_config(
     path: str | os.PathLike,
     overrides: Sequence[str] = (),
@@ -127,7 +198,9 @@ def load_config(
     """Reads, merges, overrides and validates a config file.
 
     Args:
-      path: a YAML file; ``base:`` / ``defaults:`` include others relative to it.
+      path: a YAML file, or the name of a shipped config without ``.yaml`` (``quickstart``,
+        ``algorithms/grpo``; see :func:`resolve_config`, :func:`describe_configs`); ``base:`` /
+        ``defaults:`` include others relative to the file.
       overrides: ``"dotted.key=value"`` strings applied after the file, in order.
       device_count: also check the mesh and batch divisibility for this many devices
         (:func:`check_devices`); ``None`` skips that check (the trainer runs it with
@@ -136,7 +209,7 @@ def load_config(
     Raises:
       ConfigError: naming the key, the value and what was expected.
     """
-    raw = merge_overrides(_read_yaml(Path(path)), overrides)
+    raw = merge_overrides(_read_yaml(resolve_config(path)), overrides)
     config = from_dict(raw)
     if device_count is not None:
         check_devices(config, device_count)
@@ -519,13 +592,16 @@ __all__ = [
     "build_recipe",
     "check_devices",
     "data_format",
+    "describe_configs",
     "from_dict",
     "load_config",
     "merge_overrides",
     "mesh_axis_sizes",
     "needs_reference_model",
     "recipe_hparams",
+    "resolve_config",
     "save_config",
+    "shipped_configs",
     "to_yaml",
     "validate",
 ]

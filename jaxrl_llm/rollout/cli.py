@@ -21,6 +21,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
         "generate",
         help="sample completions for one or more prompts",
         description="Sample completions with the jit-compiled KV-cache sampler.",
+        allow_abbrev=False,
     )
     p.add_argument(
         "--model",
