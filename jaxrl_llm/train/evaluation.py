@@ -1,19 +1,26 @@
 """Evaluation on the held-out split: accuracy / mean reward of one completion per prompt
-(greedy by default), and DPO's preference accuracy on held-out pairs."""
+(greedy by default) or, with ``num_samples`` K > 1, of K sampled completions per prompt with
+pass@k, mean@K, best@K and maj@K (:mod:`~jaxrl_llm.train.eval_metrics`); and DPO's preference
+accuracy on held-out pairs."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import distributed as dist
+from jaxrl_llm import rewards as R
 from jaxrl_llm.data import sequential_batches
 from jaxrl_llm.models import sharding as shd
+from jaxrl_llm.rewards import answers as A
+from jaxrl_llm.train import eval_metrics as EM
 from jaxrl_llm.train.collect import dpo_batch, sample_completions, score_completions
 from jaxrl_llm.train.setup import PAD_MULTIPLE, Models, Setup
 
@@ -21,14 +28,63 @@ from jaxrl_llm.train.setup import PAD_MULTIPLE, Models, Setup
 # Evaluation.
 
 
-def _eval_batch_size(n: int, models: Models | None = None) -> int:
-    """At most 64 prompts; with several processes a multiple of the data-parallel size, so
-    each process samples its own block of every batch."""
-    bs = max(1, min(n, 64))
+def _eval_batch_size(n: int, models: Models | None = None, num_samples: int = 1) -> int:
+    """At most 64 prompts (64 // K with K samples each); with several processes a multiple of
+    the data-parallel size, so each process samples its own block of every batch."""
+    bs = max(1, min(n, 64 // max(1, num_samples)))
     if models is not None and dist.is_multiprocess():
         dp = shd.data_parallel_size(models.mesh)
         bs = -(-bs // dp) * dp
     return bs
+
+
+def answer_extractor(reward: R.WeightedSum | None) -> Callable[[str], Any]:
+    """``text -> answer`` (hashable, ``None`` when there is none) for maj@K's vote: the answer
+    the reward's accuracy term parses (the last number for ``integer_answer``, the number after
+    ``####`` for ``gsm8k_answer``, the last ``\\boxed{}``'s contents for ``boxed_answer``, with
+    spaces, ``$`` and ``\\left``/``\\right`` dropped and a plain number or ``a/b`` as its
+    exact value); for any other accuracy term the whitespace-normalised text. Votes group
+    answers by this key, an approximation of the reward's own equivalence for LaTeX answers."""
+    term = None
+    if reward is not None and reward.accuracy is not None:
+        term = next(t.fn for t in reward.terms if t.name == reward.accuracy)
+    if isinstance(term, A.IntegerAnswer):
+        return A.last_number
+    if isinstance(term, A.Gsm8kAnswer):
+
+        def gsm8k(text: str) -> Fraction | None:
+            number = A.gsm8k_answer(text)
+            return A.last_number(text) if number is None and not term.strict else number
+
+        return gsm8k
+    if isinstance(term, A.BoxedAnswer):
+
+        def boxed(text: str) -> Any:
+            found = A.extract_boxed(text)
+            if found is None:
+                return None
+            norm = "".join(found.split()).replace("$", "")
+            norm = norm.replace("\\left", "").replace("\\right", "").rstrip(".")
+            try:  # "0.5" and "1/2" are one answer
+                return Fraction(norm)
+            except (ValueError, ZeroDivisionError):
+                return norm or None
+
+        return boxed
+    return lambda text: " ".join(text.split()) or None
+
+
+def _answer_ids(texts: list[list[str]], extract: Callable[[str], Any]) -> np.ndarray:
+    """``int32[B, K]``: per prompt, the samples' answers numbered in order of first appearance
+    (equal answers, equal ids), ``-1`` for none; integers, so processes can gather them."""
+    out = np.full((len(texts), len(texts[0]) if texts else 0), -1, np.int32)
+    for b, group in enumerate(texts):
+        seen: dict[Any, int] = {}
+        for j, text in enumerate(group):
+            answer = extract(text)
+            if answer is not None:
+                out[b, j] = seen.setdefault(answer, len(seen))
+    return out
 
 
 def evaluate_prompts(
@@ -38,22 +94,41 @@ def evaluate_prompts(
     mode: str | None = None,
     max_new_tokens: int | None = None,
     step: int = 0,
+    num_samples: int | None = None,
 ) -> dict[str, float]:
-    """Accuracy and mean reward of one completion per held-out prompt (greedy or sampled)."""
+    """Accuracy and mean reward of one completion per held-out prompt (greedy or sampled).
+
+    With ``num_samples`` K > 1 (default ``setup.evaluation.num_samples``) each prompt gets K
+    completions sampled with the rollout's temperature / top-k / top-p, and the metrics of
+    :func:`~jaxrl_llm.train.eval_metrics.sampled_metrics` are added: ``eval/mean@K``,
+    ``eval/best@K`` (rewards), ``eval/pass@k`` for k = 1, 2, 4, ... ≤ K and K, ``eval/maj@K``
+    (with an accuracy term), each with ``_ci_low`` / ``_ci_high`` (95% bootstrap over
+    prompts), and ``eval/num_samples``. ``eval/accuracy`` and ``eval/reward_mean`` are then
+    the means over all K samples (``eval/accuracy`` = ``eval/pass@1``). DPO evaluates one
+    greedy completion.
+    """
     ds = setup.data.eval_prompts
     if ds is None or len(ds) == 0:
         return {}
     plan = setup.evaluation
-    mode = "greedy" if setup.offline else (mode or plan.mode)
+    n_samples = 1 if setup.offline else int(num_samples or plan.num_samples)
+    if n_samples < 1:
+        raise ValueError(f"num_samples must be ≥ 1, got {n_samples}")
+    if n_samples > 1 and mode == "greedy":
+        raise ValueError(f"{n_samples} samples per prompt need sampled decoding, not greedy")
+    mode = "greedy" if setup.offline else ("sampled" if n_samples > 1 else (mode or plan.mode))
     sampler = plan.sampler
     if max_new_tokens:
         sampler = dataclasses.replace(sampler, max_new_tokens=max_new_tokens)
     if mode == "greedy":
         sampler = sampler.greedy()
+    else:
+        sampler = dataclasses.replace(sampler, num_samples=n_samples)
     models = setup.models
-    bs = _eval_batch_size(len(ds), models)
+    bs = _eval_batch_size(len(ds), models, n_samples)
     key = jax.random.fold_in(jax.random.key(plan.seed), step)
-    correct, rewards, lengths = [], [], []
+    extract = answer_extractor(setup.reward) if n_samples > 1 else None
+    correct, rewards, lengths, answers = [], [], [], []
     for i, batch in enumerate(sequential_batches(ds, bs, pad_multiple=PAD_MULTIPLE)):
         k = len(batch.prompts)
         ids, mask = batch.prompt_ids_bt, batch.prompt_mask_bt
@@ -71,7 +146,7 @@ def evaluate_prompts(
         prompts = batch.prompts + batch.prompts[-1:] * (bs - k)
         fields = {f: list(v) + list(v[-1:]) * (bs - k) for f, v in batch.fields.items()}
         tokens, tmask = out.tokens[:num], out.mask[:num]
-        reward_bg, reward_out, _ = score_completions(
+        reward_bg, reward_out, texts = score_completions(
             setup.tokenizer,
             setup.reward,
             prompts[mine],
@@ -79,25 +154,46 @@ def evaluate_prompts(
             tokens,
             tmask,
         )
+        correct_bg = reward_out.correct_n
+        if correct_bg is not None:
+            correct_bg = np.asarray(correct_bg).reshape(reward_bg.shape)
+        # [rows, K] per process (K = 1: the single sample's column, as before).
         scores = dist.gather(
             {
-                "reward": reward_bg[:, 0],
-                "length": tmask.sum(-1)[:, 0],
-                "correct": None if reward_out.correct_n is None else reward_out.correct_n,
+                "reward": reward_bg,
+                "length": tmask.sum(-1),
+                "correct": correct_bg,
+                "answer": None if extract is None else _answer_ids(texts, extract),
             }
         )
         rewards.append(np.asarray(scores["reward"])[:k])
         lengths.append(np.asarray(scores["length"])[:k])
         if scores["correct"] is not None:
             correct.append(np.asarray(scores["correct"])[:k])
-    out = {
-        "eval/reward_mean": float(np.concatenate(rewards).mean()),
+        if scores["answer"] is not None:
+            answers.append(np.asarray(scores["answer"])[:k])
+    reward_pk = np.concatenate(rewards)
+    correct_pk = np.concatenate(correct) if correct else None
+    result = {
+        "eval/reward_mean": float(reward_pk.mean()),
         "eval/response_length": float(np.concatenate(lengths).mean()),
         "eval/num_prompts": float(len(ds)),
     }
-    if correct:
-        out["eval/accuracy"] = float(np.concatenate(correct).mean())
-    return out
+    if correct_pk is not None:
+        result["eval/accuracy"] = float(correct_pk.mean())
+    if n_samples > 1:
+        result["eval/num_samples"] = float(n_samples)
+        result.update(
+            EM.sampled_metrics(
+                reward_pk,
+                correct_pk,
+                np.concatenate(answers) if answers and correct_pk is not None else None,
+                prefix="eval/",
+                invalid=-1,
+                seed=plan.seed,
+            )
+        )
+    return result
 
 
 def evaluate_pairs(
@@ -146,11 +242,20 @@ def run_evaluation(
     logprob: Callable[..., jax.Array] | None = None,
     mode: str | None = None,
     max_new_tokens: int | None = None,
+    num_samples: int | None = None,
 ) -> dict[str, float]:
-    """The held-out metrics at ``step``: prompts (every run with held-out prompts) and, for
-    DPO, preference pairs (``logprob``: the run's jitted log-prob function)."""
+    """The held-out metrics at ``step``: prompts (every run with held-out prompts; K =
+    ``num_samples`` samples each, default the plan's) and, for DPO, preference pairs
+    (``logprob``: the run's jitted log-prob function)."""
     t0 = time.perf_counter()
-    out = evaluate_prompts(setup, params, mode=mode, max_new_tokens=max_new_tokens, step=step)
+    out = evaluate_prompts(
+        setup,
+        params,
+        mode=mode,
+        max_new_tokens=max_new_tokens,
+        step=step,
+        num_samples=num_samples,
+    )
     if setup.offline and logprob is not None:
         out.update(evaluate_pairs(setup, params, logprob))
     if out:
@@ -159,6 +264,7 @@ def run_evaluation(
 
 
 __all__ = [
+    "answer_extractor",
     "evaluate_pairs",
     "evaluate_prompts",
     "run_evaluation",

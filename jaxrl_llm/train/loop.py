@@ -218,9 +218,9 @@ def train(
     evaluate_every = setup.evaluation.every
 
     def evaluate_at(step: int, params: dict, logger: MetricsLogger) -> dict[str, float]:
-        ev = run_evaluation(setup, params, step=step, logprob=logprob)
-        logger.log(step, ev)
-        logger.write(_format_eval(step, ev))
+        ev = run_evaluation(setup, params, step=step, logprob=logprob)  # K: the plan's
+        logger.log(step, ev)  # all keys, the pass@k / maj@K intervals too
+        logger.write(_format_eval(step, {k: v for k, v in ev.items() if "_ci_" not in k}))
         return ev
 
     final: dict[str, float] = {}
@@ -372,10 +372,16 @@ def evaluate(
     run_dir: str | Path | None = None,
     mode: str | None = None,
     max_new_tokens: int | None = None,
+    num_samples: int | None = None,
     log: Callable[..., None] = print,
 ) -> dict[str, float]:
     """Held-out accuracy / mean reward (and dpo preference accuracy) of the latest checkpoint
-    in ``run_dir`` (the initial weights without one); ``mode``: greedy or sampled."""
+    in ``run_dir`` (the initial weights without one); ``mode``: greedy or sampled.
+
+    ``num_samples`` K (default ``train.eval_num_samples``): K > 1 samples K completions per
+    prompt and adds ``eval/mean@K``, ``eval/best@K``, ``eval/pass@k`` (k = 1, 2, 4, ... ≤ K
+    and K), ``eval/maj@K``, each with ``_ci_low`` / ``_ci_high``, and ``eval/num_samples``
+    (:mod:`~jaxrl_llm.train.eval_metrics`)."""
     setup, state = _restored(config, run_dir, log)
     return run_evaluation(
         setup,
@@ -384,6 +390,7 @@ def evaluate(
         logprob=reference_logprob_fn(setup),
         mode=mode,
         max_new_tokens=max_new_tokens,
+        num_samples=num_samples,
     )
 
 

@@ -152,12 +152,14 @@ class CheckpointPlan:
 @dataclasses.dataclass(frozen=True)
 class EvalPlan:
     """Held-out evaluation every ``every`` steps (0: only before the first and after the last),
-    ``mode`` greedy or sampled with ``sampler``, keyed from ``seed``."""
+    ``mode`` greedy or sampled with ``sampler``, keyed from ``seed``; ``num_samples`` K
+    completions per prompt (K > 1: sampled, with pass@k / maj@K / best@K / mean@K)."""
 
     every: int
     mode: str
     sampler: Sampler
     seed: int
+    num_samples: int = 1
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -530,7 +532,14 @@ def _eval_plan(config: TrainConfig, sampler: Sampler | None, stop_ids: Sequence[
         return EvalPlan(every=t.eval_every, mode="greedy", sampler=base, seed=t.seed + 1)
     max_new = t.eval_max_new_tokens or sampler.max_new_tokens
     eval_sampler = dataclasses.replace(sampler, num_samples=1, max_new_tokens=max_new)
-    return EvalPlan(every=t.eval_every, mode=t.eval_mode, sampler=eval_sampler, seed=t.seed + 1)
+    k = t.eval_num_samples
+    return EvalPlan(
+        every=t.eval_every,
+        mode="sampled" if k > 1 else t.eval_mode,
+        sampler=eval_sampler,
+        seed=t.seed + 1,
+        num_samples=k,
+    )
 
 
 def resolve(
