@@ -61,6 +61,7 @@ def test_recipe_lists_and_reward_types_name_real_ones():
         "integer_answer",
         "gsm8k",
         "boxed",
+        "math_verify",
         "regex",
         "length_penalty",
         "reward_model",
