@@ -141,15 +141,25 @@ def _train(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     import json
 
+    from jaxrl_llm.config import ConfigError
     from jaxrl_llm.train.loop import evaluate
 
     primary = _init_distributed(args)
     config = _load(args, need_config=False)
+    k = args.num_samples
+    if k is not None and k < 1:
+        raise ConfigError(f"--num-samples {k}: expected an integer ≥ 1")
+    if (k or config.train.eval_num_samples) > 1 and args.mode == "greedy":
+        raise ConfigError(
+            f"--mode greedy with {k or config.train.eval_num_samples} samples per prompt: "
+            "K > 1 samples at the rollout temperature (drop --mode or use --mode sampled)"
+        )
     out = evaluate(
         config,
         run_dir=args.run_dir,
         mode=args.mode,
         max_new_tokens=args.max_new_tokens,
+        num_samples=k,
         log=print if primary else _quiet,
     )
     if primary:
@@ -174,7 +184,8 @@ def _common(p: argparse.ArgumentParser, *, config_required: bool) -> None:
         "--config",
         required=config_required,
         default=None,
-        help="YAML config (see configs/base.yaml)"
+        help="YAML config: a file, or the name of a shipped config such as quickstart or "
+        "algorithms/grpo (`jaxrl-llm configs` lists them; base documents every knob)"
         + ("" if config_required else "; default RUN_DIR/config.yaml"),
     )
     p.add_argument("--run-dir", required=True, help="the run directory")
@@ -188,14 +199,16 @@ def _common(p: argparse.ArgumentParser, *, config_required: bool) -> None:
 
 def add_train_parsers(sub: argparse._SubParsersAction) -> None:
     """Adds ``train``, ``evaluate`` and ``export`` to ``sub`` (``add_subparsers()``'s result)."""
-    p = sub.add_parser("train", help="train (or resume) a run")
+    p = sub.add_parser("train", help="train (or resume) a run", allow_abbrev=False)
     _common(p, config_required=True)
     p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     _add_distributed_args(p)
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("evaluate", help="held-out accuracy / mean reward of a run's checkpoint")
+    p = sub.add_parser(
+        "evaluate", help="held-out accuracy / mean reward of a run's checkpoint", allow_abbrev=False
+    )
     _common(p, config_required=False)
     p.add_argument(
         "--mode",
@@ -204,10 +217,23 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
         help="decoding (default train.eval_mode)",
     )
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=None,
+        metavar="K",
+        help="completions per prompt (default train.eval_num_samples); K > 1 samples at the "
+        "rollout temperature and reports eval/pass@k (k = 1, 2, 4, ... and K), eval/mean@K, "
+        "eval/best@K, eval/maj@K with 95%% bootstrap intervals",
+    )
     _add_distributed_args(p)
     p.set_defaults(func=_evaluate)
 
-    p = sub.add_parser("export", help="write a run's latest checkpoint as a Hugging Face folder")
+    p = sub.add_parser(
+        "export",
+        help="write a run's latest checkpoint as a Hugging Face folder",
+        allow_abbrev=False,
+    )
     _common(p, config_required=False)
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/export)")
     _add_distributed_args(p)
