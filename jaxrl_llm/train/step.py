@@ -38,7 +38,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import chain as ch
 from jaxrl_llm import recipe as rc
@@ -164,11 +163,9 @@ def make_rl_step(
         rules=models.rules,
         jit=False,
     )
-    batch_axes = models.batch_axes
 
     def constrain(x: jax.Array) -> jax.Array:
-        spec = PartitionSpec(batch_axes, *([None] * (x.ndim - 1)))
-        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return jax.lax.with_sharding_constraint(x, models.batch_sharding(x.ndim))
 
     def logprobs(params: Any, tokens_nl: jax.Array, mask_nl: jax.Array, t: int) -> jax.Array:
         return forward.completion_logprobs_nt(
@@ -249,7 +246,7 @@ def make_rl_step(
         traced_names.append(names)
         return state, jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in names])
 
-    rep = NamedSharding(mesh, PartitionSpec())
+    rep = st.replicated(mesh)
     ref_params = models.ref_params
     ref_sharding = None if ref_params is None else sharding.params
     cache: dict[Any, tuple[Callable, list[str]]] = {}
@@ -259,10 +256,7 @@ def make_rl_step(
         b = groups.tokens_bgt.shape[0]
         if b % shd.data_parallel_size(mesh):
             return jax.tree.map(lambda _: rep, groups)
-        return jax.tree.map(
-            lambda x: NamedSharding(mesh, PartitionSpec(batch_axes, *([None] * (x.ndim - 1)))),
-            groups,
-        )
+        return jax.tree.map(lambda x: models.batch_sharding(x.ndim), groups)
 
     def call(state: st.TrainState, groups: Groups) -> tuple[st.TrainState, dict[str, float]]:
         g_sharding = groups_sharding(groups)
