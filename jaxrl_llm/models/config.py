@@ -15,6 +15,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxrl_llm.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLS
+
 # model_type -> the HF class names we load and export for it.
 SUPPORTED_MODEL_TYPES: dict[str, dict[str, str]] = {
     "llama": {"causal_lm": "LlamaForCausalLM", "sequence_cls": "LlamaForSequenceClassification"},
@@ -80,6 +82,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: str = "none"
+    # Attention kernel for cache-free forward passes: auto | reference | splash | cudnn.
+    attention_impl: str = "auto"
     # The HF config this was read from (JSON), so export keeps fields we do not model.
     hf_config_json: str = dataclasses.field(default="", compare=False, repr=False)
 
@@ -104,6 +108,10 @@ class ModelConfig:
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(
+                f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
+            )
         if self.sliding_windows is not None and len(self.sliding_windows) != self.num_layers:
             raise ValueError(
                 f"sliding_windows has {len(self.sliding_windows)} entries, expected one per "

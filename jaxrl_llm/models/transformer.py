@@ -25,6 +25,7 @@ the unpadded one.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple, TypeVar
@@ -34,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_llm.models import attention as attention_lib
 from jaxrl_llm.models import sharding
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_frequencies
@@ -43,6 +45,9 @@ _INIT_STD = 0.02  # HF initializer_range default; real weights are loaded over i
 _Carry = TypeVar("_Carry")
 _X = TypeVar("_X")
 _Y = TypeVar("_Y")
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+"""``attend(q_bthd, k_bskd, v_bskd) -> out_bthd``: attention with one layer's masks applied."""
 
 
 def _param(
@@ -154,10 +159,11 @@ class Attention(nnx.Module):
         x_btd: jax.Array,
         cos_btd: jax.Array,
         sin_btd: jax.Array,
-        allowed_bts: jax.Array,
+        attend: Attend,
         kv: tuple[jax.Array, jax.Array] | None = None,
         index: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """``attend(q_bthd, k_bskd, v_bskd) -> [B, T, H, Dh]`` applies this layer's masks."""
         q_bthd = self.q_proj(x_btd)
         k_btkd = self.k_proj(x_btd)
         v_btkd = self.v_proj(x_btd)
@@ -175,33 +181,15 @@ class Attention(nnx.Module):
                 v_cache, v_btkd.astype(v_cache.dtype), (0, index, 0, 0)
             )
             new_kv = (k_btkd, v_btkd)
-        out_bthd = dot_product_attention(
-            q_bthd, k_btkd.astype(q_bthd.dtype), v_btkd.astype(q_bthd.dtype), allowed_bts
-        )
+        out_bthd = attend(q_bthd, k_btkd.astype(q_bthd.dtype), v_btkd.astype(q_bthd.dtype))
         return self.o_proj(out_bthd), new_kv
 
 
 def dot_product_attention(
     q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, allowed_bts: jax.Array
 ) -> jax.Array:
-    """``softmax(q k^T / sqrt(Dh)) v`` over allowed keys; query head ``h`` reads kv head ``h // G``.
-
-    Scores and softmax are float32. A query with no allowed key (a padding position) gets a
-    uniform average instead of NaN; its output is never used.
-    """
-    b, t, h, hd = q_bthd.shape
-    kv_heads = k_bskd.shape[2]
-    q_btkgd = q_bthd.reshape(b, t, kv_heads, h // kv_heads, hd) * jnp.asarray(
-        hd**-0.5, q_bthd.dtype
-    )
-    # Axis orders follow dot_general's natural output (batch dims, lhs free, rhs free), so
-    # the [.., T, S] scores need no extra transposes in either pass.
-    scores = jnp.einsum("btkgd,bskd->bktgs", q_btkgd, k_bskd, preferred_element_type=jnp.float32)
-    neg = jnp.finfo(jnp.float32).min
-    scores = jnp.where(allowed_bts[:, None, :, None, :], scores, neg)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_bthd.dtype)
-    out_btkgd = jnp.einsum("bktgs,bskd->btkgd", probs, v_bskd, preferred_element_type=jnp.float32)
-    return out_btkgd.astype(q_bthd.dtype).reshape(b, t, h, hd)
+    """The reference attention over a precomputed mask (:func:`attention.reference_attention`)."""
+    return attention_lib.reference_attention(q_bthd, k_bskd, v_bskd, allowed_bts)
 
 
 def matmul_2d(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
@@ -273,12 +261,12 @@ class DecoderLayer(nnx.Module):
         x_btd: jax.Array,
         cos_btd: jax.Array,
         sin_btd: jax.Array,
-        allowed_bts: jax.Array,
+        attend: Attend,
         kv: tuple[jax.Array, jax.Array] | None = None,
         index: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         attn, new_kv = self.self_attn(
-            self.input_layernorm(x_btd), cos_btd, sin_btd, allowed_bts, kv, index
+            self.input_layernorm(x_btd), cos_btd, sin_btd, attend, kv, index
         )
         x_btd = x_btd + attn
         x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
@@ -389,15 +377,43 @@ class Decoder(nnx.Module):
         mask_bt: jax.Array | None = None,
         *,
         positions_bt: jax.Array | None = None,
+        segment_ids_bt: jax.Array | None = None,
         cache: KVCache | None = None,
+        attention_impl: str | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        """Hidden states after the final norm, and the updated cache (``None`` without one)."""
+        """Hidden states after the final norm, and the updated cache (``None`` without one).
+
+        ``segment_ids_bt`` (int32 ``[B, T]``, 0 = padding) packs several sequences into a row:
+        a token attends to earlier tokens of its own segment only (same nonzero id, causal,
+        within the layer's window), and ``mask_bt`` is and-ed with ``segment_ids_bt != 0``.
+        Position ids then restart at 0 in each segment by default (segments must be
+        contiguous for that default; pass ``positions_bt`` otherwise). Not with ``cache``.
+
+        ``attention_impl`` overrides ``config.attention_impl`` (see ``attention.py``); the
+        KV-cache path always uses the reference implementation.
+        """
         c = self.config
         b, t = tokens_bt.shape
         if mask_bt is None:
             mask_bt = jnp.ones((b, t), bool)
         if mask_bt.dtype != jnp.bool_:
             raise TypeError(f"mask_bt must be a boolean mask, got dtype {mask_bt.dtype}")
+        if segment_ids_bt is not None:
+            if cache is not None:
+                raise ValueError(
+                    "segment_ids_bt (packed rows) is not supported with a KV cache; decode "
+                    "one sequence per row"
+                )
+            if segment_ids_bt.shape != (b, t):
+                raise ValueError(
+                    f"segment_ids_bt has shape {segment_ids_bt.shape}, expected tokens' {(b, t)}"
+                )
+            if not jnp.issubdtype(segment_ids_bt.dtype, jnp.integer):
+                raise TypeError(
+                    f"segment_ids_bt must be int32 (0 = padding), got {segment_ids_bt.dtype}"
+                )
+            segment_ids_bt = jnp.where(mask_bt, segment_ids_bt.astype(jnp.int32), 0)
+            mask_bt = segment_ids_bt != 0
         if cache is not None:
             index = _concrete_int(cache.index)
             if index is not None and index + t > cache.max_len:
@@ -405,7 +421,9 @@ class Decoder(nnx.Module):
                     f"KV cache has {cache.max_len} slots; {index} are written, {t} more do not fit"
                 )
         start_b = cache.next_positions() if cache is not None else jnp.zeros((b,), jnp.int32)
-        if positions_bt is None:
+        if positions_bt is None and segment_ids_bt is not None:
+            positions_bt = segment_positions(segment_ids_bt)
+        elif positions_bt is None:
             counts_bt = jnp.cumsum(mask_bt.astype(jnp.int32), axis=1)
             positions_bt = jnp.maximum(start_b[:, None] + counts_bt - 1, 0)
 
@@ -416,6 +434,15 @@ class Decoder(nnx.Module):
             positions_bt, np.asarray(self._inv_freq, np.float32), self._rope_scaling, dtype
         )
 
+        def constrain(x_btd: jax.Array) -> jax.Array:
+            return sharding.constrain(x_btd, ("batch", "seq", "act_embed"))
+
+        windows_l = layer_windows(c)
+        if cache is None:
+            impl = attention_lib.resolve_implementation(attention_impl or c.attention_impl)
+            if impl != "reference":
+                return self._kernel_forward(x_btd, cos, sin, mask_bt, segment_ids_bt, impl)
+
         q_slot_t = jnp.arange(t, dtype=jnp.int32)
         if cache is None:
             k_slot_s, k_valid_bs, index = q_slot_t, mask_bt, None
@@ -425,20 +452,19 @@ class Decoder(nnx.Module):
             k_slot_s = jnp.arange(cache.max_len, dtype=jnp.int32)
             k_valid_bs = jax.lax.dynamic_update_slice(cache.mask_bs, mask_bt, (0, index))
         base_bts = (k_slot_s[None, :] <= q_slot_t[:, None])[None] & k_valid_bs[:, None, :]
+        if segment_ids_bt is not None:
+            base_bts = base_bts & attention_lib.segment_mask(segment_ids_bt)
 
-        def allowed(window: jax.Array) -> jax.Array:  # traced int32: this layer's window
-            return base_bts & (k_slot_s[None, None, :] > q_slot_t[None, :, None] - window)
+        def reference(window: jax.Array) -> Attend:  # traced int32: this layer's window
+            allowed_bts = base_bts & (k_slot_s[None, None, :] > q_slot_t[None, :, None] - window)
+            return functools.partial(attention_lib.reference_attention, allowed_bts=allowed_bts)
 
-        def constrain(x_btd: jax.Array) -> jax.Array:
-            return sharding.constrain(x_btd, ("batch", "seq", "act_embed"))
-
-        windows_l = layer_windows(c)
         if cache is None:
 
             def body(
                 layer: DecoderLayer, x_btd: jax.Array, window: jax.Array
             ) -> tuple[jax.Array, None]:
-                x_btd, _ = layer(x_btd, cos, sin, allowed(window))
+                x_btd, _ = layer(x_btd, cos, sin, reference(window))
                 return constrain(x_btd), None
 
             x_btd, _ = scan_layers(self.layers, body, x_btd, windows_l, remat=c.remat)
@@ -448,13 +474,71 @@ class Decoder(nnx.Module):
             layer: DecoderLayer, x_btd: jax.Array, per_layer: tuple[jax.Array, jax.Array, jax.Array]
         ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
             window, k_l, v_l = per_layer
-            x_btd, (k_l, v_l) = layer(x_btd, cos, sin, allowed(window), (k_l, v_l), index)
+            x_btd, (k_l, v_l) = layer(x_btd, cos, sin, reference(window), (k_l, v_l), index)
             return constrain(x_btd), (k_l, v_l)
 
         x_btd, (new_k, new_v) = scan_layers(
             self.layers, cached_body, x_btd, (windows_l, cache.k, cache.v)
         )
         return self.norm(x_btd), KVCache(new_k, new_v, k_valid_bs, index + t)
+
+    def _kernel_forward(
+        self,
+        x_btd: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask_bt: jax.Array,
+        segment_ids_bt: jax.Array | None,
+        impl: str,
+    ) -> tuple[jax.Array, None]:
+        """The cache-free layer scan with a kernel (``splash``/``cudnn``) as attention.
+
+        Kernels take their window statically: layers are grouped by window and each scan step
+        picks its window's kernel with ``lax.switch`` (one branch when all layers agree).
+        """
+        c = self.config
+        windows = sorted({c.window(i) for i in range(c.num_layers)}, key=lambda w: w or 0)
+        branch_l = jnp.asarray([windows.index(c.window(i)) for i in range(c.num_layers)])
+        masks = (
+            dict(kv_mask_bs=mask_bt)
+            if segment_ids_bt is None
+            else dict(segment_ids_bt=segment_ids_bt)
+        )
+
+        def kernel(window: int | None) -> Attend:
+            return functools.partial(
+                attention_lib.attention, causal=True, window=window, implementation=impl, **masks
+            )
+
+        def attend(branch: jax.Array) -> Attend:
+            if len(windows) == 1:
+                return kernel(windows[0])
+            branches = [kernel(w) for w in windows]
+            return lambda q, k, v: jax.lax.switch(branch, branches, q, k, v)
+
+        def body(
+            layer: DecoderLayer, x_btd: jax.Array, branch: jax.Array
+        ) -> tuple[jax.Array, None]:
+            x_btd, _ = layer(x_btd, cos, sin, attend(branch))
+            return sharding.constrain(x_btd, ("batch", "seq", "act_embed")), None
+
+        x_btd, _ = scan_layers(self.layers, body, x_btd, branch_l, remat=c.remat)
+        return self.norm(x_btd), None
+
+
+def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:
+    """int32 ``[B, T]``: each token's index within its (contiguous) segment; 0 for padding.
+
+    ``pos[t] = t - start(t)`` with ``start(t)`` the first slot of the run of equal ids that
+    holds ``t`` (a running maximum of run starts), so O(T) memory for any number of segments.
+    """
+    b, t = segment_ids_bt.shape
+    slot_t = jnp.arange(t, dtype=jnp.int32)
+    starts_bt = jnp.concatenate(
+        [jnp.ones((b, 1), bool), segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1
+    )
+    start_bt = jax.lax.cummax(jnp.where(starts_bt, slot_t[None], 0), axis=1)
+    return jnp.where(segment_ids_bt != 0, slot_t[None] - start_bt, 0).astype(jnp.int32)
 
 
 class CausalLM(nnx.Module):
@@ -498,9 +582,19 @@ class CausalLM(nnx.Module):
         mask_bt: jax.Array | None = None,
         *,
         positions_bt: jax.Array | None = None,
+        segment_ids_bt: jax.Array | None = None,
         cache: KVCache | None = None,
+        attention_impl: str | None = None,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
-        h_btd, new_cache = self.model(tokens_bt, mask_bt, positions_bt=positions_bt, cache=cache)
+        """Logits ``[B, T, V]`` (and the new cache with ``cache=``); arguments as ``Decoder``."""
+        h_btd, new_cache = self.model(
+            tokens_bt,
+            mask_bt,
+            positions_bt=positions_bt,
+            segment_ids_bt=segment_ids_bt,
+            cache=cache,
+            attention_impl=attention_impl,
+        )
         logits_btv = self.logits(h_btd)
         return logits_btv if cache is None else (logits_btv, new_cache)
 

@@ -1,0 +1,208 @@
+"""Attention as a pure function, with causal, sliding-window, padding and segment masks.
+
+``attention(q_bthd, k_bskd, v_bskd, ...)`` computes, for query ``t`` and query head ``h``,
+
+    out[b, t, h] = sum_s p[b, h, t, s] v[b, s, h // G],
+    p[b, h, t, s] = softmax_s(q[b, t, h] . k[b, s, h // G] / sqrt(Dh)  over allowed s),
+
+with ``G = H / K`` query heads per key/value head (grouped-query attention, Ainslie et al.
+2023). Key ``s`` is allowed for query ``t`` when all of these hold:
+
+- causal: ``s <= t + q_offset`` (``q_offset`` is the query's first slot in the key axis, e.g.
+  the KV-cache write index; 0 for a plain forward pass);
+- window: ``t + q_offset - s < window`` (a sliding window of ``window`` keys including the
+  query's own; ``None`` for full attention, as Mistral/Qwen2's ``sliding_window``);
+- key validity: ``kv_mask_bs[b, s]`` (padding keys are never read);
+- segments: ``segment_ids_bt[b, t] == kv_segment_ids_bs[b, s] != 0``. Packed rows hold several
+  sequences side by side; a token attends only within its own segment; id 0 is padding.
+
+Implementations (``implementation=``):
+
+- ``"reference"``: plain JAX, float32 scores and softmax; runs everywhere (CPU tests).
+- ``"splash"`` (TPU): the Pallas splash-attention kernel
+  (``jax.experimental.pallas.ops.tpu.splash_attention``, as MaxText uses it) with
+  ``SegmentIds`` and a static causal / local mask. Runs on CPU with ``interpret=True`` (tests).
+- ``"cudnn"`` (GPU): ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (cuDNN
+  flash attention). Runs on GPU only; the same call with ``implementation="xla"`` (the
+  ``cudnn_xla`` testing form here) runs on CPU and checks the argument wiring.
+- ``"auto"``: by ``jax.default_backend()``: tpu -> splash, gpu -> cudnn, else reference.
+
+Kernel requirements are checked up front and raise :class:`ValueError` naming the failed
+requirement and the fallback (``implementation="reference"``, config ``model.attention``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Implementation = Literal["auto", "reference", "splash", "cudnn"]
+IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "splash", "cudnn")
+
+
+def resolve_implementation(implementation: str = "auto", backend: str | None = None) -> str:
+    """The concrete implementation: ``"auto"`` maps tpu -> splash, gpu -> cudnn, else reference."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"attention implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}"
+        )
+    if implementation != "auto":
+        return implementation
+    backend = backend or jax.default_backend()
+    return {"tpu": "splash", "gpu": "cudnn"}.get(backend, "reference")
+
+
+def attention_mask(
+    t: int,
+    s: int,
+    *,
+    q_offset: int | jax.Array = 0,
+    causal: bool = True,
+    window: int | jax.Array | None = None,
+    kv_mask_bs: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
+    kv_segment_ids_bs: jax.Array | None = None,
+) -> jax.Array:
+    """bool ``[B or 1, T, S]``: which keys each query may read (the rules in the module doc)."""
+    q_slot_t = jnp.arange(t, dtype=jnp.int32) + jnp.asarray(q_offset, jnp.int32)
+    k_slot_s = jnp.arange(s, dtype=jnp.int32)
+    allowed_ts = jnp.ones((t, s), bool)
+    if causal:
+        allowed_ts = k_slot_s[None, :] <= q_slot_t[:, None]
+    if window is not None:
+        allowed_ts = allowed_ts & (k_slot_s[None, :] > q_slot_t[:, None] - window)
+    allowed_bts = allowed_ts[None]
+    if kv_mask_bs is not None:
+        allowed_bts = allowed_bts & kv_mask_bs[:, None, :]
+    if segment_ids_bt is not None:
+        allowed_bts = allowed_bts & segment_mask(segment_ids_bt, kv_segment_ids_bs)
+    return allowed_bts
+
+
+def segment_mask(
+    segment_ids_bt: jax.Array, kv_segment_ids_bs: jax.Array | None = None
+) -> jax.Array:
+    """bool ``[B, T, S]``: ``q_seg[b, t] == kv_seg[b, s] != 0`` (kv ids default to the q ids)."""
+    kv_segment_ids_bs = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs
+    same_bts = segment_ids_bt[:, :, None] == kv_segment_ids_bs[:, None, :]
+    return same_bts & (segment_ids_bt != 0)[:, :, None]
+
+
+def reference_attention(
+    q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, allowed_bts: jax.Array
+) -> jax.Array:
+    """``softmax(q k^T / sqrt(Dh)) v`` over allowed keys; query head ``h`` reads kv head ``h // G``.
+
+    ``allowed_bts`` is bool ``[B or 1, T, S]`` (:func:`attention_mask`). Scores and softmax are
+    float32. A query with no allowed key (a padding position) gets a uniform average instead of
+    NaN; its output is never used.
+    """
+    b, t, h, hd = q_bthd.shape
+    kv_heads = k_bskd.shape[2]
+    q_btkgd = q_bthd.reshape(b, t, kv_heads, h // kv_heads, hd) * jnp.asarray(
+        hd**-0.5, q_bthd.dtype
+    )
+    # Axis orders follow dot_general's natural output (batch dims, lhs free, rhs free), so
+    # the [.., T, S] scores need no extra transposes in either pass.
+    scores = jnp.einsum("btkgd,bskd->bktgs", q_btkgd, k_bskd, preferred_element_type=jnp.float32)
+    neg = jnp.finfo(jnp.float32).min
+    scores = jnp.where(allowed_bts[:, None, :, None, :], scores, neg)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q_bthd.dtype)
+    out_btkgd = jnp.einsum("bktgs,bskd->btkgd", probs, v_bskd, preferred_element_type=jnp.float32)
+    return out_btkgd.astype(q_bthd.dtype).reshape(b, t, h, hd)
+
+
+def _check_shapes(
+    q_bthd: jax.Array,
+    k_bskd: jax.Array,
+    v_bskd: jax.Array,
+    kv_mask_bs: jax.Array | None,
+    segment_ids_bt: jax.Array | None,
+    kv_segment_ids_bs: jax.Array | None,
+) -> None:
+    if q_bthd.ndim != 4 or k_bskd.ndim != 4 or v_bskd.ndim != 4:
+        raise ValueError(
+            "attention expects q [B, T, H, Dh], k and v [B, S, K, Dh]; got ranks "
+            f"{q_bthd.ndim}, {k_bskd.ndim}, {v_bskd.ndim}"
+        )
+    b, t, h, hd = q_bthd.shape
+    if k_bskd.shape != v_bskd.shape:
+        raise ValueError(f"k {k_bskd.shape} and v {v_bskd.shape} must have the same shape")
+    bk, s, kv_heads, hdk = k_bskd.shape
+    if bk != b or hdk != hd:
+        raise ValueError(
+            f"q {q_bthd.shape} and k {k_bskd.shape} must share batch and head_dim "
+            "(q [B, T, H, Dh], k [B, S, K, Dh])"
+        )
+    if h % kv_heads:
+        raise ValueError(f"query heads H={h} must be a multiple of kv heads K={kv_heads}")
+    for name, x, shape in (
+        ("kv_mask_bs", kv_mask_bs, (b, s)),
+        ("segment_ids_bt", segment_ids_bt, (b, t)),
+        ("kv_segment_ids_bs", kv_segment_ids_bs, (b, s)),
+    ):
+        if x is not None and x.shape != shape:
+            raise ValueError(f"{name} has shape {x.shape}, expected {shape}")
+    if kv_mask_bs is not None and kv_mask_bs.dtype != jnp.bool_:
+        raise TypeError(f"kv_mask_bs must be boolean, got dtype {kv_mask_bs.dtype}")
+    for name, x in (("segment_ids_bt", segment_ids_bt), ("kv_segment_ids_bs", kv_segment_ids_bs)):
+        if x is not None and not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{name} must be an integer array (0 = padding), got {x.dtype}")
+    if kv_segment_ids_bs is not None and segment_ids_bt is None:
+        raise ValueError("kv_segment_ids_bs needs segment_ids_bt (the queries' segment ids)")
+
+
+def attention(
+    q_bthd: jax.Array,
+    k_bskd: jax.Array,
+    v_bskd: jax.Array,
+    *,
+    causal: bool = True,
+    window: int | jax.Array | None = None,
+    q_offset: int | jax.Array = 0,
+    kv_mask_bs: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
+    kv_segment_ids_bs: jax.Array | None = None,
+    implementation: str = "auto",
+) -> jax.Array:
+    """Masked grouped-query attention ``[B, T, H, Dh]`` (formula and masks in the module doc).
+
+    Args:
+      q_bthd: queries ``[B, T, H, Dh]``.
+      k_bskd, v_bskd: keys and values ``[B, S, K, Dh]``, ``H % K == 0``.
+      causal: mask keys after the query (slot ``t + q_offset``).
+      window: sliding window (keys ``t + q_offset - s < window``), ``None`` for none.
+      q_offset: the first query's slot in the key axis (KV-cache index); 0 for a forward pass.
+      kv_mask_bs: bool ``[B, S]``, ``False`` for padding keys.
+      segment_ids_bt: int32 ``[B, T]`` segment of each query, 0 = padding.
+      kv_segment_ids_bs: int32 ``[B, S]`` segment of each key; defaults to ``segment_ids_bt``
+        (needs ``S == T``).
+      implementation: ``"auto"``, ``"reference"``, ``"splash"`` or ``"cudnn"``.
+
+    Returns:
+      ``[B, T, H, Dh]`` in ``q``'s dtype. Rows of padding queries (no allowed key) hold
+      implementation-dependent values and must not be used.
+    """
+    _check_shapes(q_bthd, k_bskd, v_bskd, kv_mask_bs, segment_ids_bt, kv_segment_ids_bs)
+    if segment_ids_bt is not None and kv_segment_ids_bs is None:
+        if k_bskd.shape[1] != q_bthd.shape[1]:
+            raise ValueError(
+                f"segment_ids_bt alone needs as many keys as queries (S={k_bskd.shape[1]}, "
+                f"T={q_bthd.shape[1]}); pass kv_segment_ids_bs"
+            )
+        kv_segment_ids_bs = segment_ids_bt
+    impl = resolve_implementation(implementation)
+    masks = dict(
+        causal=causal,
+        window=window,
+        q_offset=q_offset,
+        kv_mask_bs=kv_mask_bs,
+        segment_ids_bt=segment_ids_bt,
+        kv_segment_ids_bs=kv_segment_ids_bs,
+    )
+    if impl == "reference":
+        allowed_bts = attention_mask(q_bthd.shape[1], k_bskd.shape[1], **masks)
+        return reference_attention(q_bthd, k_bskd, v_bskd, allowed_bts)
+    raise NotImplementedError(impl)
