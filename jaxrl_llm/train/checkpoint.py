@@ -408,6 +408,15 @@ class Checkpointer:
         self.wait()
         meta_args = ocp.args.Composite(meta=ocp.args.JsonRestore())
         meta = dict(self._orbax_restore(step, meta_args, barriers=2)["meta"])
+        if "step" in meta and int(meta["step"]) != step:  # the same meta on every process
+            folder = self.directory / str(step)
+            link = f" (a link to {os.path.realpath(folder)})" if folder.is_symlink() else ""
+            raise CheckpointMismatchError(
+                f"checkpoint folder {folder}{link} holds step {int(meta['step'])}, not {step} "
+                "(a renamed copy, or another run's step?). Orbax never saves below its newest "
+                "step, so every later save would silently do nothing. Move the folder out of "
+                f"{self.directory} (or name it after its step) and rerun."
+            )
         flat = flatten_state(template)
         _check_fits(meta.get("arrays", {}), _describe(flat), step, str(self.directory))
         if sharding is None:

@@ -6,7 +6,11 @@ Wire them into the main parser with ``add_train_parsers(subparsers)``::
     jaxrl-llm evaluate --run-dir DIR [--config FILE] [--mode greedy|sampled] [key=value ...]
     jaxrl-llm export --run-dir DIR [--config FILE] [--out DIR] [key=value ...]
 
-Re-running ``train`` on a directory with checkpoints resumes. ``evaluate`` and ``export`` read
+Re-running ``train`` on a directory with checkpoints resumes; ``--overwrite`` starts over (a
+directory that holds a run without a usable checkpoint is refused without it; one writer per
+run directory, see :mod:`jaxrl_llm.train.rundir`). SIGTERM / SIGINT save a checkpoint after the
+current step and exit 143 / 130 (:mod:`jaxrl_llm.train.faults`); a second Ctrl-C exits 130 at
+once. ``evaluate`` and ``export`` read
 ``RUN_DIR/config.yaml`` (written by ``train``) unless ``--config`` is given. A config error
 prints the message and exits with status 2.
 
@@ -30,8 +34,10 @@ if TYPE_CHECKING:
 def _load(args: argparse.Namespace, *, need_config: bool):
     from jaxrl_llm.config import load_config
     from jaxrl_llm.train.loop import CONFIG_FILE
+    from jaxrl_llm.train.rundir import run_dir_path
 
     path = args.config
+    run_dir_path(args.run_dir)  # `--run-dir ""`: an error, not the current directory
     if path is None:
         saved = Path(args.run_dir) / CONFIG_FILE
         if need_config or not saved.exists():
@@ -51,6 +57,8 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from jaxrl_llm.models import UnsafeCheckpointError, UnsupportedModelError
     from jaxrl_llm.rewards import RewardConfigError, RewardError
     from jaxrl_llm.train.checkpoint import CheckpointMismatchError, CheckpointSaveError
+    from jaxrl_llm.train.faults import NonFiniteUpdateError
+    from jaxrl_llm.train.rundir import RunDirError
 
     return (
         ConfigError,
@@ -63,13 +71,27 @@ def _input_errors() -> tuple[type[BaseException], ...]:
         CheckpointMismatchError,
         CheckpointSaveError,  # disk full: the message names the step and the intact checkpoint
         DistributedError,  # the multi-process flags: the message names the flag or variable
+        RunDirError,  # the run directory or --out: what is wrong with it and what to do
+        NonFiniteUpdateError,  # NaN / inf update (on_nonfinite: raise): nothing of it written
     )
 
 
 def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
     def wrapped(args: argparse.Namespace) -> int:
+        from jaxrl_llm.train.faults import TrainingInterrupted
+
         try:
             return fn(args)
+        except TrainingInterrupted as e:  # SIGTERM / SIGINT: the checkpoint is saved
+            print(f"jaxrl-llm {args.command}: {e}", file=sys.stderr)
+            return e.exit_status
+        except KeyboardInterrupt:  # Ctrl-C outside the loop, or twice: nothing more is saved
+            print(
+                f"\njaxrl-llm {args.command}: interrupted (Ctrl-C); the run directory keeps its "
+                "newest complete checkpoint; rerun the command to resume",
+                file=sys.stderr,
+            )
+            return 130
         except _input_errors() as e:
             print(f"jaxrl-llm {args.command}: {e}", file=sys.stderr)
             cause = e.__cause__
@@ -129,7 +151,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.max_steps is not None and args.max_steps < 1:
         raise ConfigError(f"--max-steps {args.max_steps}: expected an integer ≥ 1")
     final = train(
-        config, run_dir=args.run_dir, max_steps=args.max_steps, progress=not args.no_progress
+        config,
+        run_dir=args.run_dir,
+        max_steps=args.max_steps,
+        progress=not args.no_progress,
+        overwrite=args.overwrite,
     )
     shown = {k: v for k, v in final.items() if k.startswith(("eval/", "reward/mean", "step"))}
     if primary:
@@ -203,6 +229,13 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
     _common(p, config_required=True)
     p.add_argument("--max-steps", type=int, default=None, help="override train.max_steps")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start over at step 0: delete RUN_DIR's config.yaml, metrics.jsonl, tensorboard/, "
+        "checkpoints/ and export/ first (without it a run resumes from its latest checkpoint, "
+        "and a run directory holding a run without a usable checkpoint is refused)",
+    )
     _add_distributed_args(p)
     p.set_defaults(func=_train)
 

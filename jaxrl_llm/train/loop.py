@@ -33,15 +33,20 @@ import jax
 import numpy as np
 
 from jaxrl_llm import distributed as dist
-from jaxrl_llm.config import TrainConfig, save_config, to_yaml
+from jaxrl_llm.config import TrainConfig, save_config, to_dict, to_yaml
 from jaxrl_llm.data import BatchIterator
-from jaxrl_llm.train import forward, hostmem
+from jaxrl_llm.train import forward, hostmem, rundir
 from jaxrl_llm.train import state as st
 from jaxrl_llm.train import update as up
 from jaxrl_llm.train.checkpoint import Checkpointer
 from jaxrl_llm.train.collect import collect, dpo_batch, to_global
 from jaxrl_llm.train.evaluation import run_evaluation
-from jaxrl_llm.train.faults import mark_phase
+from jaxrl_llm.train.faults import (
+    NonFiniteUpdateError,
+    StopSignals,
+    TrainingInterrupted,
+    mark_phase,
+)
 from jaxrl_llm.train.metrics import MetricsLogger, NullLogger, plot_run
 from jaxrl_llm.train.setup import (
     CHECKPOINT_DIR,
@@ -53,6 +58,9 @@ from jaxrl_llm.train.setup import (
     resolve,
 )
 from jaxrl_llm.train.step import make_rl_step
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 StepFn = Callable[[st.TrainState, BatchIterator, jax.Array], tuple[st.TrainState, dict]]
 
@@ -146,6 +154,14 @@ def _step_metrics(metrics: dict[str, float], t_step: float) -> dict[str, float]:
     return metrics
 
 
+def _explain_rows(setup: Setup) -> list[tuple[str, str]]:
+    """The ``explain`` table as ``(question, answer)`` rows, for the trackers."""
+    from jaxrl_llm.explain import QUESTIONS, explain
+
+    answers = explain(setup.recipe)
+    return [(question, getattr(answers, field)) for field, question in QUESTIONS]
+
+
 def _print_header(setup: Setup, log: Callable) -> None:
     from jaxrl_llm.explain import explain, format_explanation
 
@@ -161,10 +177,8 @@ def _resolve_run(
         config = dataclasses.replace(
             config, train=dataclasses.replace(config.train, max_steps=int(max_steps))
         )
-    run_dir = Path(run_dir or config.run_dir or "").expanduser()
-    if not str(run_dir):
-        raise ValueError("train: give a run directory (--run-dir or run_dir in the config)")
-    config = dataclasses.replace(config, run_dir=str(run_dir.absolute()))
+    run_dir = rundir.run_dir_path(run_dir, config.run_dir)
+    config = dataclasses.replace(config, run_dir=str(run_dir))
     return config, resolve(config, run_dir)
 
 
@@ -179,8 +193,14 @@ def train(
     max_steps: int | None = None,
     progress: bool = True,
     log: Callable[..., None] = print,
+    overwrite: bool = False,
 ) -> dict[str, float]:
     """Trains (or resumes) the run of ``config`` in ``run_dir``; returns the final metrics.
+
+    Before anything is loaded the run directory is checked and locked
+    (:mod:`~jaxrl_llm.train.rundir`: one writer; a run that cannot be resumed is refused unless
+    ``overwrite``). SIGTERM / SIGINT stop the loop after its step with a checkpoint
+    (:mod:`~jaxrl_llm.train.faults`).
 
     Args:
       config: the resolved config.
@@ -188,10 +208,36 @@ def train(
       max_steps: overrides ``train.max_steps`` (also the schedules' horizon).
       progress: show the progress bar.
       log: where the header and notes are printed.
+      overwrite: delete the run directory's previous run (its checkpoints, metrics, export)
+        and start at step 0.
+
+    Raises:
+      RunDirError: the run directory cannot be used (see :mod:`~jaxrl_llm.train.rundir`).
+      TrainingInterrupted: a signal stopped the run; its checkpoint is saved.
+      NonFiniteUpdateError: a NaN / inf update with ``train.on_nonfinite: raise``.
     """
-    config, setup = _resolve_run(config, run_dir, max_steps)
+    directory = rundir.run_dir_path(run_dir, config.run_dir)
     primary = dist.is_primary()  # with several processes, process 0 alone logs and writes files
-    log = log if primary else (lambda *_: None)
+    quiet_log = log if primary else (lambda *_: None)
+    with rundir.open_run(
+        directory,
+        overwrite=overwrite,
+        primary=primary,
+        multiprocess=jax.process_count() > 1,
+        log=quiet_log,
+    ):
+        return _train_locked(config, directory, max_steps, progress, quiet_log, primary)
+
+
+def _train_locked(
+    config: TrainConfig,
+    run_dir: Path,
+    max_steps: int | None,
+    progress: bool,
+    log: Callable[..., None],
+    primary: bool,
+) -> dict[str, float]:
+    config, setup = _resolve_run(config, run_dir, max_steps)
     setup.run_dir.mkdir(parents=True, exist_ok=True)
     plan = setup.loop
     ckpt = checkpointer(setup.checkpoint)
@@ -225,13 +271,23 @@ def train(
 
     final: dict[str, float] = {}
     step = start
+    stop = StopSignals()
     try:
+        stop.install()  # SIGTERM / SIGINT: stop after the step, with a checkpoint
         with (MetricsLogger if primary else NullLogger)(
-            setup.run_dir, max_steps=plan.max_steps, start_step=start, progress=progress
+            setup.run_dir,
+            max_steps=plan.max_steps,
+            start_step=start,
+            progress=progress,
+            tracking=setup.tracking,
+            run_config=to_dict(config),
+            explanation=_explain_rows(setup),
         ) as logger:
             if evaluating and start == 0:
                 evaluate_at(0, state.params, logger)
             while step < plan.max_steps:
+                if _stop_requested(stop):
+                    _stop(stop, step, state, ckpt, setup, config, iterator, skipped, primary)
                 t_step = time.perf_counter()
                 hostmem.release_free_heap()  # see hostmem: lowers the host peak on CPU
                 mark_phase("rollout", step + 1)
@@ -239,6 +295,8 @@ def train(
                 state, metrics = train_step(state, iterator, key)  # collect, then the device step
                 step = int(state.step)
                 nonfinite = metrics.get("update/nonfinite", 0) > 0
+                if nonfinite and plan.on_nonfinite == "raise":  # before anything is written
+                    raise NonFiniteUpdateError(_nonfinite_message(step, metrics, setup.run_dir))
                 skipped += int(nonfinite)
                 if nonfinite and plan.on_nonfinite == "skip":
                     logger.write(
@@ -253,29 +311,97 @@ def train(
                 if config_pending:
                     save_config(config, setup.run_dir / CONFIG_FILE)
                     config_pending = False
-                if nonfinite and plan.on_nonfinite == "raise":
-                    raise FloatingPointError(
-                        f"step {step}: non-finite loss or gradient; the update was skipped and the "
-                        f"parameters are unchanged (metrics in {logger.path}). Set "
-                        "train.on_nonfinite=skip to continue past such batches."
-                    )
                 if ckpt.should_save(step, final=step == plan.max_steps):
                     hostmem.release_free_heap()  # on CPU the save copies the state to host
                     ckpt.save(step, state, meta=_meta(config, iterator, skipped))
                     mark_phase("save", step)
+                    if primary:  # the steps before this one are on disk now
+                        rundir.record_checkpointed(setup.run_dir)
                 last = step == plan.max_steps
                 if evaluating and (last or (evaluate_every and step % evaluate_every == 0)):
                     final = {**final, **evaluate_at(step, state.params, logger)}
             if ckpt.should_save(step, final=True):
                 ckpt.save(step, state, meta=_meta(config, iterator, skipped))
     finally:
+        stop.uninstall()
         ckpt.close()  # waits for pending saves, also when interrupted
+        if primary:
+            rundir.record_checkpointed(setup.run_dir)
     export_policy(setup, state.params)
     if primary:
         plot_run(setup.run_dir)
     final = dict(final)
     final["step"] = step
     return final
+
+
+def _stop_requested(stop: StopSignals) -> bool:
+    """Whether a signal asked to stop, on any process (all processes agree: a collective)."""
+    signum = stop.signum or 0
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+        if signum and stop.signum is None:
+            stop.signum = signum
+    return bool(signum)
+
+
+def _stop(
+    stop: StopSignals,
+    step: int,
+    state: st.TrainState,
+    ckpt: Checkpointer,
+    setup: Setup,
+    config: TrainConfig,
+    iterator: BatchIterator,
+    skipped: int,
+    primary: bool,
+) -> None:
+    """Saves the checkpoint of ``step`` (unless saved already), waits until it is on disk and
+    raises :class:`TrainingInterrupted`."""
+    import signal
+
+    if ckpt.should_save(step, final=True) and step > 0:
+        ckpt.save(step, state, meta=_meta(config, iterator, skipped))
+        mark_phase("save", step)
+    ckpt.wait()
+    if primary:
+        rundir.record_checkpointed(setup.run_dir)
+    name = signal.Signals(stop.signum).name
+    saved = ckpt.latest_step()
+    where = (
+        f"checkpoint step {saved} is in {setup.checkpoint.directory / str(saved)}"
+        if saved is not None
+        else "no step was done, nothing to save"
+    )
+    raise TrainingInterrupted(
+        f"stopped by {name} after step {step}: {where}. Rerun the same command to resume "
+        f"(exit status {128 + stop.signum}).",
+        signum=stop.signum,
+        step=step,
+    )
+
+
+def _nonfinite_message(step: int, metrics: dict[str, float], run_dir: Path) -> str:
+    huge = {
+        k: v
+        for k, v in metrics.items()
+        if k.startswith("reward/") and not (abs(v) <= FLOAT32_MAX)  # inf, NaN, or > float32
+    }
+    hint = ""
+    if huge:
+        shown = ", ".join(f"{k}={v:.3g}" for k, v in list(huge.items())[:3])
+        hint = (
+            f" The rewards are out of float32's range (|r| <= {FLOAT32_MAX:.3g}), in which the "
+            f"advantages are computed: {shown}. Scale or clip the reward."
+        )
+    return (
+        f"step {step}: non-finite loss or gradient; the update was skipped and nothing of step "
+        f"{step} was written (no metrics line, no checkpoint; {run_dir} holds the run as it was "
+        f"after the previous step).{hint} Set train.on_nonfinite=skip to continue past such "
+        "batches."
+    )
 
 
 def _resume(
@@ -285,8 +411,19 @@ def _resume(
     moved to its position, or the fresh state."""
     if ckpt.latest_step() is None:
         return setup.state, 0, 0
-    state, meta = ckpt.restore(setup.state, setup.state_sharding)
-    iterator.load_state_dict(meta["data"])
+    try:
+        state, meta = ckpt.restore(setup.state, setup.state_sharding)
+    except FileNotFoundError as e:  # every step unreadable: moved aside, none left
+        raise rundir.RunDirError(f"{e}. {rundir.START_OVER}") from e
+    try:
+        iterator.load_state_dict(meta["data"])
+    except ValueError as e:
+        raise rundir.RunDirError(
+            f"cannot resume {setup.run_dir} from step {int(state.step)}: {e}. The checkpoint's "
+            "data position counts examples of the data it was trained on: resume with the same "
+            f"data (see {setup.run_dir / CONFIG_FILE}), or train the new data in a new run. "
+            + rundir.START_OVER
+        ) from e
     start = int(state.step)
     log(f"resuming {setup.run_dir} from step {start}")
     changes = config_changes(meta.get("config"), config)
@@ -344,17 +481,26 @@ def config_changes(saved_yaml: str | None, config: TrainConfig) -> list[str]:
 
 
 def export_policy(setup: Setup, params: dict, out: str | Path | None = None) -> Path:
-    """Writes the policy with ``params`` as a Hugging Face folder (default RUN_DIR/export)."""
+    """Writes the policy with ``params`` as a Hugging Face folder (default RUN_DIR/export).
+
+    The model files of a previous export there are removed first (a stale shard index would
+    load the old weights); a folder holding something else, a file, or ``RUN_DIR/export`` as a
+    symlink is refused (:func:`~jaxrl_llm.train.rundir.prepare_export_dir`)."""
     from jaxrl_llm.models import save_pretrained
 
-    out = Path(out) if out is not None else setup.run_dir / EXPORT_DIR
+    default = out is None
+    out = Path(out).expanduser().absolute() if out is not None else setup.run_dir / EXPORT_DIR
+    if dist.is_primary():
+        rundir.prepare_export_dir(out, default=default)
     return save_pretrained(setup.policy(params), out, tokenizer=setup.tokenizer)
 
 
 def _restored(
     config: TrainConfig, run_dir: str | Path | None, log: Callable
 ) -> tuple[Setup, st.TrainState]:
-    setup = resolve(config, run_dir)
+    directory = rundir.run_dir_path(run_dir, config.run_dir)
+    rundir.check_run_dir(directory, writing=False)
+    setup = resolve(config, directory)
     state = setup.state
     if setup.checkpoint.directory.exists():
         with checkpointer(setup.checkpoint) as ckpt:
@@ -405,13 +551,20 @@ def export(
 
     Raises ``FileNotFoundError`` when ``run_dir`` has no checkpoint (nothing was trained).
     """
-    ckpt_dir = Path(run_dir or config.run_dir or ".").expanduser().absolute() / CHECKPOINT_DIR
-    if not any(p.is_dir() and p.name.isdigit() for p in ckpt_dir.glob("*")):
+    directory = rundir.run_dir_path(run_dir, config.run_dir)
+    rundir.check_run_dir(directory, writing=False)
+    ckpt_dir = directory / CHECKPOINT_DIR
+    if not rundir.step_folders(ckpt_dir):
         raise FileNotFoundError(
             f"no checkpoint in {ckpt_dir} to export; train the run first (or check --run-dir)"
         )
-    setup, state = _restored(config, run_dir, log)
-    return export_policy(setup, state.params, out)
+    target = Path(out).expanduser().absolute() if out is not None else directory / EXPORT_DIR
+    primary = dist.is_primary()
+    if primary:  # before loading: a refused folder costs nothing
+        rundir.check_export_dir(target, default=out is None)
+    with rundir.locked(directory, primary=primary, multiprocess=jax.process_count() > 1):
+        setup, state = _restored(config, directory, log)
+        return export_policy(setup, state.params, out)
 
 
 __all__ = [

@@ -4,7 +4,8 @@
 float metrics named ``group/name`` (``reward/mean``, ``eval/accuracy``, ``actor/kl_ref``, ...);
 non-finite values are written as ``null``. Training steps and evaluations are separate lines
 (an evaluation line has only ``step`` and ``eval/*`` keys). TensorBoard event files go to
-``RUN_DIR/tensorboard`` (``tensorboardX``), one scalar per metric.
+``RUN_DIR/tensorboard`` (``tensorboardX``), one scalar per metric; W&B and trackio are the
+other trackers (:mod:`jaxrl_llm.train.tracking`, the ``logging:`` config section).
 
 On resume from step ``k`` the lines of steps after ``k`` (written by the interrupted run after
 its last checkpoint) are dropped, and TensorBoard purges them, so the logs read as one run.
@@ -18,6 +19,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from jaxrl_llm.train.tracking import ExplainRows, TrackingPlan, open_trackers
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "curves.png"
@@ -34,22 +37,46 @@ def _value(x: Any) -> float | int | None:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``)."""
+    """The records of a ``metrics.jsonl`` file (or of ``RUN_DIR/metrics.jsonl``).
+
+    A torn last line (a run killed while writing it; it is not JSON) is left out with a
+    ``UserWarning`` and dropped by the next resume (:func:`_truncate`).
+
+    Raises:
+      ValueError: a line before the last is not a JSON object (``path:line`` named).
+    """
     path = Path(path)
     if path.is_dir():
         path = path / METRICS_FILE
     if not path.exists():
         return []
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = [(n, line.strip()) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
     records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        line = line.strip()
-        if line:
-            records.append(json.loads(line))
+    for i, (number, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            if i == len(lines) - 1:
+                import warnings
+
+                warnings.warn(
+                    f"{path}:{number}: the last line is torn (a run killed while writing it?): "
+                    f"{line[:60]!r}; left out (a resume drops it)",
+                    stacklevel=2,
+                )
+                break
+            raise ValueError(
+                f"{path}:{number}: not a JSON metrics record ({e}): {line[:80]!r}"
+            ) from None
+        records.append(record)
     return records
 
 
 def _truncate(path: Path, last_step: int) -> None:
-    """Drops the lines of steps after ``last_step`` (atomically)."""
+    """Drops the lines of steps after ``last_step``, and a torn last line (atomically)."""
     if not path.exists():
         return
     kept = [r for r in read_metrics(path) if int(r.get("step", 0)) <= last_step]
@@ -59,14 +86,19 @@ def _truncate(path: Path, last_step: int) -> None:
 
 
 class MetricsLogger:
-    """Writes metrics to ``metrics.jsonl`` and TensorBoard and shows a tqdm progress bar.
+    """Writes metrics to ``metrics.jsonl`` and the run's trackers; shows a tqdm progress bar.
 
     Args:
       run_dir: the run directory.
       max_steps: the bar's total.
       start_step: the step the run starts (or resumes) from; later lines are dropped.
-      tensorboard: write TensorBoard event files.
+      tensorboard: write TensorBoard event files (ignored when ``tracking`` is given).
       progress: show the progress bar (stderr).
+      tracking: the trackers besides ``metrics.jsonl`` (TensorBoard, W&B, trackio; see
+        :mod:`jaxrl_llm.train.tracking`); default TensorBoard alone, as ``tensorboard`` says.
+      run_config: the run's config as a plain mapping, and
+      explanation: its ``explain`` table as ``(question, answer)`` rows — both given to the
+        trackers once, when the run starts at step 0 (a resumed run's trackers have them).
     """
 
     def __init__(
@@ -77,19 +109,20 @@ class MetricsLogger:
         start_step: int = 0,
         tensorboard: bool = True,
         progress: bool = True,
+        tracking: TrackingPlan | None = None,
+        run_config: Mapping[str, Any] | None = None,
+        explanation: ExplainRows = (),
     ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
+        plan = tracking if tracking is not None else TrackingPlan(tensorboard=tensorboard)
+        self.trackers = open_trackers(self.run_dir, plan, start_step=start_step)
         _truncate(self.path, start_step)
         self._file = self.path.open("a", encoding="utf-8")
-        self._tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(
-                str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None
-            )
+        if start_step == 0 and (run_config is not None or explanation):
+            for tracker in self.trackers:
+                tracker.start(run_config or {}, explanation)
         self._bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -99,15 +132,13 @@ class MetricsLogger:
             )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
-        """Appends one record (flushed at once); returns it."""
+        """Appends one record (flushed at once) and hands it to every tracker; returns it."""
         record: dict[str, Any] = {"step": int(step)}
         record.update({k: _value(v) for k, v in metrics.items()})
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
-                    self._tb.add_scalar(key, value, int(step))
+        for tracker in self.trackers:
+            tracker.log(int(step), record)
         return record
 
     def progress(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -137,8 +168,8 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self.trackers:
+            tracker.close()
         if self._bar is not None:
             self._bar.close()
 
