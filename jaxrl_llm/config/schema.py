@@ -187,6 +187,9 @@ class RewardsConfig:
     terms: tuple[RewardTermConfig, ...] = _field((RewardTermConfig(type="integer_answer"),))
     # A reward that raises or returns NaN/inf or the wrong count: raise, or score 0 and count it.
     on_error: Literal["raise", "zero"] = "raise"
+    # Seconds each term may take to score one batch; past it, an error naming the term (with
+    # on_error=zero its unscored samples score 0, counted). None = wait forever.
+    timeout: float | None = _field(300.0, gt=0)
 
 
 @dataclasses.dataclass(**_CONFIG)
@@ -301,6 +304,48 @@ class MeshConfig:
     tensor: int = 1
 
 
+@dataclasses.dataclass(**_CONFIG)
+class WandbConfig:
+    """``logging.wandb``: a Weights & Biases run in RUN_DIR/wandb (``pip install wandb``)."""
+
+    # W&B project.
+    project: str = "jaxrl_llm"
+    # W&B entity (user or team); None = your default entity.
+    entity: str | None = None
+    # online (needs an API key and network), offline (no network; `wandb sync` later), disabled.
+    mode: Literal["online", "offline", "disabled"] = "online"
+    # Run name shown in W&B; None = the run directory's name.
+    name: str | None = None
+    # W&B group (e.g. a sweep); None = none.
+    group: str | None = None
+    # W&B tags.
+    tags: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(**_CONFIG)
+class TrackioConfig:
+    """``logging.trackio``: a trackio run (``pip install trackio``), local unless space_id."""
+
+    # trackio project.
+    project: str = "jaxrl_llm"
+    # Run name; None = the run directory's name plus a random suffix.
+    name: str | None = None
+    # A Hugging Face Space to sync the dashboard to; None = local database only (TRACKIO_DIR).
+    space_id: str | None = None
+
+
+@dataclasses.dataclass(**_CONFIG)
+class LoggingConfig:
+    """Trackers besides RUN_DIR/metrics.jsonl (always written); a resumed run continues them."""
+
+    # TensorBoard event files in RUN_DIR/tensorboard.
+    tensorboard: bool = True
+    # Weights & Biases; None = off. E.g. {project: my-rl, mode: offline}.
+    wandb: WandbConfig | None = None
+    # trackio; None = off. E.g. {project: my-rl}.
+    trackio: TrackioConfig | None = None
+
+
 @functools.cache
 def _trains_on_pairs(name: str) -> bool:
     """Asked of the recipe: does it train offline on preference pairs?"""
@@ -335,6 +380,8 @@ class TrainConfig:
     train: LoopConfig = dataclasses.field(default_factory=LoopConfig)
     # Device mesh.
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    # Experiment trackers: TensorBoard, W&B, trackio.
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     # Run directory (metrics, checkpoints, resolved config); None = set by --run-dir.
     run_dir: str | None = None
 
@@ -364,6 +411,7 @@ __all__ = [
     "CriticConfig",
     "DataConfig",
     "KLConfig",
+    "LoggingConfig",
     "LoopConfig",
     "MeshConfig",
     "ModelLoadConfig",
@@ -375,5 +423,7 @@ __all__ = [
     "RewardTermConfig",
     "RewardsConfig",
     "RolloutConfig",
+    "TrackioConfig",
     "TrainConfig",
+    "WandbConfig",
 ]

@@ -54,11 +54,12 @@ def _input_errors() -> tuple[type[BaseException], ...]:
     from jaxrl_llm.config import ConfigError
     from jaxrl_llm.data import DataError
     from jaxrl_llm.distributed import DistributedError
-    from jaxrl_llm.models import UnsafeCheckpointError, UnsupportedModelError
+    from jaxrl_llm.models import ModelLoadError, UnsafeCheckpointError, UnsupportedModelError
     from jaxrl_llm.rewards import RewardConfigError, RewardError
     from jaxrl_llm.train.checkpoint import CheckpointMismatchError, CheckpointSaveError
     from jaxrl_llm.train.faults import NonFiniteUpdateError
     from jaxrl_llm.train.rundir import RunDirError
+    from jaxrl_llm.train.tracking import TrackerError
 
     return (
         ConfigError,
@@ -66,6 +67,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
         DataError,
         UnsupportedModelError,
         UnsafeCheckpointError,
+        ModelLoadError,  # a broken model folder: the path, the file and what is wrong
         RewardConfigError,
         RewardError,
         CheckpointMismatchError,
@@ -73,6 +75,7 @@ def _input_errors() -> tuple[type[BaseException], ...]:
         DistributedError,  # the multi-process flags: the message names the flag or variable
         RunDirError,  # the run directory or --out: what is wrong with it and what to do
         NonFiniteUpdateError,  # NaN / inf update (on_nonfinite: raise): nothing of it written
+        TrackerError,  # logging.wandb / logging.trackio: not installed, or wandb.init failed
     )
 
 
@@ -167,11 +170,18 @@ def _train(args: argparse.Namespace) -> int:
 def _evaluate(args: argparse.Namespace) -> int:
     import json
 
-    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.config import ConfigError, apply_overrides, check_evaluation, check_model_limits
+    from jaxrl_llm.data import DataError
     from jaxrl_llm.train.loop import evaluate
 
     primary = _init_distributed(args)
     config = _load(args, need_config=False)
+    check_evaluation(config)  # no held-out set: say so before loading anything
+    n = args.max_new_tokens
+    if n is not None:
+        if n < 1:
+            raise ConfigError(f"--max-new-tokens {n}: expected an integer ≥ 1")
+        check_model_limits(apply_overrides(config, [f"train.eval_max_new_tokens={n}"]))
     k = args.num_samples
     if k is not None and k < 1:
         raise ConfigError(f"--num-samples {k}: expected an integer ≥ 1")
@@ -188,6 +198,11 @@ def _evaluate(args: argparse.Namespace) -> int:
         num_samples=k,
         log=print if primary else _quiet,
     )
+    if not out:
+        raise DataError(
+            f"no held-out prompts to evaluate: all {config.data.eval_size} were dropped (longer "
+            f"than data.max_prompt_length = {config.data.max_prompt_length} tokens?)"
+        )
     if primary:
         print(json.dumps(out, indent=2))
     return 0

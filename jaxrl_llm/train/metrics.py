@@ -96,9 +96,9 @@ class MetricsLogger:
       progress: show the progress bar (stderr).
       tracking: the trackers besides ``metrics.jsonl`` (TensorBoard, W&B, trackio; see
         :mod:`jaxrl_llm.train.tracking`); default TensorBoard alone, as ``tensorboard`` says.
-      run_config: the run's config as a plain mapping, and
-      explanation: its ``explain`` table as ``(question, answer)`` rows — both given to the
-        trackers once, when the run starts at step 0 (a resumed run's trackers have them).
+      run_config: the run's config as a plain mapping (the trackers' run config).
+      explanation: the ``explain`` table as ``(question, answer)`` rows, given to the trackers
+        once, when the run starts at step 0 (a resumed run's trackers have it).
     """
 
     def __init__(
@@ -117,12 +117,14 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         plan = tracking if tracking is not None else TrackingPlan(tensorboard=tensorboard)
-        self.trackers = open_trackers(self.run_dir, plan, start_step=start_step)
+        self.trackers = open_trackers(
+            self.run_dir, plan, start_step=start_step, config=run_config
+        )
         _truncate(self.path, start_step)
         self._file = self.path.open("a", encoding="utf-8")
-        if start_step == 0 and (run_config is not None or explanation):
+        if start_step == 0:
             for tracker in self.trackers:
-                tracker.start(run_config or {}, explanation)
+                tracker.start(explanation)
         self._bar = None
         if progress:
             from tqdm.auto import tqdm

@@ -49,6 +49,7 @@ from jaxrl_llm.recipe import REFERENCE_LOGPROBS, AnyRecipe, PreferenceRecipe, Re
 from jaxrl_llm.train import data as run_data
 from jaxrl_llm.train import models as train_models
 from jaxrl_llm.train import state as st
+from jaxrl_llm.train.tracking import TrackingPlan, TrackioSettings, WandbSettings
 
 CONFIG_FILE = "config.yaml"
 EXPORT_DIR = "export"
@@ -215,6 +216,18 @@ class Models:
         return dist.process_rows(self.batch_sharding(1), (int(num_rows),))
 
 
+def tracking_plan(config: TrainConfig) -> TrackingPlan:
+    """The ``logging:`` section as the trackers' settings (no config types past this point)."""
+    log = config.logging
+    wandb = trackio = None
+    if log.wandb is not None:
+        w = log.wandb
+        wandb = WandbSettings(w.project, w.entity, w.mode, w.name, w.group, tuple(w.tags))
+    if log.trackio is not None:
+        trackio = TrackioSettings(log.trackio.project, log.trackio.name, log.trackio.space_id)
+    return TrackingPlan(tensorboard=log.tensorboard, wandb=wandb, trackio=trackio)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Setup:
     """Everything a run is made of, resolved from its config (see the module docstring).
@@ -237,6 +250,7 @@ class Setup:
     tokenizer: Any
     data: run_data.RunData
     reward: R.WeightedSum | None
+    tracking: TrackingPlan = dataclasses.field(default_factory=TrackingPlan)
 
     @property
     def offline(self) -> bool:
@@ -370,6 +384,7 @@ def build_reward(config: TrainConfig, *, base_dir: str | Path | None = None) -> 
     return run_data.build_run_reward(
         [to_dict(term) for term in config.rewards.terms],
         on_error=config.rewards.on_error,
+        timeout=config.rewards.timeout,
         answer_field=config.data.answer_field,
         base_dir=base_dir,
     )
@@ -588,6 +603,7 @@ def resolve(
         tokenizer=tokenizer,
         data=data,
         reward=reward,
+        tracking=tracking_plan(config),
     )
 
 
@@ -613,5 +629,6 @@ __all__ = [
     "make_mesh",
     "make_optimizer",
     "resolve",
+    "tracking_plan",
     "update_shape",
 ]
