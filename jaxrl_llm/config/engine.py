@@ -10,7 +10,9 @@ union of those with ``None``; :func:`_field` attaches numeric bounds (``ge``, ``
    file or a list of files, relative to the including file, read the same way and merged
    underneath, left to right; mappings merge key by key, anything else replaces (:func:`_merge`);
 2. apply ``dotted.key=value`` overrides in order (:func:`merge_overrides`), each value read as
-   YAML (``1e-6``, ``true``, ``[1, 2]``, ``null``), so a later one wins;
+   YAML (``1e-6``, ``true``, ``[1, 2]``, ``null``), so a later one wins; a value YAML would
+   read differently from what was typed (``#`` starting a comment, ``: `` making a mapping) is
+   the typed text for a string field and an error saying to quote it for any other;
 3. refuse any value left as ``???`` (:data:`MISSING`, "required, give it on the command line");
 4. build the dataclasses (:func:`_build`): an unknown key is an error that suggests the nearest
    valid one, a value of the wrong type is an error naming its dotted key path (ints become
@@ -18,7 +20,9 @@ union of those with ``None``; :func:`_field` attaches numeric bounds (``ge``, ``
    number outside its field's bounds is an error stating them.
 
 Every problem raises :class:`ConfigError` naming the key path, the value and what was expected.
-The YAML reader is PyYAML's safe loader, reading ``1e-6`` as a float (YAML 1.1 wants ``1.0e-6``)
+A document standing for more than :data:`MAX_YAML_NODES` values once its aliases are expanded
+(an "alias bomb"), or containing itself, is refused before it is built. The YAML reader is
+PyYAML's safe loader, reading ``1e-6`` as a float (YAML 1.1 wants ``1.0e-6``)
 and rejecting duplicate keys; :func:`dump_yaml` writes what it reads back to an equal value.
 
 A schema may add a merge rule (``rule(path, base, child) -> base``, called before ``child`` is
@@ -142,6 +146,8 @@ def _freeze(value: Any) -> Any:
         return FrozenDict({k: _freeze(v) for k, v in value.items()})
     if isinstance(value, list | tuple):
         return tuple(_freeze(v) for v in value)
+    if isinstance(value, str) and type(value) is not str:
+        return str(value)  # an override's _RawText
     return value
 
 
@@ -213,9 +219,67 @@ def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> dict:
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+#: The most YAML nodes (scalars, lists, mappings) one document may stand for once its aliases
+#: are expanded. A config has a few hundred; an "alias bomb" (``a: &a [x, x, ...]``,
+#: ``b: &b [*a, *a, ...]``, ...) of 600 bytes stands for 10⁹ and would stall every walk over the
+#: config (merging, freezing, checking), so a document over the limit is refused before it is
+#: built. Recursive aliases (``a: &a [*a]``) are refused too.
+MAX_YAML_NODES = 100_000
+
+
+def _expanded_size(node: yaml.Node, where: str) -> int:
+    """The number of nodes ``node`` stands for with every alias expanded (each shared node
+    counted as often as it is referenced), raising :class:`ConfigError` past
+    :data:`MAX_YAML_NODES` or on a node that contains itself. Memoised by node, so the cost is
+    linear in the document's size, not in its expansion."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+
+    def size(n: yaml.Node) -> int:
+        key = id(n)
+        if key in sizes:
+            return sizes[key]
+        if key in open_:
+            mark = n.start_mark
+            raise ConfigError(
+                f"{where}:{mark.line + 1}:{mark.column + 1}: a YAML alias refers to the "
+                "node that contains it (a recursive structure); a config must be a finite tree"
+            )
+        total = 1
+        if isinstance(n, yaml.SequenceNode | yaml.MappingNode):
+            open_.add(key)
+            children = (
+                n.value if isinstance(n, yaml.SequenceNode) else [c for kv in n.value for c in kv]
+            )
+            for child in children:
+                total += size(child)
+                if total > MAX_YAML_NODES:
+                    break
+            open_.discard(key)
+        sizes[key] = total
+        if total > MAX_YAML_NODES:
+            raise ConfigError(
+                f"{where}: the YAML stands for more than {MAX_YAML_NODES:,} values once its "
+                "aliases (*name) are expanded; a config has a few hundred. Is it an alias bomb? "
+                "(the limit is jaxrl_llm.config.engine.MAX_YAML_NODES)"
+            )
+        return total
+
+    return size(node)
+
+
 def _parse_yaml(text: str, where: str) -> Any:
+    """``text`` read by :class:`_Loader`, its size with aliases expanded bounded first."""
     try:
-        return yaml.load(text, Loader=_Loader)
+        loader = _Loader(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _expanded_size(node, where)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         at = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark else where
@@ -286,10 +350,63 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = (), rule: MergeRule | None 
 _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+class _RawText(str):
+    """An override value taken as the literal text typed because YAML would have read it as
+    something else: a ``#`` that starts a comment (``data.system_prompt=# Task`` would be null)
+    or ``: `` that makes a mapping (``data.system_prompt=Answer: 42``). A field that wants a
+    string gets the text; any other field reports it with "quote the value" (:func:`_convert`).
+
+    Attributes:
+      yaml_value: what YAML reads the text as.
+    """
+
+    yaml_value: Any = None
+
+
+_COMMENT_RE = re.compile(r"(?:^|\s)#")
+
+
+def _override_value(text: str, where: str) -> Any:
+    """An override's value: ``text`` read as YAML, or :class:`_RawText` when YAML would drop
+    part of it as a comment or read a block mapping from it."""
+    try:
+        value = _parse_yaml(text, where)
+    except ConfigError as e:
+        if "malformed YAML" not in str(e):
+            raise  # an alias bomb or a recursive alias
+        return text
+    comment = _COMMENT_RE.search(text)
+    swallowed = False
+    if comment is not None:
+        try:
+            swallowed = _parse_yaml(text[: comment.start()], where) == value
+        except ConfigError:
+            swallowed = False
+    block_mapping = isinstance(value, Mapping) and not text.lstrip().startswith("{")
+    if not (swallowed or block_mapping):
+        return value
+    raw = _RawText(text.strip())
+    raw.yaml_value = value
+    return raw
+
+
+def _quote_hint(value: Any, key: str) -> str:
+    """For a :class:`_RawText` value: why it is text, and how to give it as YAML."""
+    if not isinstance(value, _RawText):
+        return ""
+    why = "'#' starts a YAML comment" if _COMMENT_RE.search(value) else "': ' makes a mapping"
+    return (
+        f" (as YAML, {value!r} reads as {value.yaml_value!r}: {why}; quote the value inside "
+        f"the argument, '{key}=\"...\"', and write a mapping in braces, {{a: 1}})"
+    )
+
+
 def parse_override(item: str) -> dict:
     """``"a.b.c=value"`` → ``{"a": {"b": {"c": value}}}``, the value parsed as YAML.
 
-    A value that is not valid YAML is taken as a plain string.
+    A value that is not valid YAML is taken as a plain string, and so is one YAML would read
+    differently from what was typed (a ``#`` starting a comment, ``: `` making a block mapping;
+    see :class:`_RawText`): a string field gets the text, any other field says to quote it.
     """
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected `dotted.key=value`, e.g. optim.lr=1e-6")
@@ -297,10 +414,7 @@ def parse_override(item: str) -> dict:
     parts = key.strip().split(".")
     if not all(_KEY_RE.match(p) for p in parts):
         raise ConfigError(f"override {item!r}: {key.strip()!r} is not a dotted key like a.b.c")
-    try:
-        value = yaml.load(text, Loader=_Loader)
-    except yaml.YAMLError:
-        value = text
+    value = _override_value(text, f"override {key.strip()}")
     for part in reversed(parts):
         value = {part: value}
     return value
@@ -353,7 +467,9 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
             except ConfigError:
                 if len(options) == 1:
                     raise
-        raise _bad(key, value, _describe(hint))
+        raise ConfigError(
+            f"{key} = {value!r}: expected {_describe(hint)}{_quote_hint(value, key)}", key
+        )
     if hint is Any:
         return _freeze(value)
     if dataclasses.is_dataclass(hint):
@@ -362,7 +478,9 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
         if isinstance(value, str | int | float) and not isinstance(value, bool) and value in args:
             return value
         raise ConfigError(
-            f"{key} = {value!r}: expected {_describe(hint)}{_suggest(value, args)}", key
+            f"{key} = {value!r}: expected {_describe(hint)}{_suggest(value, args)}"
+            f"{_quote_hint(value, key)}",
+            key,
         )
     if hint is bool:
         if isinstance(value, bool):
@@ -379,7 +497,7 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
             raise _bad(key, value, "a finite number")
     elif hint is str:
         if isinstance(value, str):
-            return value
+            return str(value)
     elif origin is tuple:
         if isinstance(value, list | tuple):
             return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
@@ -390,8 +508,9 @@ def _convert(value: Any, hint: Any, key: str) -> Any:
             return _freeze(value)
     else:
         return value
+    got = "str" if isinstance(value, str) else type(value).__name__
     raise ConfigError(
-        f"{key} = {value!r}: expected {_describe(hint)}, got {type(value).__name__}", key
+        f"{key} = {value!r}: expected {_describe(hint)}, got {got}{_quote_hint(value, key)}", key
     )
 
 

@@ -7,7 +7,10 @@ other YAML files, relative to the including file, merged underneath) → merge t
 :mod:`jaxrl_llm.config.engine`) → cross-check the sections (:func:`validate`: impossible
 combinations, recipe hyperparameters against the recipe's signature). Every problem raises
 :class:`~jaxrl_llm.config.engine.ConfigError` naming the key path, the value and what was
-expected. Checks that need the device count are in :func:`check_devices`.
+expected. Checks that need the device count are in :func:`check_devices`; :func:`load_config`
+also checks the run's lengths against the model's context (:func:`check_model_limits`, reading
+only config.json or the GGUF metadata), so neither a model nor a step is spent on a run that
+cannot generate.
 
 Two merge rules keep layered configs honest: when a layer changes ``algorithm.name``, the
 ``algorithm.hparams`` of the layers below are dropped (they belonged to another recipe); and
@@ -208,9 +211,12 @@ def load_config(
 
     Raises:
       ConfigError: naming the key, the value and what was expected.
+      jaxrl_llm.models.ModelLoadError: the model's config.json or GGUF metadata is unreadable
+        (:func:`check_model_limits` reads it).
     """
     raw = merge_overrides(_read_yaml(resolve_config(path)), overrides)
     config = from_dict(raw)
+    check_model_limits(config)
     if device_count is not None:
         check_devices(config, device_count)
     return config
@@ -441,6 +447,18 @@ def _check_data(config: TrainConfig) -> None:
     if data.eval_path:
         data_format(data, data.eval_path)
     if data.source == "arithmetic":
+        # A file named with the built-in source would be silently ignored: say so instead.
+        for key in ("path", "eval_path"):
+            value = getattr(data, key)
+            if value is not None:
+                what = "train on" if key == "path" else "evaluate on"
+                raise ConfigError(
+                    f"data.{key} = {value!r} with data.source = 'arithmetic': the built-in "
+                    f"arithmetic task reads no file, so this file would be ignored. To {what} "
+                    f"it, add data.source=file (with data.path); to use the arithmetic task, "
+                    f"drop data.{key} (data.{key}=null)",
+                    f"data.{key}",
+                )
         a = data.arithmetic
         if a.min_operand > a.max_operand:
             raise _bad(
@@ -509,6 +527,17 @@ def _check_mesh(mesh: MeshConfig) -> None:
         raise _bad("mesh.tensor", 1, "≥ 2 (or -1) with mesh.preset=fsdp_tp")
 
 
+#: Seeds are integers in ``[0, MAX_SEED)``: JAX keys take an int64 and the trainer seeds
+#: evaluation and a fresh critic head with ``seed + 1``.
+MAX_SEED = 2**63 - 1
+
+
+def _check_seeds(config: TrainConfig) -> None:
+    for key, value in (("train.seed", config.train.seed), ("data.seed", config.data.seed)):
+        if not 0 <= value < MAX_SEED:
+            raise _bad(key, value, "an integer in [0, 2^63 - 1) (a JAX key is an int64)")
+
+
 def validate(config: TrainConfig) -> TrainConfig:
     """Cross-checks the sections; returns the config with its hyperparameters converted.
 
@@ -525,7 +554,77 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check_data(config)
     _check_rewards(config)
     _check_mesh(config.mesh)
+    _check_seeds(config)
     return config
+
+
+def _model_context(path: str) -> tuple[int, str] | None:
+    """The context (max_position_embeddings) of the model a config names and where it was
+    read, without loading it; ``None`` when it is not known before loading (the default model
+    not converted yet, a path that does not exist: the loader reports that)."""
+    from jaxrl_llm import models
+
+    if path == models.TINY_RANDOM:
+        return models.tiny_random_config().max_position_embeddings, "the tiny-random model"
+    if path == "default":
+        from jaxrl_llm.models.default import DEFAULT_MODEL_NAME, cache_dir
+
+        folder = cache_dir() / DEFAULT_MODEL_NAME
+        return models.model_context(folder) if (folder / "config.json").is_file() else None
+    return models.model_context(path)
+
+
+def check_model_limits(config: TrainConfig) -> None:
+    """Checks the run's lengths against the policy's context before any model is loaded.
+
+    A sequence is a prompt (at most ``data.max_prompt_length`` tokens) plus its completion (at
+    most ``rollout.max_new_tokens``, ``train.eval_max_new_tokens`` at evaluation, or
+    ``preference.max_response_length`` for dpo), and must fit the model's positions:
+    ``max_prompt_length + max_new_tokens ≤ max_position_embeddings``, read from config.json or
+    the GGUF metadata (:func:`jaxrl_llm.models.model_context`).
+
+    Raises:
+      ConfigError: naming the keys, their sum and the model's context and where it was read.
+      jaxrl_llm.models.ModelLoadError: the model's config.json or GGUF file is unreadable.
+    """
+    found = _model_context(config.model.path)
+    if found is None:
+        return
+    context, where = found
+    prompt = config.data.max_prompt_length
+    if config.rollout is None:
+        lengths = [("preference.max_response_length", config.preference.max_response_length)]
+    else:
+        lengths = [("rollout.max_new_tokens", config.rollout.max_new_tokens)]
+        if config.train.eval_max_new_tokens is not None:
+            lengths.append(("train.eval_max_new_tokens", config.train.eval_max_new_tokens))
+    for key, new in lengths:
+        if prompt + new > context:
+            raise ConfigError(
+                f"data.max_prompt_length + {key} = {prompt} + {new} = {prompt + new} tokens: "
+                f"expected at most the model's context of {context} tokens ({where}); lower "
+                f"{key if new >= context else 'one of them'}",
+                key,
+            )
+
+
+def check_evaluation(config: TrainConfig) -> None:
+    """Checks that the run has a held-out set to evaluate on (``jaxrl-llm evaluate``).
+
+    Raises:
+      ConfigError: ``data.eval_size`` is 0 (no held-out prompts or pairs).
+    """
+    if config.data.eval_size == 0:
+        source = (
+            "data.eval_path=FILE or N rows held out of data.path"
+            if config.data.source == "file"
+            else "N held-out arithmetic problems"
+        )
+        raise ConfigError(
+            "data.eval_size = 0: this run has no held-out set, so there is nothing to evaluate; "
+            f"give data.eval_size=N ({source}) on the command line",
+            "data.eval_size",
+        )
 
 
 def mesh_axis_sizes(mesh: MeshConfig, device_count: int) -> dict[str, int]:
@@ -591,6 +690,8 @@ __all__ = [
     "apply_overrides",
     "build_recipe",
     "check_devices",
+    "check_evaluation",
+    "check_model_limits",
     "data_format",
     "describe_configs",
     "from_dict",

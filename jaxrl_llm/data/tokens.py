@@ -6,11 +6,20 @@ special tokens again (the template already holds them). Batches are padded to a 
 up to a multiple of ``pad_multiple`` so the jitted sampler and update see few distinct shapes:
 prompts on the left (so every prompt ends at the same column, where generation starts),
 completions on the right.
+
+A chat template is a Jinja program shipped with the tokenizer; nested loops make one that runs
+for hours on a single prompt. Rendering is therefore bounded: each conversation may take at most
+:data:`CHAT_TEMPLATE_TIMEOUT` seconds, measured by a trace function on the template's own frames
+(Jinja compiles templates to Python code whose file is ``<template>``), which stops it with a
+:class:`~jaxrl_llm.data.DataError` naming the source and the limit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import sys
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -111,6 +120,43 @@ def reward_prompt(prompt: Messages | str) -> str:
     return prompt[-1]["content"]
 
 
+#: Seconds one conversation's chat template may take to render (a real template takes well
+#: under a millisecond); past it the render stops with a DataError.
+CHAT_TEMPLATE_TIMEOUT = 10.0
+
+
+class _TemplateTimeout(Exception):
+    """Raised inside a chat template that runs past :data:`CHAT_TEMPLATE_TIMEOUT`."""
+
+
+@contextlib.contextmanager
+def bounded_templates(timeout: float | None = None) -> Iterator[None]:
+    """Within the block, each call of a Jinja template's root render function in this thread
+    (one per conversation) raises :class:`_TemplateTimeout` once it has run ``timeout``
+    seconds (default :data:`CHAT_TEMPLATE_TIMEOUT`). Other frames are not traced; a tracer
+    already set (a debugger, coverage) keeps seeing them."""
+    timeout = CHAT_TEMPLATE_TIMEOUT if timeout is None else timeout
+    previous = sys.gettrace()
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != "<template>":
+            return previous(frame, event, arg) if previous is not None else None
+        deadline = time.monotonic() + timeout
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if time.monotonic() > deadline:
+                raise _TemplateTimeout
+            return local
+
+        return local
+
+    sys.settrace(tracer)
+    try:
+        yield
+    finally:
+        sys.settrace(previous)
+
+
 def render_prompts(
     prompts: Sequence[Messages | str],
     tokenizer: Any,
@@ -139,9 +185,18 @@ def render_prompts(
                 messages = [{"role": "system", "content": system_prompt}, *messages]
             conversations.append(messages)
         try:
-            texts = tokenizer.apply_chat_template(
-                conversations, add_generation_prompt=True, tokenize=False
-            )
+            with bounded_templates():
+                texts = tokenizer.apply_chat_template(
+                    conversations, add_generation_prompt=True, tokenize=False
+                )
+        except _TemplateTimeout:
+            raise DataError(
+                f"{source}: the tokenizer's chat template ran for more than "
+                f"{CHAT_TEMPLATE_TIMEOUT:g} s on one conversation (real templates take under a "
+                "millisecond; nested loops?); fix the template (tokenizer_config.json / "
+                "chat_template.jinja) or set chat_template=False to feed plain text "
+                "(jaxrl_llm.data.tokens.CHAT_TEMPLATE_TIMEOUT is the limit)"
+            ) from None
         except Exception as exc:
             raise DataError(
                 f"{source}: the tokenizer's chat template failed: {type(exc).__name__}: {exc}"

@@ -16,9 +16,16 @@ from jaxrl_llm.models.config import (
 from jaxrl_llm.models.default import DEFAULT_MODEL_NAME, default_model_path
 from jaxrl_llm.models.greedy import greedy_complete, greedy_generate
 from jaxrl_llm.models.heads import RewardModel, ValueModel, last_token_index
-from jaxrl_llm.models.hub import default_dtype, from_pretrained, load_tokenizer, save_pretrained
+from jaxrl_llm.models.hub import (
+    default_dtype,
+    from_pretrained,
+    load_tokenizer,
+    model_context,
+    save_pretrained,
+)
 from jaxrl_llm.models.tiny import TINY_RANDOM, tiny_random_config
 from jaxrl_llm.models.transformer import CausalLM, Decoder, KVCache
+from jaxrl_llm.models.weights import ModelLoadError
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -28,6 +35,7 @@ __all__ = [
     "Decoder",
     "KVCache",
     "ModelConfig",
+    "ModelLoadError",
     "RewardModel",
     "UnsafeCheckpointError",
     "UnsupportedModelError",
@@ -39,6 +47,7 @@ __all__ = [
     "greedy_generate",
     "last_token_index",
     "load_tokenizer",
+    "model_context",
     "save_pretrained",
     "tiny_random_config",
 ]

@@ -38,6 +38,7 @@ from jaxrl_llm.models.config import (
 from jaxrl_llm.models.heads import RewardModel, ValueModel
 from jaxrl_llm.models.sharding import DEFAULT_RULES, Rules, param_shardings
 from jaxrl_llm.models.transformer import CausalLM
+from jaxrl_llm.models.weights import ModelLoadError
 
 if TYPE_CHECKING:
     import transformers
@@ -60,7 +61,10 @@ def _resolve(path: str | os.PathLike, gguf_file: str | None) -> tuple[Path, str 
     if p.is_file():
         if p.suffix == ".gguf":
             return p.parent, p.name
-        raise ValueError(f"{p} is a file; pass a checkpoint folder or a .gguf file")
+        raise ModelLoadError(
+            f"{p} is a file; expected a checkpoint folder (config.json and safetensors) or a "
+            ".gguf file"
+        )
     if not p.is_dir():
         raise FileNotFoundError(
             f"no checkpoint folder at {p} (this package loads local folders only; for the "
@@ -73,21 +77,94 @@ def _resolve(path: str | os.PathLike, gguf_file: str | None) -> tuple[Path, str 
     return p, gguf_file
 
 
+def read_config_json(folder: str | os.PathLike) -> dict:
+    """``folder/config.json`` as a dict, or a :class:`ModelLoadError` saying what is wrong
+    with it (missing, a folder, not UTF-8, not JSON, not a JSON object)."""
+    cfg_path = Path(folder) / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{folder} has no config.json")
+    if not cfg_path.is_file():
+        raise ModelLoadError(f"{cfg_path} is not a file; expected the model's config as JSON")
+    try:
+        raw = json.loads(cfg_path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"{cfg_path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(
+            f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+            "expected the model's config, a JSON object"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(
+            f"{cfg_path}: a JSON {type(raw).__name__}; expected the model's config, a JSON object"
+        )
+    return raw
+
+
+def _gguf_metadata(file: Path) -> dict[str, Any]:
+    """The GGUF file's metadata fields (``general.architecture``, ``llama.context_length``,
+    ...), read without loading its tensors; :class:`ModelLoadError` for a file that is not
+    GGUF."""
+    try:
+        import gguf
+
+        fields = gguf.GGUFReader(str(file)).fields
+        return {name: field.contents() for name, field in fields.items()}
+    except ImportError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(
+            f"{file}: not a readable GGUF file ({type(e).__name__}: {e}); expected a GGUF "
+            "model (magic 'GGUF', e.g. from llama.cpp's convert_hf_to_gguf.py)"
+        ) from None
+
+
+def model_context(path: str | os.PathLike) -> tuple[int, str] | None:
+    """``(max_position_embeddings, where it was read)`` of the checkpoint at ``path``, read
+    cheaply (config.json, or a GGUF file's metadata) without loading any weights; ``None``
+    when ``path`` is not a local folder or file (the loader then reports it).
+
+    Raises:
+      ModelLoadError: config.json or the GGUF file cannot be read.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        return None
+    folder, gguf_file = _resolve(p, None)
+    if gguf_file is not None:
+        meta = _gguf_metadata(folder / gguf_file)
+        arch = meta.get("general.architecture")
+        value = meta.get(f"{arch}.context_length")
+        return (int(value), f"{folder / gguf_file} ({arch}.context_length)") if value else None
+    if not (folder / "config.json").exists():
+        return None
+    raw = read_config_json(folder)
+    value = raw.get("max_position_embeddings", 2048)  # ModelConfig.from_hf's default
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    return value, f"{folder / 'config.json'} (max_position_embeddings)"
+
+
 def _read_hf_config(folder: Path, gguf_file: str | None) -> transformers.PretrainedConfig:
     from transformers import AutoConfig
 
     if gguf_file is None:
-        cfg_path = folder / "config.json"
-        if not cfg_path.exists():
-            raise FileNotFoundError(f"{folder} has no config.json")
-        raw = json.loads(cfg_path.read_text())
+        raw = read_config_json(folder)
         if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
                 f"{folder}: architecture {raw.get('architectures')} (model_type "
                 f"{raw.get('model_type')!r}) is not supported; supported architectures: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-    return AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
+    else:
+        _gguf_metadata(folder / gguf_file)  # a clear error for a file that is not GGUF
+    try:
+        return AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
+    except Exception as e:
+        what = gguf_file or "config.json"
+        raise ModelLoadError(
+            f"{folder / what}: transformers cannot read this config ({type(e).__name__}: {e})"
+        ) from None
 
 
 def _weights_reader(folder: Path, gguf_file: str | None, allow_pickle: bool, head: str) -> Reader:
@@ -95,7 +172,13 @@ def _weights_reader(folder: Path, gguf_file: str | None, allow_pickle: bool, hea
         return _gguf_reader(folder, gguf_file, head)
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(
+                f"{index}: not a safetensors index ({type(e).__name__}: {e}); expected JSON "
+                'with a "weight_map" of tensor name -> shard file'
+            ) from None
         return weights.SafetensorsReader(folder / f for f in files)
     if (folder / "model.safetensors").exists():
         return weights.SafetensorsReader([folder / "model.safetensors"])
@@ -115,7 +198,12 @@ def _weights_reader(folder: Path, gguf_file: str | None, allow_pickle: bool, hea
 
         tensors: dict[str, Any] = {}
         for b in bins:
-            tensors.update(torch.load(b, map_location="cpu", weights_only=True, mmap=True))
+            try:
+                tensors.update(torch.load(b, map_location="cpu", weights_only=True, mmap=True))
+            except Exception as e:
+                raise ModelLoadError(
+                    f"{b}: not a readable PyTorch state dict ({type(e).__name__}: {e})"
+                ) from None
         return weights.DictReader(tensors)
     raise FileNotFoundError(f"{folder} has no model.safetensors, sharded safetensors or GGUF")
 
@@ -129,7 +217,15 @@ def _gguf_reader(folder: Path, gguf_file: str, head: str) -> weights.DictReader:
         if head == "reward"
         else transformers.AutoModelForCausalLM
     )
-    torch_model = cls.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
+    try:
+        torch_model = cls.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
+    except ImportError:
+        raise
+    except Exception as e:
+        raise ModelLoadError(
+            f"{folder / gguf_file}: transformers cannot load these GGUF weights "
+            f"({type(e).__name__}: {e})"
+        ) from None
     return weights.DictReader(dict(torch_model.state_dict()))
 
 
@@ -197,15 +293,28 @@ def from_pretrained(
     head = head or ("reward" if is_cls else "causal_lm")
     if head not in _HEADS:
         raise ValueError(f"head must be one of {sorted(_HEADS)}, got {head!r}")
-    config = ModelConfig.from_hf(
-        hf_config,
-        dtype=jnp.dtype(dtype) if dtype is not None else default_dtype(),
-        param_dtype=param_dtype,
-        remat=remat,
-    )
+    try:
+        config = ModelConfig.from_hf(
+            hf_config,
+            dtype=jnp.dtype(dtype) if dtype is not None else default_dtype(),
+            param_dtype=param_dtype,
+            remat=remat,
+        )
+    except (KeyError, TypeError, ZeroDivisionError) as e:
+        what = gguf_file or "config.json"
+        raise ModelLoadError(
+            f"{folder / what}: the model config lacks or mistypes a field ({type(e).__name__}: "
+            f"{e}); expected vocab_size, hidden_size, intermediate_size, num_hidden_layers and "
+            "num_attention_heads as integers"
+        ) from None
     kwargs = {"num_labels": int(getattr(hf_config, "num_labels", 1))} if head == "reward" else {}
     reader = _weights_reader(folder, gguf_file, allow_pickle, head)
-    return load_params(_HEADS[head], config, reader, mesh=mesh, rules=rules, seed=seed, **kwargs)
+    try:
+        return load_params(
+            _HEADS[head], config, reader, mesh=mesh, rules=rules, seed=seed, **kwargs
+        )
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{folder}: {e}") from None
 
 
 def load_params(
@@ -245,15 +354,22 @@ def load_params(
             used.add(name)
             expected = weights.hf_shape(piece_path, piece_shape)
             if reader.shape(name) != expected:
-                raise ValueError(
-                    f"checkpoint tensor {name} has shape {reader.shape(name)}, expected "
-                    f"{expected} for config {config}"
+                raise ModelLoadError(
+                    f"checkpoint tensor {name} has shape {reader.shape(name)}, but the config "
+                    f"(hidden_size={config.hidden_size}, intermediate_size="
+                    f"{config.intermediate_size}, num_attention_heads={config.num_heads}, "
+                    f"num_key_value_heads={config.num_kv_heads}, vocab_size={config.vocab_size})"
+                    f" expects {expected}: the weights do not belong to this config.json"
                 )
             host_pieces.append(weights.to_ours(piece_path, reader.get(name), piece_shape))
         host = np.stack(host_pieces) if weights.is_stacked(path) else host_pieces[0]
         values[path] = _place(host.astype(dtype), sharding)
     if missing:
-        raise ValueError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        raise ModelLoadError(
+            f"the checkpoint lacks {len(missing)} tensor(s) the config needs, e.g. "
+            f"{', '.join(missing[:5])} (it has {len(reader.names())} tensors); is a shard "
+            "missing, or do the weights belong to another architecture?"
+        )
     unused = [
         n
         for n in reader.names()
@@ -269,6 +385,17 @@ def load_params(
     return nnx.merge(graphdef, state)
 
 
+#: Files of which a tokenizer folder holds at least one.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
 def load_tokenizer(
     path: str | os.PathLike, *, gguf_file: str | None = None, trust_remote_code: bool = False
 ) -> transformers.PreTrainedTokenizerBase:
@@ -282,9 +409,29 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     folder, gguf_file = _resolve(path, gguf_file)
-    tok = AutoTokenizer.from_pretrained(
-        str(folder), gguf_file=gguf_file, trust_remote_code=trust_remote_code
-    )
+    if gguf_file is None and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{folder}: no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)}); "
+            "save the tokenizer with the model, or name its folder (model.tokenizer=DIR)"
+        )
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            str(folder), gguf_file=gguf_file, trust_remote_code=trust_remote_code
+        )
+    except ImportError:
+        raise
+    except Exception as e:
+        text = str(e)
+        if "trust_remote_code" in text and not trust_remote_code:
+            raise ModelLoadError(
+                f"{folder}: the tokenizer is Python code shipped with the checkpoint, which "
+                "runs only with trust_remote_code (in a training config: "
+                "model.trust_remote_code=true) — set it only if you trust this checkpoint"
+            ) from None
+        raise ModelLoadError(
+            f"{folder / (gguf_file or '')}: transformers cannot load the tokenizer "
+            f"({type(e).__name__}: {text.strip().splitlines()[0] if text.strip() else ''})"
+        ) from None
     tok.padding_side = "left"
     if tok.pad_token is None and tok.eos_token is not None:
         tok.pad_token = tok.eos_token

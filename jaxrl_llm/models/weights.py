@@ -113,19 +113,97 @@ _DTYPES: dict[str, Any] = {
 _CODES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
+class ModelLoadError(ValueError):
+    """A model folder or file that cannot be read: the message names the path, the file, what
+    is wrong and what was expected (invalid config.json, a truncated or corrupt safetensors
+    file, a tensor of the wrong shape or missing, an unreadable GGUF, no tokenizer, ...)."""
+
+
+#: The largest safetensors JSON header read (the format's own reference reader caps it at
+#: 100 MB); a larger claimed length is a corrupt file, refused before anything is read.
+MAX_HEADER_BYTES = 100 * 2**20
+
+
+def _read_header(file: Path) -> tuple[dict, int]:
+    """The tensors' entries of a safetensors file's header and where its data starts, every
+    entry checked against the file: a known dtype, ``data_offsets`` inside the data and as
+    long as ``shape`` × the dtype's size."""
+    size = file.stat().st_size
+    if size < 8:
+        raise ModelLoadError(
+            f"{file}: {size} bytes, too short for a safetensors file (expected an 8-byte header "
+            "length, a JSON header and the tensor data); is the file truncated?"
+        )
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n == 0 or n > min(MAX_HEADER_BYTES, size - 8):
+            why = (
+                "0 (a zero-filled file?)"
+                if n == 0
+                else f"{n:,} bytes, but the file has {size - 8:,} bytes after it"
+                if n <= MAX_HEADER_BYTES
+                else f"{n:,} bytes (more than the {MAX_HEADER_BYTES:,} allowed)"
+            )
+            raise ModelLoadError(
+                f"{file}: not a valid safetensors file: the header length is {why}; expected "
+                "a JSON header of a few KB. Is the file truncated or corrupt?"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(
+            f"{file}: not a valid safetensors file: its {n:,}-byte header is not JSON ({e}); "
+            "is the file truncated or corrupt?"
+        ) from None
+    if not isinstance(header, dict):
+        raise ModelLoadError(f"{file}: the safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - n
+    for name, info in header.items():
+        where = f"{file}: tensor {name!r}"
+        try:
+            code, shape = info["dtype"], [int(d) for d in info["shape"]]
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ModelLoadError(
+                f"{where}: header entry {info!r} lacks a dtype, shape or data_offsets [begin, end]"
+            ) from None
+        if code not in _DTYPES:
+            raise ModelLoadError(
+                f"{where} has dtype {code!r}; expected one of {', '.join(_DTYPES)}"
+            )
+        nbytes = math.prod(shape) * np.dtype(_DTYPES[code]).itemsize
+        if not 0 <= begin <= end <= data_bytes or end - begin != nbytes:
+            raise ModelLoadError(
+                f"{where}: data_offsets [{begin}, {end}] do not hold its {code} {tuple(shape)} "
+                f"({nbytes:,} bytes) inside the file's {data_bytes:,} bytes of data; is the file "
+                "truncated or corrupt?"
+            )
+    return header, 8 + n
+
+
 class SafetensorsReader:
-    """Lazy reader over one or more ``.safetensors`` files (a sharded checkpoint)."""
+    """Lazy reader over one or more ``.safetensors`` files (a sharded checkpoint).
+
+    Each file's header is checked against the file when it is opened (:func:`_read_header`), so
+    a truncated, zero-filled or corrupt file is a :class:`ModelLoadError` naming it, not a
+    crash at the first tensor.
+    """
 
     def __init__(self, files: Iterable[str | os.PathLike]):
         self._where: dict[str, tuple[np.memmap, dict, int]] = {}
         for file in files:
-            with open(file, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            header.pop("__metadata__", None)
-            data = np.memmap(file, dtype=np.uint8, mode="r")
+            file = Path(file)
+            if not file.is_file():
+                raise ModelLoadError(
+                    f"{file}: {'a folder' if file.is_dir() else 'missing'}; expected a "
+                    "safetensors file"
+                )
+            header, base = _read_header(file)
+            data = np.memmap(file, dtype=np.uint8, mode="r") if header else None
             for name, info in header.items():
-                self._where[name] = (data, info, 8 + n)
+                self._where[name] = (data, info, base)
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -140,8 +218,6 @@ class SafetensorsReader:
         data, info, base = self._where[name]
         begin, end = info["data_offsets"]
         code = info["dtype"]
-        if code not in _DTYPES:
-            raise ValueError(f"tensor {name!r} has unsupported safetensors dtype {code}")
         raw = data[base + begin : base + end]
         return raw.view(_DTYPES[code]).reshape(info["shape"])
 

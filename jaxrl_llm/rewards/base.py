@@ -26,12 +26,24 @@ timeout is a property of the sampled completion, not a bug to stop training for)
 
 A reward may declare ``required_fields`` (a tuple of field names); a missing one is a wiring
 error and raises :class:`RewardError` whatever ``on_error`` says.
+
+Two more failures are errors of the reward, never of the run: a reward that calls ``sys.exit``
+(``SystemExit`` is caught and reported as :class:`RewardExited`, not left to end the process
+with status 0 mid-run), and, with a ``timeout``, a reward that does not return in time. With a
+``timeout`` (seconds for all of one term's calls on one batch together) each call runs in a
+daemon worker thread and the caller waits at most what is left of it; a call that overruns
+raises :class:`RewardError` (``on_error="raise"``) or scores the samples not yet scored 0 and
+counts them (``"zero"``). Python cannot stop a thread, so an overrunning call is abandoned (it
+runs on in the background, and ends with the process). A reward that must run in the calling
+thread (e.g. one that sets ``signal`` handlers) needs ``timeout=None``.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, Protocol
 
@@ -86,6 +98,50 @@ class RewardError(ValueError):
 
 def _rebuild_reward_error(message: str, reward: str, index: int | None) -> RewardError:
     return RewardError(message, reward=reward, index=index)
+
+
+class RewardExited(Exception):
+    """A reward called ``sys.exit`` (raised ``SystemExit``): reported as the reward's error
+    instead of ending the run with the exit status it gave."""
+
+
+class RewardTimeout(TimeoutError):
+    """A reward did not return within its time limit (``rewards.timeout``)."""
+
+
+def _call(fn: RewardFn, args: tuple, fields: Mapping[str, Any], deadline: float | None) -> Any:
+    """``fn(*args, **fields)``: inline without a ``deadline`` (a ``time.monotonic()`` value),
+    else in a daemon thread waited on until the deadline (:class:`RewardTimeout` past it).
+    ``SystemExit`` becomes :class:`RewardExited`; KeyboardInterrupt passes through."""
+    if deadline is None:
+        try:
+            return fn(*args, **fields)
+        except SystemExit as e:  # keeps the traceback: the CLI names the line that exited
+            raise RewardExited(_exit_message(e)).with_traceback(e.__traceback__) from None
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args, **fields)
+        except BaseException as e:  # relayed to the caller, SystemExit included
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="jaxrl-llm-reward", daemon=True).start()
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        raise RewardTimeout("did not return in time")
+    if "error" in box:
+        error = box["error"]
+        if isinstance(error, SystemExit):
+            raise RewardExited(_exit_message(error)).with_traceback(error.__traceback__) from None
+        raise error
+    return box["value"]
+
+
+def _exit_message(e: SystemExit) -> str:
+    return f"sys.exit({e.code!r}) was called; a reward must return its scores, not end the process"
 
 
 class RewardConfigError(ValueError):
@@ -161,6 +217,7 @@ def checked_call(
     *,
     name: str,
     on_error: OnError = "raise",
+    timeout: float | None = None,
 ) -> tuple[np.ndarray, int]:
     """Calls ``fn`` on a batch and validates what it returns.
 
@@ -170,6 +227,8 @@ def checked_call(
       fields: per-sample columns, each of length ``N``, passed as keyword arguments.
       name: the reward's name, used in error messages.
       on_error: ``"raise"`` or ``"zero"`` (see the module docstring).
+      timeout: seconds for all of ``fn``'s calls on this batch (the batched one and any
+        one-sample retries); ``None`` waits forever and calls ``fn`` in this thread.
 
     Returns:
       ``(scores_n, num_errors)``: ``f32[N]`` finite scores and the number of samples scored 0
@@ -193,21 +252,35 @@ def checked_call(
         )
     if n == 0:
         return np.zeros((0,), np.float32), 0
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    call = _Caller(fn, deadline, timeout)
     try:
-        raw = fn(prompts, completions, **fields)
+        raw = call(prompts, completions, fields)
+    except RewardTimeout:
+        if on_error == "raise":
+            raise RewardError(
+                f"reward {name!r} did not return within rewards.timeout = {timeout:g} s on a "
+                f"batch of {n} samples (the first: {_sample_text(prompts, completions, 0)}); "
+                "make it faster, raise rewards.timeout, or set rewards.on_error=zero to score "
+                "such batches 0",
+                reward=name,
+            ) from None
+        return np.zeros((n,), np.float32), n
     except Exception as exc:
-        return _one_by_one(fn, prompts, completions, fields, name, on_error, cause=exc)
+        return _one_by_one(call, prompts, completions, fields, name, on_error, cause=exc)
     values = _as_values(raw)
     if values is None or len(values) != n:
         if on_error == "raise":
-            index, where = _first_wrong_alone(fn, prompts, completions, fields)
+            index, where = _first_wrong_alone(call, prompts, completions, fields)
             raise RewardError(
                 f"reward {name!r} returned {_describe_count(values, raw)} for {n} samples; a "
                 f"reward must return one float per completion ({where})",
                 reward=name,
                 index=index,
             )
-        return _one_by_one(fn, prompts, completions, fields, name, on_error, cause=None)
+        return _one_by_one(call, prompts, completions, fields, name, on_error, cause=None)
     scores = np.zeros((n,), np.float64)
     num_errors = 0
     soft = set(getattr(raw, "soft_errors", ()))
@@ -229,8 +302,22 @@ def checked_call(
     return scores.astype(np.float32), num_errors
 
 
+class _Caller:
+    """One term's calls on one batch, sharing its deadline (see :func:`_call`)."""
+
+    def __init__(self, fn: RewardFn, deadline: float | None, timeout: float | None):
+        self.fn, self.deadline, self.timeout = fn, deadline, timeout
+
+    def __call__(self, prompts: list[str], completions: list[str], fields: Mapping) -> Any:
+        return _call(self.fn, (prompts, completions), fields, self.deadline)
+
+    def one(self, prompts: list[str], completions: list[str], fields: Mapping, i: int) -> Any:
+        """The call on sample ``i`` alone."""
+        return self([prompts[i]], [completions[i]], {k: [v[i]] for k, v in fields.items()})
+
+
 def _first_wrong_alone(
-    fn: RewardFn,
+    fn: _Caller,
     prompts: list[str],
     completions: list[str],
     fields: dict[str, Sequence[Any]],
@@ -239,7 +326,9 @@ def _first_wrong_alone(
     (its index and a description), or ``None`` when each alone gets one score."""
     for i in range(len(completions)):
         try:
-            raw = fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in fields.items()})
+            raw = fn.one(prompts, completions, fields, i)
+        except RewardTimeout:
+            return i, f"{_sample_text(prompts, completions, i)} alone runs past the timeout"
         except Exception as e:
             return i, f"{_sample_text(prompts, completions, i)} alone raises {type(e).__name__}"
         values = _as_values(raw)
@@ -251,7 +340,7 @@ def _first_wrong_alone(
 
 
 def _one_by_one(
-    fn: RewardFn,
+    fn: _Caller,
     prompts: list[str],
     completions: list[str],
     fields: dict[str, Sequence[Any]],
@@ -267,7 +356,17 @@ def _one_by_one(
         exc: BaseException | None = None
         problem = None
         try:
-            raw = fn([prompts[i]], [completions[i]], **{k: [v[i]] for k, v in fields.items()})
+            raw = fn.one(prompts, completions, fields, i)
+        except RewardTimeout:
+            if on_error == "raise":
+                raise RewardError(
+                    f"reward {name!r} did not return within rewards.timeout = {fn.timeout:g} s "
+                    f"(all its calls on a batch of {n} together) on "
+                    f"{_sample_text(prompts, completions, i)}",
+                    reward=name,
+                    index=i,
+                ) from cause
+            return scores.astype(np.float32), num_errors + n - i  # the rest are unscored
         except Exception as e:
             exc = e
             problem = f"raised {type(e).__name__}: {e}"

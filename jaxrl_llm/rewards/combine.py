@@ -98,6 +98,8 @@ class WeightedSum:
         :func:`checked_call`).
       accuracy: name of the term whose verdict is the ``accuracy`` metric. Default: the first
         answer reward (integer/gsm8k/boxed); ``None`` when there is none.
+      timeout: seconds each term may take to score one batch (see :func:`checked_call`);
+        ``None`` waits forever and calls the terms in the calling thread.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class WeightedSum:
         *,
         on_error: OnError = "raise",
         accuracy: str | None = None,
+        timeout: float | None = None,
     ):
         terms = tuple(terms)
         if not terms:
@@ -120,9 +123,14 @@ class WeightedSum:
             accuracy = next((t.name for t in terms if _is_answer_reward(t.fn)), None)
         elif accuracy not in names:
             raise ValueError(f"accuracy term {accuracy!r} is not one of the rewards {names}")
+        if timeout is not None:
+            check_real("timeout", timeout)
+            if not timeout > 0:
+                raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
         self.terms = terms
         self.on_error = on_error
         self.accuracy = accuracy
+        self.timeout = timeout
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -142,7 +150,13 @@ class WeightedSum:
         correct_n = None
         for term in self.terms:
             scores, errors = checked_call(
-                term.fn, prompts, completions, fields, name=term.name, on_error=self.on_error
+                term.fn,
+                prompts,
+                completions,
+                fields,
+                name=term.name,
+                on_error=self.on_error,
+                timeout=self.timeout,
             )
             components[term.name] = scores
             num_errors[term.name] = errors

@@ -74,6 +74,23 @@ def _read_prompts(values: list[str]) -> list[str]:
     return prompts
 
 
+def _check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numeric flags (checked before a model is loaded), or ``None``."""
+    if args.max_new_tokens < 1:
+        return f"--max-new-tokens {args.max_new_tokens}: expected an integer ≥ 1"
+    if args.num_samples < 1:
+        return f"--num-samples {args.num_samples}: expected an integer ≥ 1"
+    if not 0 <= args.seed < 2**63 - 1:
+        return f"--seed {args.seed}: expected an integer in [0, 2^63 - 1) (a JAX key is an int64)"
+    if not args.temperature >= 0:
+        return f"--temperature {args.temperature}: expected a number ≥ 0 (0 is greedy)"
+    if args.top_k < 0:
+        return f"--top-k {args.top_k}: expected an integer ≥ 0 (0 keeps all tokens)"
+    if not 0 < args.top_p <= 1:
+        return f"--top-p {args.top_p}: expected a number in (0, 1]"
+    return None
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Runs ``jaxrl-llm generate``; returns the process exit code."""
     import jax
@@ -85,11 +102,21 @@ def run_generate(args: argparse.Namespace) -> int:
     prompts = _read_prompts(args.prompt)
     if not prompts:
         return _error("no prompts given")
+    problem = _check_args(args)
+    if problem:
+        return _error(problem)
     try:
+        if args.model is not None:  # the context, read cheaply before anything is loaded
+            found = models.model_context(args.model)
+            if found is not None and args.max_new_tokens >= found[0]:
+                return _error(
+                    f"--max-new-tokens {args.max_new_tokens}: expected fewer than the model's "
+                    f"context of {found[0]} tokens ({found[1]}), which also holds the prompt"
+                )
         path = args.model if args.model is not None else models.default_model_path()
         model = models.from_pretrained(path, dtype=args.dtype)
         tokenizer = models.load_tokenizer(path)
-    except (FileNotFoundError, ValueError, OSError) as exc:
+    except (FileNotFoundError, ValueError, OSError) as exc:  # ModelLoadError is a ValueError
         return _error(f"cannot load model {args.model or 'default'!r}: {exc}")
     if not isinstance(model, models.CausalLM):
         return _error(f"{path} is not a causal language model (got {type(model).__name__})")

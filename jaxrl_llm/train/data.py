@@ -288,6 +288,7 @@ def build_run_reward(
     on_error: str = "raise",
     answer_field: str = "answer",
     base_dir: str | Path | None = None,
+    timeout: float | None = None,
 ) -> R.WeightedSum:
     """The weighted sum of reward ``terms``.
 
@@ -298,6 +299,7 @@ def build_run_reward(
       on_error: ``"raise"``, or ``"zero"`` (a failing term scores 0 and is counted).
       answer_field: the field answer rewards read (unless their kwargs name one).
       base_dir: where relative paths of the terms are resolved.
+      timeout: seconds each term may take per batch (``rewards.timeout``); ``None``: forever.
     """
     built = []
     for i, term in enumerate(terms):
@@ -317,7 +319,7 @@ def build_run_reward(
                 base_dir=base_dir,
             )
         )
-    return R.WeightedSum(built, on_error=on_error)
+    return R.WeightedSum(built, on_error=on_error, timeout=timeout)
 
 
 @functools.cache
