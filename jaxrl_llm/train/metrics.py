@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -117,9 +118,7 @@ class MetricsLogger:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         plan = tracking if tracking is not None else TrackingPlan(tensorboard=tensorboard)
-        self.trackers = open_trackers(
-            self.run_dir, plan, start_step=start_step, config=run_config
-        )
+        self.trackers = open_trackers(self.run_dir, plan, start_step=start_step, config=run_config)
         _truncate(self.path, start_step)
         self._file = self.path.open("a", encoding="utf-8")
         if start_step == 0:
@@ -213,8 +212,42 @@ def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[fl
     return [p[0] for p in points], [p[1] for p in points]
 
 
+_AT_K = re.compile(r"^eval/(mean|best|pass|maj)@(\d+)$")
+
+
+def _at_k_keys(records: list[dict[str, Any]]) -> dict[str, list[tuple[int, str]]]:
+    """The sampled-evaluation keys present: ``{"pass": [(1, "eval/pass@1"), ...], ...}``."""
+    found: dict[str, set[tuple[int, str]]] = {}
+    for record in records:
+        for key in record:
+            m = _AT_K.match(key)
+            if m:
+                found.setdefault(m.group(1), set()).add((int(m.group(2)), key))
+    return {kind: sorted(keys) for kind, keys in found.items()}
+
+
+def _plot_band(ax: Any, records: list[dict[str, Any]], key: str, label: str) -> None:
+    """``key`` against the step, with its bootstrap interval (``_ci_low``/``_ci_high``) shaded."""
+    xs, ys = _series(records, key)
+    (line,) = ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
+    band = [
+        (r["step"], r[key + "_ci_low"], r[key + "_ci_high"])
+        for r in records
+        if r.get(key) is not None
+        and r.get(key + "_ci_low") is not None
+        and r.get(key + "_ci_high") is not None
+    ]
+    if band:
+        steps, low, high = zip(*band, strict=True)
+        ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15, linewidth=0)
+
+
 def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None) -> Path | None:
     """Draws the training reward and held-out accuracy (or mean reward) against the step.
+
+    With sampled evaluation (``train.eval_num_samples`` K > 1) two more panels: mean@K,
+    pass@K, maj@K and best@K against the step with their 95% bootstrap intervals shaded, and
+    pass@k against k (1, 2, 4, ..., K) at the first and the last evaluation.
 
     Writes ``RUN_DIR/curves.png`` (or ``out``) and returns its path; ``None`` when there is
     nothing to plot.
@@ -239,15 +272,39 @@ def plot_run(run_dir: str | os.PathLike, *, out: str | os.PathLike | None = None
     ]
     panels = [(t, [(k, lbl) for k, lbl in s if _series(records, k)[0]]) for t, s in panels]
     panels = [(t, s) for t, s in panels if s]
-    if not panels:
+    at_k = _at_k_keys(records)
+    # The @K panel shows the largest K of each kind; the pass@k panel needs two k or more.
+    over_steps = [keys[-1] for kind in ("mean", "pass", "maj", "best") if (keys := at_k.get(kind))]
+    pass_keys = at_k.get("pass", [])
+    n_panels = len(panels) + bool(over_steps) + (len(pass_keys) > 1)
+    if not n_panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    for ax, (title, series) in zip(axes[0], panels, strict=True):
+    fig, axes = plt.subplots(1, n_panels, figsize=(5.5 * n_panels, 4), squeeze=False)
+    axes = list(axes[0])
+    for ax, (title, series) in zip(axes, panels, strict=False):
         for key, label in series:
             xs, ys = _series(records, key)
             ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, label=label)
         ax.set_title(title)
         ax.set_xlabel("step")
+    axes = axes[len(panels) :]
+    if over_steps:
+        ax = axes.pop(0)
+        for _, key in over_steps:
+            _plot_band(ax, records, key, key.removeprefix("eval/"))
+        ax.set_title("held-out, K samples per prompt (95% CI)")
+        ax.set_xlabel("step")
+    if len(pass_keys) > 1:
+        ax = axes.pop(0)
+        evals = [r for r in records if r.get(pass_keys[-1][1]) is not None]
+        for record in {id(r): r for r in (evals[0], evals[-1])}.values():
+            ks = [k for k, key in pass_keys if record.get(key) is not None]
+            ys = [record[key] for k, key in pass_keys if record.get(key) is not None]
+            ax.plot(ks, ys, marker="o", label=f"step {record['step']}")
+        ax.set_xscale("log", base=2)
+        ax.set_title("pass@k (unbiased estimator)")
+        ax.set_xlabel("k")
+    for ax in fig.axes:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from jaxrl_llm.train.metrics import MetricsLogger, plot_run, read_metrics
 
 
@@ -45,3 +47,53 @@ def test_resume_drops_the_lines_after_the_checkpoint(tmp_path):
         (3, 30),
     ]
     assert plot_run(tmp_path / "nothing") is None
+
+
+def test_plot_shows_sampled_evaluation_with_intervals_and_pass_at_k_against_k(
+    tmp_path, monkeypatch
+):
+    import matplotlib.figure
+
+    def at_k(step: int, base: float) -> dict:
+        values = {"mean@4": base, "best@4": base + 0.3, "maj@4": base + 0.1}
+        values |= {f"pass@{k}": base + 0.1 * k for k in (1, 2, 4)}
+        out = {"eval/accuracy": base}
+        for name, v in values.items():
+            out |= {f"eval/{name}": v, f"eval/{name}_ci_low": v - 0.05}
+            out |= {f"eval/{name}_ci_high": v + 0.05}
+        return out
+
+    with MetricsLogger(tmp_path, max_steps=2, tensorboard=False, progress=False) as log:
+        log.log(0, at_k(0, 0.1))
+        log.log(1, {"reward/mean": 0.2})
+        log.log(2, at_k(2, 0.3))
+    saved = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda fig, *a, **k: saved.append(fig))
+    plot_run(tmp_path)
+    [fig] = saved
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    assert set(axes) == {
+        "training reward",
+        "held-out evaluation",
+        "held-out, K samples per prompt (95% CI)",
+        "pass@k (unbiased estimator)",
+    }
+    over_steps = axes["held-out, K samples per prompt (95% CI)"]
+    lines = {line.get_label(): list(line.get_ydata()) for line in over_steps.get_lines()}
+    assert lines == {
+        "mean@4": [0.1, 0.3],
+        "pass@4": [pytest.approx(0.5), pytest.approx(0.7)],
+        "maj@4": [pytest.approx(0.2), pytest.approx(0.4)],
+        "best@4": [pytest.approx(0.4), pytest.approx(0.6)],
+    }
+    assert len(over_steps.collections) == 4  # one shaded interval per metric
+    by_k = axes["pass@k (unbiased estimator)"]
+    curves = {
+        line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+        for line in by_k.get_lines()
+    }
+    assert curves["step 0"] == (
+        [1, 2, 4],
+        [pytest.approx(0.2), pytest.approx(0.3), pytest.approx(0.5)],
+    )
+    assert set(curves) == {"step 0", "step 2"}

@@ -252,3 +252,21 @@ def test_the_logging_section_becomes_the_tracking_plan():
     assert tracking_plan(config) == T.TrackingPlan(
         tensorboard=False, wandb=T.WandbSettings(project="p", mode="offline", tags=("x",))
     )
+
+
+@pytest.mark.slow
+def test_a_resumed_training_run_continues_its_wandb_run(tmp_path):
+    from jaxrl_llm.train import loop
+    from tests.train import helpers as H
+
+    run_dir = tmp_path / "run"
+    overrides = ("data.eval_size=0", "train.save_every=1", "logging.wandb={mode: offline}")
+    loop.train(H.config("tiny.yaml", *overrides), run_dir=run_dir, max_steps=1, progress=False)
+    loop.train(H.config("tiny.yaml", *overrides), run_dir=run_dir, max_steps=2, progress=False)
+    first, resumed = _wandb_runs(run_dir)
+    assert resumed["id"] == first["id"]
+    assert first["config"]["algorithm"]["name"] == "grpo"  # the resolved config, as saved
+    assert [h["step"] for h in first["history"] if "reward/mean" in h] == [1]
+    assert [h["step"] for h in resumed["history"] if "reward/mean" in h] == [2]
+    rows = [h for h in first["history"] if "explain/_type" in h]
+    assert len(rows) == 1 and not any("explain/_type" in h for h in resumed["history"])
