@@ -24,6 +24,16 @@ S = M·K micro-steps) is split *strided*: micro-step s = j·K + k (minibatch j) 
 s, so each device feeds each micro-batch from its own rows: no data moves between devices.
 Minibatches are the same every epoch (no reshuffling).
 
+Ragged micro-batches (packing, token budgets). A batch may instead be a :class:`Ragged`:
+already split into M minibatches, each with ``K`` micro-batch slots of which its first
+``count[j]`` are used. The micro-batch loop is then a ``lax.fori_loop`` with the traced trip
+count ``count[j]`` over the slot buffer, so the number of micro-batches per minibatch can change
+from step to step without recompiling, and unused slots are never computed (no autodiff goes
+through the loop: each iteration differentiates its own micro-batch and adds the gradient).
+``sums`` then receives ``(shared_j, micro_jk)`` and ``denominator`` ``(shared_j, micro_j)``: the
+per-minibatch data every micro-batch sees (e.g. the ``[n, T]`` masks and advantages) and the
+stacked slots. Exactness is unchanged: the denominator still comes from the whole minibatch.
+
 Non-finite updates. A non-finite gradient (one NaN/inf anywhere makes its global norm
 non-finite) or loss sum skips that trainee's update with a ``lax.cond`` inside the jit: its
 parameters and optimizer state are kept bit for bit, and ``update/nonfinite`` counts the skipped
@@ -104,6 +114,21 @@ class Trainee(NamedTuple):
     denominator: DenominatorFn
     param_sharding: Any = None
     schedule: Schedule | None = None
+
+
+class Ragged(NamedTuple):
+    """A batch split by the caller into M minibatches of a variable number of micro-batches.
+
+    Attributes:
+      shared: a pytree, every leaf ``[M, ...]``: minibatch j's data, seen by each of its
+        micro-batches.
+      micro: a pytree, every leaf ``[M, K, ...]``: the K micro-batch slots of each minibatch.
+      count: ``int32[M]``, the slots used by each minibatch (``1 ≤ count[j] ≤ K``; traced).
+    """
+
+    shared: Any
+    micro: Any
+    count: jax.Array
 
 
 def token_pair(x: jax.Array, mask: jax.Array) -> Pair:
@@ -206,6 +231,28 @@ def _accumulate(
     return loss, aux, grads
 
 
+def _accumulate_ragged(
+    trainee: Trainee, params: Any, mb: Ragged, constrain: Callable[[Any], Any]
+) -> tuple[jax.Array, dict[str, Pair], Any]:
+    """Σ over the first ``mb.count`` micro-batch slots of (loss_sum, metric pairs, ∇ loss_sum):
+    a loop with a traced trip count (the slots beyond it are not computed)."""
+    grad_fn = jax.value_and_grad(trainee.sums, has_aux=True)
+    micro_at = lambda k: constrain(jax.tree.map(lambda x: x[k], mb.micro))
+    (loss_shape, aux_shape), grad_shape = jax.eval_shape(grad_fn, params, (mb.shared, micro_at(0)))
+    zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
+    grads0 = zeros(grad_shape)
+    if trainee.param_sharding is not None:
+        grads0 = jax.lax.with_sharding_constraint(grads0, trainee.param_sharding)
+
+    def body(k: jax.Array, carry: tuple[jax.Array, dict[str, Pair], Any]) -> tuple:
+        (loss, aux), grads = grad_fn(params, (mb.shared, micro_at(k)))
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        return _add(carry, (loss, aux, grads))
+
+    init = (zeros(loss_shape), zeros(aux_shape), grads0)
+    return jax.lax.fori_loop(0, jnp.asarray(mb.count, jnp.int32), body, init)
+
+
 def _apply(
     tx: optax.GradientTransformation,
     params: Any,
@@ -250,7 +297,8 @@ def optimize(
       trainees: the models to train; each minibatch updates each of them once, in order, each
         from its own parameters (they do not see each other's update).
       params, opt_states: one parameter pytree and optimizer state per trainee.
-      batch: a pytree of arrays with N rows each (the leading axis).
+      batch: a pytree of arrays with N rows each (the leading axis), or a :class:`Ragged`
+        batch (already split; ``num_minibatches`` and ``micro_batch_size`` are then ignored).
       epochs: passes over the batch (the same minibatches each time).
       num_minibatches: M, optimizer updates per epoch.
       micro_batch_size: m, rows per gradient micro-batch (None: whole minibatches).
@@ -274,10 +322,15 @@ def optimize(
             f"{len(params)} and {len(opt_states)}"
         )
     _check_sizes(epochs=epochs)
-    _, num_micro, _ = split_sizes(
-        batch, num_minibatches=num_minibatches, micro_batch_size=micro_batch_size
-    )
-    mbs = jax.tree.map(lambda x: strided_split(x, num_minibatches, num_micro), batch)
+    if isinstance(batch, Ragged):
+        num_minibatches = _ragged_minibatches(batch)
+        mbs, accumulate = batch, _accumulate_ragged
+    else:
+        _, num_micro, _ = split_sizes(
+            batch, num_minibatches=num_minibatches, micro_batch_size=micro_batch_size
+        )
+        mbs = jax.tree.map(lambda x: strided_split(x, num_minibatches, num_micro), batch)
+        accumulate = _accumulate
 
     def minibatch_step(
         carry: tuple[tuple[Any, ...], tuple[Any, ...]], mb: Any
@@ -285,9 +338,10 @@ def optimize(
         params, opt_states = carry
         new_params, new_opts, metrics = [], [], {}
         for trainee, p, o in zip(trainees, params, opt_states, strict=True):
-            loss_sum, aux, grads = _accumulate(trainee, p, mb, constrain)
+            loss_sum, aux, grads = accumulate(trainee, p, mb, constrain)
+            den_input = (mb.shared, mb.micro) if isinstance(mb, Ragged) else mb
             p, o, grad_norm, finite = _apply(
-                trainee.tx, p, o, grads, trainee.denominator(mb), loss_sum
+                trainee.tx, p, o, grads, trainee.denominator(den_input), loss_sum
             )
             metrics.update({k: finalize(v) for k, v in aux.items()})
             metrics[f"{trainee.name}/grad_norm"] = grad_norm
@@ -365,7 +419,16 @@ def jit_step(
     cache: dict[Hashable, Callable] = {}
 
     def call(state: StateT, batch: BatchT) -> tuple[StateT, dict[str, jax.Array]]:
-        batch_sharding = jax.tree.map(lambda x: _batch_sharding(mesh, batch_axes, x), batch)
+        if isinstance(batch, Ragged):  # the micro-batches' rows over the batch axes
+            micro = jax.tree.map(
+                lambda x: NamedSharding(
+                    mesh, PartitionSpec(None, None, batch_axes, *([None] * (jnp.ndim(x) - 3)))
+                ),
+                batch.micro,
+            )
+            batch_sharding = Ragged(jax.tree.map(lambda _: rep, batch.shared), micro, rep)
+        else:
+            batch_sharding = jax.tree.map(lambda x: _batch_sharding(mesh, batch_axes, x), batch)
         treedef = jax.tree.structure(batch)
         if treedef not in cache:
             cache[treedef] = jax.jit(
@@ -463,6 +526,19 @@ def _check_trainees(trainees: tuple[Trainee, ...]) -> None:
         raise ValueError(f"trainee names must be unique (they prefix the metrics); got {names}")
 
 
+def _ragged_minibatches(batch: Ragged) -> int:
+    """M of a ragged batch, checking that its leaves agree on it."""
+    leads = {int(jnp.shape(x)[0]) for x in jax.tree.leaves((batch.shared, batch.micro))}
+    leads.add(int(jnp.shape(batch.count)[0]))
+    slots = {int(jnp.shape(x)[1]) for x in jax.tree.leaves(batch.micro)}
+    if len(leads) != 1 or len(slots) != 1:
+        raise ValueError(
+            f"a Ragged batch needs [M, ...] shared leaves, [M, K, ...] micro leaves and an "
+            f"int32[M] count; got leading sizes {sorted(leads)} and slot sizes {sorted(slots)}"
+        )
+    return leads.pop()
+
+
 def _check_sizes(**sizes: int | None) -> None:
     for key, value in sizes.items():
         if value is None and key == "micro_batch_size":
@@ -480,6 +556,7 @@ __all__ = [
     "BatchAxes",
     "DenominatorFn",
     "Pair",
+    "Ragged",
     "Schedule",
     "SumsFn",
     "Trainee",

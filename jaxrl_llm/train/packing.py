@@ -306,6 +306,13 @@ def unpack(
     return jnp.where(valid, y_krw[micro, row, col], jnp.asarray(fill, y_krw.dtype))
 
 
+def predictions_to_targets(y_rv: jax.Array) -> jax.Array:
+    """``[rows, W − 1] -> [rows, W]``: outputs over the W − 1 predicted tokens (``y[:, w]``
+    belongs to the token at column w + 1, e.g. log-probs of ``tokens[:, 1:]`` from ``h[:, :-1]``)
+    moved to their target columns; column 0 is 0."""
+    return jnp.pad(y_rv, ((0, 0), (1, 0)))
+
+
 def shift_to_targets(y_rw: jax.Array) -> jax.Array:
     """``y[:, w−1] -> out[:, w]``: an output of the state at column w−1 (which predicts the token
     at w) moved to its target column; column 0 (no predecessor) is 0."""
@@ -323,6 +330,7 @@ __all__ = [
     "first_fit_decreasing",
     "make_plan",
     "pack_rows",
+    "predictions_to_targets",
     "shift_to_targets",
     "unpack",
     "unpack_index",

@@ -27,6 +27,19 @@ Old log-probs (π_old of the importance ratio), by the batch's fields:
   estimator. There is no trust region: PPO's clip is inactive, so use ``recompute`` for
   several epochs or minibatches. The KL and entropy terms are not reweighted.
 
+Packed updates (``packed=True``; see :mod:`jaxrl_llm.train.packing`). The batch is an
+:class:`~jaxrl_llm.train.accumulate.Ragged` built by :func:`packed_batch`: per minibatch the
+``[n, T]`` fields of :class:`UpdateBatch` (masks, advantages, old/reference log-probs, values)
+plus where each sequence's tokens sit in the packed rows (:class:`PackedShared`), and per
+micro-batch slot its ``[rows, W]`` packed tokens, segment ids and positions
+(:class:`PackedMicro`). A micro-batch runs the model on its packed rows only, reads the per-token
+log-probs (values) back to the minibatch's ``[n, T]`` layout (sequences of other micro-batches
+are masked out), and hands them to the *same* loss code as the unpacked path. Because every
+loss is a ``(sum, denominator)`` pair with a mask-only denominator, summing the micro-batches'
+sums over any partition of the minibatch's sequences gives exactly its loss, for every
+aggregation mode: packed equals unpacked up to float summation order. The elementwise loss on
+``[n, T]`` per micro-batch costs ``O(K·n·T)``, negligible next to the model.
+
 Metrics (f32 scalars, means over the epoch × minibatch updates): ``actor/loss`` (the total),
 ``actor/pg_loss``, ``actor/kl_loss`` (the recipe's KL term), ``actor/entropy`` (token mean),
 ``actor/kl_ref`` (token mean of k3(π_θ ‖ π_ref) when reference log-probs are given),
@@ -52,9 +65,10 @@ from jaxrl_llm.core import kl as _kl
 from jaxrl_llm.core import policy_losses as pl
 from jaxrl_llm.core import preference as pref
 from jaxrl_llm.models import sharding as shd
-from jaxrl_llm.models.logprobs import completion_logprobs
+from jaxrl_llm.models.logprobs import completion_logprobs, hidden_logprobs
 from jaxrl_llm.recipe import PreferenceRecipe, Recipe
 from jaxrl_llm.train import accumulate as acc
+from jaxrl_llm.train import packing as pk
 from jaxrl_llm.train.state import Schedule, TrainState
 
 _sg = jax.lax.stop_gradient
@@ -108,6 +122,79 @@ class DPOBatch(NamedTuple):
     ref_rejected_n: jax.Array | None = None
 
 
+class PackedShared(NamedTuple):
+    """One minibatch of a packed update, as every micro-batch sees it (``n`` sequences).
+
+    Attributes:
+      fields: the minibatch's :class:`UpdateBatch` with ``tokens_nl`` / ``input_mask_nl`` None.
+      slot_n: ``int32[n]`` the micro-batch slot (within the minibatch) of each sequence.
+      row_n: ``int32[n]`` its row in that micro-batch.
+      col_nt: ``int32[n, T]`` the packed column of each completion token.
+      valid_nt: ``bool[n, T]`` real completion tokens.
+    """
+
+    fields: UpdateBatch
+    slot_n: jax.Array
+    row_n: jax.Array
+    col_nt: jax.Array
+    valid_nt: jax.Array
+
+
+class PackedMicro(NamedTuple):
+    """One micro-batch slot of a packed update: ``int32[rows, W]`` packed rows and its index."""
+
+    tokens_rw: jax.Array
+    segment_ids_rw: jax.Array
+    positions_rw: jax.Array
+    slot: jax.Array
+
+
+def packed_batch(batch: UpdateBatch, plan: pk.PlanArrays, shape: pk.PackShape) -> acc.Ragged:
+    """The :class:`~jaxrl_llm.train.accumulate.Ragged` packed update batch of ``batch``
+    (traceable): minibatch j holds sequences ``{i·M + j}``, as the unpacked split."""
+    m, k = shape.num_minibatches, shape.slots
+    t = batch.mask_nt.shape[1]
+    packed = pk.pack_rows(batch.tokens_nl, batch.input_mask_nl, plan, shape)
+    micro, row, col, valid = pk.unpack_index(batch.input_mask_nl, plan, t)
+    by_mb = lambda x: None if x is None else acc.strided_split(x, m, 1)[:, 0]
+    fields = batch._replace(tokens_nl=None, input_mask_nl=None)
+    shared = PackedShared(
+        fields=jax.tree.map(by_mb, fields),
+        slot_n=by_mb(jnp.asarray(plan.micro_n) % k),
+        row_n=by_mb(jnp.asarray(plan.row_n)),
+        col_nt=by_mb(col),
+        valid_nt=by_mb(valid),
+    )
+    del micro, row
+    rw = lambda x: x.reshape(m, k, shape.rows, shape.width)
+    slots = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32)[None], (m, k))
+    micro_batches = PackedMicro(
+        rw(packed.tokens), rw(packed.segment_ids), rw(packed.positions), slots
+    )
+    return acc.Ragged(shared, micro_batches, jnp.asarray(plan.count_m, jnp.int32))
+
+
+def packed_hidden(decoder: nnx.Module, micro: PackedMicro) -> jax.Array:
+    """``[rows, W, D]`` hidden states of packed rows (segments attend only within themselves,
+    positions restart in each)."""
+    h, _ = decoder(
+        micro.tokens_rw,
+        micro.segment_ids_rw != 0,
+        positions_bt=micro.positions_rw,
+        segment_ids_bt=micro.segment_ids_rw,
+    )
+    return h
+
+
+def _unpack_micro(
+    shared: PackedShared, micro: PackedMicro, y_rw: jax.Array, fill: jax.Array | float = 0.0
+) -> jax.Array:
+    """``[n, T]``: the micro-batch's target-column output ``y_rw`` at its sequences' completion
+    tokens, ``fill`` elsewhere (padding and the sequences of other micro-batches)."""
+    here = shared.valid_nt & (shared.slot_n == micro.slot)[:, None]
+    return jnp.where(here, y_rw[shared.row_n[:, None], shared.col_nt], fill)
+
+
 # ---------------------------------------------------------------------------------------------
 # The engine (jaxrl_llm.train.accumulate) on a TrainState.
 
@@ -150,8 +237,60 @@ def _zeros(mask: jax.Array) -> jax.Array:
     return jnp.zeros(mask.shape, jnp.float32)
 
 
+def _mask(mb: Any) -> jax.Array:
+    """The loss mask of a minibatch as a denominator sees it (``[K, m, T]`` stacked, or the
+    packed ``(shared, micro)`` pair's ``[n, T]``)."""
+    return mb.mask_nt if isinstance(mb, UpdateBatch) else mb[0].fields.mask_nt
+
+
 def _completion_start(batch: Any, mask_nt: jax.Array) -> int:
     return batch.shape[1] - mask_nt.shape[1]
+
+
+def _policy_terms(
+    obj: rc.Objective,
+    mb: UpdateBatch,
+    logp: jax.Array,
+    entropy: jax.Array | None,
+    mask: jax.Array,
+    tis_cap: float | None,
+) -> tuple[jax.Array, dict[str, Pair]]:
+    """``(Σ loss, metric pairs)`` of the objective on ``[n, T]`` log-probs over ``mask``."""
+    adv = mb.adv_nt
+    aux: dict[str, Pair] = {}
+    if mb.logp_old_nt is not None:
+        logp_old = mb.logp_old_nt
+    else:
+        logp_old = _sg(logp)
+        if mb.logp_sampler_nt is not None:
+            tis = pl.truncated_importance_weight
+            w = tis(logp, mb.logp_sampler_nt, mask, cap=tis_cap)
+            if tis_cap is not None:
+                raw = tis(logp, mb.logp_sampler_nt, mask)
+                aux["tis/capped_fraction"] = _pair(raw > tis_cap, mask)
+            aux["tis/weight_mean"] = _pair(w, mask)
+            adv = jnp.where(mask, adv * w, 0.0)
+    terms = rc.policy_objective(
+        obj,
+        logp,
+        adv,
+        mask,
+        logp_old_bgt=logp_old,
+        logp_ref_bgt=mb.logp_ref_nt,
+        entropy_bgt=entropy if obj.entropy_coef > 0 else None,
+    )
+    aux["actor/loss"] = terms.total
+    aux["actor/pg_loss"] = terms.policy
+    if obj.kl is not None:
+        aux["actor/kl_loss"] = terms.kl
+    if entropy is not None:
+        aux["actor/entropy"] = _pair(_sg(entropy), mask)
+    if mb.logp_ref_nt is not None:
+        kl = _kl.kl_k3(_sg(logp), jnp.where(mask, mb.logp_ref_nt, 0.0))
+        aux["actor/kl_ref"] = _pair(kl, mask)
+    for key, value in obj.ratio_metrics(logp, logp_old, adv, mask).items():
+        aux[f"actor/{key}"] = value
+    return terms.total[0], aux
 
 
 def policy_sums_fn(
@@ -162,8 +301,10 @@ def policy_sums_fn(
     tis_cap: float | None = None,
     entropy_metrics: bool = True,
     chunk_size: int | None = 256,
-) -> Callable[[Any, UpdateBatch], tuple[jax.Array, dict[str, Pair]]]:
-    """``(params, micro_batch) -> (Σ loss, metric pairs)`` of the recipe's policy objective."""
+    packed: bool = False,
+) -> Callable[[Any, Any], tuple[jax.Array, dict[str, Pair]]]:
+    """``(params, micro_batch) -> (Σ loss, metric pairs)`` of the recipe's policy objective
+    (``packed``: the micro-batch is ``(PackedShared, PackedMicro)``)."""
     obj = recipe.objective
     with_entropy = entropy_metrics or obj.entropy_coef > 0
 
@@ -180,55 +321,61 @@ def policy_sums_fn(
             with_entropy=with_entropy,
         )
         logp, entropy = out if with_entropy else (out, None)
-        adv = mb.adv_nt
-        aux: dict[str, Pair] = {}
-        if mb.logp_old_nt is not None:
-            logp_old = mb.logp_old_nt
-        else:
-            logp_old = _sg(logp)
-            if mb.logp_sampler_nt is not None:
-                tis = pl.truncated_importance_weight
-                w = tis(logp, mb.logp_sampler_nt, mask, cap=tis_cap)
-                if tis_cap is not None:
-                    raw = tis(logp, mb.logp_sampler_nt, mask)
-                    aux["tis/capped_fraction"] = _pair(raw > tis_cap, mask)
-                aux["tis/weight_mean"] = _pair(w, mask)
-                adv = jnp.where(mask, adv * w, 0.0)
-        terms = rc.policy_objective(
-            obj,
-            logp,
-            adv,
-            mask,
-            logp_old_bgt=logp_old,
-            logp_ref_bgt=mb.logp_ref_nt,
-            entropy_bgt=entropy if obj.entropy_coef > 0 else None,
-        )
-        aux["actor/loss"] = terms.total
-        aux["actor/pg_loss"] = terms.policy
-        if obj.kl is not None:
-            aux["actor/kl_loss"] = terms.kl
-        if entropy is not None:
-            aux["actor/entropy"] = _pair(_sg(entropy), mask)
-        if mb.logp_ref_nt is not None:
-            kl = _kl.kl_k3(_sg(logp), jnp.where(mask, mb.logp_ref_nt, 0.0))
-            aux["actor/kl_ref"] = _pair(kl, mask)
-        for key, value in obj.ratio_metrics(logp, logp_old, adv, mask).items():
-            aux[f"actor/{key}"] = value
-        return terms.total[0], aux
+        return _policy_terms(obj, mb, logp, entropy, mask, tis_cap)
 
-    return sums
+    def packed_sums(
+        params: dict, mb: tuple[PackedShared, PackedMicro]
+    ) -> tuple[jax.Array, dict[str, Pair]]:
+        shared, micro = mb
+        model = nnx.merge(graphdef, params)
+        h_rwd = packed_hidden(model.model, micro)
+        out = hidden_logprobs(
+            model,
+            h_rwd[:, :-1],
+            micro.tokens_rw[:, 1:],
+            temperature=temperature,
+            chunk_size=chunk_size,
+            with_entropy=with_entropy,
+        )
+        outs = out if with_entropy else (out,)
+        fields = shared.fields
+        # Tokens outside this micro-batch read π_old (ratio 1, finite): masked, they add 0.
+        fill = 0.0 if fields.logp_old_nt is None else fields.logp_old_nt
+        logp = _unpack_micro(shared, micro, pk.predictions_to_targets(outs[0]), fill)
+        entropy = None
+        if with_entropy:
+            entropy = _unpack_micro(shared, micro, pk.predictions_to_targets(outs[1]))
+        mask = fields.mask_nt & (shared.slot_n == micro.slot)[:, None]
+        return _policy_terms(obj, fields, logp, entropy, mask, tis_cap)
+
+    return packed_sums if packed else sums
+
+
+def packed_values(critic: nnx.Module, micro: PackedMicro) -> jax.Array:
+    """``f32[rows, W]``: V at the state before each packed token (its target column)."""
+    h_rwd = packed_hidden(critic.model, micro)
+    w_d1 = critic.score.kernel[...].astype(h_rwd.dtype)
+    v_rw = jnp.dot(h_rwd, w_d1[:, 0], preferred_element_type=jnp.float32)
+    return pk.shift_to_targets(v_rw)
 
 
 def critic_sums_fn(
-    recipe: Recipe, critic_graphdef: nnx.GraphDef
-) -> Callable[[Any, UpdateBatch], tuple[jax.Array, dict[str, Pair]]]:
-    """``(critic_params, micro_batch) -> (Σ value loss, metric pairs)``; token-mean loss."""
+    recipe: Recipe, critic_graphdef: nnx.GraphDef, *, packed: bool = False
+) -> Callable[[Any, Any], tuple[jax.Array, dict[str, Pair]]]:
+    """``(critic_params, micro_batch) -> (Σ value loss, metric pairs)``; token-mean loss
+    (``packed``: the micro-batch is ``(PackedShared, PackedMicro)``)."""
 
-    def sums(params: dict, mb: UpdateBatch) -> tuple[jax.Array, dict[str, Pair]]:
+    def sums(params: dict, mb: Any) -> tuple[jax.Array, dict[str, Pair]]:
         critic = nnx.merge(critic_graphdef, params)
-        start = _completion_start(mb.tokens_nl, mb.mask_nt)
-        value = critic(mb.tokens_nl, mb.input_mask_nl)[:, start - 1 : -1]
-        mask = mb.mask_nt
+        if packed:
+            shared, micro = mb
+            mb = shared.fields
+            value = _unpack_micro(shared, micro, packed_values(critic, micro), mb.value_old_nt)
+            mask = mb.mask_nt & (shared.slot_n == micro.slot)[:, None]
+        else:
+            start = _completion_start(mb.tokens_nl, mb.mask_nt)
+            value = critic(mb.tokens_nl, mb.input_mask_nl)[:, start - 1 : -1]
+            mask = mb.mask_nt
         clip = recipe.critic.value_clip
         loss = pl.value_loss(value, mb.value_old_nt, mb.return_nt, mask, clip_eps=clip)
         total = jnp.sum(jnp.where(mask, loss, 0.0))
@@ -264,7 +411,8 @@ def make_update_step(
     state_sharding: TrainState | None = None,
     rules: shd.Rules = shd.DEFAULT_RULES,
     jit: bool = True,
-) -> Callable[[TrainState, UpdateBatch], tuple[TrainState, dict[str, jax.Array]]]:
+    packed: bool = False,
+) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """The jitted update ``step(state, batch) -> (state, metrics)`` of an on-policy recipe.
 
     See the module docstring for the loop, the exact accumulation, old log-probs and metrics.
@@ -284,6 +432,9 @@ def make_update_step(
       mesh, state_sharding, rules: jit with these in/out shardings (the batch split over the
         rules' batch axes) under ``jax.set_mesh(mesh)``. Without a mesh: a plain jit.
       jit: False returns the traceable step (the RL step jits it with its forward passes).
+      packed: the batch is a packed :func:`packed_batch` (``ppo_epochs`` still applies; the
+        minibatches and micro-batches are the plan's, ``num_minibatches`` and
+        ``micro_batch_size`` are ignored).
     """
     if isinstance(recipe, PreferenceRecipe):
         raise ValueError(f"make_update_step: {recipe.name} is offline; use make_dpo_step")
@@ -304,8 +455,9 @@ def make_update_step(
                 tis_cap=tis_cap,
                 entropy_metrics=entropy_metrics,
                 chunk_size=chunk_size,
+                packed=packed,
             ),
-            lambda mb: recipe.objective.aggregate(_zeros(mb.mask_nt), mb.mask_nt)[1],
+            lambda mb: recipe.objective.aggregate(_zeros(_mask(mb)), _mask(mb))[1],
             param_sharding=_param_sharding(state_sharding, "params"),
             schedule=schedule,
         )
@@ -315,14 +467,21 @@ def make_update_step(
             acc.Trainee(
                 "critic",
                 critic_tx,
-                critic_sums_fn(recipe, critic_graphdef),
-                lambda mb: jnp.sum(mb.mask_nt, dtype=jnp.int32).astype(jnp.float32),
+                critic_sums_fn(recipe, critic_graphdef, packed=packed),
+                lambda mb: jnp.sum(_mask(mb), dtype=jnp.int32).astype(jnp.float32),
                 param_sharding=_param_sharding(state_sharding, "critic_params"),
                 schedule=critic_schedule,
             )
         )
 
-    def check(batch: UpdateBatch) -> None:
+    def check(batch: Any) -> None:
+        if packed != isinstance(batch, acc.Ragged):
+            raise ValueError(
+                f"make_update_step(packed={packed}) got a {type(batch).__name__} batch; a packed "
+                "update takes update.packed_batch(...), an unpacked one an UpdateBatch"
+            )
+        if packed:
+            batch = batch.shared.fields
         if recipe.critic is not None and (batch.value_old_nt is None or batch.return_nt is None):
             raise ValueError(f"{recipe.name}: the batch needs value_old_nt and return_nt")
 
@@ -450,10 +609,15 @@ def make_dpo_step(
 
 __all__ = [
     "DPOBatch",
+    "PackedMicro",
+    "PackedShared",
     "UpdateBatch",
     "critic_sums_fn",
     "dpo_sums_fn",
     "make_dpo_step",
     "make_update_step",
+    "packed_batch",
+    "packed_hidden",
+    "packed_values",
     "policy_sums_fn",
 ]

@@ -427,3 +427,82 @@ def test_bad_batches_and_trainees_raise_a_clear_value_error():
         acc.optimize((trainee, trainee), (params, params), (opt, opt), batch)
     with pytest.raises(ValueError, match="2 trainees need as many"):
         acc.optimize((trainee, critic_trainee()), (params,), (opt,), batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# Ragged micro-batches (packing, token budgets).
+
+
+def ragged_batch(batch, num_minibatches, groups_per_mb, slots):
+    """A :class:`~jaxrl_llm.train.accumulate.Ragged` view of ``batch``: minibatch j's rows
+    (strided, as the flat split) as ``shared``; each micro slot k selects the rows listed in
+    ``groups_per_mb[j][k]`` by a 0/1 membership vector, unused slots select nothing."""
+    n = batch["mask"].shape[0]
+    mb_rows = [np.arange(j, n, num_minibatches) for j in range(num_minibatches)]
+    shared = jax.tree.map(lambda x: jnp.stack([x[r] for r in mb_rows]), batch)
+    member = np.zeros((num_minibatches, slots, n // num_minibatches), bool)
+    for j, groups in enumerate(groups_per_mb):
+        for k, rows in enumerate(groups):
+            member[j, k, rows] = True
+    count = np.asarray([len(g) for g in groups_per_mb], np.int32)
+    return acc.Ragged(shared, {"member": jnp.asarray(member)}, jnp.asarray(count))
+
+
+def ragged_sums(sums):
+    def fn(params, mb):
+        shared, micro = mb
+        mask = shared["mask"] & micro["member"][:, None]
+        return sums(params, {**shared, "mask": mask})
+
+    return fn
+
+
+@pytest.mark.parametrize(("sums", "den"), [(token_sums, token_den), (seq_sums, seq_den)])
+def test_ragged_equals_flat_minibatches(sums, den):
+    """A ragged split (2 and 3 micro-batches of uneven sizes in 4 slots) equals the flat
+    update with whole minibatches (strided), over two epochs, and unused slots are not run."""
+    batch = make_batch(3, n=12)
+    m = 2
+    flat = acc.Trainee("fit", optax.sgd(0.1), sums, den)
+    ragged = acc.Trainee("fit", optax.sgd(0.1), ragged_sums(sums), lambda mb: den(mb[0]))
+    groups = [[[0, 4], [1, 2, 3], [5]], [[5, 0], [1, 2, 3, 4]]]
+    rb = ragged_batch(batch, m, groups, slots=4)
+    p_flat, _, m_flat = run([flat], [init_params()], batch, num_minibatches=m, epochs=2)
+    p_rag, _, m_rag = run([ragged], [init_params()], rb, epochs=2)
+    assert max_diff(p_flat, p_rag) < 1e-6
+    assert set(m_flat) == set(m_rag)
+    assert max_diff(m_flat, {k: m_rag[k] for k in m_flat}) < 1e-5
+
+
+def test_ragged_unused_slots_are_not_computed():
+    """A NaN in an unused slot's data never reaches the update (the loop stops at count)."""
+    batch = make_batch(4, n=8)
+    rb = ragged_batch(batch, 1, [[[0, 1, 2, 3], [4, 5, 6, 7]]], slots=3)
+    poison = rb.micro["member"].astype(jnp.float32).at[0, 2].set(jnp.nan)
+    rb = rb._replace(micro={"member": rb.micro["member"], "poison": poison})
+
+    def sums(params, mb):
+        loss, aux = ragged_sums(token_sums)(params, mb)
+        return loss + jnp.sum(mb[1]["poison"]) * 0.0, aux
+
+    t = acc.Trainee("fit", optax.sgd(0.1), sums, lambda mb: token_den(mb[0]))
+    flat = acc.Trainee("fit", optax.sgd(0.1), token_sums, token_den)
+    p_rag, _, metrics = run([t], [init_params()], rb)
+    p_flat, _, _ = run([flat], [init_params()], batch)
+    assert float(metrics[NONFINITE]) == 0.0
+    assert max_diff(p_flat, p_rag) < 1e-6
+
+
+def test_ragged_count_changes_without_recompiling():
+    batch = make_batch(5, n=8)
+    t = acc.Trainee("fit", optax.sgd(0.1), ragged_sums(token_sums), lambda mb: token_den(mb[0]))
+    fn = jax.jit(lambda p, o, b: acc.optimize([t], p, o, b))
+    params = (init_params(),)
+    opts = (t.tx.init(params[0]),)
+    for groups in ([[[0, 1, 2, 3, 4, 5, 6, 7]]], [[[0, 1], [2, 3], [4, 5, 6, 7]]]):
+        rb = ragged_batch(batch, 1, groups, slots=4)
+        p, _, _ = fn(params, opts, rb)
+        flat = acc.Trainee("fit", optax.sgd(0.1), token_sums, token_den)
+        p_flat, _, _ = run([flat], [init_params()], batch)
+        assert max_diff(p_flat, p) < 1e-6
+    assert fn._cache_size() == 1
