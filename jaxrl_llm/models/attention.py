@@ -202,7 +202,210 @@ def attention(
         segment_ids_bt=segment_ids_bt,
         kv_segment_ids_bs=kv_segment_ids_bs,
     )
+    if implementation == "auto" and kernel_problem(impl, q_bthd, k_bskd, causal, q_offset, window):
+        impl = "reference"  # "auto" picks the best implementation that accepts these inputs
     if impl == "reference":
         allowed_bts = attention_mask(q_bthd.shape[1], k_bskd.shape[1], **masks)
         return reference_attention(q_bthd, k_bskd, v_bskd, allowed_bts)
-    raise NotImplementedError(impl)
+    if impl == "splash":
+        return splash_attention(q_bthd, k_bskd, v_bskd, **masks)
+    return cudnn_attention(q_bthd, k_bskd, v_bskd, **masks)
+
+
+_FALLBACK = 'use implementation="reference" (config: model.attention: reference)'
+
+
+def _static_int(x: int | jax.Array | None) -> int | None:
+    """``int(x)`` for a Python/concrete value, ``None`` for a traced one."""
+    try:
+        return None if x is None else int(x)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        return None
+
+
+def kernel_problem(
+    impl: str,
+    q_bthd: jax.Array,
+    k_bskd: jax.Array,
+    causal: bool = True,
+    q_offset: int | jax.Array = 0,
+    window: int | jax.Array | None = None,
+    cudnn_implementation: str = "cudnn",
+) -> str | None:
+    """Why kernel ``impl`` cannot run these inputs (``None`` if it can); the reference always can.
+
+    - both kernels: static ``q_offset == 0`` and ``S == T`` (self-attention without a cache),
+      a static (Python int) ``window``;
+    - splash: ``T`` a multiple of 128 (its blocks are multiples of 128 lanes), float32 or
+      bfloat16;
+    - cudnn: float16/bfloat16 (cuDNN flash attention has no float32 path), ``Dh`` a multiple
+      of 8 and at most 256 (128 before Hopper), even ``T``, causal.
+    """
+    if impl == "reference":
+        return None
+    t, s, hd = q_bthd.shape[1], k_bskd.shape[1], q_bthd.shape[3]
+    if _static_int(q_offset) != 0 or s != t:
+        return f"{impl} attention needs self-attention with no cache offset (T == S, q_offset 0)"
+    if window is not None and _static_int(window) is None:
+        return f"{impl} attention needs a static (Python int) window, got a traced value"
+    if impl == "splash":
+        if t % 128:
+            return f"splash attention needs T a multiple of 128, got T={t} (pad the rows)"
+        if q_bthd.dtype not in (jnp.float32, jnp.bfloat16):
+            return f"splash attention needs float32 or bfloat16, got {q_bthd.dtype}"
+        return None
+    if cudnn_implementation == "cudnn":
+        if q_bthd.dtype not in (jnp.float16, jnp.bfloat16):
+            return f"cudnn attention needs float16/bfloat16 inputs, got {q_bthd.dtype}"
+        if hd % 8 or hd > 256:
+            return f"cudnn attention needs head_dim a multiple of 8 and <= 256, got {hd}"
+        if t % 2:
+            return f"cudnn attention with a mask needs an even sequence length, got T={t}"
+    if not causal:
+        return "the cudnn path here is causal only"
+    return None
+
+
+def _require(impl: str, problem: str | None) -> None:
+    if problem is not None:
+        raise ValueError(f"{problem}; {_FALLBACK}")
+
+
+def _block(length: int) -> int:
+    """The largest splash block (512, 256 or 128) that divides ``length``."""
+    return next(b for b in (512, 256, 128) if length % b == 0)
+
+
+def splash_attention(
+    q_bthd: jax.Array,
+    k_bskd: jax.Array,
+    v_bskd: jax.Array,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    q_offset: int = 0,
+    kv_mask_bs: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
+    kv_segment_ids_bs: jax.Array | None = None,
+    block_size: int | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Splash attention (TPU Pallas; ``jax.experimental.pallas.ops.tpu.splash_attention``).
+
+    The static part of the mask is a ``CausalMask`` (``LocalMask`` with window
+    ``(window - 1, 0)`` for sliding windows, i.e. ``t - window < s <= t``), one per query head;
+    the dynamic part is ``SegmentIds(q, kv)``: a key is read when its id equals the query's.
+    Padding keys without segment ids become id 0 (real tokens 1), so they are never read by a
+    real token. Grouped-query attention is the kernel's own (``make_splash_mha`` with
+    ``K | H`` kv heads); the batch is a ``vmap``. ``q`` is scaled by ``1/sqrt(Dh)`` first (the
+    kernel does not scale). Block sizes default to the largest of 512/256/128 dividing ``T``
+    (``block_size`` overrides; with segment ids it must be a multiple of 128).
+    ``interpret`` defaults to ``jax.default_backend() != "tpu"`` (Pallas interpret mode on CPU,
+    slow but exact: what the tests run). Requirements: :func:`kernel_problem`. Not sharded:
+    under a multi-device mesh wrap it in ``shard_map`` over batch/heads (not done here).
+    """
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    _require("splash", kernel_problem("splash", q_bthd, k_bskd, causal, q_offset, window))
+    b, t, h, hd = q_bthd.shape
+    s = k_bskd.shape[1]
+    if segment_ids_bt is None and kv_mask_bs is not None:
+        kv_segment_ids_bs = kv_mask_bs.astype(jnp.int32)
+        # Padding queries read padding keys: no query row is empty (the kernel needs that).
+        segment_ids_bt = kv_segment_ids_bs if s == t else jnp.ones((b, t), jnp.int32)
+    elif segment_ids_bt is not None:
+        if kv_segment_ids_bs is None:
+            kv_segment_ids_bs = segment_ids_bt
+        if kv_mask_bs is not None:
+            kv_segment_ids_bs = jnp.where(kv_mask_bs, kv_segment_ids_bs, -1)
+    window = _static_int(window)
+    if window is not None:
+        head_mask = splash.LocalMask((t, s), (window - 1, 0 if causal else None), offset=0)
+    elif causal:
+        head_mask = splash.CausalMask((t, s))
+    else:
+        head_mask = splash.FullMask((t, s))
+    bq = block_size or _block(t)
+    bkv = block_size or _block(s)
+    blocks = splash.BlockSizes(
+        block_q=bq,
+        block_kv=bkv,
+        block_kv_compute=bkv,
+        block_q_dkv=bq,
+        block_kv_dkv=bkv,
+        block_kv_dkv_compute=bkv,
+        block_q_dq=bq,
+        block_kv_dq=bkv,
+    )
+    kernel = splash.make_splash_mha(
+        splash.MultiHeadMask([head_mask] * h),
+        block_sizes=blocks,
+        head_shards=1,
+        q_seq_shards=1,
+        interpret=jax.default_backend() != "tpu" if interpret is None else interpret,
+    )
+    q_bhtd = jnp.swapaxes(q_bthd * jnp.asarray(hd**-0.5, q_bthd.dtype), 1, 2)
+    k_bksd = jnp.swapaxes(k_bskd, 1, 2).astype(q_bthd.dtype)
+    v_bksd = jnp.swapaxes(v_bskd, 1, 2).astype(q_bthd.dtype)
+    if segment_ids_bt is None:
+        out_bhtd = jax.vmap(kernel)(q_bhtd, k_bksd, v_bksd)
+    else:
+        segments = splash.SegmentIds(
+            q=segment_ids_bt.astype(jnp.int32), kv=kv_segment_ids_bs.astype(jnp.int32)
+        )
+        out_bhtd = jax.vmap(lambda q, k, v, seg: kernel(q, k, v, segment_ids=seg))(
+            q_bhtd, k_bksd, v_bksd, segments
+        )
+    return jnp.swapaxes(out_bhtd, 1, 2).astype(q_bthd.dtype)
+
+
+def cudnn_attention(
+    q_bthd: jax.Array,
+    k_bskd: jax.Array,
+    v_bskd: jax.Array,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    q_offset: int = 0,
+    kv_mask_bs: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
+    kv_segment_ids_bs: jax.Array | None = None,
+    implementation: str = "cudnn",
+) -> jax.Array:
+    """cuDNN flash attention through ``jax.nn.dot_product_attention(implementation="cudnn")``.
+
+    Causality is ``is_causal=True`` (cuDNN skips the masked blocks) and a sliding window is
+    ``local_window_size=(window - 1, 0)`` (cuDNN's ``sliding_window_length = window``: keys
+    ``t - window < s <= t``). jax 0.10.2's public API has no packed-sequence (segment) form:
+    ``query_seq_lengths`` / ``key_value_seq_lengths`` describe one right-padded sequence per row
+    (our rows are left-padded), and the packed ``q_offsets`` layout exists only in the private
+    ``jax._src.cudnn.fused_attention_stablehlo``. So padding and segments go in as the boolean
+    ``mask [B, 1, T, S]`` (``q_seg == kv_seg != 0``, and key validity), which cuDNN applies as
+    an additive bias: exact, but the bias is materialised (``B*T*S`` elements per layer).
+
+    The cuDNN kernel runs on NVIDIA GPUs only (float16/bfloat16, see :func:`kernel_problem`);
+    there is no GPU in this project's CI. ``implementation="xla"`` runs the very same call
+    (same arguments) through XLA on any backend: the tests use it to check the wiring.
+    """
+    _require(
+        "cudnn",
+        kernel_problem("cudnn", q_bthd, k_bskd, causal, q_offset, window, implementation),
+    )
+    b, t, _, _ = q_bthd.shape
+    s = k_bskd.shape[1]
+    allowed_bts = None
+    if segment_ids_bt is not None:
+        allowed_bts = segment_mask(segment_ids_bt, kv_segment_ids_bs)
+    if kv_mask_bs is not None:
+        valid_bts = jnp.broadcast_to(kv_mask_bs[:, None, :], (b, t, s))
+        allowed_bts = valid_bts if allowed_bts is None else allowed_bts & valid_bts
+    window = _static_int(window)
+    return jax.nn.dot_product_attention(
+        q_bthd,
+        k_bskd.astype(q_bthd.dtype),
+        v_bskd.astype(q_bthd.dtype),
+        mask=None if allowed_bts is None else allowed_bts[:, None],
+        is_causal=causal,
+        local_window_size=None if window is None else (window - 1, 0),
+        implementation=implementation,
+    )

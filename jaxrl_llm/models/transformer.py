@@ -439,7 +439,7 @@ class Decoder(nnx.Module):
 
         windows_l = layer_windows(c)
         if cache is None:
-            impl = attention_lib.resolve_implementation(attention_impl or c.attention_impl)
+            impl = self._attention_impl(attention_impl or c.attention_impl, b, t)
             if impl != "reference":
                 return self._kernel_forward(x_btd, cos, sin, mask_bt, segment_ids_bt, impl)
 
@@ -481,6 +481,19 @@ class Decoder(nnx.Module):
             self.layers, cached_body, x_btd, (windows_l, cache.k, cache.v)
         )
         return self.norm(x_btd), KVCache(new_k, new_v, k_valid_bs, index + t)
+
+    def _attention_impl(self, requested: str, b: int, t: int) -> str:
+        """The implementation to run: ``"auto"`` falls back to the reference where the kernel
+        cannot take these shapes/dtypes; an explicitly requested kernel raises instead."""
+        c = self.config
+        impl = attention_lib.resolve_implementation(requested)
+        q = jax.ShapeDtypeStruct((b, t, c.num_heads, c.head_dim), c.jnp_dtype)
+        problem = attention_lib.kernel_problem(impl, q, q)
+        if problem is None:
+            return impl
+        if requested == "auto":
+            return "reference"
+        raise ValueError(f"{problem}; use attention_impl='reference' (model.attention)")
 
     def _kernel_forward(
         self,

@@ -78,7 +78,6 @@ def _tiny(**overrides) -> models.CausalLM:
 
 TINY_CONFIGS = {
     "llama_gqa": dict(),
-    "llama_mha": dict(num_kv_heads=4),
     "mistral_window": dict(model_type="mistral", sliding_windows=(3, 3)),
     "qwen2_mixed_window": dict(
         model_type="qwen2", qkv_bias=True, sliding_windows=(None, 2), tie_word_embeddings=False
@@ -134,3 +133,104 @@ def test_segment_ids_with_cache_is_an_error():
         model(tokens, segment_ids_bt=jnp.ones((1, 3), jnp.int32))
     with pytest.raises(TypeError, match="int32"):
         model(tokens, segment_ids_bt=jnp.ones((1, 4), jnp.float32))
+
+
+def _packed_segments(t: int = 256) -> jnp.ndarray:
+    """Two rows of width ``t``: three segments plus tail padding, and one full-width segment."""
+    seg = np.zeros((2, t), np.int32)
+    seg[0, :100], seg[0, 100:180], seg[0, 180 : t - 6] = 1, 2, 3
+    seg[1] = 1
+    return jnp.asarray(seg)
+
+
+KERNEL_CASES = [
+    dict(window=None, heads=(4, 2), segments=True),
+    dict(window=17, heads=(4, 1), segments=True),
+    dict(window=None, heads=(2, 2), segments=False),  # key-validity mask only
+]
+
+
+def _kernel_inputs(case: dict, t: int = 256) -> tuple[tuple[jax.Array, ...], dict, np.ndarray]:
+    h, k = case["heads"]
+    q, kk, v = _qkv(jax.random.key(2), 2, t, h, k, 32)
+    seg = _packed_segments(t)
+    if case["segments"]:
+        masks = dict(segment_ids_bt=seg, window=case["window"])
+    else:
+        masks = dict(kv_mask_bs=seg != 0, window=case["window"])
+    return (q, kk, v), masks, np.asarray(seg != 0)
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: str(tuple(c.values())))
+def test_splash_interpret_equals_reference(case):
+    qkv, masks, real = _kernel_inputs(case)
+    ref = attn.attention(*qkv, implementation="reference", **masks)
+    out = attn.splash_attention(*qkv, interpret=True, **masks)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=2e-6, rtol=1e-5)
+
+
+def test_splash_interpret_gradients_equal_reference():
+    qkv, masks, real = _kernel_inputs(KERNEL_CASES[1])
+    weight = jnp.asarray(real, jnp.float32)[:, :, None, None]
+
+    def loss(impl):
+        return lambda *qkv: jnp.sum(weight * attn.attention(*qkv, implementation=impl, **masks))
+
+    grads = jax.grad(loss("splash"), argnums=(0, 1, 2))(*qkv)
+    want = jax.grad(loss("reference"), argnums=(0, 1, 2))(*qkv)
+    for g, w in zip(grads, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: str(tuple(c.values())))
+def test_cudnn_call_in_xla_form_equals_reference(case):
+    """The exact jax.nn.dot_product_attention call of the cudnn path, run by XLA on CPU."""
+    qkv, masks, real = _kernel_inputs(case, t=32)
+    ref = attn.attention(*qkv, implementation="reference", **masks)
+    out = attn.cudnn_attention(*qkv, implementation="xla", **masks)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=2e-6, rtol=1e-5)
+
+
+def test_causal_lm_splash_equals_reference():
+    """The whole tiny model (GQA, a window on one layer) with splash in interpret mode."""
+    model = _tiny(model_type="qwen2", qkv_bias=True, sliding_windows=(None, 5))
+    seg = _packed_segments(128)
+    seg = seg.at[0, 100:].set(jnp.where(seg[0, 100:] != 0, 2, 0))
+    tokens = jax.random.randint(jax.random.key(3), seg.shape, 3, 97)
+    ref = model(tokens, segment_ids_bt=seg, attention_impl="reference")
+    out = model(tokens, segment_ids_bt=seg, attention_impl="splash")
+    real = np.asarray(seg != 0)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=1e-5, rtol=1e-5)
+
+
+def test_auto_picks_by_backend_and_falls_back():
+    assert attn.resolve_implementation("auto") == "reference"  # CPU
+    assert attn.resolve_implementation("auto", backend="tpu") == "splash"
+    assert attn.resolve_implementation("auto", backend="gpu") == "cudnn"
+    assert attn.resolve_implementation("splash", backend="cpu") == "splash"
+    q = jnp.zeros((1, 8, 2, 8), jnp.float32)
+    # float32 / T=8 suit neither kernel: "auto" would fall back; the problems are named.
+    assert "float16/bfloat16" in attn.kernel_problem("cudnn", q, q)
+    assert "multiple of 128" in attn.kernel_problem("splash", q, q)
+    assert attn.kernel_problem("reference", q, q) is None
+
+
+def test_bad_arguments_are_clear_errors():
+    q = jnp.zeros((1, 8, 4, 8))
+    kv = jnp.zeros((1, 8, 2, 8))
+    with pytest.raises(ValueError, match="must be one of"):
+        attn.attention(q, kv, kv, implementation="flash")
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        attn.attention(q, jnp.zeros((1, 8, 3, 8)), jnp.zeros((1, 8, 3, 8)))
+    with pytest.raises(ValueError, match="segment_ids_bt has shape"):
+        attn.attention(q, kv, kv, segment_ids_bt=jnp.ones((1, 7), jnp.int32))
+    with pytest.raises(TypeError, match="kv_mask_bs must be boolean"):
+        attn.attention(q, kv, kv, kv_mask_bs=jnp.ones((1, 8), jnp.int32))
+    with pytest.raises(ValueError, match=r"multiple of 128.*reference"):
+        attn.attention(q, kv, kv, implementation="splash")
+    with pytest.raises(ValueError, match=r"float16/bfloat16.*reference"):
+        attn.attention(q, kv, kv, implementation="cudnn")
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        models.tiny_random_config(vocab_size=97, attention_impl="flash")
+    with pytest.raises(ValueError, match=r"multiple of 128.*attention_impl='reference'"):
+        _tiny()(jnp.ones((1, 8), jnp.int32), attention_impl="splash")
