@@ -7,6 +7,7 @@ tokenizer = models.load_tokenizer(path)
 models.save_pretrained(model, "out/", tokenizer=tokenizer)   # transformers loads "out/"
 """
 
+from jaxrl_llm.models import attention
 from jaxrl_llm.models.config import (
     SUPPORTED_ARCHITECTURES,
     ModelConfig,
@@ -40,6 +41,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "UnsupportedModelError",
     "ValueModel",
+    "attention",
     "default_dtype",
     "default_model_path",
     "from_pretrained",

@@ -266,6 +266,7 @@ def from_pretrained(
     rules: Rules = DEFAULT_RULES,
     head: str | None = None,
     remat: str = "none",
+    attention_impl: str = "auto",
     allow_pickle: bool = False,
     gguf_file: str | None = None,
     seed: int = 0,
@@ -282,6 +283,7 @@ def from_pretrained(
         architecture (``*ForSequenceClassification`` -> reward). ``"value"`` on a causal-LM
         checkpoint gives a critic with the policy's trunk and a fresh head.
       remat: activation checkpointing per layer: none, full, dots or dots_no_batch.
+      attention_impl: auto, reference, splash or cudnn (see attention.py).
       allow_pickle: permit PyTorch ``.bin`` weights (pickle; only for trusted checkpoints).
       gguf_file: name of a GGUF file inside ``path``.
       seed: initialises parameters the checkpoint lacks (a new value head).
@@ -299,6 +301,7 @@ def from_pretrained(
             dtype=jnp.dtype(dtype) if dtype is not None else default_dtype(),
             param_dtype=param_dtype,
             remat=remat,
+            attention_impl=attention_impl,
         )
     except (KeyError, TypeError, ZeroDivisionError) as e:
         what = gguf_file or "config.json"

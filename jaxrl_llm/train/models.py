@@ -94,6 +94,7 @@ def load_policy(
     dtype: str = "auto",
     param_dtype: str = "float32",
     remat: str = "none",
+    attention: str = "auto",
     allow_pickle: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     rules: shd.Rules = shd.DEFAULT_RULES,
@@ -107,6 +108,7 @@ def load_policy(
       dtype: compute dtype name, ``"auto"``: bfloat16 on accelerators, float32 on CPU.
       param_dtype: the stored parameters' dtype name.
       remat: activation checkpointing (``"none"``, ``"full"``, ``"dots"``, ``"dots_no_batch"``).
+      attention: the attention implementation (``ModelConfig.attention_impl``, attention.py).
       allow_pickle: permit PyTorch ``.bin`` weights (trusted checkpoints only).
       mesh, rules: where the parameters go.
       seed: initialisation of random weights (tiny-random, fresh heads).
@@ -114,7 +116,10 @@ def load_policy(
     if path == TINY_RANDOM:
         compute = _dtype(dtype) or models.default_dtype()
         config = tiny_random_config(
-            param_dtype=param_dtype, dtype=jnp.dtype(compute).name, remat=remat
+            param_dtype=param_dtype,
+            dtype=jnp.dtype(compute).name,
+            remat=remat,
+            attention_impl=attention,
         )
         lm = models.CausalLM(config, rngs=nnx.Rngs(seed))
         return shd.shard_model(lm, mesh, rules) if mesh is not None else lm
@@ -125,6 +130,7 @@ def load_policy(
         mesh=mesh,
         rules=rules,
         remat=remat,
+        attention_impl=attention,
         allow_pickle=allow_pickle,
         seed=seed,
     )
@@ -137,14 +143,15 @@ def load_critic(
     dtype: str = "auto",
     param_dtype: str = "float32",
     remat: str = "none",
+    attention: str = "auto",
     allow_pickle: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     rules: shd.Rules = shd.DEFAULT_RULES,
     seed: int = 0,
 ) -> models.ValueModel:
     """The PPO critic: the value checkpoint at ``path`` (loaded with the policy's ``dtype``,
-    ``param_dtype``, ``remat`` and ``allow_pickle``), or, without one, ``policy``'s trunk + a
-    new head seeded by ``seed + 1``."""
+    ``param_dtype``, ``remat``, ``attention`` and ``allow_pickle``), or, without one,
+    ``policy``'s trunk + a new head seeded by ``seed + 1``."""
     if path is not None:
         return models.from_pretrained(
             resolve_model_path(path),
@@ -154,6 +161,7 @@ def load_critic(
             rules=rules,
             head="value",
             remat=remat,
+            attention_impl=attention,
             allow_pickle=allow_pickle,
             seed=seed,
         )

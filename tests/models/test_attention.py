@@ -234,3 +234,12 @@ def test_bad_arguments_are_clear_errors():
         models.tiny_random_config(vocab_size=97, attention_impl="flash")
     with pytest.raises(ValueError, match=r"multiple of 128.*attention_impl='reference'"):
         _tiny()(jnp.ones((1, 8), jnp.int32), attention_impl="splash")
+
+
+def test_config_knob_reaches_the_model():
+    from jaxrl_llm.config import TrainConfig
+    from jaxrl_llm.train import models as train_models
+
+    assert TrainConfig().model.attention == "auto"
+    lm = train_models.load_policy("tiny-random", attention="reference")
+    assert lm.config.attention_impl == lm.model.config.attention_impl == "reference"
