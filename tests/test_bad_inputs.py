@@ -46,6 +46,19 @@ def short(prompts, completions, **fields):
     return [1.0] * (len(completions) - 1)
 
 
+def exits(prompts, completions, **fields):
+    import sys
+
+    sys.exit(0)
+
+
+def hangs(prompts, completions, **fields):
+    import threading
+
+    threading.Event().wait(600)
+    return [0.0] * len(completions)
+
+
 NOT_A_FUNCTION = 3
 '''
 
@@ -179,8 +192,10 @@ def file_data(name: str, *overrides: str) -> Callable[[Paths], list[str]]:
     return train("data.source=file", "data.path={root}/" + name, "data.eval_size=0", *overrides)
 
 
-def user_reward(function: str) -> Callable[[Paths], list[str]]:
-    return train(f"rewards.terms=[{{type: '{REWARD_MODULE}:{function}', name: my_{function}}}]")
+def user_reward(function: str, *overrides: str) -> Callable[[Paths], list[str]]:
+    return train(
+        f"rewards.terms=[{{type: '{REWARD_MODULE}:{function}', name: my_{function}}}]", *overrides
+    )
 
 
 CASES = [
@@ -403,6 +418,27 @@ CASES = [
             "one float per completion",
             "(sample 0 (prompt 'What is",
             "alone gets 0 scores",
+        ),
+        after_resume=True,
+    ),
+    Case(
+        "reward_calls_sys_exit",
+        user_reward("exits"),
+        (
+            "reward 'my_exits' raised RewardExited: sys.exit(0) was called",
+            "not end the process",
+            f"{REWARD_MODULE}.py:",
+            "in exits",
+        ),
+        after_resume=True,
+    ),
+    Case(
+        "reward_never_returns",
+        user_reward("hangs", "rewards.timeout=1"),
+        (
+            "reward 'my_hangs' did not return within rewards.timeout = 1 s on a batch of 4",
+            "raise rewards.timeout",
+            "rewards.on_error=zero",
         ),
         after_resume=True,
     ),
