@@ -125,14 +125,14 @@ def reward_prompt(prompt: Messages | str) -> str:
 CHAT_TEMPLATE_TIMEOUT = 10.0
 
 
-class _TemplateTimeout(Exception):
+class ChatTemplateTimeout(Exception):
     """Raised inside a chat template that runs past :data:`CHAT_TEMPLATE_TIMEOUT`."""
 
 
 @contextlib.contextmanager
 def bounded_templates(timeout: float | None = None) -> Iterator[None]:
     """Within the block, each call of a Jinja template's root render function in this thread
-    (one per conversation) raises :class:`_TemplateTimeout` once it has run ``timeout``
+    (one per conversation) raises :class:`ChatTemplateTimeout` once it has run ``timeout``
     seconds (default :data:`CHAT_TEMPLATE_TIMEOUT`). Other frames are not traced; a tracer
     already set (a debugger, coverage) keeps seeing them."""
     timeout = CHAT_TEMPLATE_TIMEOUT if timeout is None else timeout
@@ -145,7 +145,7 @@ def bounded_templates(timeout: float | None = None) -> Iterator[None]:
 
         def local(frame: Any, event: str, arg: Any) -> Any:
             if time.monotonic() > deadline:
-                raise _TemplateTimeout
+                raise ChatTemplateTimeout
             return local
 
         return local
@@ -189,7 +189,7 @@ def render_prompts(
                 texts = tokenizer.apply_chat_template(
                     conversations, add_generation_prompt=True, tokenize=False
                 )
-        except _TemplateTimeout:
+        except ChatTemplateTimeout:
             raise DataError(
                 f"{source}: the tokenizer's chat template ran for more than "
                 f"{CHAT_TEMPLATE_TIMEOUT:g} s on one conversation (real templates take under a "

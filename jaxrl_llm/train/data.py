@@ -264,13 +264,20 @@ def reward_model_scorer(
         seqs = []
         for prompt, completion in zip(prompts, completions, strict=True):
             if getattr(tokenizer, "chat_template", None):
-                text = tokenizer.apply_chat_template(
-                    [
-                        {"role": "user", "content": prompt},
-                        {"role": "assistant", "content": completion},
-                    ],
-                    tokenize=False,
-                )
+                try:
+                    with D.tokens.bounded_templates():
+                        text = tokenizer.apply_chat_template(
+                            [
+                                {"role": "user", "content": prompt},
+                                {"role": "assistant", "content": completion},
+                            ],
+                            tokenize=False,
+                        )
+                except D.tokens.ChatTemplateTimeout:
+                    raise D.DataError(
+                        f"reward model {path!r}: its tokenizer's chat template ran for more "
+                        f"than {D.tokens.CHAT_TEMPLATE_TIMEOUT:g} s on one conversation"
+                    ) from None
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             else:
                 ids = tokenizer(prompt + completion)["input_ids"]
