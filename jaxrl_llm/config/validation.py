@@ -419,6 +419,21 @@ def _check_batch(config: TrainConfig) -> None:
             f"a divisor of the minibatch of {minibatch} {what} "
             f"({batch} / optim.num_minibatches={optim.num_minibatches})",
         )
+    if optim.micro_batch_tokens is not None and not config.is_offline:
+        if not config.train.packing:
+            raise _bad(
+                "optim.micro_batch_tokens",
+                optim.micro_batch_tokens,
+                "null unless train.packing is true (token-budget micro-batches are packed rows)",
+            )
+        longest = config.data.max_prompt_length + config.rollout.max_new_tokens
+        if optim.micro_batch_tokens < longest:
+            raise _bad(
+                "optim.micro_batch_tokens",
+                optim.micro_batch_tokens,
+                f"at least one longest sequence, data.max_prompt_length + "
+                f"rollout.max_new_tokens = {longest} tokens",
+            )
 
 
 _FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
@@ -575,7 +590,8 @@ def _model_context(path: str) -> tuple[int, str] | None:
 
 
 def check_model_limits(config: TrainConfig) -> None:
-    """Checks the run's lengths against the policy's context before any model is loaded.
+    """Checks the run's lengths against the policy's context, and that a ``model.tokenizer``
+    folder holds a tokenizer, before any model is loaded.
 
     A sequence is a prompt (at most ``data.max_prompt_length`` tokens) plus its completion (at
     most ``rollout.max_new_tokens``, ``train.eval_max_new_tokens`` at evaluation, or
@@ -587,6 +603,11 @@ def check_model_limits(config: TrainConfig) -> None:
       ConfigError: naming the keys, their sum and the model's context and where it was read.
       jaxrl_llm.models.ModelLoadError: the model's config.json or GGUF file is unreadable.
     """
+    from jaxrl_llm.models.hub import check_tokenizer_folder
+
+    tokenizer = config.model.tokenizer
+    if tokenizer not in (None, "default") and Path(tokenizer).expanduser().is_dir():
+        check_tokenizer_folder(Path(tokenizer).expanduser())
     found = _model_context(config.model.path)
     if found is None:
         return
@@ -672,6 +693,17 @@ def check_devices(config: TrainConfig, device_count: int) -> dict[str, int]:
     parts.append(("each minibatch", minibatch, split))
     if config.optim.micro_batch_size is not None:
         parts.append(("each micro-batch", config.optim.micro_batch_size, "optim.micro_batch_size"))
+    tokens = config.optim.micro_batch_tokens
+    if tokens is not None and config.train.packing and config.rollout is not None:
+        longest = config.data.max_prompt_length + config.rollout.max_new_tokens
+        if tokens < dp * longest:
+            raise ConfigError(
+                f"optim.micro_batch_tokens = {tokens}: expected at least one longest sequence "
+                f"per data-parallel device, {dp} × (data.max_prompt_length + "
+                f"rollout.max_new_tokens = {longest}) = {dp * longest} (mesh data="
+                f"{sizes['data']} × fsdp={sizes['fsdp']} on {device_count} devices)",
+                "mesh",
+            )
     for what, size, formula in parts:
         if size % dp:
             raise ConfigError(

@@ -399,6 +399,17 @@ _TOKENIZER_FILES = (
 )
 
 
+def check_tokenizer_folder(folder: str | os.PathLike) -> None:
+    """Raises :class:`ModelLoadError` when ``folder`` (an existing folder) holds none of the
+    files a tokenizer is saved as; cheap, so callers run it before loading any model."""
+    folder = Path(folder)
+    if folder.is_dir() and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"{folder}: no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)}); "
+            "save the tokenizer with the model, or name its folder (model.tokenizer=DIR)"
+        )
+
+
 def load_tokenizer(
     path: str | os.PathLike, *, gguf_file: str | None = None, trust_remote_code: bool = False
 ) -> transformers.PreTrainedTokenizerBase:
@@ -412,11 +423,8 @@ def load_tokenizer(
     from transformers import AutoTokenizer
 
     folder, gguf_file = _resolve(path, gguf_file)
-    if gguf_file is None and not any((folder / f).is_file() for f in _TOKENIZER_FILES):
-        raise ModelLoadError(
-            f"{folder}: no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)}); "
-            "save the tokenizer with the model, or name its folder (model.tokenizer=DIR)"
-        )
+    if gguf_file is None:
+        check_tokenizer_folder(folder)
     try:
         tok = AutoTokenizer.from_pretrained(
             str(folder), gguf_file=gguf_file, trust_remote_code=trust_remote_code

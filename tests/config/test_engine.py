@@ -211,3 +211,47 @@ def test_dump_yaml_round_trip(tmp_path):
     assert text.startswith("# toy\nname: '1e-6'\n")
     assert E.load(Toy, _write(tmp_path, text)) == toy
     assert E.to_dict(toy)["extra"] == {"k": [1, 2]}
+
+
+def test_alias_expansion_is_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(E, "MAX_YAML_NODES", 50)
+    # 4 anchors of 5 references each: 5^4 = 625 leaves from a few lines.
+    bomb = "name: x\nextra:\n  a: &a [1, 1, 1, 1, 1]\n" + "".join(
+        f"  {b}: &{b} [{', '.join([f'*{a}'] * 5)}]\n" for a, b in zip("abc", "bcd", strict=True)
+    )
+    with pytest.raises(ConfigError, match=r"c\.yaml: the YAML stands for more than 50 values"):
+        E.load(Toy, _write(tmp_path, bomb))
+    shared = "name: x\nextra:\n  a: &a [1, 2]\n  b: *a\n  c: *a\n"  # 1 + 3 + 2·3 + ... < 50
+    assert E.load(Toy, _write(tmp_path, shared)).extra["c"] == (1, 2)
+    with pytest.raises(ConfigError, match=r"c\.yaml:2:\d+: a YAML alias refers to the node"):
+        E.load(Toy, _write(tmp_path, "name: x\nextra: &e {self: *e}\n"))
+    with pytest.raises(ConfigError, match="override extra: the YAML stands for more than 50"):
+        E.load(
+            Toy,
+            _write(tmp_path, "name: x\n"),
+            ["extra={a: &a [1, 1, 1, 1, 1, 1, 1, 1], b: [*a, *a, *a, *a, *a, *a, *a]}"],
+        )
+
+
+def test_overrides_that_yaml_would_misread():
+    # A '#' that would start a comment, or ': ' that would make a mapping: the typed text for a
+    # string field ...
+    toy = E.build(Toy, E.merge_overrides({}, ["name=# heading", "inner.tags=[a, b]"]))
+    assert toy.name == "# heading" and type(toy.name) is str
+    assert E.build(Toy, E.merge_overrides({}, ["name=Answer: 42"])).name == "Answer: 42"
+    assert E.build(Toy, E.merge_overrides({}, ["name='quoted # kept'"])).name == "quoted # kept"
+    assert E.build(Toy, E.merge_overrides({}, ["name=a#b"])).name == "a#b"  # no comment: plain
+    # ... and an error that says to quote it for any other field.
+    for override, reads_as in [
+        ("limit=#3", "None"),
+        ("limit=3 # three", "3"),
+        ("extra=a: 1", "{'a': 1}"),
+        ("inner.mode=fast # or slow", "'fast'"),
+    ]:
+        key = override.split("=")[0]
+        with pytest.raises(ConfigError, match="quote the value") as e:
+            E.build(Toy, E.merge_overrides({"name": "x"}, [override]))
+        assert f"reads as {reads_as}" in str(e.value) and f"'{key}=\"...\"'" in str(e.value)
+    # Free-form mappings get plain strings (YAML-dumpable).
+    toy = E.build(Toy, E.merge_overrides({"name": "x"}, ["extra.note=# n"]))
+    assert type(toy.extra["note"]) is str and "note: '# n'" in E.dump_yaml(toy)
