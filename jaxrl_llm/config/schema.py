@@ -59,6 +59,8 @@ class ModelLoadConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     # Activation checkpointing per layer (the layers then run as a scan): less memory, more FLOPs.
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
+    # Attention kernel: auto (splash on TPU, cudnn on GPU, else reference) or one by name.
+    attention: Literal["auto", "reference", "splash", "cudnn"] = "auto"
     # Let transformers run Python code shipped with the tokenizer; off unless you trust it.
     trust_remote_code: bool = False
     # Read PyTorch .bin (pickle) weights, whose unpickling can run code; off unless trusted.
@@ -224,6 +226,8 @@ class OptimConfig:
     num_minibatches: int = _field(1, ge=1)
     # Sequences per forward/backward pass (global), accumulated exactly; None = whole minibatch.
     micro_batch_size: int | None = _field(None, ge=1)
+    # With train.packing: real tokens per micro-batch (global), accumulated exactly; None = whole.
+    micro_batch_tokens: int | None = _field(None, ge=1)
 
 
 @dataclasses.dataclass(**_CONFIG)
@@ -288,6 +292,8 @@ class LoopConfig:
     max_refill_batches: int = _field(3, ge=0)
     # A NaN/inf loss or gradient: raise, or skip the update (counted in train/skipped_steps).
     on_nonfinite: Literal["raise", "skip"] = "raise"
+    # Pack sequences (real tokens only) into rows for the forward passes and the update.
+    packing: bool = False
 
 
 @dataclasses.dataclass(**_CONFIG)

@@ -98,11 +98,19 @@ class Sampler:
 @dataclasses.dataclass(frozen=True)
 class UpdateShape:
     """One update: ``epochs`` passes over ``num_minibatches`` minibatches of the batch, each an
-    optimizer step accumulated exactly over micro-batches of ``micro_batch_size`` rows."""
+    optimizer step accumulated exactly over micro-batches of ``micro_batch_size`` rows.
+
+    With ``packing`` the forward passes and the update run on packed rows
+    (:mod:`jaxrl_llm.train.packing`) and a micro-batch is a token budget of
+    ``micro_batch_tokens`` (None: one micro-batch per minibatch); the RL step then ignores
+    ``micro_batch_size`` (:func:`update_shape` turns it into the budget it implies; evaluation's
+    log-prob pass still uses it)."""
 
     epochs: int = 1
     num_minibatches: int = 1
     micro_batch_size: int | None = None
+    packing: bool = False
+    micro_batch_tokens: int | None = None
 
     @property
     def updates_per_step(self) -> int:
@@ -308,8 +316,23 @@ def make_critic_optimizer(
 
 
 def update_shape(config: TrainConfig) -> UpdateShape:
+    """The update's shape. With ``train.packing`` and ``optim.micro_batch_size`` but no
+    ``optim.micro_batch_tokens``, the budget is what the micro-batch size bounds unpacked:
+    ``micro_batch_size · (data.max_prompt_length + rollout.max_new_tokens)`` tokens."""
     o = config.optim
-    return UpdateShape(o.ppo_epochs, o.num_minibatches, o.micro_batch_size)
+    packing = bool(config.train.packing) and not config.is_offline
+    tokens = o.micro_batch_tokens
+    if packing and tokens is None and o.micro_batch_size is not None:
+        tokens = o.micro_batch_size * (
+            config.data.max_prompt_length + config.rollout.max_new_tokens
+        )
+    return UpdateShape(
+        o.ppo_epochs,
+        o.num_minibatches,
+        o.micro_batch_size,
+        packing=packing,
+        micro_batch_tokens=tokens if packing else None,
+    )
 
 
 def make_mesh(config: TrainConfig) -> tuple[jax.sharding.Mesh, shd.Rules]:
@@ -325,6 +348,7 @@ def _load_options(model: ModelLoadConfig) -> dict[str, Any]:
         dtype=model.dtype,
         param_dtype=model.param_dtype,
         remat=model.remat,
+        attention=model.attention,
         allow_pickle=model.allow_pickle,
     )
 
