@@ -389,10 +389,12 @@ def batch_constrainer(mesh: Mesh | None, batch_axes: BatchAxes) -> Callable[[Any
         return identity
 
     def constrain(tree: Any) -> Any:
-        return jax.tree.map(
-            lambda x: jax.lax.with_sharding_constraint(x, _batch_sharding(mesh, batch_axes, x)),
-            tree,
-        )
+        def one(x: jax.Array) -> jax.Array:  # a scalar (a micro-batch's index) has no rows
+            if jnp.ndim(x) == 0:
+                return x
+            return jax.lax.with_sharding_constraint(x, _batch_sharding(mesh, batch_axes, x))
+
+        return jax.tree.map(one, tree)
 
     return constrain
 

@@ -6,21 +6,26 @@ tokens_nl, input_mask_nl)`` with the completion length static. ``micro_batch_siz
 memory the way the update does: the N rows are processed in strided micro-batches (row
 ``i·S + s`` in micro-batch ``s``, so each device works on its own rows) under ``lax.map``, and
 put back in order.
+
+Packed (:mod:`jaxrl_llm.train.packing`): :func:`packed_logprobs_nt` and :func:`packed_values_nt`
+run the model on the packed ``[M·K, rows, W]`` micro-batches of a plan, one micro-batch at a
+time in a ``lax.fori_loop`` whose trip count is the number of *used* slots (traced: it changes
+with the batch's real tokens without recompiling; empty slots are never computed), and read the
+per-token outputs back to the ``[N, T]`` completion layout.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_llm.models.logprobs import completion_logprobs
-
-if TYPE_CHECKING:
-    pass
+from jaxrl_llm.models.logprobs import completion_logprobs, hidden_logprobs
+from jaxrl_llm.train import packing as pk
+from jaxrl_llm.train import update as up
 
 
 def _by_micro_batches(fn: Callable, micro_batch_size: int | None, *arrays: jax.Array):
@@ -80,6 +85,80 @@ def completion_values_nt(
     return _by_micro_batches(one, micro_batch_size, tokens_nl, input_mask_nl)
 
 
+def _over_used_slots(
+    fn: Callable[[up.PackedMicro], jax.Array],
+    packed: pk.Packed,
+    count_m: jax.Array,
+    shape: pk.PackShape,
+    constrain: Callable[[jax.Array], jax.Array],
+) -> jax.Array:
+    """``f32[M·K, rows, W]``: ``fn`` on every used micro-batch slot (0 on the unused ones).
+
+    Used slot i (of Σ count) is minibatch j's k-th, with j the first minibatch whose running
+    count exceeds i: a loop over exactly the used slots, with a traced trip count."""
+    count_m = jnp.asarray(count_m, jnp.int32)
+    ends_m = jnp.cumsum(count_m)
+    out = jnp.zeros((shape.num_micro, shape.rows, shape.width), jnp.float32)
+
+    def body(i: jax.Array, out: jax.Array) -> jax.Array:
+        j = jnp.searchsorted(ends_m, i, side="right")
+        slot = j * shape.slots + i - (ends_m[j] - count_m[j])
+        micro = up.PackedMicro(
+            *(constrain(jax.lax.dynamic_index_in_dim(x, slot, keepdims=False)) for x in packed),
+            slot=slot,
+        )
+        y = fn(micro).astype(jnp.float32)
+        return jax.lax.dynamic_update_index_in_dim(out, y, slot, 0)
+
+    return jax.lax.fori_loop(0, ends_m[-1], body, out)
+
+
+def packed_logprobs_nt(
+    graphdef: nnx.GraphDef,
+    params: dict,
+    packed: pk.Packed,
+    plan: pk.PlanArrays,
+    shape: pk.PackShape,
+    index: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = 256,
+    constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
+) -> jax.Array:
+    """``f32[N, T]`` completion log-probs from the packed rows (:func:`completion_logprobs_nt`'s
+    numbers; 0 on padding); ``index`` is :func:`~jaxrl_llm.train.packing.unpack_index`."""
+    model = nnx.merge(graphdef, params)
+
+    def one(micro: up.PackedMicro) -> jax.Array:
+        h_rwd = up.packed_hidden(model.model, micro)
+        logp = hidden_logprobs(
+            model,
+            h_rwd[:, :-1],
+            micro.tokens_rw[:, 1:],
+            temperature=temperature,
+            chunk_size=chunk_size,
+        )
+        return pk.predictions_to_targets(logp)
+
+    return pk.unpack(_over_used_slots(one, packed, plan.count_m, shape, constrain), index)
+
+
+def packed_values_nt(
+    critic_graphdef: nnx.GraphDef,
+    params: dict,
+    packed: pk.Packed,
+    plan: pk.PlanArrays,
+    shape: pk.PackShape,
+    index: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+    *,
+    constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
+) -> jax.Array:
+    """``f32[N, T]`` critic values V(s_t) from the packed rows (0 on padding)."""
+    critic = nnx.merge(critic_graphdef, params)
+    one = lambda micro: up.packed_values(critic, micro)
+    return pk.unpack(_over_used_slots(one, packed, plan.count_m, shape, constrain), index)
+
+
 def make_logprob_fn(
     graphdef: nnx.GraphDef,
     *,
@@ -117,4 +196,6 @@ __all__ = [
     "completion_values_nt",
     "make_logprob_fn",
     "make_value_fn",
+    "packed_logprobs_nt",
+    "packed_values_nt",
 ]

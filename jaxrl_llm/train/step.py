@@ -23,6 +23,18 @@ log-probs and corrects the mismatch with truncated importance sampling
 (:func:`~jaxrl_llm.core.policy_losses.truncated_importance_weight`, see
 :mod:`jaxrl_llm.train.update`).
 
+Packing (``update.packing``, :mod:`jaxrl_llm.train.packing`). The host computes a packing plan
+from the sequence lengths (first-fit decreasing per minibatch into rows of a bucketed width;
+token-budget micro-batches of ``update.micro_batch_tokens``) and sends three ``int32[N]``
+placements and an ``int32[M]`` micro-batch count with the groups; inside the jit the ``[N, P + T]``
+rows are scattered into the packed ``[M·K, rows, W]`` layout, π_old, π_ref and V run on the
+used micro-batches only (:func:`~jaxrl_llm.train.forward.packed_logprobs_nt`), their outputs are
+gathered back to ``[B, G, T]`` for the chain, and the update runs on the packed micro-batches
+(:func:`~jaxrl_llm.train.update.packed_batch`). One program per plan shape (the buckets keep
+those few); the number of micro-batches per minibatch is traced. ``perf/pack_rows_tokens`` is
+the token slots of the used packed micro-batches (rows·W each), ``perf/padded_tokens`` those of
+the unpacked rows (N·(P + T)), next to ``perf/tokens`` (the real ones).
+
 Metrics of the step, besides the update's (``actor/*``, ``critic/*``, ``update/nonfinite``):
 ``advantages/{mean,std,min,max}`` over valid tokens (0 when none), ``kl/rollout`` (the mean
 sequence k1 KL of the rollout policy to the reference, when the chain reads it), ``kl/beta``
@@ -32,6 +44,7 @@ logs the β the step used) and ``perf/tokens`` (real prompt + completion tokens)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -45,6 +58,7 @@ from jaxrl_llm.core import kl as _kl
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.recipe import Recipe
 from jaxrl_llm.train import forward
+from jaxrl_llm.train import packing as pk
 from jaxrl_llm.train import state as st
 from jaxrl_llm.train import update as up
 from jaxrl_llm.train.setup import Models, OldLogprobs, UpdateShape
@@ -72,6 +86,15 @@ class Groups(NamedTuple):
     logp_sampler_bgt: jax.Array
     reward_bg: jax.Array
     member_bg: jax.Array
+
+
+def _host(x: Any) -> np.ndarray:
+    """A host copy of a (possibly multi-process global) array, for the packing plan."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
 
 
 def needs_old_logprob_pass(recipe: Recipe, update: UpdateShape, old: OldLogprobs) -> bool:
@@ -142,8 +165,10 @@ def make_rl_step(
     use_sampler = old_logprobs.source == "sampler"
     reads_old = rc.BEHAVIOUR_LOGPROBS in recipe.requires
     with_critic = recipe.critic is not None
-    micro = update.micro_batch_size
+    packing = update.packing
+    micro = None if packing else update.micro_batch_size
     mesh, sharding = models.mesh, models.state_sharding
+    dp = shd.data_parallel_size(mesh)
     update_fn = up.make_update_step(
         recipe,
         models.graphdef,
@@ -162,6 +187,7 @@ def make_rl_step(
         state_sharding=sharding,
         rules=models.rules,
         jit=False,
+        packed=packing,
     )
 
     def constrain(x: jax.Array) -> jax.Array:
@@ -179,29 +205,55 @@ def make_rl_step(
             micro_batch_size=micro,
         )
 
-    def step(state: st.TrainState, groups: Groups, ref_params: Any):
+    def rows_constraint(x: jax.Array) -> jax.Array:  # a packed micro-batch's rows over dp
+        return constrain(x) if x.shape[0] % dp == 0 else x
+
+    def step(
+        state: st.TrainState,
+        groups: Groups,
+        ref_params: Any,
+        plan: pk.PlanArrays | None,
+        shape: pk.PackShape | None,
+    ):
         b, g, t = groups.tokens_bgt.shape
         n = b * g
         tokens_nl, input_mask_nl = _sequences(groups)
-        if n % shd.data_parallel_size(mesh) == 0:
+        if n % dp == 0:
             tokens_nl, input_mask_nl = constrain(tokens_nl), constrain(input_mask_nl)
         bgt = lambda x_nt: None if x_nt is None else x_nt.reshape(b, g, t)
         logp_old = logp_ref = values = None
-        if recompute:
-            logp_old = bgt(logprobs(state.params, tokens_nl, input_mask_nl, t))
-        if ref_params is not None:
-            logp_ref = bgt(logprobs(ref_params, tokens_nl, input_mask_nl, t))
-        if with_critic:
-            values = bgt(
-                forward.completion_values_nt(
-                    models.critic_graphdef,
-                    state.critic_params,
-                    tokens_nl,
-                    input_mask_nl,
-                    completion_len=t,
-                    micro_batch_size=micro,
-                )
+        if packing:
+            packed = pk.pack_rows(tokens_nl, input_mask_nl, plan, shape)
+            index = pk.unpack_index(input_mask_nl, plan, t)
+            kw = dict(temperature=temperature, chunk_size=chunk_size, constrain=rows_constraint)
+            logprobs_of = lambda params: forward.packed_logprobs_nt(
+                models.graphdef, params, packed, plan, shape, index, **kw
             )
+            values_of = lambda params: forward.packed_values_nt(
+                models.critic_graphdef,
+                params,
+                packed,
+                plan,
+                shape,
+                index,
+                constrain=rows_constraint,
+            )
+        else:
+            logprobs_of = lambda params: logprobs(params, tokens_nl, input_mask_nl, t)
+            values_of = lambda params: forward.completion_values_nt(
+                models.critic_graphdef,
+                params,
+                tokens_nl,
+                input_mask_nl,
+                completion_len=t,
+                micro_batch_size=micro,
+            )
+        if recompute:
+            logp_old = bgt(logprobs_of(state.params))
+        if ref_params is not None:
+            logp_ref = bgt(logprobs_of(ref_params))
+        if with_critic:
+            values = bgt(values_of(state.critic_params))
         sampler_bgt = groups.logp_sampler_bgt.astype(jnp.float32)
         chain_old = (
             logp_old
@@ -238,6 +290,11 @@ def make_rl_step(
             value_old_nt=nt(values),
             return_nt=nt(returns),
         )
+        if packing:
+            batch = up.packed_batch(batch, plan, shape)
+            used = jnp.sum(jnp.asarray(plan.count_m, jnp.int32)) * shape.rows * shape.width
+            metrics["perf/pack_rows_tokens"] = used.astype(jnp.float32)
+            metrics["perf/padded_tokens"] = jnp.asarray(tokens_nl.size, jnp.float32)
         state, update_metrics = update_fn(state._replace(kl_state=kl_state), batch)
         metrics.update(update_metrics)
         metrics["perf/tokens"] = jnp.sum(input_mask_nl, dtype=jnp.int32).astype(jnp.float32)
@@ -258,13 +315,29 @@ def make_rl_step(
             return jax.tree.map(lambda _: rep, groups)
         return jax.tree.map(lambda x: models.batch_sharding(x.ndim), groups)
 
+    def plan_of(groups: Groups) -> tuple[pk.PlanArrays | None, pk.PackShape | None]:
+        if not packing:
+            return None, None
+        prompt_mask, mask = _host(groups.prompt_mask_bp), _host(groups.mask_bgt)
+        b, g, t = mask.shape
+        lengths = np.repeat(prompt_mask.sum(1), g) + mask.reshape(b * g, t).sum(1)
+        plan = pk.make_plan(
+            lengths,
+            max_len=prompt_mask.shape[1] + t,
+            num_minibatches=update.num_minibatches,
+            micro_batch_tokens=update.micro_batch_tokens,
+            row_multiple=dp,
+        )
+        return plan.device_arrays(), plan.shape
+
     def call(state: st.TrainState, groups: Groups) -> tuple[st.TrainState, dict[str, float]]:
         g_sharding = groups_sharding(groups)
-        key = jax.tree.structure(groups), tuple(g_sharding)
+        plan, shape = plan_of(groups)
+        key = jax.tree.structure(groups), tuple(g_sharding), shape
         if key not in cache:
             jitted = jax.jit(
-                step,
-                in_shardings=(sharding, g_sharding, ref_sharding),
+                functools.partial(step, shape=shape),
+                in_shardings=(sharding, g_sharding, ref_sharding, rep),
                 out_shardings=(sharding, rep),
                 donate_argnums=0,
             )
@@ -273,7 +346,7 @@ def make_rl_step(
         state = jax.device_put(state, sharding)
         groups = jax.device_put(groups, g_sharding)
         with jax.set_mesh(mesh):
-            state, packed = jitted(state, groups, ref_params)
+            state, packed = jitted(state, groups, ref_params, plan)
         if not names:  # traced by the call above
             names.extend(traced_names.pop())
         values = np.asarray(jax.device_get(packed)).tolist()

@@ -19,6 +19,8 @@ backend-compile events); 8 fake CPU devices give the 1-device result; when π_ol
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -433,3 +435,141 @@ def test_needs_old_logprob_pass_truth_table():
     ]
     for recipe, shape, old, want in table:
         assert needs_old_logprob_pass(recipe, shape, old) is want, (recipe.name, shape, old)
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing: the packed step equals the unpacked reference.
+
+PACKED = ("train.packing=true",)
+PACK_METRICS = {"perf/pack_rows_tokens", "perf/padded_tokens"}
+
+
+def check_packed_against_reference(setup: S.Setup, groups: Groups):
+    """The packed fused step against the unpacked reference (same numbers, extra perf keys)."""
+    assert setup.update.packing
+    state = moved_state(setup)
+    ref_state, ref_metrics, _, _ = reference_step(
+        dataclasses.replace(
+            setup, update=dataclasses.replace(setup.update, packing=False, micro_batch_size=None)
+        ),
+        copy(state),
+        groups,
+    )
+    step = make_rl_step(
+        setup.recipe,
+        setup.models,
+        setup.update,
+        temperature=setup.sampler.temperature,
+        old_logprobs=setup.old_logprobs,
+    )
+    with CompileCounter() as compiles:
+        new_state, metrics = step(copy(state), groups)
+    assert compiles.count == 1
+    assert set(metrics) - set(ref_metrics) == PACK_METRICS
+    assert_metrics_close({k: metrics[k] for k in ref_metrics}, ref_metrics, rtol=2e-5, atol=2e-6)
+    assert metrics["perf/pack_rows_tokens"] <= metrics["perf/padded_tokens"]
+    assert H.tree_max_diff(new_state.params, state.params) > 0
+    assert_trees_close(new_state.params, ref_state.params, rtol=2e-5, what="params")
+    assert_trees_close(new_state.opt_state, ref_state.opt_state, rtol=2e-5, what="opt_state")
+    assert_trees_close(new_state.kl_state, ref_state.kl_state, what="kl_state")
+    if setup.recipe.critic is not None:
+        assert_trees_close(new_state.critic_params, ref_state.critic_params, what="critic")
+    return step, new_state, metrics
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param(("algorithm.hparams.beta=0.04",), id="grpo-kl-loss-one-micro"),
+        pytest.param(
+            (
+                "algorithm.name=reinforce_pp",
+                "algorithm.hparams.beta=0.05",
+                "optim.num_minibatches=2",
+            ),
+            id="reinforce_pp-recompute-token-budget",
+        ),
+        pytest.param(
+            (
+                "algorithm.hparams.beta=0.0",
+                "old_logprobs.source=sampler",
+                "old_logprobs.tis_cap=1.5",
+                "rollout.temperature=0.7",
+            ),
+            id="grpo-sampler-tis",
+        ),
+    ],
+)
+def test_packed_step_matches_the_unpacked_reference(overrides):
+    setup = resolve(*PACKED, *overrides)
+    if setup.update.num_minibatches > 1:  # one or two rows of ≤ 14 tokens per micro-batch
+        setup = with_budget(setup, 16)
+    check_packed_against_reference(setup, make_groups(setup, 7))
+
+
+def with_budget(setup: S.Setup, tokens: int) -> S.Setup:
+    """The setup with a token budget below the config-time bound (data.max_prompt_length +
+    rollout.max_new_tokens = 262), to get several micro-batches from the tests' short rows."""
+    return dataclasses.replace(
+        setup, update=dataclasses.replace(setup.update, micro_batch_tokens=tokens)
+    )
+
+
+@pytest.mark.slow
+def test_packed_ppo_matches_and_recompiles_only_for_new_buckets():
+    """PPO (critic values packed, two epochs, token budget); later batches of other lengths
+    reuse the program whenever their plan lands in the same buckets."""
+    setup = resolve(
+        *PACKED,
+        "algorithm.name=ppo",
+        "algorithm.hparams.beta=0.05",
+        "kl.controller=adaptive",
+        "optim.ppo_epochs=2",
+        "critic.lr=1e-3",
+    )
+    step, state, _ = check_packed_against_reference(with_budget(setup, 16), make_groups(setup, 8))
+    with CompileCounter() as later:
+        for seed in (9, 10):
+            state, metrics = step(state, make_groups(setup, seed))
+    assert later.count == 0  # same width bucket (a length-14 row each), other micro counts
+    assert np.isfinite(list(metrics.values())).all()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_packed_step_on_8_devices_equals_one_device_unpacked():
+    """Packed on a data=4 × fsdp=2 mesh with token-budget micro-batches = unpacked on one."""
+    base = ("rollout.prompts_per_step=8", "rollout.num_samples=2", "algorithm.hparams.beta=0.04")
+    one = resolve(*base, "optim.num_minibatches=2")
+    many = resolve(
+        *base,
+        *PACKED,
+        "optim.num_minibatches=2",
+        "mesh.data=4",
+        "mesh.fsdp=2",
+        "mesh.preset=fsdp",
+    )
+    many = with_budget(many, 112)  # 8 rows of 14: two micro-batches per minibatch
+    assert many.models.mesh.size == 8 and many.update.packing
+    groups = make_groups(one, 11)
+    (s1, m1), (s8, m8) = (
+        make_rl_step(s.recipe, s.models, s.update)(moved_state(s), groups) for s in (one, many)
+    )
+    assert set(m8) - set(m1) == PACK_METRICS
+    assert_trees_close(s8.params, s1.params, rtol=2e-5, what="params")
+    assert_trees_close(s8.opt_state, s1.opt_state, rtol=2e-5, what="opt_state")
+    assert_metrics_close({k: m8[k] for k in m1}, m1, rtol=2e-5, atol=2e-6)
+
+
+def test_packing_config_resolves_and_validates():
+    from jaxrl_llm.config import ConfigError
+
+    config = H.config("tiny.yaml", *SMALL, *PACKED, "optim.micro_batch_size=2")
+    shape = S.update_shape(config)
+    longest = config.data.max_prompt_length + config.rollout.max_new_tokens
+    assert shape.packing and shape.micro_batch_tokens == 2 * longest  # the implied budget
+    assert not resolve().update.packing
+    with pytest.raises(ConfigError, match=r"null unless train\.packing is true"):
+        H.config("tiny.yaml", *SMALL, "optim.micro_batch_tokens=512")
+    with pytest.raises(ConfigError, match="at least one longest sequence"):
+        H.config("tiny.yaml", *SMALL, *PACKED, "optim.micro_batch_tokens=100")
