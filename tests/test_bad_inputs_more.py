@@ -273,6 +273,18 @@ CASES = [
     Case("config_json_not_an_object", model("config_list"), ("config.json: a JSON list",)),
     *[Case(f"train_{name}", model(name), expect) for name, expect in _WEIGHTS.items()],
     *[Case(f"generate_{name}", generate(name), expect) for name, expect in _WEIGHTS.items()],
+    *[
+        Case(
+            f"evaluate_{name}",
+            other(
+                "evaluate",
+                *("--config", TINY, "--run-dir", "{run}", f"model.path={{root}}/{name}"),
+                "model.tokenizer=default",
+            ),
+            _WEIGHTS[name],
+        )
+        for name in ("truncated", "missing_tensor")
+    ],
     Case("train_junk_gguf", model("junk_gguf"), ("model.gguf", "not a readable GGUF file")),
     Case("generate_junk_gguf", generate("junk_gguf"), ("model.gguf", "not a readable GGUF file")),
     Case(
