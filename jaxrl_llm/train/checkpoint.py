@@ -56,9 +56,13 @@ Faults (``tests/train/test_faults.py`` kills runs with SIGKILL at random moments
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import logging
 import os
 import shutil
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -114,6 +118,61 @@ def _failed_processes(ok: bool) -> list[int]:
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
         ocp.multihost.sync_global_processes(name)
+
+
+class _DropClosedLoopTracebacks:
+    """A ``sys.stderr`` that drops the lines of the ``RuntimeError: Event loop is closed``
+    tracebacks tensorstore prints when a read fails: its other reads complete after orbax's
+    event loop closed and their callbacks cannot reach it (about 9 per unreadable checkpoint,
+    printed from tensorstore's threads, interleaved). Everything else is passed on."""
+
+    DROPPED = (
+        "Traceback (most recent call last):",
+        "asyncio/base_events.py",
+        "self._check_closed()",
+        "raise RuntimeError('Event loop is closed')",
+        "RuntimeError: Event loop is closed",
+    )
+
+    def __init__(self, stream: Any):
+        self._stream, self._pending, self._lock = stream, "", threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            self._pending += text
+            *lines, self._pending = self._pending.split("\n")
+            kept = [line for line in lines if not any(d in line for d in self.DROPPED)]
+            if kept:
+                self._stream.write("\n".join(kept) + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending and not any(d in self._pending for d in self.DROPPED):
+                self._stream.write(self._pending)
+            self._pending = ""
+            self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _quiet_unreadable() -> Any:
+    """While restore tries the steps: no closed-event-loop tracebacks, and no absl error logs
+    (orbax logs an unparsable metadata file with its whole content, NUL bytes and all); the
+    :class:`CheckpointFallbackWarning` (or the error) says what was wrong, once."""
+    absl = logging.getLogger("absl")
+    level, stderr = absl.level, sys.stderr
+    absl.setLevel(logging.CRITICAL)
+    sys.stderr = quiet = _DropClosedLoopTracebacks(stderr)
+    try:
+        yield
+    finally:
+        if sys.stderr is quiet:
+            sys.stderr = stderr
+        quiet.flush()
+        absl.setLevel(level)
 
 
 def _key_name(key: Any) -> str:
@@ -333,6 +392,12 @@ class Checkpointer:
             _verify(state, meta, step, str(self.directory))
             return state, meta
         self._resolve(None)  # waits; FileNotFoundError without any checkpoint
+        with _quiet_unreadable():  # the late callbacks of a failed read come after it
+            return self._restore_latest(template, sharding)
+
+    def _restore_latest(
+        self, template: TrainState, sharding: Any
+    ) -> tuple[TrainState, dict[str, Any]]:
         failed: list[tuple[int, Path, BaseException]] = []
         for candidate in sorted(self.all_steps(), reverse=True):
             error: BaseException | None = None
@@ -363,7 +428,7 @@ class Checkpointer:
                     + f"; resuming from the previous good checkpoint, step {candidate} "
                     f"({self.directory / str(candidate)})",
                     CheckpointFallbackWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
             return out
         raise FileNotFoundError(
