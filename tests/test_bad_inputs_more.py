@@ -24,6 +24,7 @@ from jaxrl_llm import rewards as R
 from jaxrl_llm.cli import main
 from jaxrl_llm.config import ConfigError, load_config
 from jaxrl_llm.data import DataError, tokens
+from jaxrl_llm.models import ModelLoadError
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = str(CONFIGS / "tiny.yaml")
@@ -449,3 +450,29 @@ def test_reward_timeout_through_the_trainer_config():
     assert load_config(TINY, ["rewards.timeout=null"]).rewards.timeout is None
     with pytest.raises(ConfigError, match=r"rewards\.timeout = 0"):
         load_config(TINY, ["rewards.timeout=0"])
+
+
+def test_gguf_metadata_agrees_with_the_gguf_package(tmp_path):
+    """The header reader behind the context check and the junk-GGUF error reads what
+    ``gguf.GGUFReader`` reads (scalars and strings; arrays skipped), and a cut file is an error."""
+    import gguf
+
+    from jaxrl_llm.models import hub
+    from jaxrl_llm.models.default import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    ours = hub._gguf_metadata(path)
+    reference = {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
+    assert ours["llama.context_length"] == 8192 and ours["general.architecture"] == "llama"
+    for key, value in ours.items():
+        assert (
+            value == pytest.approx(reference[key])
+            if isinstance(value, float)
+            else (value == reference[key])
+        ), key
+    skipped = {k for k in reference if not k.startswith("GGUF.")} - set(ours)
+    assert skipped and all(isinstance(reference[k], list) for k in skipped)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:4096])
+    with pytest.raises(ModelLoadError, match=r"cut\.gguf: not a readable GGUF file \(corrupt"):
+        hub._gguf_metadata(cut)

@@ -102,21 +102,84 @@ def read_config_json(folder: str | os.PathLike) -> dict:
 
 
 def _gguf_metadata(file: Path) -> dict[str, Any]:
-    """The GGUF file's metadata fields (``general.architecture``, ``llama.context_length``,
-    ...), read without loading its tensors; :class:`ModelLoadError` for a file that is not
-    GGUF."""
-    try:
-        import gguf
+    """The GGUF file's scalar and string metadata (``general.architecture``,
+    ``llama.context_length``, ...; arrays such as the vocabulary are skipped), read from its
+    header without touching the tensors; :class:`ModelLoadError` for a file that is not GGUF.
+    Parsed once per file version (the config check and the loader both ask)."""
+    stat = file.stat()
+    return _gguf_metadata_cached(str(file.resolve()), stat.st_size, stat.st_mtime_ns)
 
-        fields = gguf.GGUFReader(str(file)).fields
-        return {name: field.contents() for name, field in fields.items()}
-    except ImportError:
-        raise
-    except Exception as e:
-        raise ModelLoadError(
-            f"{file}: not a readable GGUF file ({type(e).__name__}: {e}); expected a GGUF "
-            "model (magic 'GGUF', e.g. from llama.cpp's convert_hf_to_gguf.py)"
-        ) from None
+
+# GGUF metadata value types (ggml's gguf.md): struct formats of the fixed-size ones.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q"}
+_GGUF_SCALARS |= {11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_metadata_cached(file: str, size: int, mtime_ns: int) -> dict[str, Any]:
+    import mmap
+    import struct
+
+    def fail(why: str) -> ModelLoadError:
+        return ModelLoadError(
+            f"{file}: not a readable GGUF file ({why}); expected a GGUF model (magic 'GGUF', "
+            "e.g. from llama.cpp's convert_hf_to_gguf.py)"
+        )
+
+    with open(file, "rb") as f:
+        if size < 24 or f.read(4) != b"GGUF":
+            raise fail("it does not start with the magic bytes 'GGUF'")
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        version, _, num_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version < 2:
+            raise fail(f"GGUF version {version}; expected 2 or later")
+        pos = 24
+
+        def take(fmt: str) -> Any:
+            nonlocal pos
+            (value,) = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize("<" + fmt)
+            return value
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            if pos + n > size:
+                raise struct.error("a string runs past the end of the file")
+            pos += n
+            return bytes(buf[pos - n : pos]).decode("utf-8", "replace")
+
+        def value(kind: int) -> Any:
+            nonlocal pos
+            if kind in _GGUF_SCALARS:
+                return take(_GGUF_SCALARS[kind])
+            if kind == _GGUF_STRING:
+                return string()
+            if kind == _GGUF_ARRAY:
+                elem, count = take("I"), take("Q")
+                if elem in _GGUF_SCALARS:
+                    pos += count * struct.calcsize("<" + _GGUF_SCALARS[elem])
+                else:
+                    for _ in range(count):
+                        value(elem)
+                return None
+            raise struct.error(f"unknown metadata value type {kind}")
+
+        out: dict[str, Any] = {}
+        for _ in range(num_kv):
+            key, kind = string(), take("I")
+            item = value(kind)
+            if item is not None:
+                out[key] = item
+        if pos > size:
+            raise struct.error("the metadata runs past the end of the file")
+        return out
+    except struct.error as e:
+        raise fail(f"corrupt metadata: {e}") from None
+    finally:
+        buf.close()
 
 
 def model_context(path: str | os.PathLike) -> tuple[int, str] | None:
