@@ -489,7 +489,9 @@ def gspo(
     )
 
 
-def _reference_losses(beta: float, label_smoothing: float) -> dict[str, Callable]:
+def _reference_losses(
+    beta: float, label_smoothing: float, discopop_tau: float
+) -> dict[str, Callable]:
     """``loss_type -> PairLogprobs -> f32[P]`` for the losses against a reference."""
 
     def with_ref(fn: Callable, *, lengths: bool = False, **kw) -> Callable:
@@ -504,11 +506,21 @@ def _reference_losses(beta: float, label_smoothing: float) -> dict[str, Callable
 
         return loss
 
+    smoothed = dict(label_smoothing=label_smoothing)
     return {
-        "sigmoid": with_ref(pref.dpo_sigmoid_loss, label_smoothing=label_smoothing),
+        "sigmoid": with_ref(pref.dpo_sigmoid_loss, **smoothed),
         "ipo": with_ref(pref.ipo_loss, lengths=True),
         "hinge": with_ref(pref.hinge_loss),
-        "robust": with_ref(pref.robust_dpo_loss, label_smoothing=label_smoothing),
+        "robust": with_ref(pref.robust_dpo_loss, **smoothed),
+        "exo_pair": with_ref(pref.exo_pair_loss, label_smoothing=label_smoothing or 1e-3),
+        "nca_pair": with_ref(pref.nca_pair_loss),
+        "bco_pair": with_ref(pref.bco_pair_loss),
+        "sppo_hard": with_ref(pref.sppo_hard_loss),
+        "aot": with_ref(pref.aot_loss, paired=True, **smoothed),
+        "aot_unpaired": with_ref(pref.aot_loss, paired=False, **smoothed),
+        "apo_zero": with_ref(pref.apo_loss, anchor="zero"),
+        "apo_down": with_ref(pref.apo_loss, anchor="down"),
+        "discopop": with_ref(pref.discopop_loss, tau=discopop_tau),
     }
 
 
@@ -518,7 +530,29 @@ _PREFERENCE_TEXT = {
     "hinge": "max(0, 1 − βΔ)",
     "robust": "noise-robust −[(1−ε)log σ(βΔ) − ε log σ(−βΔ)]/(1−2ε)",
     "simpo": "−log σ(β(logπ(y_w)/|y_w| − logπ(y_l)/|y_l|) − γ), reference-free",
+    "exo_pair": "KL(σ(βΔ) ‖ 1−ε), the reverse KL to the labels (EXO)",
+    "nca_pair": "−log σ(βρ_w) − ½log σ(−βρ_w) − ½log σ(−βρ_l) (NCA)",
+    "bco_pair": "−log σ(βρ_w) − log σ(−βρ_l), a chosen-vs-rejected classifier (BCO)",
+    "sppo_hard": "(ρ_w − 1/(2β))² + (ρ_l + 1/(2β))² (SPPO, hard probabilities)",
+    "aot": "−log σ(β(sort(m) − sort(m_ref))) over the batch's sorted margins (AOT)",
+    "aot_unpaired": "−log σ(β(sort(ρ_w) − sort(ρ_l))) over the batch (AOT, unpaired)",
+    "apo_zero": "(1 − σ(βρ_w)) + σ(βρ_l): raise chosen, lower rejected (APO-zero)",
+    "apo_down": "σ(βρ_w) + 1 − σ(βΔ): lower both, rejected more (APO-down)",
+    "discopop": "(1−σ(βΔ/τ))·(−log σ(βΔ)) + σ(βΔ/τ)·exp(−βΔ) (DiscoPOP)",
 }
+# Former names of a loss type (TRL renamed "aot_pair" to "aot_unpaired").
+_PREFERENCE_ALIASES = {"aot_pair": "aot_unpaired"}
+
+
+def _wpo_weighted(loss: Callable) -> Callable:
+    """``loss`` with each pair's value times WPO's ``w(y_w)·w(y_l)`` (a constant)."""
+
+    def weighted(pairs: rc.PairLogprobs):
+        if pairs.weight_chosen_p is None or pairs.weight_rejected_p is None:
+            raise ValueError("dpo: use_weighting needs weight_chosen_p and weight_rejected_p")
+        return loss(pairs) * pref.wpo_pair_weights(pairs.weight_chosen_p, pairs.weight_rejected_p)
+
+    return weighted
 
 
 def dpo(
@@ -527,23 +561,35 @@ def dpo(
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
     simpo_gamma: float = 0.5,
+    discopop_tau: float = 0.05,
+    use_weighting: bool = False,
     numerics: nm.Numerics | str | None = None,
 ) -> PreferenceRecipe:
     """DPO (Rafailov et al. 2023, arXiv:2305.18290) and its family, offline on preference pairs:
     ``−log σ(β[(log π(y_w) − log π_ref(y_w)) − (log π(y_l) − log π_ref(y_l))])``.
 
-    ``loss_type``: ``"sigmoid"`` (DPO; cDPO with ``label_smoothing``), ``"ipo"`` (Azar et al.,
+    ``loss_type`` (TRL's names; formulas and papers in :mod:`jaxrl_llm.core.preference`):
+    ``"sigmoid"`` (DPO; cDPO with ``label_smoothing``), ``"ipo"`` (Azar et al.,
     length-averaged), ``"hinge"`` (SLiC), ``"robust"`` (rDPO), ``"simpo"`` (reference-free,
-    length-normalised, margin ``simpo_gamma``). DPO is the seeds' side branch: no reward model,
-    no rollouts, no advantage; :func:`jaxrl_llm.compute_advantages` does not apply to it.
+    length-normalised, margin ``simpo_gamma``), ``"exo_pair"`` (EXO; ``label_smoothing`` is its
+    ε, 1e-3 when 0), ``"nca_pair"``, ``"bco_pair"``, ``"sppo_hard"``, ``"aot"`` /
+    ``"aot_unpaired"`` (formerly ``"aot_pair"``; batch-sorted, so the loss depends on the
+    micro-batch), ``"apo_zero"`` / ``"apo_down"``, ``"discopop"`` (gate temperature
+    ``discopop_tau``). ``use_weighting`` multiplies each pair's loss by WPO's weights (Zhou et
+    al. 2024), which the trainer computes from the policy's logits. DPO is the seeds' side
+    branch: no reward model, no rollouts, no advantage; :func:`jaxrl_llm.compute_advantages`
+    does not apply to it.
     """
     nm.resolve(numerics)  # validates the name; no preset changes a preference loss
+    loss_type = _PREFERENCE_ALIASES.get(loss_type, loss_type)
     if loss_type not in _PREFERENCE_TEXT:
         raise ValueError(f"dpo: loss_type={loss_type!r}; expected one of {tuple(_PREFERENCE_TEXT)}")
     if beta <= 0:
         raise ValueError(f"dpo: `beta` must be > 0, got {beta!r}")
     if not 0.0 <= label_smoothing < 0.5:
         raise ValueError(f"dpo: `label_smoothing` must be in [0, 0.5), got {label_smoothing!r}")
+    if not discopop_tau > 0:
+        raise ValueError(f"dpo: `discopop_tau` must be > 0, got {discopop_tau!r}")
     if loss_type == "simpo":
 
         def loss(pairs: rc.PairLogprobs):
@@ -556,19 +602,30 @@ def dpo(
                 gamma=simpo_gamma,
             )
 
-        requires = frozenset({rc.PREFERENCE_PAIRS})
+        requires = {rc.PREFERENCE_PAIRS}
     else:
-        loss = _reference_losses(beta, label_smoothing)[loss_type]
-        requires = frozenset({rc.PREFERENCE_PAIRS, rc.REFERENCE_LOGPROBS})
+        loss = _reference_losses(beta, label_smoothing, discopop_tau)[loss_type]
+        requires = {rc.PREFERENCE_PAIRS, rc.REFERENCE_LOGPROBS}
+    label, text = f"DPO {loss_type}", _PREFERENCE_TEXT[loss_type]
+    if use_weighting:
+        loss = _wpo_weighted(loss)
+        requires.add(rc.SEQUENCE_WEIGHTS)
+        label, text = label + " + WPO", text + ", weighted by WPO's w(y_w)·w(y_l)"
     return PreferenceRecipe(
         name="dpo",
         loss=loss,
         beta=float(beta),
-        requires=requires,
-        label=f"DPO {loss_type}",
-        text=_PREFERENCE_TEXT[loss_type],
+        requires=frozenset(requires),
+        label=label,
+        text=text,
         hparams=types.MappingProxyType(
-            dict(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
+            dict(
+                beta=beta,
+                loss_type=loss_type,
+                label_smoothing=label_smoothing,
+                discopop_tau=discopop_tau,
+                use_weighting=use_weighting,
+            )
         ),
     )
 

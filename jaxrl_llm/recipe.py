@@ -59,6 +59,9 @@ VALUES = ch.VALUES
 GROUPS = ch.GROUPS
 ON_POLICY = "on_policy"  # the loss has no importance ratio: each batch feeds exactly one update
 PREFERENCE_PAIRS = "preference_pairs"  # offline (prompt, chosen, rejected) pairs, no rollouts
+# WPO: per-answer weights from the policy's own token distribution (log Σ_v π(v)², see
+# core.preference.wpo_weights), in PairLogprobs.weight_chosen_p / weight_rejected_p
+SEQUENCE_WEIGHTS = "sequence_weights"
 
 
 # --------------------------------------------------------------------------------------------
@@ -211,6 +214,9 @@ class PairLogprobs(NamedTuple):
     """Sequence log-probs and lengths of ``P`` preference pairs (``f32[P]`` each).
 
     ``ref_chosen_p`` / ``ref_rejected_p`` may be ``None`` for reference-free losses (SimPO).
+    ``weight_chosen_p`` / ``weight_rejected_p`` are WPO's answer weights
+    (:func:`jaxrl_llm.core.preference.wpo_weights`), given when the recipe requires
+    ``SEQUENCE_WEIGHTS``.
     """
 
     logp_chosen_p: chex.Array
@@ -219,6 +225,8 @@ class PairLogprobs(NamedTuple):
     len_rejected_p: chex.Array
     ref_chosen_p: chex.Array | None = None
     ref_rejected_p: chex.Array | None = None
+    weight_chosen_p: chex.Array | None = None
+    weight_rejected_p: chex.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -599,6 +607,7 @@ __all__ = [
     "ON_POLICY",
     "PREFERENCE_PAIRS",
     "REFERENCE_LOGPROBS",
+    "SEQUENCE_WEIGHTS",
     "VALUES",
     "AnyRecipe",
     "Critic",

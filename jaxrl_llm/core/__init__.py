@@ -106,11 +106,25 @@ from jaxrl_llm.core.preference import (
     ipo_loss,
     hinge_loss,
     simpo_loss,
+    exo_pair_loss,
+    nca_pair_loss,
+    bco_pair_loss,
+    sppo_hard_loss,
+    aot_loss,
+    apo_loss,
+    discopop_loss,
+    wpo_weights,
+    wpo_pair_weights,
     preference_rewards,
 )
 
 # --- log-prob helpers: token log-probs and entropies from logits, in f32 -------------------
-from jaxrl_llm.core.logprobs import token_logprobs, token_entropy, token_logprobs_and_entropy
+from jaxrl_llm.core.logprobs import (
+    token_logprobs,
+    token_entropy,
+    token_logprobs_and_entropy,
+    token_logprobs_and_log_sum_sq,
+)
 
 # --- masked statistics ------------------------------------------------------------------------
 from jaxrl_llm.core.masked import (
@@ -186,11 +200,21 @@ __all__ = [  # noqa: RUF022 (chain order, as the imports)
     "ipo_loss",
     "hinge_loss",
     "simpo_loss",
+    "exo_pair_loss",
+    "nca_pair_loss",
+    "bco_pair_loss",
+    "sppo_hard_loss",
+    "aot_loss",
+    "apo_loss",
+    "discopop_loss",
+    "wpo_weights",
+    "wpo_pair_weights",
     "preference_rewards",
     # log-prob helpers
     "token_logprobs",
     "token_entropy",
     "token_logprobs_and_entropy",
+    "token_logprobs_and_log_sum_sq",
     # masked statistics
     "masked_sum",
     "masked_count",

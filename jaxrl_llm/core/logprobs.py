@@ -210,3 +210,41 @@ def token_logprobs_and_entropy(
     _check_tokens(fn, tokens_bt, logits_btv)
     one = lambda logits, tokens: _logprob_and_entropy(logits, tokens, temperature)
     return _over_time_chunks(one, 2, logits_btv, tokens_bt, chunk_size)
+
+
+def token_logprobs_and_log_sum_sq(
+    logits_btv: chex.Array,
+    tokens_bt: chex.Array,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> tuple[chex.Array, chex.Array]:
+    """``token_logprobs`` and ``log Σ_v π(v)²`` at each position, in one pass, in f32.
+
+        log Σ_v π(v)² = logsumexp(2 z_t) − 2·logsumexp(z_t),   z_t = logits_t / τ
+
+    ``log Σ_v π(v)²`` is the log-prob a token drawn from π itself gets on average
+    (E_{v∼π}[π(v)] = Σ_v π(v)²); WPO subtracts it from each answer token's log-prob
+    (:func:`jaxrl_llm.core.preference.wpo_weights`). It lies in
+    [−log V, 0]: −log V for a uniform π, 0 for a one-hot one.
+
+    Args:
+      logits_btv: float ``[B, T, V]`` (bf16 allowed).
+      tokens_bt: int ``[B, T]`` token ids in [0, V).
+      temperature: τ > 0.
+      chunk_size: as in ``token_logprobs``.
+
+    Returns:
+      ``(logp_bt, log_sum_sq_bt)``, both f32 ``[B, T]``.
+    """
+    fn = "token_logprobs_and_log_sum_sq"
+    _check_logits(fn, logits_btv, temperature, chunk_size)
+    _check_tokens(fn, tokens_bt, logits_btv)
+
+    def one(logits: chex.Array, tokens: chex.Array) -> tuple[chex.Array, chex.Array]:
+        z = _scaled(logits, temperature)
+        lse = jax.nn.logsumexp(z, axis=-1)
+        picked = jnp.take_along_axis(z, tokens[..., None], axis=-1)[..., 0]
+        return picked - lse, jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * lse
+
+    return _over_time_chunks(one, 2, logits_btv, tokens_bt, chunk_size)

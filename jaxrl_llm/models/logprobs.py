@@ -36,13 +36,18 @@ def hidden_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = 256,
     with_entropy: bool = False,
+    with_log_sum_sq: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Log-probs (and optionally entropies) of ``targets_bn`` from the states that predict them.
 
     ``h_bnd[:, i]`` is the hidden state whose logits predict ``targets_bn[:, i]``. Chunks are
     ``chunk_size`` steps long, shortened so that ``B * chunk <= MAX_CHUNK_ROWS``. Returns f32
-    ``[B, N]`` (a pair with the entropy when ``with_entropy``).
+    ``[B, N]`` (a pair with the entropy when ``with_entropy``, or with ``log Σ_v π(v)²`` —
+    :func:`~jaxrl_llm.core.logprobs.token_logprobs_and_log_sum_sq`, for WPO — when
+    ``with_log_sum_sq``; not both).
     """
+    if with_entropy and with_log_sum_sq:
+        raise ValueError("hidden_logprobs: with_entropy and with_log_sum_sq are exclusive")
     b, n, d = h_bnd.shape
     c = n if chunk_size is None or chunk_size >= n else chunk_size
     if chunk_size is not None:  # a block holds at most MAX_CHUNK_ROWS rows of logits
@@ -62,6 +67,10 @@ def hidden_logprobs(
             return core_logprobs.token_logprobs_and_entropy(
                 logits_bcv, y_bc, temperature=temperature
             )
+        if with_log_sum_sq:
+            return core_logprobs.token_logprobs_and_log_sum_sq(
+                logits_bcv, y_bc, temperature=temperature
+            )
         return (core_logprobs.token_logprobs(logits_bcv, y_bc, temperature=temperature),)
 
     if chunks == 1:
@@ -70,7 +79,7 @@ def hidden_logprobs(
     else:
         _, outs_k = jax.lax.scan(lambda _, xs: (None, _chunk(*xs)), None, (h_kbcd, y_kbc))
         outs = tuple(o.swapaxes(0, 1).reshape(b, chunks * c)[:, :n] for o in outs_k)
-    return outs if with_entropy else outs[0]
+    return outs if with_entropy or with_log_sum_sq else outs[0]
 
 
 def completion_logprobs(
@@ -82,6 +91,7 @@ def completion_logprobs(
     temperature: float = 1.0,
     chunk_size: int | None = 256,
     with_entropy: bool = False,
+    with_log_sum_sq: bool = False,
     positions_bt: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``log π(tokens[:, t] | tokens[:, <t])`` for ``t`` in ``[start, T)``: f32 ``[B, T − start]``.
@@ -100,4 +110,5 @@ def completion_logprobs(
         temperature=temperature,
         chunk_size=chunk_size,
         with_entropy=with_entropy,
+        with_log_sum_sq=with_log_sum_sq,
     )

@@ -511,6 +511,7 @@ def dpo_sums_fn(
     """``(params, micro_batch) -> (Σ pair losses, metric pairs)``; one forward on chosen and
     rejected stacked."""
     beta = recipe.beta
+    weighted = rc.SEQUENCE_WEIGHTS in recipe.requires
 
     def sums(params: dict, mb: DPOBatch) -> tuple[jax.Array, dict[str, Pair]]:
         model = nnx.merge(graphdef, params)
@@ -524,7 +525,12 @@ def dpo_sums_fn(
             input_mask,
             start=_completion_start(tokens, mask),
             chunk_size=chunk_size,
+            with_log_sum_sq=weighted,
         )
+        weight = None
+        if weighted:  # WPO: the answers' weights from the policy's own token distribution
+            logp, log_sum_sq = logp
+            weight = pref.wpo_weights(logp, log_sum_sq, mask)
         seq = pref.sequence_logprob(logp, mask)
         length = pref.sequence_length(mask)
         batch = rc.PairLogprobs(
@@ -534,6 +540,8 @@ def dpo_sums_fn(
             len_rejected_p=length[n:],
             ref_chosen_p=mb.ref_chosen_n,
             ref_rejected_p=mb.ref_rejected_n,
+            weight_chosen_p=None if weight is None else weight[:n],
+            weight_rejected_p=None if weight is None else weight[n:],
         )
         loss = recipe.loss(batch)
         count = jnp.asarray(n, jnp.float32)
