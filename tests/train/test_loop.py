@@ -177,7 +177,12 @@ SMALL = [
         ),
         (
             "dpo",
-            ["preference.pairs_per_step=4", "preference.max_response_length=8", "data.eval_size=4"],
+            [
+                "preference.pairs_per_step=4",
+                "preference.max_response_length=8",
+                "data.eval_size=4",
+                "algorithm.hparams.use_weighting=true",  # WPO: log Σπ² from the policy's logits
+            ],
             [
                 "dpo/reward_accuracy",
                 "dpo/reward_margin",
