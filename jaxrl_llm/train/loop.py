@@ -271,7 +271,7 @@ def _train_locked(
 
     final: dict[str, float] = {}
     step = start
-    stop = StopSignals()
+    stop, saved = StopSignals(), False
     try:
         stop.install()  # SIGTERM / SIGINT: stop after the step, with a checkpoint
         with (MetricsLogger if primary else NullLogger)(
@@ -315,6 +315,7 @@ def _train_locked(
                     hostmem.release_free_heap()  # on CPU the save copies the state to host
                     ckpt.save(step, state, meta=_meta(config, iterator, skipped))
                     mark_phase("save", step)
+                    saved = True
                     if primary:  # the steps before this one are on disk now
                         rundir.record_checkpointed(setup.run_dir)
                 last = step == plan.max_steps
@@ -322,10 +323,11 @@ def _train_locked(
                     final = {**final, **evaluate_at(step, state.params, logger)}
             if ckpt.should_save(step, final=True):
                 ckpt.save(step, state, meta=_meta(config, iterator, skipped))
+                saved = True
     finally:
         stop.uninstall()
         ckpt.close()  # waits for pending saves, also when interrupted
-        if primary:
+        if primary and saved:
             rundir.record_checkpointed(setup.run_dir)
     export_policy(setup, state.params)
     if primary:
