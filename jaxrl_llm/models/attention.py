@@ -301,8 +301,8 @@ def splash_attention(
     kernel does not scale). Block sizes default to the largest of 512/256/128 dividing ``T``
     (``block_size`` overrides; with segment ids it must be a multiple of 128).
     ``interpret`` defaults to ``jax.default_backend() != "tpu"`` (Pallas interpret mode on CPU,
-    slow but exact: what the tests run). Requirements: :func:`kernel_problem`. Not sharded:
-    under a multi-device mesh wrap it in ``shard_map`` over batch/heads (not done here).
+    slow but exact: what the tests run). Requirements: :func:`kernel_problem`. XLA cannot
+    partition it: under a multi-device mesh call it inside ``shard_map`` (the model does).
     """
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 

@@ -512,22 +512,28 @@ class Decoder(nnx.Module):
         c = self.config
         windows = sorted({c.window(i) for i in range(c.num_layers)}, key=lambda w: w or 0)
         branch_l = jnp.asarray([windows.index(c.window(i)) for i in range(c.num_layers)])
-        masks = (
-            dict(kv_mask_bs=mask_bt)
+        name, mask = (
+            ("kv_mask_bs", mask_bt)
             if segment_ids_bt is None
-            else dict(segment_ids_bt=segment_ids_bt)
+            else ("segment_ids_bt", segment_ids_bt)
         )
+        heads = (c.num_heads, c.num_kv_heads)
 
-        def kernel(window: int | None) -> Attend:
-            return functools.partial(
-                attention_lib.attention, causal=True, window=window, implementation=impl, **masks
-            )
+        def kernel(window: int | None) -> Callable[..., jax.Array]:
+            def run(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+                return attention_lib.attention(
+                    q, k, v, causal=True, window=window, implementation=impl, **{name: mask}
+                )
+
+            # A Pallas TPU kernel cannot be partitioned by XLA: run it per shard.
+            return _per_shard(run, mask.shape[0], *heads) if impl == "splash" else run
 
         def attend(branch: jax.Array) -> Attend:
             if len(windows) == 1:
-                return kernel(windows[0])
+                only = kernel(windows[0])
+                return lambda q, k, v: only(q, k, v, mask)
             branches = [kernel(w) for w in windows]
-            return lambda q, k, v: jax.lax.switch(branch, branches, q, k, v)
+            return lambda q, k, v: jax.lax.switch(branch, branches, q, k, v, mask)
 
         def body(
             layer: DecoderLayer, x_btd: jax.Array, branch: jax.Array
@@ -537,6 +543,35 @@ class Decoder(nnx.Module):
 
         x_btd, _ = scan_layers(self.layers, body, x_btd, branch_l, remat=c.remat)
         return self.norm(x_btd), None
+
+
+def _per_shard(
+    fn: Callable[..., jax.Array], batch: int, heads: int, kv_heads: int
+) -> Callable[..., jax.Array]:
+    """``fn(q_bthd, k_bskd, v_bskd, mask_b*)`` under ``jax.shard_map`` over the current mesh.
+
+    Batch over the mesh's batch axes, heads over ``tensor`` when both ``H`` and ``K`` divide it
+    (each shard then holds whole GQA groups), sequence unsplit: the rules of
+    :func:`sharding.constrain`. Without a multi-device mesh ``fn`` is returned as is.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not set(sharding.MESH_AXES) & set(mesh.axis_names):
+        return fn
+    if mesh.size == 1:
+        return fn
+    (batch_axes,) = sharding.logical_to_spec(("batch",), (batch,), mesh, warn=False)
+    (q_axes,) = sharding.logical_to_spec(("q_heads",), (heads,), mesh, warn=False)
+    (kv_axes,) = sharding.logical_to_spec(("kv_heads",), (kv_heads,), mesh, warn=False)
+    if q_axes != kv_axes:
+        q_axes = kv_axes = None
+    q_spec = jax.P(batch_axes, None, q_axes, None)
+    kv_spec = jax.P(batch_axes, None, kv_axes, None)
+    return jax.shard_map(
+        fn,
+        in_specs=(q_spec, kv_spec, kv_spec, jax.P(batch_axes, None)),
+        out_specs=q_spec,
+        check_vma=False,
+    )
 
 
 def segment_positions(segment_ids_bt: jax.Array) -> jax.Array:

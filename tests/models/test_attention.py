@@ -243,3 +243,29 @@ def test_config_knob_reaches_the_model():
     assert TrainConfig().model.attention == "auto"
     lm = train_models.load_policy("tiny-random", attention="reference")
     assert lm.config.attention_impl == lm.model.config.attention_impl == "reference"
+
+
+def test_splash_under_a_mesh_runs_per_shard_and_equals_reference():
+    """On a (data 2, fsdp 2, tensor 2) mesh of fake CPU devices the kernel runs in shard_map
+    (batch over data x fsdp, whole GQA groups over tensor): same logits as one device."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrl_llm.models import sharding
+
+    model = _tiny()  # 4 query heads, 2 kv heads
+    seg = jnp.concatenate([_packed_segments(128)] * 2)  # [4, 128]
+    tokens = jax.random.randint(jax.random.key(4), seg.shape, 3, 97)
+    ref = model(tokens, segment_ids_bt=seg, attention_impl="reference")
+    mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    p_sh = sharding.param_shardings(nnx.state(model, nnx.Param), mesh, sharding.DEFAULT_RULES)
+    x_sh = sharding.batch_sharding(mesh, 2, sharding.DEFAULT_RULES)
+    with jax.set_mesh(mesh):
+        out = jax.jit(
+            lambda p, x, s: nnx.merge(graphdef, p)(x, segment_ids_bt=s, attention_impl="splash"),
+            in_shardings=(p_sh, x_sh, x_sh),
+            out_shardings=NamedSharding(mesh, PartitionSpec(("data", "fsdp"))),
+        )(jax.device_put(params, p_sh), tokens, seg)
+    real = np.asarray(seg != 0)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=1e-5, rtol=1e-5)
