@@ -32,6 +32,19 @@ exports the HF folder, which TRL, run with ``save_strategy="no"``, does not do. 
     python scripts/bench_train_step.py --steps 3 --warmup 1   # writes bench_results/train_step.json
 
 TRL is an optional benchmark extra: ``pip install -e ".[bench]"``.
+
+Ragged workload (``--ragged``, issue 13): the same GRPO step (β = 0.04, so π_ref runs too)
+on synthetic groups whose completion lengths are heavy-tailed (log-normal, median
+:data:`RAGGED_MEDIAN` tokens, σ = :data:`RAGGED_SIGMA`, clipped to [4, :data:`RAGGED_MAX`];
+prompts of 30–60 tokens left-padded to 64). Only the device step runs (``make_rl_step``: π_ref
+plus the update), unpacked (``train.packing=false``) and packed (``train.packing=true``), each
+in its own child process (its own peak RSS), alternating ``--rounds`` times, on the same seeded
+batches. Reported: update tokens/s (real prompt + completion tokens per second of the step),
+the padding fraction of the rows the model runs on (unpacked ``[N, P + T]``; packed the used
+``[rows, W]`` micro-batches), peak RSS, and model FLOP/s (on real tokens) against the measured
+fp32 matmul peak.
+
+    python scripts/bench_train_step.py --ragged --steps 3 --warmup 1 --rounds 1
 """
 
 from __future__ import annotations
@@ -50,6 +63,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, SAMPLES, NEW_TOKENS, BETA, LR = 8, 4, 64, 0.04, 1e-6
+
+RAGGED_MEDIAN, RAGGED_SIGMA, RAGGED_MAX, RAGGED_PROMPT = 24, 1.0, 256, 64
 
 OURS_OVERRIDES = [
     "algorithm.name=grpo",
@@ -125,6 +140,124 @@ def ours_child(steps: int) -> dict:
         "wall_s": wall,
         "peak_rss_gib": peak_rss_gib(),
     }
+
+
+def ragged_groups(seed: int, vocab: int):
+    """B x G groups with heavy-tailed completion lengths (see the module docstring)."""
+    import numpy as np
+
+    from jaxrl_llm.train.step import Groups
+
+    rng = np.random.default_rng(seed)
+    b, g, p, t = PROMPTS, SAMPLES, RAGGED_PROMPT, RAGGED_MAX
+    p_len = rng.integers(30, 61, b)
+    c_len = np.clip(np.round(rng.lognormal(np.log(RAGGED_MEDIAN), RAGGED_SIGMA, (b, g))), 4, t)
+    prompt_mask = np.arange(p)[None] >= (p - p_len)[:, None]
+    mask = np.arange(t) < c_len[..., None]
+    return Groups(
+        prompt_ids_bp=np.where(prompt_mask, rng.integers(3, vocab, (b, p)), 2).astype(np.int32),
+        prompt_mask_bp=prompt_mask,
+        tokens_bgt=np.where(mask, rng.integers(3, vocab, (b, g, t)), 2).astype(np.int32),
+        mask_bgt=mask,
+        logp_sampler_bgt=np.where(mask, -2.0, 0.0).astype(np.float32),
+        reward_bg=rng.normal(size=(b, g)).astype(np.float32),
+        member_bg=np.ones((b, g), bool),
+    )
+
+
+def ragged_child(steps: int, packing: bool, extra: list[str]) -> dict:
+    """The device RL step on ragged groups, unpacked or packed."""
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.models import default_model_path
+    from jaxrl_llm.train import setup as S
+    from jaxrl_llm.train.hostmem import peak_rss_gib
+    from jaxrl_llm.train.step import make_rl_step
+
+    default_model_path()
+    overrides = [
+        *OURS_OVERRIDES,
+        f"rollout.max_new_tokens={RAGGED_MAX}",
+        f"train.packing={str(packing).lower()}",
+        *extra,
+    ]
+    config = load_config(ROOT / "configs/quickstart.yaml", overrides)
+    with tempfile.TemporaryDirectory() as run_dir:
+        setup = S.resolve(config, run_dir)
+        step = make_rl_step(
+            setup.recipe,
+            setup.models,
+            setup.update,
+            temperature=setup.sampler.temperature,
+            old_logprobs=setup.old_logprobs,
+        )
+        vocab = setup.policy().config.vocab_size
+        state, out = setup.state, []
+        for i in range(steps):
+            groups = ragged_groups(i, vocab)
+            t0 = time.perf_counter()
+            state, metrics = step(state, groups)
+            seconds = time.perf_counter() - t0
+            real = float(metrics["perf/tokens"])
+            n, length = PROMPTS * SAMPLES, RAGGED_PROMPT + RAGGED_MAX
+            slots = metrics.get("perf/pack_rows_tokens", n * length)
+            out.append(
+                {
+                    "step": seconds,
+                    "tokens": real,
+                    "slots": slots,
+                    "padding": 1.0 - real / slots,
+                    "peak_rss_gib": peak_rss_gib(),
+                    "loss": metrics["actor/loss"],
+                }
+            )
+    return {"steps": out, "peak_rss_gib": peak_rss_gib(), "overrides": overrides}
+
+
+def ragged_main(args: argparse.Namespace) -> None:
+    from _bench_common import machine_info, matmul_peak_gflops
+
+    total = args.steps + args.warmup
+    result = {"machine": machine_info(), "command": " ".join(sys.argv), "raw": {}}
+    result["machine"]["load_avg_before"] = os.getloadavg()
+    runs: dict[str, list[dict]] = {"unpacked": [], "packed": []}
+    for _ in range(args.rounds):
+        for name in runs:
+            runs[name].append(_run_child(f"ragged-{name}", total, args.extra))
+    result["raw"] = runs
+    peaks = matmul_peak_gflops()
+    result["matmul_peak_gflops"] = peaks
+    for name, rounds in runs.items():
+        measured = [s for r in rounds for s in r["steps"][args.warmup :]]
+        sec = statistics.median(s["step"] for s in measured)
+        tokens = statistics.median(s["tokens"] for s in measured)
+        flops = update_flops(tokens, PROMPTS * SAMPLES) * 4 / 3  # + the π_ref forward (1/3)
+        result[name] = {
+            "median_step_s": sec,
+            "tokens_per_s": statistics.median(s["tokens"] / s["step"] for s in measured),
+            "padding_fraction": statistics.median(s["padding"] for s in measured),
+            "peak_rss_gib": max(r["peak_rss_gib"] for r in rounds),
+            "gflops": flops / sec / 1e9,
+            "frac_of_peak": flops / sec / 1e9 / max(peaks.values()),
+            "measured_steps": len(measured),
+        }
+    result["speedup"] = result["unpacked"]["median_step_s"] / result["packed"]["median_step_s"]
+    result["machine"]["load_avg_after"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    rows = [
+        "| | step s | real tokens/s | padding | peak RSS GiB | GFLOP/s (of peak) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in runs:
+        r = result[name]
+        rows.append(
+            f"| {name} | {r['median_step_s']:.2f} | {r['tokens_per_s']:.0f} | "
+            f"{r['padding_fraction']:.0%} | {r['peak_rss_gib']:.2f} | {r['gflops']:.0f} "
+            f"({r['frac_of_peak']:.0%}) |"
+        )
+    print("\n".join(rows))
+    print(f"packed speedup {result['speedup']:.2f}x; wrote {out}")
 
 
 def trl_child(steps: int) -> dict:
@@ -241,9 +374,10 @@ def trl_child(steps: int) -> dict:
 # Parent.
 
 
-def _run_child(which: str, steps: int) -> dict:
+def _run_child(which: str, steps: int, extra: list[str] | None = None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, "--child", which, "--steps", str(steps), "--json", f.name]
+        cmd += [f"--extra={e}" for e in extra or []]
         subprocess.run(cmd, check=True, cwd=ROOT)
         return json.loads(Path(f.name).read_text())
 
@@ -304,12 +438,29 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="measured steps per library")
     ap.add_argument("--warmup", type=int, default=1, help="steps run first and not measured")
     ap.add_argument("--out", default=str(ROOT / "bench_results/train_step.json"))
-    ap.add_argument("--child", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    ap.add_argument("--ragged", action="store_true", help="the ragged workload (issue 13)")
+    ap.add_argument("--rounds", type=int, default=1, help="--ragged: alternating rounds")
+    ap.add_argument(
+        "--extra", action="append", default=[], help="--ragged: a config override for both"
+    )
+    ap.add_argument(
+        "--child",
+        choices=("ours", "trl", "ragged-unpacked", "ragged-packed"),
+        help=argparse.SUPPRESS,
+    )
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        fn = ours_child if args.child == "ours" else trl_child
-        Path(args.json).write_text(json.dumps(fn(args.steps)))
+        if args.child.startswith("ragged"):
+            res = ragged_child(args.steps, args.child == "ragged-packed", args.extra)
+        else:
+            res = (ours_child if args.child == "ours" else trl_child)(args.steps)
+        Path(args.json).write_text(json.dumps(res))
+        return
+    if args.ragged:
+        if args.out == str(ROOT / "bench_results/train_step.json"):
+            args.out = str(ROOT / "bench_results/train_step_ragged.json")
+        ragged_main(args)
         return
 
     from _bench_common import machine_info, matmul_peak_gflops
