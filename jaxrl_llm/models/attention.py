@@ -25,7 +25,8 @@ Implementations (``implementation=``):
 - ``"cudnn"`` (GPU): ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (cuDNN
   flash attention). Runs on GPU only; the same call with ``implementation="xla"`` (the
   ``cudnn_xla`` testing form here) runs on CPU and checks the argument wiring.
-- ``"auto"``: by ``jax.default_backend()``: tpu -> splash, gpu -> cudnn, else reference.
+- ``"auto"``: by ``jax.default_backend()``: tpu -> splash, gpu -> cudnn, else reference; the
+  reference also where the kernel's requirements are not met or cuDNN is unusable (logged).
 
 Kernel requirements are checked up front and raise :class:`ValueError` naming the failed
 requirement and the fallback (``implementation="reference"``, config ``model.attention``).
@@ -33,10 +34,13 @@ requirement and the fallback (``implementation="reference"``, config ``model.att
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+_log = logging.getLogger(__name__)
 
 Implementation = Literal["auto", "reference", "splash", "cudnn"]
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "splash", "cudnn")
@@ -209,7 +213,14 @@ def attention(
         return reference_attention(q_bthd, k_bskd, v_bskd, allowed_bts)
     if impl == "splash":
         return splash_attention(q_bthd, k_bskd, v_bskd, **masks)
-    return cudnn_attention(q_bthd, k_bskd, v_bskd, **masks)
+    try:  # jax checks cuDNN's presence, version and shape support while tracing
+        return cudnn_attention(q_bthd, k_bskd, v_bskd, **masks)
+    except (NotImplementedError, RuntimeError) as e:
+        if implementation != "auto":
+            raise ValueError(f"cudnn attention is not available here ({e}); {_FALLBACK}") from e
+        _log.warning("cudnn attention is not available (%s); using the reference", e)
+        allowed_bts = attention_mask(q_bthd.shape[1], k_bskd.shape[1], **masks)
+        return reference_attention(q_bthd, k_bskd, v_bskd, allowed_bts)
 
 
 _FALLBACK = 'use implementation="reference" (config: model.attention: reference)'

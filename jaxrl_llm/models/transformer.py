@@ -20,7 +20,9 @@ maps each slice to the HF tensor ``model.layers.{l}.*``.
 
 Padding is on the left. ``mask_bt`` marks real tokens; position ids default to the count of
 real tokens before each one, so a left-padded sequence gets the same positions (and logits) as
-the unpadded one.
+the unpadded one. Packed rows carry ``segment_ids_bt`` (several sequences per row, 0 =
+padding): attention stays within a segment and positions restart in each. Attention itself is
+``attention.py`` (reference JAX, splash on TPU, cuDNN on GPU; ``ModelConfig.attention_impl``).
 """
 
 from __future__ import annotations
@@ -439,8 +441,10 @@ class Decoder(nnx.Module):
 
         windows_l = layer_windows(c)
         if cache is None:
-            impl = self._attention_impl(attention_impl or c.attention_impl, b, t)
+            requested = attention_impl or c.attention_impl
+            impl = self._attention_impl(requested, b, t)
             if impl != "reference":
+                impl = "auto" if requested == "auto" else impl  # keeps auto's cuDNN fallback
                 return self._kernel_forward(x_btd, cos, sin, mask_bt, segment_ids_bt, impl)
 
         q_slot_t = jnp.arange(t, dtype=jnp.int32)
@@ -504,7 +508,7 @@ class Decoder(nnx.Module):
         segment_ids_bt: jax.Array | None,
         impl: str,
     ) -> tuple[jax.Array, None]:
-        """The cache-free layer scan with a kernel (``splash``/``cudnn``) as attention.
+        """The cache-free layer scan with a kernel (``splash``, ``cudnn`` or ``auto``) as attention.
 
         Kernels take their window statically: layers are grouped by window and each scan step
         picks its window's kernel with ``lax.switch`` (one branch when all layers agree).
@@ -526,7 +530,8 @@ class Decoder(nnx.Module):
                 )
 
             # A Pallas TPU kernel cannot be partitioned by XLA: run it per shard.
-            return _per_shard(run, mask.shape[0], *heads) if impl == "splash" else run
+            splash = attention_lib.resolve_implementation(impl) == "splash"
+            return _per_shard(run, mask.shape[0], *heads) if splash else run
 
         def attend(branch: jax.Array) -> Attend:
             if len(windows) == 1:

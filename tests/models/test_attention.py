@@ -269,3 +269,21 @@ def test_splash_under_a_mesh_runs_per_shard_and_equals_reference():
         )(jax.device_put(params, p_sh), tokens, seg)
     real = np.asarray(seg != 0)
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=1e-5, rtol=1e-5)
+
+
+def test_auto_on_a_gpu_without_cudnn_falls_back_to_reference(monkeypatch):
+    """ "auto" on a GPU backend picks cudnn; where cuDNN cannot build (here: none installed)
+    it uses the reference, while an explicit "cudnn" is a clear error."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in _qkv(jax.random.key(5), 1, 8, 2, 1, 16))
+    want = attn.attention(q, k, v, implementation="reference")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert attn.resolve_implementation("auto") == "cudnn"
+    if attn.kernel_problem("cudnn", q, k) is None:
+        try:
+            attn.attention(q, k, v, implementation="cudnn")
+        except ValueError as e:
+            assert "reference" in str(e)
+        else:
+            pytest.skip("cuDNN is usable here")
+    got = attn.attention(q, k, v, implementation="auto")
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
