@@ -189,8 +189,7 @@ class RewardsConfig:
     terms: tuple[RewardTermConfig, ...] = _field((RewardTermConfig(type="integer_answer"),))
     # A reward that raises or returns NaN/inf or the wrong count: raise, or score 0 and count it.
     on_error: Literal["raise", "zero"] = "raise"
-    # Seconds each term may take to score one batch; past it, an error naming the term (with
-    # on_error=zero its unscored samples score 0, counted). None = wait forever.
+    # Seconds each term may take per batch; past it, a reward error (on_error). None = forever.
     timeout: float | None = _field(300.0, gt=0)
 
 
