@@ -69,7 +69,7 @@ def test_generate_reports_bad_arguments(tiny_checkpoint, tmp_path, capsys):
     assert "cannot load model" in capsys.readouterr().err
     args = parse("--model", str(tiny_checkpoint), "--prompt", "Hi", "--max-new-tokens", "0")
     assert run_generate(args) == 2
-    assert "max_new_tokens must be >= 1" in capsys.readouterr().err
+    assert "--max-new-tokens 0: expected an integer ≥ 1" in capsys.readouterr().err
     args = parse("--model", str(tiny_checkpoint), "--prompt", "Hi", "--top-p", "1.5")
     assert run_generate(args) == 2
-    assert "top_p must be in (0, 1]" in capsys.readouterr().err
+    assert "--top-p 1.5: expected a number in (0, 1]" in capsys.readouterr().err
