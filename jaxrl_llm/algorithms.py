@@ -137,6 +137,9 @@ def grpo(
     clip_high: float | None = None,
     dual_clip: float | None = None,
     scale_by_std: bool = True,
+    passk: bool = False,
+    reward_aggregation: str = "sum_then_normalize",
+    reward_weights: tuple[float, ...] | None = None,
     kl_estimator: str = "k3",
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
@@ -148,15 +151,39 @@ def grpo(
     ``β·k3(π_θ ‖ π_ref)`` as a loss term; per-sequence token mean (``seq-mean-token-mean``).
 
     ``pods_num_keep`` enables PODS down-sampling (arXiv:2504.13818) before the advantages.
+    ``passk=True`` is verl's GRPO pass@k estimator: only each group's best answer gets an
+    advantage, ``(r_max − r_second)/(std + ε)`` (``ch.passk_advantage``).
+    ``reward_aggregation="normalize_then_sum"`` is GDPO (arXiv:2601.05242, TRL's
+    ``multi_objective_aggregation``): each of the K rewards in ``Rollout.reward_bgk`` is
+    normalised in its group, their ``reward_weights``-weighted sum whitened over the batch
+    (``ch.normalize_then_sum``); it needs the separate rewards (``REWARD_COMPONENTS``).
     """
     n = nm.resolve(numerics)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
+    if reward_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
+        raise ValueError(
+            f"grpo: reward_aggregation={reward_aggregation!r}; expected 'sum_then_normalize' or "
+            "'normalize_then_sum'"
+        )
+    if passk and reward_aggregation == "normalize_then_sum":
+        raise ValueError(
+            "grpo: `passk` and reward_aggregation='normalize_then_sum' exclude each other"
+        )
+    if reward_weights is not None and reward_aggregation != "normalize_then_sum":
+        raise ValueError(
+            "grpo: `reward_weights` only applies to reward_aggregation='normalize_then_sum'"
+        )
+    if passk:
+        estimator = (ch.passk_advantage(scale_by_std=scale_by_std),)
+    elif reward_aggregation == "normalize_then_sum":
+        weights = None if reward_weights is None else tuple(float(w) for w in reward_weights)
+        estimator = (ch.normalize_then_sum(weights=weights),)
+    else:
+        estimator = rc.group_norm_stages(n, scale_by_std)
     return rc.make_recipe(
         "grpo",
         numerics=n,
-        advantage=ch.chain(
-            *rc.reward_stages(n), ch.outcome_return(), *rc.group_norm_stages(n, scale_by_std)
-        ),
+        advantage=ch.chain(*rc.reward_stages(n), ch.outcome_return(), *estimator),
         objective=rc.ppo_objective(
             clip_low=low,
             clip_high=high,
@@ -172,6 +199,9 @@ def grpo(
             clip_low=low,
             clip_high=high,
             scale_by_std=scale_by_std,
+            passk=passk,
+            reward_aggregation=reward_aggregation,
+            reward_weights=reward_weights,
             pods_num_keep=pods_num_keep,
             kl_estimator=kl_estimator,
             entropy_coef=entropy_coef,
@@ -489,6 +519,519 @@ def gspo(
     )
 
 
+# --------------------------------------------------------------------------------------------
+# The 2025–26 loss family (issue 17): GRPO's group-normalised advantage (unless said otherwise)
+# with a different per-token loss. Formulas and papers in jaxrl_llm.core.policy_losses.
+
+
+def _grpo_advantage(n: nm.Numerics, scale_by_std: bool = True) -> ch.AdvantageTransform:
+    return ch.chain(
+        *rc.reward_stages(n), ch.outcome_return(), *rc.group_norm_stages(n, scale_by_std)
+    )
+
+
+def _loss_recipe(
+    name: str,
+    n: nm.Numerics,
+    loss: rc.PolicyLoss,
+    *,
+    agg: str,
+    ratio_kwargs: dict,
+    beta: float,
+    kl_estimator: str,
+    entropy_coef: float,
+    label: str,
+    text: str,
+    hparams: dict,
+    advantage: ch.AdvantageTransform | None = None,
+    on_policy: bool = False,
+    pods_num_keep: int | None = None,
+) -> Recipe:
+    return rc.make_recipe(
+        name,
+        numerics=n,
+        advantage=advantage if advantage is not None else _grpo_advantage(n),
+        objective=rc.objective(
+            loss,
+            agg=agg,
+            ratio_metrics=functools.partial(pl.ratio_metrics, **ratio_kwargs),
+            kl=rc.kl_term(beta, kl_estimator, n),
+            entropy_coef=entropy_coef,
+            on_policy=on_policy,
+            label=label,
+            text=text,
+        ),
+        selection=Selection(pods_num_keep=pods_num_keep),
+        hparams=dict(beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef, **hparams),
+    )
+
+
+def cispo(
+    *,
+    beta: float = 0.0,
+    clip_low: float = 10.0,
+    clip_high: float = 0.2,
+    kl_estimator: str = "k3",
+    loss_agg_mode: str | None = None,
+    entropy_coef: float = 0.0,
+    pods_num_keep: int | None = None,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """CISPO (MiniMax-M1, arXiv:2506.13585): GRPO's advantage; REINFORCE weighted by the
+    clipped, stop-gradient ratio ``−sg(clip(ρ, 1−ε_low, 1+ε_high))·A·log π`` (no token loses
+    its gradient); token mean over the batch. Defaults are verl's example (``ε_low = 10``, i.e.
+    no lower bound, ``ε_high = 0.2``) with verl's log-ratio clamp κ = 20.
+    """
+    n = nm.resolve(numerics)
+    kw = dict(clip_low=float(clip_low), clip_high=float(clip_high), log_ratio_clamp=20.0)
+    return _loss_recipe(
+        "cispo",
+        n,
+        functools.partial(pl.cispo_loss, **kw),
+        agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+        ratio_kwargs=kw,
+        beta=beta,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        label="CISPO clipped IS weight",
+        text=(
+            f"−sg(clip(ρ, 1−{clip_low:g}, 1+{clip_high:g}))·A·log π (REINFORCE with a clipped, "
+            "stop-gradient importance weight)"
+        ),
+        hparams=dict(clip_low=clip_low, clip_high=clip_high, pods_num_keep=pods_num_keep),
+        pods_num_keep=pods_num_keep,
+    )
+
+
+def gpg(
+    *,
+    f_norm: float = 1.0,
+    loss_agg_mode: str | None = None,
+    entropy_coef: float = 0.0,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline",
+    arXiv:2504.02546): ``A_i = α·(r_i − mean_group r)/F`` with ``α = N / #(nonzero rewards)``;
+    the plain policy gradient ``−A·log π`` (no ratio, no clip, no KL, no reference), token
+    mean; one update per batch. verl ``adv_estimator=gpg`` + ``loss_mode=gpg``.
+    """
+    n = nm.resolve(numerics)
+    return rc.make_recipe(
+        "gpg",
+        numerics=n,
+        advantage=ch.chain(
+            *rc.reward_stages(n),
+            ch.outcome_return(),
+            ch.group_mean_baseline(singleton_baseline=0.0),
+            ch.gpg_scale(f_norm=f_norm),
+        ),
+        objective=rc.reinforce_objective(
+            agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+            entropy_coef=entropy_coef,
+            text="−A·log π (GPG: vanilla policy gradient, no ratio, no clip)",
+        ),
+        hparams=dict(f_norm=f_norm, entropy_coef=entropy_coef),
+    )
+
+
+def sapo(
+    *,
+    beta: float = 0.0,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    pods_num_keep: int | None = None,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347): GRPO's
+    advantage; the soft gate ``−σ(τ(ρ−1))·4/τ·A`` instead of the hard clip (τ_pos for A > 0,
+    τ_neg otherwise); ``seq-mean-token-mean`` (forced, as in verl).
+    """
+    n = nm.resolve(numerics)
+    kw = dict(tau_pos=float(tau_pos), tau_neg=float(tau_neg), log_ratio_clamp=20.0)
+    return _loss_recipe(
+        "sapo",
+        n,
+        functools.partial(pl.sapo_loss, **kw),
+        agg="seq-mean-token-mean",
+        ratio_kwargs={},
+        beta=beta,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        label="SAPO soft gate",
+        text=(
+            f"soft-gated surrogate −σ(τ(ρ−1))·(4/τ)·A, τ = {tau_pos:g} for A > 0 and "
+            f"{tau_neg:g} otherwise"
+        ),
+        hparams=dict(tau_pos=tau_pos, tau_neg=tau_neg, pods_num_keep=pods_num_keep),
+        pods_num_keep=pods_num_keep,
+    )
+
+
+def gmpo(
+    *,
+    beta: float = 0.0,
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    pods_num_keep: int | None = None,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673; verl
+    ``loss_mode=geo_mean``): GRPO's advantage; one surrogate per sequence ``−Ā_i·ρ_i`` with
+    ``ρ_i`` the geometric mean of the token ratios clipped in log space to ``[−ε_low, ε_high]``
+    (paper: 0.4); mean over sequences (``seq-mean-token-mean``, forced).
+    """
+    n = nm.resolve(numerics)
+    kw = dict(clip_low=float(clip_low), clip_high=float(clip_high))
+    return _loss_recipe(
+        "gmpo",
+        n,
+        functools.partial(pl.gmpo_loss, **kw),
+        agg="seq-mean-token-mean",
+        ratio_kwargs={},
+        beta=beta,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        label="GMPO geometric mean",
+        text=(
+            f"−Ā·exp(mean_t clip(log ρ_t, −{clip_low:g}, {clip_high:g})) per sequence "
+            "(geometric mean of the token ratios, clipped in log space)"
+        ),
+        hparams=dict(clip_low=clip_low, clip_high=clip_high, pods_num_keep=pods_num_keep),
+        pods_num_keep=pods_num_keep,
+    )
+
+
+_COV_NOTE = (
+    "; the chosen tokens depend on the micro-batch's statistics (not micro-batch- or "
+    "packing-invariant)"
+)
+
+
+def clip_cov(
+    *,
+    beta: float = 0.0,
+    clip_eps: float = 0.2,
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    kl_estimator: str = "k3",
+    loss_agg_mode: str | None = None,
+    entropy_coef: float = 0.0,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
+    Reasoning Language Models", arXiv:2505.22617; verl ``loss_mode=clip_cov``): GRPO's
+    advantage; PPO clip, plus the gradient of ``max(⌊ratio·N⌋, 1)`` tokens whose centred
+    covariance ``(A − Ā)(log π − mean log π)`` lies in ``(lb, ub)`` set to zero (entropy-collapse
+    control); token mean. The tokens are the highest-covariance candidates (deterministic; verl
+    draws them at random). Batch statistics are per micro-batch: the loss is not micro-batch-
+    or packing-invariant.
+    """
+    n = nm.resolve(numerics)
+    low, high = rc.clip_range(clip_eps, clip_low, clip_high)
+    kw = dict(
+        clip_low=low,
+        clip_high=high,
+        clip_cov_ratio=float(clip_cov_ratio),
+        clip_cov_lb=float(clip_cov_lb),
+        clip_cov_ub=float(clip_cov_ub),
+    )
+    return _loss_recipe(
+        "clip_cov",
+        n,
+        functools.partial(pl.clip_cov_loss, **kw),
+        agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+        ratio_kwargs=dict(clip_low=low, clip_high=high),
+        beta=beta,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        label="Clip-Cov",
+        text=(
+            f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A) with the gradient of "
+            f"the top {clip_cov_ratio:g} of tokens by covariance (in ({clip_cov_lb:g}, "
+            f"{clip_cov_ub:g})) removed" + _COV_NOTE
+        ),
+        hparams=dict(
+            clip_low=low,
+            clip_high=high,
+            clip_cov_ratio=clip_cov_ratio,
+            clip_cov_lb=clip_cov_lb,
+            clip_cov_ub=clip_cov_ub,
+        ),
+    )
+
+
+def kl_cov(
+    *,
+    beta: float = 0.0,
+    kl_cov_ratio: float = 2e-4,
+    ppo_kl_coef: float = 1.0,
+    kl_estimator: str = "k3",
+    loss_agg_mode: str | None = None,
+    entropy_coef: float = 0.0,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """KL-Cov (Cui et al. 2025, arXiv:2505.22617; verl ``loss_mode=kl_cov``): GRPO's advantage;
+    the unclipped surrogate ``−A·ρ`` plus ``k·|log ρ|`` on the ``max(⌊ratio·N⌋, 1)`` tokens of
+    largest covariance ``(A − Ā)(log π − mean log π)``; token mean. Batch statistics are per
+    micro-batch: the loss is not micro-batch- or packing-invariant.
+    """
+    n = nm.resolve(numerics)
+    kw = dict(kl_cov_ratio=float(kl_cov_ratio), ppo_kl_coef=float(ppo_kl_coef))
+    return _loss_recipe(
+        "kl_cov",
+        n,
+        functools.partial(pl.kl_cov_loss, **kw),
+        agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+        ratio_kwargs={},
+        beta=beta,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        label="KL-Cov",
+        text=(
+            f"unclipped surrogate −ρA plus {ppo_kl_coef:g}·|log ρ| on the top {kl_cov_ratio:g} "
+            "of tokens by covariance" + _COV_NOTE
+        ),
+        hparams=dict(kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef),
+    )
+
+
+_DPPO_DEFAULT_DELTA = {"tv": 0.15, "kl": 0.05}
+
+
+def dppo(
+    *,
+    divergence: str = "tv",
+    clip_low: float | None = None,
+    clip_high: float | None = None,
+    ratio_cap: float = 10.0,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    loss_agg_mode: str | None = None,
+    entropy_coef: float = 0.0,
+    pods_num_keep: int | None = None,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """DPPO (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning",
+    arXiv:2602.04879): GRPO's advantage; ``−A·sg(min(ρ, c))·M·log π`` where the mask M drops a
+    token whose sampled-token divergence left the trust region in the direction its advantage
+    pushes: ``divergence="tv"`` (``p − q`` beyond ``δ_high`` / ``−δ_low``, DPPO-Binary-TV) or
+    ``"kl"`` (the binary KL of the token beyond ``δ``, DPPO-Binary-KL); token mean. Default δ:
+    0.15 (TV), 0.05 (KL) on both sides.
+    """
+    n = nm.resolve(numerics)
+    if divergence not in _DPPO_DEFAULT_DELTA:
+        raise ValueError(f"dppo: divergence={divergence!r}; expected 'tv' or 'kl'")
+    low = _DPPO_DEFAULT_DELTA[divergence] if clip_low is None else float(clip_low)
+    high = _DPPO_DEFAULT_DELTA[divergence] if clip_high is None else float(clip_high)
+    kw = dict(divergence=divergence, clip_low=low, clip_high=high, ratio_cap=float(ratio_cap))
+    d = "p − q" if divergence == "tv" else "binary KL(q ‖ p)"
+    return _loss_recipe(
+        "dppo",
+        n,
+        functools.partial(pl.dppo_loss, **kw),
+        agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+        ratio_kwargs={},
+        beta=beta,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        label=f"DPPO-Binary-{divergence.upper()}",
+        text=(
+            f"−A·sg(min(ρ, {ratio_cap:g}))·log π, tokens masked when {d} of the sampled token "
+            f"leaves [−{low:g}, {high:g}] in the advantage's direction"
+        ),
+        hparams=dict(
+            divergence=divergence,
+            clip_low=low,
+            clip_high=high,
+            ratio_cap=ratio_cap,
+            pods_num_keep=pods_num_keep,
+        ),
+        pods_num_keep=pods_num_keep,
+    )
+
+
+def dro(
+    *,
+    dro_beta: float = 0.05,
+    scale_by_std: bool = False,
+    loss_agg_mode: str | None = None,
+    entropy_coef: float = 0.0,
+    pods_num_keep: int | None = None,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """DRO, Direct Reward Optimisation (Richemond et al. 2024, arXiv:2405.19107; per token as in
+    Kimi k1.5, arXiv:2501.12599, and Tinker's ``loss_fn="dro"``): the group-mean advantage
+    (÷ std with ``scale_by_std``); ``−A·log π + ½β(log π − log π_old)²`` per token — no ratio,
+    no clip; the squared log-ratio keeps the policy near the sampler; token mean. ``dro_beta``
+    is that β (``beta`` is the KL-to-reference coefficient elsewhere, not used here).
+    """
+    n = nm.resolve(numerics)
+    return _loss_recipe(
+        "dro",
+        n,
+        functools.partial(pl.dro_loss, beta=float(dro_beta)),
+        agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+        ratio_kwargs={},
+        beta=0.0,
+        kl_estimator="k3",
+        entropy_coef=entropy_coef,
+        label="DRO squared log-ratio",
+        text=f"−A·log π + ½·{dro_beta:g}·(log π − log π_old)² (policy gradient, quadratic "
+        "penalty to the sampler)",
+        hparams=dict(dro_beta=dro_beta, scale_by_std=scale_by_std, pods_num_keep=pods_num_keep),
+        advantage=_grpo_advantage(n, scale_by_std),
+        pods_num_keep=pods_num_keep,
+    )
+
+
+def luspo(
+    *,
+    beta: float = 0.0,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    pods_num_keep: int | None = None,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """LUSPO ("Length-Unbiased Sequence Policy Optimization", arXiv:2602.05261; TRL
+    ``loss_type="luspo"``): GSPO's clipped sequence ratio, each sequence's loss scaled by its
+    length — token sums averaged over sequences (``seq-mean-token-sum``) instead of GSPO's
+    per-sequence mean; no log-ratio clamp (TRL's).
+    """
+    n = nm.resolve(numerics)
+    kw = dict(clip_low=float(clip_low), clip_high=float(clip_high), log_ratio_clamp=None)
+    return _loss_recipe(
+        "luspo",
+        n,
+        functools.partial(pl.gspo_loss, **kw),
+        agg="seq-mean-token-sum",
+        ratio_kwargs=dict(clip_low=kw["clip_low"], clip_high=kw["clip_high"]),
+        beta=beta,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        label="LUSPO length-scaled sequence ratio",
+        text=(
+            f"|y|·(−min(sA, clip(s, 1−{clip_low:g}, 1+{clip_high:g})A)) per sequence, "
+            "s = exp(mean_t log ρ_t)"
+        ),
+        hparams=dict(clip_low=clip_low, clip_high=clip_high, pods_num_keep=pods_num_keep),
+        pods_num_keep=pods_num_keep,
+    )
+
+
+def vespo(
+    *,
+    beta: float = 0.0,
+    k_pos: float = 2.0,
+    lambda_pos: float = 3.0,
+    k_neg: float = 3.0,
+    lambda_neg: float = 2.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+    pods_num_keep: int | None = None,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """VESPO ("Variational Sequence-Level Soft Policy Optimization", arXiv:2602.10693; TRL
+    ``loss_type="vespo"``): GRPO's advantage; ``−sg(φ(w))·A·log π`` with the Gamma weight
+    ``φ(w) = e^λ·w^k·e^(−λw)`` of the sequence ratio ``w = exp(Σ_t log ρ_t)`` ((k, λ) by the
+    advantage's sign); token mean over the batch (TRL's normaliser).
+    """
+    n = nm.resolve(numerics)
+    kw = dict(
+        k_pos=float(k_pos),
+        lambda_pos=float(lambda_pos),
+        k_neg=float(k_neg),
+        lambda_neg=float(lambda_neg),
+    )
+    return _loss_recipe(
+        "vespo",
+        n,
+        functools.partial(pl.vespo_loss, **kw),
+        agg="token-mean",
+        ratio_kwargs={},
+        beta=beta,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+        label="VESPO Gamma weight",
+        text=(
+            "−sg(φ(w))·A·log π, φ(w) = e^λ·w^k·e^(−λw) of the sequence ratio w "
+            f"(k, λ = {k_pos:g}, {lambda_pos:g} for A ≥ 0; {k_neg:g}, {lambda_neg:g} otherwise)"
+        ),
+        hparams=dict(**kw, pods_num_keep=pods_num_keep),
+        pods_num_keep=pods_num_keep,
+    )
+
+
+def opo(
+    *,
+    loss_agg_mode: str | None = None,
+    entropy_coef: float = 0.0,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv:2505.23585;
+    verl ``adv_estimator=opo``): exactly on-policy REINFORCE with the length-weighted group
+    baseline ``b = Σ_j |y_j|·r_j / Σ_j |y_j|`` (0 for a group of one), no std, no KL; token
+    mean; one update per batch.
+    """
+    n = nm.resolve(numerics)
+    return rc.make_recipe(
+        "opo",
+        numerics=n,
+        advantage=ch.chain(
+            *rc.reward_stages(n),
+            ch.outcome_return(),
+            ch.length_weighted_baseline(singleton_baseline=0.0),
+        ),
+        objective=rc.reinforce_objective(
+            agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+            entropy_coef=entropy_coef,
+            text="−A·log π, exactly on-policy (no ratio, no clip)",
+        ),
+        hparams=dict(entropy_coef=entropy_coef),
+    )
+
+
+def remax(
+    *,
+    beta: float = 0.0,
+    kl_estimator: str = "k1",
+    loss_agg_mode: str | None = None,
+    entropy_coef: float = 0.0,
+    numerics: nm.Numerics | str | None = None,
+) -> Recipe:
+    """ReMax (Li et al. 2023, arXiv:2310.10505; verl ``adv_estimator=remax``): REINFORCE with
+    the reward of the prompt's *greedy* completion as baseline, ``A_t = G_t − r(x, ŷ_greedy)``
+    (G_t the reward-to-go; KL in the reward with ``beta > 0``); token mean; one update per batch.
+    Needs ``Rollout.baseline_b`` (``GIVEN_BASELINE``): one greedy rollout per prompt, scored
+    with the same reward — the trainer does not generate it yet (see ``train.collect``).
+    """
+    n = nm.resolve(numerics)
+    return rc.make_recipe(
+        "remax",
+        numerics=n,
+        advantage=ch.chain(
+            *rc.reward_stages(n),
+            *rc.kl_reward_stages(beta, kl_estimator, n, None),
+            ch.discounted_return(1.0),
+            ch.given_baseline(),
+        ),
+        objective=rc.reinforce_objective(
+            agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+            entropy_coef=entropy_coef,
+            text="−A·log π with the greedy completion's reward as baseline (no ratio, no clip)",
+        ),
+        hparams=dict(beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef),
+    )
+
+
 def _reference_losses(
     beta: float, label_smoothing: float, discopop_tau: float
 ) -> dict[str, Callable]:
@@ -640,6 +1183,18 @@ RECIPES: dict[str, Callable[..., rc.AnyRecipe]] = {
     "reinforce_pp_baseline": reinforce_pp_baseline,
     "dapo": dapo,
     "gspo": gspo,
+    "cispo": cispo,
+    "gpg": gpg,
+    "sapo": sapo,
+    "gmpo": gmpo,
+    "clip_cov": clip_cov,
+    "kl_cov": kl_cov,
+    "dppo": dppo,
+    "dro": dro,
+    "luspo": luspo,
+    "vespo": vespo,
+    "opo": opo,
+    "remax": remax,
     "dpo": dpo,
 }
 
@@ -659,15 +1214,27 @@ __all__ = [
     "PreferenceRecipe",
     "Recipe",
     "Selection",
+    "cispo",
+    "clip_cov",
     "dapo",
     "dpo",
+    "dppo",
     "dr_grpo",
+    "dro",
     "get",
+    "gmpo",
+    "gpg",
     "grpo",
     "gspo",
+    "kl_cov",
+    "luspo",
+    "opo",
     "ppo",
     "reinforce",
     "reinforce_pp",
     "reinforce_pp_baseline",
+    "remax",
     "rloo",
+    "sapo",
+    "vespo",
 ]

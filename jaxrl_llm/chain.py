@@ -66,6 +66,8 @@ class Rollout(NamedTuple):
       value_bgt: ``f32[B, G, T]`` critic values (PPO/GAE).
       baseline_b: ``f32[B]`` a given per-prompt baseline reward (ReMax: the greedy rollout's
         reward).
+      reward_bgk: ``f32[B, G, K]`` the K separate rewards of each completion, for multi-reward
+        aggregation (GDPO's :func:`normalize_then_sum`); ``reward_bg`` stays their plain sum.
     """
 
     reward_bg: chex.Array
@@ -75,6 +77,7 @@ class Rollout(NamedTuple):
     logp_ref_bgt: chex.Array | None = None
     value_bgt: chex.Array | None = None
     baseline_b: chex.Array | None = None
+    reward_bgk: chex.Array | None = None
 
 
 def member_mask(rollout: Rollout) -> chex.Array:
@@ -112,6 +115,12 @@ def check_rollout(rollout: Rollout, *, fn: str = "Rollout") -> None:
         C.check_leading_shape(
             fn, "baseline_b", rollout.reward_bg[:, 0], tuple(rollout.baseline_b.shape), of="B"
         )
+    if rollout.reward_bgk is not None:
+        C.check_float(fn, "reward_bgk", rollout.reward_bgk)
+        C.check_rank(fn, "reward_bgk", rollout.reward_bgk, 3, "[B, G, K]")
+        C.check_leading_shape(
+            fn, "reward_bgk", rollout.reward_bgk, tuple(rollout.reward_bg.shape), of="reward_bg"
+        )
 
 
 def require(rollout: Rollout, field: str, stage: str) -> chex.Array:
@@ -134,6 +143,7 @@ REFERENCE_LOGPROBS = "reference_logprobs"  # Rollout.logp_ref_bgt: the frozen re
 VALUES = "values"  # Rollout.value_bgt: a critic
 GROUPS = "groups"  # G ≥ 2 completions per prompt, compared with each other
 GIVEN_BASELINE = "given_baseline"  # Rollout.baseline_b (ReMax's greedy reward)
+REWARD_COMPONENTS = "reward_components"  # Rollout.reward_bgk: K separate rewards (GDPO)
 
 
 class StageInfo(NamedTuple):
@@ -476,6 +486,82 @@ def given_baseline() -> AdvantageTransform:
     return stateless(fn, StageInfo("baseline", text, "given (greedy)", frozenset({GIVEN_BASELINE})))
 
 
+def passk_advantage(*, scale_by_std: bool = True, eps: float = 1e-6) -> AdvantageTransform:
+    """GRPO pass@k: only each group's best answer gets an advantage, its margin over the
+    runner-up (÷ the unbiased group std + ``eps`` with ``scale_by_std``); see
+    :func:`jaxrl_llm.core.baselines.passk_advantage` (verl ``grpo_passk``)."""
+
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
+        score_bg = _sequence_score(signal_bgt, rollout)
+        adv_bg = _baselines.passk_advantage(
+            score_bg, scoring_members(rollout), scale_by_std=scale_by_std, eps=eps
+        )
+        return jnp.where(token_mask(rollout), adv_bg[..., None], 0.0)
+
+    infos = [
+        StageInfo(
+            "baseline",
+            "pass@k: the runner-up of the group (only the best answer gets A = best − second)",
+            "pass@k runner-up",
+            frozenset({GROUPS}),
+        )
+    ]
+    if scale_by_std:
+        text = f"the best answer's margin ÷ (unbiased group std + {eps:g})"
+        infos.append(StageInfo("normalize", text, "group std", frozenset({GROUPS})))
+    return AdvantageTransform(*stateless(fn)[:2], tuple(infos))
+
+
+def gpg_scale(*, f_norm: float = 1.0) -> AdvantageTransform:
+    """GPG's correction: × α/F with α = N / #{members with a nonzero raw reward}
+    (:func:`jaxrl_llm.core.baselines.gpg_scale`, verl ``gpg``)."""
+
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
+        factor = _baselines.gpg_scale(C.f32(rollout.reward_bg), member_mask(rollout), f_norm=f_norm)
+        return jnp.where(token_mask(rollout), signal_bgt * factor, 0.0)
+
+    text = f"batch: × α/F, α = N / #(nonzero rewards), F = {f_norm:g} (GPG)"
+    return stateless(fn, StageInfo("normalize", text, "GPG α/F"))
+
+
+def normalize_then_sum(
+    *, weights: tuple[float, ...] | None = None, eps: float = 1e-4
+) -> AdvantageTransform:
+    """GDPO: each of the K rewards in ``Rollout.reward_bgk`` normalised in its group, the
+    weighted sum whitened over the batch (:func:`jaxrl_llm.core.normalization.
+    normalize_then_sum`, TRL ``multi_objective_aggregation="normalize_then_sum"``). It replaces
+    the signal by that advantage, so it comes after the return and takes the baseline's place
+    (``reward_bg`` and any reward shaping before it are not read)."""
+
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
+        del signal_bgt
+        reward_bgk = require(rollout, "reward_bgk", "normalize_then_sum")
+        adv_bg = _norm.normalize_then_sum(
+            reward_bgk, scoring_members(rollout), weights=weights, eps=eps
+        )
+        return jnp.where(token_mask(rollout), adv_bg[..., None], 0.0)
+
+    w = "equal weights" if weights is None else "weights " + ", ".join(f"{x:g}" for x in weights)
+    needs = frozenset({GROUPS, REWARD_COMPONENTS})
+    return AdvantageTransform(
+        *stateless(fn)[:2],
+        (
+            StageInfo(
+                "baseline",
+                "per reward: the group mean of that reward (GDPO, rewards decoupled)",
+                "group mean per reward",
+                needs,
+            ),
+            StageInfo(
+                "normalize",
+                f"per reward: ÷ (unbiased group std + {eps:g}); the {w} sum, then batch "
+                f"whitening (R − mean)/(unbiased std + {eps:g})",
+                "per-reward group std + batch whitening",
+            ),
+        ),
+    )
+
+
 def critic_baseline() -> AdvantageTransform:
     """``A_t = G_t − V(s_t)`` with the rollout's critic values (REINFORCE with a learned
     baseline; GAE with λ = 1)."""
@@ -579,6 +665,7 @@ __all__ = [
     "GROUPS",
     "KL_ESTIMATORS",
     "REFERENCE_LOGPROBS",
+    "REWARD_COMPONENTS",
     "VALUES",
     "AdvantageTransform",
     "EmptyState",
@@ -594,6 +681,7 @@ __all__ = [
     "discounted_return",
     "gae",
     "given_baseline",
+    "gpg_scale",
     "group_mean_baseline",
     "group_std_scale",
     "kl_estimator",
@@ -601,8 +689,10 @@ __all__ = [
     "leave_one_out_baseline",
     "length_weighted_baseline",
     "member_mask",
+    "normalize_then_sum",
     "outcome_return",
     "overlong_penalty",
+    "passk_advantage",
     "requirements",
     "scoring_members",
     "stateless",

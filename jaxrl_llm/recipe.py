@@ -57,6 +57,8 @@ REFERENCE_LOGPROBS = ch.REFERENCE_LOGPROBS
 BEHAVIOUR_LOGPROBS = ch.BEHAVIOUR_LOGPROBS
 VALUES = ch.VALUES
 GROUPS = ch.GROUPS
+GIVEN_BASELINE = ch.GIVEN_BASELINE  # Rollout.baseline_b: ReMax's greedy-rollout reward
+REWARD_COMPONENTS = ch.REWARD_COMPONENTS  # Rollout.reward_bgk: K separate rewards (GDPO)
 ON_POLICY = "on_policy"  # the loss has no importance ratio: each batch feeds exactly one update
 PREFERENCE_PAIRS = "preference_pairs"  # offline (prompt, chosen, rejected) pairs, no rollouts
 # WPO: per-answer weights from the policy's own token distribution (log Σ_v π(v)², see
@@ -603,10 +605,12 @@ def value_targets(recipe: Recipe, rollout: ch.Rollout, advantage_state: Any) -> 
 __all__ = [
     "AGGREGATIONS",
     "BEHAVIOUR_LOGPROBS",
+    "GIVEN_BASELINE",
     "GROUPS",
     "ON_POLICY",
     "PREFERENCE_PAIRS",
     "REFERENCE_LOGPROBS",
+    "REWARD_COMPONENTS",
     "SEQUENCE_WEIGHTS",
     "VALUES",
     "AnyRecipe",

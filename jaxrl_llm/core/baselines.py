@@ -231,3 +231,79 @@ def critic_baseline(value_bgt: chex.Array, mask_bgt: chex.Array) -> chex.Array:
     _contracts.check_bool(fn, "mask_bgt", mask_bgt)
     _contracts.check_same_shape(fn, {"value_bgt": value_bgt, "mask_bgt": mask_bgt})
     return jnp.where(mask_bgt, _contracts.f32(value_bgt), 0.0)
+
+
+def passk_advantage(
+    score_bg: chex.Array,
+    mask_bg: chex.Array,
+    *,
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+) -> chex.Array:
+    """Pass@k advantage: only the best answer of each group is credited, with its margin.
+
+        i* = argmax_{j ∈ group} s_j  (the first one on ties),   s⁽²⁾ the second-largest score
+        A_{i*} = (s_{i*} − s⁽²⁾) / (σ_b + eps)   (÷ only with ``scale_by_std``; σ_b the unbiased
+        group std, ``torch.std``),   A_j = 0 for every other member
+
+    Optimising the best of k samples (pass@k) rewards the answer that beats the rest of its
+    group, not the mean; groups need at least two members (a one-member group gets 0).
+
+    Reference: arXiv:2503.19595 (the paper verl cites for its pass@k estimator), as implemented
+    in verl ``compute_grpo_passk_outcome_advantage``.
+
+    Args:
+      score_bg: float ``[B, G]`` sequence scores; non-members are never read.
+      mask_bg: ``bool[B, G]`` group membership.
+      scale_by_std: divide by the group std plus ``eps``.
+      eps: ≥ 0.
+
+    Returns:
+      ``f32[B, G]`` advantages (one nonzero entry per group at most), 0 at non-members.
+    """
+    fn = "passk_advantage"
+    _check_group(fn, "score_bg", score_bg, mask_bg)
+    _contracts.check_positive(fn, "eps", eps, allow_zero=True)
+    score = jnp.where(mask_bg, _contracts.f32(score_bg), -jnp.inf)
+    best_b = jnp.argmax(score, axis=-1)
+    is_best = jnp.arange(score.shape[-1])[None, :] == best_b[:, None]
+    top_b = jnp.max(score, axis=-1)
+    second_b = jnp.max(jnp.where(is_best, -jnp.inf, score), axis=-1)
+    count_b = group_count(mask_bg)
+    margin_b = jnp.where(count_b >= 2, top_b - second_b, 0.0)
+    if scale_by_std:
+        s = jnp.where(mask_bg, _contracts.f32(score_bg), 0.0)
+        mean_b = jnp.sum(s, -1) / jnp.maximum(count_b, 1.0)
+        sq_b = jnp.sum(jnp.where(mask_bg, jnp.square(s - mean_b[:, None]), 0.0), -1)
+        std_b = jnp.sqrt(jnp.maximum(sq_b / jnp.maximum(count_b - 1.0, 1.0), 0.0))
+        margin_b = margin_b / (std_b + eps)
+    margin_b = jnp.where(count_b >= 2, margin_b, 0.0)
+    return jnp.where(is_best & mask_bg, margin_b[:, None], 0.0)
+
+
+def gpg_scale(reward_bg: chex.Array, mask_bg: chex.Array, *, f_norm: float = 1.0) -> chex.Array:
+    """GPG's batch factor α/F: α = N / #{members with a nonzero reward}, F = ``f_norm``.
+
+        A_i = α·(r_i − mean_group r) / F
+
+    α undoes the dilution of the batch mean by groups that carry no signal (GPG's "gradient
+    correction": with binary rewards, all-zero groups give zero advantage but still count in
+    the mean). The count is over raw rewards, as in verl.
+
+    Reference: X. Chu et al., "GPG: A Simple and Strong Reinforcement Learning Baseline for
+    Model Reasoning", arXiv:2504.02546 (2025); verl ``compute_gpg_outcome_advantage``.
+
+    Args:
+      reward_bg: float ``[B, G]`` raw sequence rewards.
+      mask_bg: ``bool[B, G]`` membership.
+      f_norm: F > 0.
+
+    Returns:
+      ``f32[]`` the factor α/F (the nonzero count is floored at 1).
+    """
+    fn = "gpg_scale"
+    _check_group(fn, "reward_bg", reward_bg, mask_bg)
+    _contracts.check_positive(fn, "f_norm", f_norm)
+    n = jnp.sum(mask_bg, dtype=jnp.float32)
+    nonzero = jnp.sum(mask_bg & (_contracts.f32(reward_bg) != 0.0), dtype=jnp.float32)
+    return n / jnp.maximum(nonzero, 1.0) / f_norm

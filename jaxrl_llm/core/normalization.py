@@ -217,3 +217,59 @@ def batch_whiten(
         eps_as_floor=eps_as_floor,
         axis_name=axis_name,
     )
+
+
+def normalize_then_sum(
+    reward_bgk: chex.Array,
+    mask_bg: chex.Array,
+    *,
+    weights: tuple[float, ...] | None = None,
+    eps: float = 1e-4,
+) -> chex.Array:
+    """GDPO's multi-reward aggregation: normalise each reward in its group, then sum.
+
+        ẑ_bgk = (r_bgk − mean_g r_bgk) / (σ_bk + eps)     (σ: unbiased std over the group)
+        R_bg = Σ_k w_k ẑ_bgk
+        A_bg = (R_bg − mean R) / (σ(R) + eps)              (mean, unbiased σ over the batch)
+
+    Summing raw rewards first lets one reward with a wide range drown the others and collapses
+    distinct reward combinations onto the same advantage; normalising each one first keeps
+    their resolution. Groups of one get ẑ = 0 (TRL: std 0 when G = 1 → 0/eps·0).
+
+    Reference: "GDPO: Group reward-Decoupled Normalization Policy Optimization for
+    Multi-reward RL Optimization", arXiv:2601.05242 (2026); TRL 1.16 GRPOTrainer
+    ``multi_objective_aggregation="normalize_then_sum"``.
+
+    Args:
+      reward_bgk: float ``[B, G, K]``, K rewards per completion.
+      mask_bg: ``bool[B, G]`` membership.
+      weights: K weights (default all 1).
+      eps: > 0, added to both stds.
+
+    Returns:
+      ``f32[B, G]`` advantages, 0 at non-members.
+    """
+    fn = "normalize_then_sum"
+    _contracts.check_rank(fn, "reward_bgk", reward_bgk, 3, "[B, G, K]")
+    _contracts.check_float(fn, "reward_bgk", reward_bgk)
+    _contracts.check_leading_shape(fn, "reward_bgk", reward_bgk, tuple(mask_bg.shape), "mask_bg")
+    _contracts.check_bool(fn, "mask_bg", mask_bg)
+    _contracts.check_positive(fn, "eps", eps)
+    k = reward_bgk.shape[-1]
+    if weights is None:
+        weights = (1.0,) * k
+    if len(weights) != k:
+        raise ValueError(f"{fn}: argument `weights` has {len(weights)} entries for K = {k} rewards")
+    m = mask_bg[..., None]
+    r = jnp.where(m, _contracts.f32(reward_bgk), 0.0)
+    count_b1 = jnp.sum(m, axis=1, keepdims=True, dtype=jnp.float32)
+    mean = jnp.sum(r, axis=1, keepdims=True) / jnp.maximum(count_b1, 1.0)
+    sq = jnp.sum(jnp.where(m, jnp.square(r - mean), 0.0), axis=1, keepdims=True)
+    std = jnp.where(count_b1 > 1, _safe_sqrt(sq / jnp.maximum(count_b1 - 1.0, 1.0)), 0.0)
+    z = jnp.where(m, (r - mean) / (std + eps), 0.0)
+    total_bg = jnp.sum(z * jnp.asarray(weights, jnp.float32), axis=-1)
+    n = jnp.sum(mask_bg, dtype=jnp.float32)
+    mu = jnp.sum(jnp.where(mask_bg, total_bg, 0.0)) / jnp.maximum(n, 1.0)
+    var = jnp.sum(jnp.where(mask_bg, jnp.square(total_bg - mu), 0.0)) / jnp.maximum(n - 1.0, 1.0)
+    sigma = jnp.where(n > 1, _safe_sqrt(var), 0.0)
+    return jnp.where(mask_bg, (total_bg - mu) / (sigma + eps), 0.0)
