@@ -250,6 +250,11 @@ CASES = [
         generate("good", "--max-new-tokens", "4096"),
         ("--max-new-tokens 4096", "context of 2048", "good/config.json"),
     ),
+    Case(
+        "generate_default_model_max_new_tokens_over_the_context",
+        other("generate", "--prompt", "Hi", "--max-new-tokens", "9000"),
+        ("--max-new-tokens 9000", "context of 8192 tokens", "config.json"),
+    ),
     Case("generate_bad_seed", other("generate", "--prompt", "Hi", "--seed", "-1"), ("--seed -1",)),
     # --- broken model folders, in every command
     *[

@@ -106,14 +106,13 @@ def run_generate(args: argparse.Namespace) -> int:
     if problem:
         return _error(problem)
     try:
-        if args.model is not None:  # the context, read cheaply before anything is loaded
-            found = models.model_context(args.model)
-            if found is not None and args.max_new_tokens >= found[0]:
-                return _error(
-                    f"--max-new-tokens {args.max_new_tokens}: expected fewer than the model's "
-                    f"context of {found[0]} tokens ({found[1]}), which also holds the prompt"
-                )
         path = args.model if args.model is not None else models.default_model_path()
+        found = models.model_context(path)  # read cheaply, before the weights load
+        if found is not None and args.max_new_tokens >= found[0]:
+            return _error(
+                f"--max-new-tokens {args.max_new_tokens}: expected fewer than the model's "
+                f"context of {found[0]} tokens ({found[1]}), which also holds the prompt"
+            )
         model = models.from_pretrained(path, dtype=args.dtype)
         tokenizer = models.load_tokenizer(path)
     except (FileNotFoundError, ValueError, OSError) as exc:  # ModelLoadError is a ValueError
