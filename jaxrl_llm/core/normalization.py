@@ -267,7 +267,7 @@ def normalize_then_sum(
     sq = jnp.sum(jnp.where(m, jnp.square(r - mean), 0.0), axis=1, keepdims=True)
     std = jnp.where(count_b1 > 1, _safe_sqrt(sq / jnp.maximum(count_b1 - 1.0, 1.0)), 0.0)
     z = jnp.where(m, (r - mean) / (std + eps), 0.0)
-    total_bg = jnp.sum(z * jnp.asarray(weights, jnp.float32), axis=-1)
+    total_bg = jnp.sum(z * jnp.asarray(weights, jnp.float32)[None, None, :], axis=-1)
     n = jnp.sum(mask_bg, dtype=jnp.float32)
     mu = jnp.sum(jnp.where(mask_bg, total_bg, 0.0)) / jnp.maximum(n, 1.0)
     var = jnp.sum(jnp.where(mask_bg, jnp.square(total_bg - mu), 0.0)) / jnp.maximum(n - 1.0, 1.0)
