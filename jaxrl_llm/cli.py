@@ -94,13 +94,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     from jaxrl_llm.rollout.cli import add_generate_parser
     from jaxrl_llm.train.cli import add_train_parsers
+    from jaxrl_llm.train.plan import add_arguments as add_plan_arguments
 
     add_train_parsers(sub)
     add_generate_parser(sub)
+    plan = sub.add_parser(
+        "plan",
+        help="will this run fit? compile its rollout and RL step for a TPU slice or N GPUs "
+        "(shapes only, nothing allocated) and print per-device memory, FLOPs and FITS",
+        allow_abbrev=False,
+    )
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_plan)
     return parser
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from jaxrl_llm.train.plan import run_cli
+
+    return run_cli(args)
+
+
 def main(argv: list[str] | None = None) -> int:
+    from jaxrl_llm.train.plan import quiet_cpu_platform
+
+    quiet_cpu_platform()  # libtpu installed on a machine without TPUs: CPU, no libtpu warnings
     parser = build_parser()
     args = parser.parse_args(argv)
     return args.func(args)

@@ -352,6 +352,23 @@ def make_rl_step(
         values = np.asarray(jax.device_get(packed)).tolist()
         return state, dict(zip(names, values, strict=True))
 
+    def lower(state: st.TrainState, groups: Groups) -> jax.stages.Lowered:
+        """The step's program lowered for ``state``/``groups`` without running it (leaves may
+        be sharded ``jax.ShapeDtypeStruct``s; with packing the masks must be host arrays, the
+        plan reads them): :mod:`jaxrl_llm.train.plan` compiles it for a target's devices."""
+        plan, shape = plan_of(groups)
+        jitted = jax.jit(
+            functools.partial(step, shape=shape),
+            in_shardings=(sharding, groups_sharding(groups), ref_sharding, rep),
+            out_shardings=(sharding, rep),
+            donate_argnums=0,
+        )
+        with jax.set_mesh(mesh):
+            lowered = jitted.lower(state, groups, ref_params, plan)
+        traced_names.pop()  # the metric names of this trace; call() pops only its own
+        return lowered
+
+    call.lower = lower
     return call
 
 

@@ -1,0 +1,1011 @@
+"""``jaxrl-llm plan``: will this run fit on that pod? Compiled for the target, nothing allocated.
+
+The run's models and state are built as abstract shapes only (``nnx.eval_shape`` /
+``jax.eval_shape``, :class:`jax.ShapeDtypeStruct` leaves carrying the mesh's
+``NamedSharding``): the model's shapes come from its ``config.json`` or GGUF metadata, no weight
+is read and no buffer allocated, so a 70B config plans on a laptop. The two programs a training
+step runs are then lowered and compiled for the target's devices:
+
+    rollout   the sampler's one jit (prefill + ``T - 1`` decode steps over a KV cache of
+              ``P + T`` slots for ``B·G`` rows; :mod:`jaxrl_llm.rollout.engine`)
+    update    the fused RL step (π_old / π_ref / V forward passes, the advantage chain, the
+              epochs × minibatches × micro-batches update; :func:`~jaxrl_llm.train.step.
+              make_rl_step`)
+
+and XLA's own figures are read back: ``compiled.memory_analysis()`` (per-device argument,
+output, alias and temporary bytes) and ``compiled.cost_analysis()["flops"]``. A program's
+footprint on one device is
+
+    program = arguments + outputs − aliased (donated) + temporaries
+
+and, since the train state and the reference stay resident while the sampler runs,
+
+    peak = max(update program, resident state + rollout temporaries + rollout outputs)
+
+compared with the chip's HBM: FITS when ``peak ≤ HBM``, with the margin ``HBM − peak``.
+
+Targets. TPU slices by name (``v5e-16``, ``v5p-128``, ``v6e-32``; v5e/v6e count chips, v5p
+counts TensorCores, two per chip, as Google's slice names do) or in libtpu's form
+(``v5e:4x4``) compile for the real topology on any machine with ``libtpu`` installed
+(``pip install -e ".[tpu-plan]"``; :func:`jax.experimental.topologies.get_topology_desc`,
+as MaxText's ``train_compile.py``). GPUs have no deviceless compiler: ``--devices N
+--device-memory 141GiB`` compiles for ``N`` CPU devices (``XLA_FLAGS=
+--xla_force_host_platform_device_count=N``, in a subprocess when this process has fewer) and
+the figures are an *estimate* (XLA:CPU's buffer assignment and fusion differ from XLA:GPU's).
+
+What is not measured here: the figures are XLA's static buffer assignment, not a measured
+``device.memory_stats()`` peak (CPU devices report none); the sampler's FLOPs count its decode
+``while_loop`` body once (XLA's cost analysis does not know the trip count), so the rollout's
+FLOPs are also given analytically (``2 · parameters · tokens``, Kaplan et al. 2020, eq. 2.1,
+without the attention term).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+GiB = 1024**3
+
+
+class PlanError(ValueError):
+    """A plan's input is wrong: an unknown topology, a mesh that does not fit it, a model path
+    that does not exist. The message names the flag or key and what was expected."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets.
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    """One accelerator chip as a plan sees it.
+
+    Attributes:
+      family: the slice-name prefix (``v5e``).
+      device_kind: what libtpu calls its devices (``TPU v5 lite``).
+      hbm_bytes: high-bandwidth memory per chip (one JAX device).
+      source: where that figure comes from.
+      cores_per_chip: TensorCores per chip (slice names of v5p count cores).
+    """
+
+    family: str
+    device_kind: str
+    hbm_bytes: int
+    source: str
+    cores_per_chip: int = 1
+
+
+#: Per-chip HBM, from Google Cloud's TPU system-architecture pages. The nominal capacity: XLA
+#: keeps a little of it for itself, so a plan within ~2% of HBM is tight.
+CHIPS: dict[str, Chip] = {
+    "v5e": Chip(
+        "v5e",
+        "TPU v5 lite",
+        16 * GiB,
+        "cloud.google.com/tpu/docs/v5e: 16 GiB HBM2 per chip",
+    ),
+    "v5p": Chip(
+        "v5p",
+        "TPU v5",
+        95 * GiB,
+        "cloud.google.com/tpu/docs/v5p: 95 GiB HBM2e per chip",
+        cores_per_chip=2,
+    ),
+    "v6e": Chip(
+        "v6e",
+        "TPU v6 lite",
+        32 * GiB,
+        "cloud.google.com/tpu/docs/v6e: 32 GiB HBM per chip",
+    ),
+}
+
+#: Chips -> the topology libtpu compiles for (2D tori for v5e/v6e, 3D for v5p), as in
+#: Google's slice tables.
+_TOPOLOGIES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16"}
+_TOPOLOGIES_2D |= {256: "16x16"}
+_TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8"}
+_TOPOLOGIES_3D |= {256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16"}
+
+
+def slice_names() -> list[str]:
+    """Every slice name :func:`parse_target` accepts (``v5e-16``, ``v5p-128``, ...)."""
+    names = []
+    for family, chip in CHIPS.items():
+        table = _TOPOLOGIES_3D if family == "v5p" else _TOPOLOGIES_2D
+        names += [f"{family}-{n * chip.cores_per_chip}" for n in table]
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What a plan compiles for.
+
+    Attributes:
+      name: as given (``v5e-16``, ``v5e:4x4``, ``8 devices``).
+      platform: ``"tpu"`` (a real deviceless compile) or ``"cpu"`` (an estimate on CPU devices).
+      num_devices: JAX devices (chips).
+      hbm_bytes: memory per device; None when unknown (no FITS verdict then).
+      hbm_source: where ``hbm_bytes`` comes from.
+      topology: libtpu's topology name (TPU only).
+      device_kind: the chip's name.
+    """
+
+    name: str
+    platform: str
+    num_devices: int
+    hbm_bytes: int | None
+    hbm_source: str
+    topology: str | None = None
+    device_kind: str = "cpu"
+
+    @property
+    def estimate(self) -> bool:
+        """True when the figures come from a CPU compile standing in for the real devices."""
+        return self.platform != "tpu"
+
+    @property
+    def accelerator(self) -> bool:
+        """The run's defaults are an accelerator's (bf16 compute and KV cache for ``auto``)."""
+        return self.platform == "tpu" or self.hbm_bytes is not None
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, *, where: str = "--device-memory") -> int:
+    """``"141GiB"``, ``"80GB"``, ``"16 GiB"``, ``"1e9"`` -> bytes (GB = 10⁹, GiB = 2³⁰)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise PlanError(
+            f"{where} = {text!r}: expected a positive size such as 141GiB, 80GB or 16GiB "
+            f"(units: {', '.join(u for u in _UNITS if u)}, case-insensitive)"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_target(
+    topology: str | None = None, *, devices: int | None = None, device_memory: str | None = None
+) -> Target:
+    """The target of ``--topology`` (a slice name or libtpu's ``v5e:4x4``), or of ``--devices N
+    [--device-memory SIZE]`` (N GPUs, estimated on N CPU devices).
+
+    Raises:
+      PlanError: an unknown slice or family (listing the valid ones), both or neither given.
+    """
+    if (topology is None) == (devices is None):
+        raise PlanError(
+            "give either --topology (a TPU slice such as v5e-16, v5p-128, v6e-32, or libtpu's "
+            "v5e:4x4) or --devices N --device-memory SIZE (GPUs, estimated on N CPU devices)"
+        )
+    if devices is not None:
+        if devices < 1:
+            raise PlanError(f"--devices = {devices}: expected at least 1")
+        hbm = None if device_memory is None else parse_bytes(device_memory)
+        source = "--device-memory" if hbm is not None else "not given (no FITS verdict)"
+        return Target(f"{devices}x GPU (CPU estimate)", "cpu", devices, hbm, source)
+    if device_memory is not None:
+        raise PlanError("--device-memory goes with --devices; a TPU slice's HBM is known")
+    name = topology.strip()
+    family_names = ", ".join(CHIPS)
+    if ":" in name:  # libtpu's own form
+        family, _, dims = name.partition(":")
+        chip = CHIPS.get(family)
+        if chip is None or not re.fullmatch(r"[0-9]+(x[0-9]+){1,2}", dims):
+            raise PlanError(
+                f"--topology {name!r}: expected FAMILY:DIMS with FAMILY one of {family_names} "
+                "and DIMS like 2x2, 4x8 (v5e, v6e) or 2x2x1, 4x4x4 (v5p)"
+            )
+        n = math.prod(int(d) for d in dims.split("x"))
+        return Target(name, "tpu", n, chip.hbm_bytes, chip.source, name, chip.device_kind)
+    m = re.fullmatch(r"(v[0-9][a-z]*)-([0-9]+)", name)
+    chip = CHIPS.get(m.group(1)) if m else None
+    if chip is None:
+        raise PlanError(
+            f"--topology {name!r}: unknown TPU slice; valid: {', '.join(slice_names())}, or "
+            f"libtpu's FAMILY:DIMS form (e.g. v5e:4x4) with FAMILY one of {family_names}"
+        )
+    cores = int(m.group(2))
+    table = _TOPOLOGIES_3D if chip.family == "v5p" else _TOPOLOGIES_2D
+    n = cores // chip.cores_per_chip
+    if cores % chip.cores_per_chip or n not in table:
+        valid = ", ".join(s for s in slice_names() if s.startswith(chip.family + "-"))
+        raise PlanError(f"--topology {name!r}: no such {chip.family} slice; valid: {valid}")
+    topo = f"{chip.family}:{table[n]}"
+    return Target(name, "tpu", n, chip.hbm_bytes, chip.source, topo, chip.device_kind)
+
+
+def target_devices(target: Target) -> list[Any]:
+    """The target's devices: libtpu's deviceless ones, or this process's first CPU devices.
+
+    Raises:
+      PlanError: libtpu is not installed, or this process has too few CPU devices.
+    """
+    if target.platform == "tpu":
+        try:
+            import libtpu  # noqa: F401
+        except ImportError:
+            raise PlanError(
+                f"--topology {target.name}: compiling for TPU needs libtpu "
+                '(pip install -e ".[tpu-plan]"); without it, plan on CPU devices with '
+                "--devices N --device-memory SIZE (an estimate)"
+            ) from None
+        from jax.experimental import topologies
+
+        with _quiet_stderr() as said:
+            try:
+                desc = topologies.get_topology_desc(platform="tpu", topology_name=target.topology)
+            except Exception as e:
+                raise PlanError(
+                    f"--topology {target.name}: libtpu refused topology {target.topology!r} "
+                    f"({type(e).__name__}: {e}) {said()}".strip()
+                ) from None
+        return list(desc.devices)
+    cpus = jax.devices("cpu")
+    if len(cpus) < target.num_devices:
+        raise PlanError(
+            f"{target.num_devices} CPU devices needed, this process has {len(cpus)}: set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={target.num_devices} before jax "
+            "starts (plan_in_subprocess does)"
+        )
+    return cpus[: target.num_devices]
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Any:
+    """Holds back what C++ code writes to file descriptor 2 (libtpu's initialisation warnings
+    about TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES on a machine without TPUs, which do not
+    matter for a deviceless compile); yields a function returning the text held back."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield lambda: (held.seek(0), held.read().decode(errors="replace"))[1]
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _tpu_device_files() -> bool:
+    return bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
+def quiet_cpu_platform() -> bool:
+    """Pins this process to CPU when ``libtpu`` is installed but the machine has no TPU
+    (no ``/dev/accel*`` or ``/dev/vfio/N``) and no JAX GPU plugin, and ``JAX_PLATFORMS`` is
+    unset: jax would otherwise try libtpu first, print its initialisation warnings and fall
+    back to CPU anyway. Only the ``jaxrl-llm`` CLI calls this (before any backend starts);
+    deviceless TPU compiles (:func:`target_devices`) still work. Returns whether it did.
+    """
+    import importlib.util
+
+    if os.environ.get("JAX_PLATFORMS") or importlib.util.find_spec("libtpu") is None:
+        return False
+    gpu = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
+    if _tpu_device_files() or any(importlib.util.find_spec(m) for m in gpu):
+        return False
+    os.environ["JAX_PLATFORMS"] = "cpu"  # for subprocesses
+    jax.config.update("jax_platforms", "cpu")
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# The run's model config, from config.json or GGUF metadata only.
+
+
+def model_config(model: Any, *, accelerator: bool) -> Any:
+    """The policy's :class:`~jaxrl_llm.models.ModelConfig` of a ``model:`` config section, read
+    from ``config.json`` / GGUF metadata (no weights), with its dtype, remat and attention.
+
+    ``dtype: auto`` is bfloat16 for an accelerator target, float32 otherwise (the trainer's
+    rule, applied to the target instead of this machine).
+
+    Raises:
+      PlanError: ``model.path`` does not exist.
+    """
+    from jaxrl_llm import models
+    from jaxrl_llm.models import hub
+    from jaxrl_llm.models.config import ModelConfig
+    from jaxrl_llm.train import models as train_models
+
+    dtype = model.dtype if model.dtype != "auto" else ("bfloat16" if accelerator else "float32")
+    policy = dict(
+        dtype=jnp.dtype(dtype),
+        param_dtype=jnp.dtype(model.param_dtype),
+        remat=model.remat,
+        attention_impl=model.attention,
+    )
+    if model.path == models.TINY_RANDOM:
+        return models.tiny_random_config(
+            **{k: jnp.dtype(v).name if "dtype" in k else v for k, v in policy.items()}
+        )
+    path = Path(train_models.resolve_model_path(model.path)).expanduser()
+    if not path.exists():
+        raise PlanError(
+            f"model.path = {model.path!r}: no such folder or file ({path}); expected an HF "
+            "folder with config.json (weights are not read), a .gguf file, 'default' or "
+            "'tiny-random'"
+        )
+    folder, gguf_file = hub._resolve(path, None)  # the loader's own path rules
+    if gguf_file is None:
+        raw = hub.read_config_json(folder)
+    else:
+        raw = hub._read_hf_config(folder, gguf_file).to_dict()  # GGUF header metadata only
+    return ModelConfig.from_hf(raw, **policy)
+
+
+# ---------------------------------------------------------------------------------------------
+# Abstract state.
+
+
+def _with_sharding(abstract: Any, shardings: Any) -> Any:
+    """``ShapeDtypeStruct``s of ``abstract`` carrying the matching ``shardings``."""
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+
+
+def _shape_only(tree: Any) -> Any:
+    """Abstract leaves (``nnx.to_pure_dict`` of an ``nnx.eval_shape`` module) as plain
+    ``ShapeDtypeStruct``s."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AbstractRun:
+    """The run as shapes: the :class:`~jaxrl_llm.train.setup.Models` (its reference parameters
+    abstract), the train state and the step's groups, every leaf a sharded ShapeDtypeStruct."""
+
+    models: Any
+    state: Any
+    groups: Any
+    model_config: Any
+    prompt_width: int
+
+
+def abstract_run(config: Any, recipe: Any, mesh: jax.sharding.Mesh, model_cfg: Any) -> AbstractRun:
+    """:func:`jaxrl_llm.train.setup.build_models`, with shapes instead of arrays.
+
+    The same optimizer, shardings (:func:`jaxrl_llm.train.state.state_shardings`), reference
+    dtype and critic as the trainer builds; the groups are the step's worst case (every prompt
+    ``data.max_prompt_length`` tokens padded to the trainer's multiple, every completion
+    ``rollout.max_new_tokens``).
+    """
+    from jaxrl_llm import models
+    from jaxrl_llm.models import sharding as shd
+    from jaxrl_llm.recipe import REFERENCE_LOGPROBS
+    from jaxrl_llm.train import setup as su
+    from jaxrl_llm.train import state as st
+    from jaxrl_llm.train.step import Groups
+
+    rules = shd.PRESETS[config.mesh.preset]
+    seed = config.train.seed
+    n_updates = su.update_shape(config).updates_per_step
+    policy = nnx.eval_shape(lambda: models.CausalLM(model_cfg, rngs=nnx.Rngs(seed)))
+    graphdef, params = st.split_params(policy)
+    params = _shape_only(params)
+    param_sh = shd.param_shardings(nnx.state(policy, nnx.Param), mesh, rules)
+    tx, schedule = su.make_optimizer(
+        config.optim, max_steps=config.train.max_steps, updates_per_step=n_updates
+    )
+    ref = None
+    if REFERENCE_LOGPROBS in recipe.requires:
+        dtype = jnp.dtype(config.kl.reference_param_dtype)
+        ref = _with_sharding(
+            jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype), params), param_sh
+        )
+    critic_graphdef = critic_params = critic_sh = critic_tx = critic_schedule = None
+    if recipe.critic is not None:
+        critic_cfg = model_cfg
+        if config.critic.path is not None:
+            critic_model = dataclasses.replace(config.model, path=config.critic.path)
+            critic_cfg = model_config(critic_model, accelerator=model_cfg.dtype != "float32")
+        critic = nnx.eval_shape(lambda: models.ValueModel(critic_cfg, rngs=nnx.Rngs(seed + 1)))
+        critic_graphdef, critic_params = st.split_params(critic)
+        critic_params = _shape_only(critic_params)
+        critic_sh = shd.param_shardings(nnx.state(critic, nnx.Param), mesh, rules)
+        critic_tx, critic_schedule = su.make_critic_optimizer(
+            config.critic,
+            config.optim,
+            max_steps=config.train.max_steps,
+            updates_per_step=n_updates,
+        )
+    state = jax.eval_shape(
+        lambda p, cp: st.init_train_state(
+            p, tx, recipe=recipe, seed=seed, critic_params=cp, critic_tx=critic_tx
+        ),
+        params,
+        critic_params,
+    )
+    sharding = st.state_shardings(
+        state,
+        mesh,
+        param_sharding=param_sh,
+        tx=tx,
+        critic_param_sharding=critic_sh,
+        critic_tx=critic_tx,
+    )
+    state = _with_sharding(state, sharding)
+    run_models = su.Models(
+        mesh=mesh,
+        rules=rules,
+        graphdef=graphdef,
+        tx=tx,
+        schedule=schedule,
+        state_sharding=sharding,
+        ref_params=ref,
+        critic_graphdef=critic_graphdef,
+        critic_tx=critic_tx,
+        critic_schedule=critic_schedule,
+    )
+    b = config.rollout.prompts_per_step
+    g = config.update_batch_size // b  # PODS: the update sees m of the G answers
+    t = config.rollout.max_new_tokens
+    p = -(-config.data.max_prompt_length // su.PAD_MULTIPLE) * su.PAD_MULTIPLE
+    dp = shd.data_parallel_size(mesh)
+    split = b % dp == 0
+
+    def leaf(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        sh = run_models.batch_sharding(len(shape)) if split else st.replicated(mesh)
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sh)
+
+    def mask(shape: tuple[int, ...]) -> Any:  # host arrays with packing: the plan reads them
+        return np.ones(shape, bool) if su.update_shape(config).packing else leaf(shape, bool)
+
+    groups = Groups(
+        prompt_ids_bp=leaf((b, p), jnp.int32),
+        prompt_mask_bp=mask((b, p)),
+        tokens_bgt=leaf((b, g, t), jnp.int32),
+        mask_bgt=mask((b, g, t)),
+        logp_sampler_bgt=leaf((b, g, t), jnp.float32),
+        reward_bg=leaf((b, g), jnp.float32),
+        member_bg=leaf((b, g), bool),
+    )
+    return AbstractRun(run_models, state, groups, model_cfg, p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bytes of sharded shapes.
+
+
+def _leaf_bytes(x: Any) -> tuple[int, int, int]:
+    """(global bytes, bytes on one device, bytes replicated on every device) of one leaf."""
+    if x is None or not hasattr(x, "shape"):
+        return 0, 0, 0
+    size = np.dtype(x.dtype).itemsize if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else 8
+    total = math.prod(x.shape) * size
+    sharding = getattr(x, "sharding", None)
+    if sharding is None:
+        return total, total, total
+    shard = math.prod(sharding.shard_shape(tuple(x.shape))) * size
+    replicated = shard if sharding.is_fully_replicated and len(sharding.device_set) > 1 else 0
+    return total, shard, replicated
+
+
+@dataclasses.dataclass(frozen=True)
+class Bytes:
+    """A tree's bytes: ``total`` over the mesh, ``per_device`` on one device, of which
+    ``replicated`` is held whole by every device (leaves not split: scalars, dimensions that
+    do not divide their mesh axes, the dp preset's parameters)."""
+
+    total: int = 0
+    per_device: int = 0
+    replicated: int = 0
+
+
+def tree_bytes(tree: Any) -> Bytes:
+    """:class:`Bytes` of a pytree of sharded arrays or ``ShapeDtypeStruct``s (the largest
+    shard's, i.e. device 0's, for uneven splits)."""
+    parts = [_leaf_bytes(x) for x in jax.tree.leaves(tree)]
+    return Bytes(*(int(sum(p[i] for p in parts)) for i in range(3)))
+
+
+def kv_cache_bytes(
+    model_cfg: Any, rows: int, slots: int, dtype: Any, mesh: jax.sharding.Mesh
+) -> Bytes:
+    """The sampler's decode cache: keys and values of every layer, ``[N, K, Dh, S]`` each,
+    ``2 · L · N · K · Dh · S`` elements, split over the batch axes (rows) and, when the KV
+    heads divide it, ``tensor`` (:func:`jaxrl_llm.rollout.decode.constrain`)."""
+    from jaxrl_llm.models import sharding as shd
+
+    c = model_cfg
+    total = 2 * c.num_layers * rows * c.num_kv_heads * c.head_dim * slots
+    total *= jnp.dtype(dtype).itemsize
+    dp = shd.data_parallel_size(mesh)
+    tensor = dict(mesh.shape).get("tensor", 1)
+    split = (dp if rows % dp == 0 else 1) * (tensor if c.num_kv_heads % tensor == 0 else 1)
+    return Bytes(total, total // split, 0 if split > 1 or mesh.size == 1 else total // split)
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling.
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One compiled program's per-device figures (XLA's ``memory_analysis``/``cost_analysis``).
+
+    ``bytes = arguments + outputs − aliased + temporaries`` is what it needs on one device while
+    it runs; ``flops`` as XLA counts them (a loop body once).
+    """
+
+    name: str
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    code: int
+    flops: float
+    compile_s: float
+
+    @property
+    def bytes(self) -> int:
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+
+def _program(name: str, lowered: Any) -> Program:
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, Sequence):  # older jax: one dict per program
+        cost = cost[0] if cost else {}
+    return Program(
+        name=name,
+        arguments=int(mem.argument_size_in_bytes),
+        outputs=int(mem.output_size_in_bytes),
+        aliased=int(mem.alias_size_in_bytes),
+        temporaries=int(mem.temp_size_in_bytes),
+        code=int(getattr(mem, "generated_code_size_in_bytes", 0)),
+        flops=float((cost or {}).get("flops", 0.0)),
+        compile_s=seconds,
+    )
+
+
+def _cache_dtype(sampler: Any, model_cfg: Any, target: Target) -> jnp.dtype:
+    """The sampler's KV-cache dtype on the target (engine._cache_dtype's rule, for the target's
+    backend rather than this machine's)."""
+    if sampler.cache_dtype is not None:
+        return jnp.dtype(sampler.cache_dtype)
+    if not target.accelerator:
+        return jnp.dtype(jnp.promote_types(model_cfg.dtype, jnp.float32))
+    return jnp.dtype(model_cfg.dtype)
+
+
+def lower_rollout(run: AbstractRun, config: Any, target: Target) -> tuple[Any, Bytes]:
+    """The sampler's program (:func:`jaxrl_llm.rollout.engine.generate`'s jit) lowered for the
+    run's B prompts of width P, G samples, T new tokens; and its KV cache's bytes."""
+    from jaxrl_llm.models import sharding as shd
+    from jaxrl_llm.rollout import engine
+    from jaxrl_llm.train import state as st
+
+    r = config.rollout
+    mesh, cfg = run.models.mesh, run.model_config
+    b, p = r.prompts_per_step, run.prompt_width
+    rep = st.replicated(mesh)
+    batch = shd.batch_sharding(mesh, 2) if b % shd.data_parallel_size(mesh) == 0 else rep
+    cache_dtype = _cache_dtype(_sampler_of(config), cfg, target)
+    pad = cfg.pad_token_id
+    static = engine._Static(  # the sampler's own static settings (engine.generate)
+        max_new_tokens=r.max_new_tokens,
+        num_samples=r.num_samples,
+        greedy=r.temperature == 0.0,
+        top_k=0 if r.top_k >= cfg.vocab_size else r.top_k,
+        use_top_p=r.top_p < 1.0,
+        pad_token_id=int(pad) if pad is not None and 0 <= pad < cfg.vocab_size else 0,
+        cache_dtype=cache_dtype.name,
+    )
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    args = (
+        run.state.params,
+        jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=batch),
+        jax.ShapeDtypeStruct((b, p), bool, sharding=batch),
+        jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep),
+        jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
+        jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
+        jax.ShapeDtypeStruct((8,), jnp.int32, sharding=rep),
+    )
+    with jax.set_mesh(mesh):
+        lowered = engine._rollout.lower(run.models.graphdef, *args, static=static)
+    kv = kv_cache_bytes(cfg, b * r.num_samples, p + r.max_new_tokens, cache_dtype, mesh)
+    return lowered, kv
+
+
+def _sampler_of(config: Any) -> Any:
+    from jaxrl_llm.train import setup as su
+
+    return su._sampler(config, ())
+
+
+def lower_step(run: AbstractRun, config: Any, recipe: Any) -> Any:
+    """The fused RL step (:func:`jaxrl_llm.train.step.make_rl_step`) lowered for the run's
+    abstract state and worst-case groups."""
+    from jaxrl_llm.train import setup as su
+    from jaxrl_llm.train import step as rl_step
+
+    step = rl_step.make_rl_step(
+        recipe,
+        run.models,
+        su.update_shape(config),
+        temperature=config.rollout.temperature or 1.0,
+        old_logprobs=su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
+    )
+    return step.lower(run.state, run.groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan.
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A run planned for a target (see the module docstring); bytes are per device."""
+
+    target: Target
+    mesh: dict[str, int]
+    preset: str
+    model: dict[str, Any]
+    parameters: Bytes
+    optimizer: Bytes
+    reference: Bytes
+    critic: Bytes
+    batch: Bytes
+    kv_cache: Bytes
+    rollout: Program
+    update: Program
+    rollout_flops_analytic: float
+    seconds: float
+
+    @property
+    def state(self) -> int:
+        """Resident between programs: policy + optimizer + critic (+ its optimizer) + reference."""
+        return (
+            self.parameters.per_device
+            + self.optimizer.per_device
+            + self.critic.per_device
+            + (self.reference.per_device)
+        )
+
+    @property
+    def rollout_peak(self) -> int:
+        """The resident state plus the sampler's temporaries and outputs (its parameters are
+        the state's; its other inputs, the prompts, are counted too)."""
+        r = self.rollout
+        others = r.arguments - self.parameters.per_device
+        return self.state + max(others, 0) + r.outputs + r.temporaries
+
+    @property
+    def update_peak(self) -> int:
+        return self.update.bytes
+
+    @property
+    def peak(self) -> int:
+        return max(self.rollout_peak, self.update_peak)
+
+    @property
+    def peak_program(self) -> str:
+        return "rollout" if self.rollout_peak >= self.update_peak else "update"
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.target.hbm_bytes is None else self.peak <= self.target.hbm_bytes
+
+    @property
+    def margin(self) -> int | None:
+        return None if self.target.hbm_bytes is None else self.target.hbm_bytes - self.peak
+
+    @property
+    def flops_per_step(self) -> float:
+        """Per device: the update's (XLA) plus the rollout's analytic estimate."""
+        return self.update.flops + self.rollout_flops_analytic
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything as JSON-ready values (``--json``)."""
+
+        def b(x: Bytes) -> dict[str, int]:
+            return dataclasses.asdict(x)
+
+        def prog(p: Program) -> dict[str, Any]:
+            return {**dataclasses.asdict(p), "bytes": p.bytes}
+
+        return {
+            "target": {**dataclasses.asdict(self.target), "estimate": self.target.estimate},
+            "mesh": self.mesh,
+            "preset": self.preset,
+            "model": self.model,
+            "per_device_bytes": {
+                "parameters": b(self.parameters),
+                "optimizer": b(self.optimizer),
+                "reference": b(self.reference),
+                "critic": b(self.critic),
+                "batch": b(self.batch),
+                "kv_cache": b(self.kv_cache),
+                "state": self.state,
+                "rollout_peak": self.rollout_peak,
+                "update_peak": self.update_peak,
+                "peak": self.peak,
+            },
+            "programs": {"rollout": prog(self.rollout), "update": prog(self.update)},
+            "peak_program": self.peak_program,
+            "flops_per_step": {
+                "update_xla": self.update.flops,
+                "rollout_xla_loop_body_once": self.rollout.flops,
+                "rollout_analytic": self.rollout_flops_analytic,
+                "total": self.flops_per_step,
+            },
+            "hbm_bytes": self.target.hbm_bytes,
+            "fits": self.fits,
+            "margin_bytes": self.margin,
+            "seconds": self.seconds,
+        }
+
+
+def _mib(n: int) -> str:
+    if abs(n) >= GiB:
+        return f"{n / GiB:,.2f} GiB"
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as the table ``jaxrl-llm plan`` prints."""
+    t = plan.target
+    m = plan.model
+    kind = "estimate: compiled for CPU devices" if t.estimate else f"{t.device_kind}, {t.topology}"
+    lines = [
+        f"plan for {t.name} ({t.num_devices} devices; {kind})",
+        f"model {m['path']}: {m['parameters']:,} parameters, {m['layers']} layers, "
+        f"dtype {m['dtype']}, params {m['param_dtype']}, remat {m['remat']}",
+        "mesh " + ", ".join(f"{k}={v}" for k, v in plan.mesh.items()) + f" (preset {plan.preset})",
+        "",
+        f"{'per device':<34}{'bytes':>14}{'of which replicated':>22}",
+    ]
+
+    def row(label: str, x: Bytes | int) -> None:
+        if isinstance(x, Bytes):
+            rep = _mib(x.replicated) if x.replicated else ""
+            lines.append(f"{label:<34}{_mib(x.per_device):>14}{rep:>22}")
+        else:
+            lines.append(f"{label:<34}{_mib(x):>14}")
+
+    row("parameters", plan.parameters)
+    row("optimizer state", plan.optimizer)
+    if plan.reference.total:
+        row("reference model", plan.reference)
+    if plan.critic.total:
+        row("critic (+ its optimizer)", plan.critic)
+    row("step batch (groups)", plan.batch)
+    row("KV cache (rollout)", plan.kv_cache)
+    row("rollout temporaries (XLA)", plan.rollout.temporaries)
+    row("update temporaries (XLA)", plan.update.temporaries)
+    row("rollout peak (state + rollout)", plan.rollout_peak)
+    row("update peak (args+out-alias+temp)", plan.update_peak)
+    lines += [
+        "",
+        f"peak program: {plan.peak_program}, {_mib(plan.peak)} per device",
+        f"FLOPs per step per device: {plan.flops_per_step:.3e} (update {plan.update.flops:.3e} "
+        f"from XLA, rollout {plan.rollout_flops_analytic:.3e} = 2·params·tokens)",
+        f"compiled in {plan.rollout.compile_s:.1f} s (rollout) + {plan.update.compile_s:.1f} s "
+        f"(update); plan took {plan.seconds:.1f} s",
+    ]
+    if t.hbm_bytes is None:
+        lines.append("no device memory given (--device-memory): no FITS verdict")
+    else:
+        verdict = "FITS" if plan.fits else "DOES NOT FIT"
+        margin = plan.margin
+        lines.append(
+            f"{verdict}: peak {_mib(plan.peak)} of {_mib(t.hbm_bytes)} HBM ({t.hbm_source}); "
+            f"margin {_mib(margin)} ({100 * margin / t.hbm_bytes:+.1f}%)"
+        )
+    if t.estimate:
+        lines.append(
+            "(an estimate: XLA:CPU's buffer assignment stands in for the GPU's; no deviceless "
+            "GPU compiler exists)"
+        )
+    return "\n".join(lines)
+
+
+def plan_run(config: Any, target: Target) -> Plan:
+    """Plans ``config`` (a :class:`~jaxrl_llm.config.TrainConfig` of an online recipe) for
+    ``target`` in this process (which must have the target's devices; see
+    :func:`plan_in_subprocess` for CPU estimates).
+
+    Raises:
+      PlanError / ConfigError: a bad target, a mesh that does not divide the devices or the
+        batch, a missing model path, an offline recipe.
+    """
+    from jaxrl_llm.config import ConfigError, build_recipe, check_devices
+    from jaxrl_llm.models import sharding as shd
+
+    t0 = time.perf_counter()
+    if config.rollout is None:
+        raise PlanError(
+            f"algorithm.name = {config.algorithm.name!r}: plan covers online recipes (a "
+            "rollout and an RL step); offline preference training is not planned yet"
+        )
+    try:
+        sizes = check_devices(config, target.num_devices)
+    except (ConfigError, ValueError) as e:
+        raise PlanError(f"{e} (target {target.name})") from None
+    recipe = build_recipe(config)
+    model_cfg = model_config(config.model, accelerator=target.accelerator)
+    devices = target_devices(target)
+    mesh = shd.make_mesh(**sizes, devices=devices)
+    run = abstract_run(config, recipe, mesh, model_cfg)
+    rollout_lowered, kv = lower_rollout(run, config, target)
+    rollout = _program("rollout", rollout_lowered)
+    update = _program("update", lower_step(run, config, recipe))
+    s = run.state
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(s.params))
+    r = config.rollout
+    tokens = r.prompts_per_step * (run.prompt_width + r.num_samples * r.max_new_tokens)
+    return Plan(
+        target=target,
+        mesh=dict(sizes),
+        preset=config.mesh.preset,
+        model={
+            "path": config.model.path,
+            "parameters": int(n_params),
+            "layers": model_cfg.num_layers,
+            "hidden_size": model_cfg.hidden_size,
+            "vocab_size": model_cfg.vocab_size,
+            "dtype": model_cfg.dtype,
+            "param_dtype": model_cfg.param_dtype,
+            "remat": model_cfg.remat,
+        },
+        parameters=tree_bytes(s.params),
+        optimizer=tree_bytes(s.opt_state),
+        reference=tree_bytes(run.models.ref_params),
+        critic=tree_bytes((s.critic_params, s.critic_opt_state)),
+        batch=tree_bytes(run.groups),
+        kv_cache=kv,
+        rollout=rollout,
+        update=update,
+        rollout_flops_analytic=2.0 * n_params * tokens / mesh.size,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def plan_in_subprocess(
+    config_path: str, overrides: Sequence[str], target: Target, *, timeout: float | None = None
+) -> dict[str, Any]:
+    """Runs the plan in a fresh Python with ``target.num_devices`` fake CPU devices (they must
+    be requested before jax starts) and returns :meth:`Plan.to_dict`."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform" not in f]
+    flags.append(f"--xla_force_host_platform_device_count={target.num_devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    env["JAX_PLATFORMS"] = "cpu"
+    args = [sys.executable, "-m", "jaxrl_llm.train.plan", "--config", str(config_path)]
+    args += ["--devices", str(target.num_devices)]
+    if target.hbm_bytes is not None:
+        args += ["--device-memory", str(target.hbm_bytes)]
+    args += ["--json", *overrides]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    if out.returncode != 0:
+        raise PlanError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed")
+    return json.loads(out.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line (also ``python -m jaxrl_llm.train.plan``, the subprocess of CPU estimates).
+
+
+def add_arguments(parser: Any) -> None:
+    """``plan``'s flags on an argparse parser."""
+    parser.add_argument("--config", required=True, help="the run's config (file or shipped name)")
+    parser.add_argument(
+        "--topology",
+        default=None,
+        help=f"TPU slice ({', '.join(slice_names()[:6])}, ...) or libtpu's form, e.g. v5e:4x4",
+    )
+    parser.add_argument(
+        "--devices", type=int, default=None, help="N GPUs (estimated on N CPU devices)"
+    )
+    parser.add_argument(
+        "--device-memory", default=None, help="memory per GPU with --devices, e.g. 141GiB, 80GB"
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
+
+
+def run_cli(args: Any) -> int:
+    """``jaxrl-llm plan``: prints the plan; 0 when it fits (or no memory was given), 1 when it
+    does not, 2 on bad input."""
+    from jaxrl_llm.config import ConfigError, load_config
+    from jaxrl_llm.models import ModelLoadError
+
+    try:
+        target = parse_target(args.topology, devices=args.devices, device_memory=args.device_memory)
+        config = load_config(args.config, args.overrides)
+        if target.platform == "cpu" and jax.device_count("cpu") < target.num_devices:
+            result = plan_in_subprocess(args.config, args.overrides, target)
+            text = None
+        else:
+            plan = plan_run(config, target)
+            result, text = plan.to_dict(), format_plan(plan)
+    except (PlanError, ConfigError, ModelLoadError, FileNotFoundError) as e:
+        print(f"jaxrl-llm plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif text is not None:
+        print(text)
+    else:
+        print(_format_dict(result))
+    return 1 if result["fits"] is False else 0
+
+
+def _format_dict(d: Mapping[str, Any]) -> str:
+    """A short table of a subprocess plan's JSON."""
+    b = d["per_device_bytes"]
+    t = d["target"]
+    lines = [f"plan for {t['name']} ({t['num_devices']} devices; estimate: compiled for CPU)"]
+    for key in ("parameters", "optimizer", "reference", "critic", "batch", "kv_cache"):
+        lines.append(f"{key:<24}{_mib(b[key]['per_device']):>14}")
+    for key in ("rollout_peak", "update_peak", "peak"):
+        lines.append(f"{key:<24}{_mib(b[key]):>14}")
+    if d["fits"] is not None:
+        verdict = "FITS" if d["fits"] else "DOES NOT FIT"
+        lines.append(f"{verdict}: margin {_mib(d['margin_bytes'])} of {_mib(d['hbm_bytes'])}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m jaxrl_llm.train.plan`` (the same flags as ``jaxrl-llm plan``)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="jaxrl-llm plan", allow_abbrev=False)
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = [
+    "CHIPS",
+    "AbstractRun",
+    "Bytes",
+    "Chip",
+    "Plan",
+    "PlanError",
+    "Program",
+    "Target",
+    "abstract_run",
+    "add_arguments",
+    "format_plan",
+    "kv_cache_bytes",
+    "lower_rollout",
+    "lower_step",
+    "model_config",
+    "parse_bytes",
+    "parse_target",
+    "plan_in_subprocess",
+    "plan_run",
+    "quiet_cpu_platform",
+    "run_cli",
+    "slice_names",
+    "target_devices",
+    "tree_bytes",
+]
