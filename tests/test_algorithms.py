@@ -21,6 +21,22 @@ from tests.reference import reference_advantages
 
 PRESETS = ("default", "verl", "trl", "openrlhf")
 KL_IN_REWARD = ("reinforce", "ppo", "rloo", "reinforce_pp")
+# The loss family (issue 17) changes the loss, not GRPO's advantage: the loop reference of
+# GRPO checks their chains. GPG, OPO and ReMax have their own estimators, checked against verl's
+# own functions in tests/core/test_loss_family.py.
+REFERENCE_AS = {
+    n: "grpo"
+    for n in ("cispo", "sapo", "gmpo", "clip_cov", "kl_cov", "dppo", "dro", "luspo", "vespo")
+}
+OWN_ESTIMATOR = ("gpg", "opo", "remax")
+LOOP_RECIPES = tuple(n for n in alg.ONLINE_RECIPES if n not in (*OWN_ESTIMATOR, *REFERENCE_AS))
+GROUP_CENTRED = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo", "gpg", "opo")
+
+
+def get(name: str, **hp):
+    """``alg.get`` with the hyperparameters the recipe takes (GPG and OPO have no β)."""
+    params = rc.hparam_defaults(alg.RECIPES[name])
+    return alg.get(name, **{k: v for k, v in hp.items() if k in params})
 
 
 def random_rollout(seed: int, b: int, g: int, t: int, *, ragged_groups: bool = True):
@@ -46,6 +62,7 @@ def random_rollout(seed: int, b: int, g: int, t: int, *, ragged_groups: bool = T
         logp_old_bgt=jnp.asarray(logp_old),
         logp_ref_bgt=jnp.asarray(logp_ref),
         value_bgt=jnp.asarray(noise()),
+        baseline_b=jnp.asarray(rng.normal(size=b).astype(np.float32)),
     )
 
 
@@ -59,12 +76,16 @@ def recipe_and_hparams(name: str, preset: str):
 
 
 class RecipesMatchLoopReferences(parameterized.TestCase):
-    @parameterized.product(name=alg.ONLINE_RECIPES, preset=PRESETS)
+    @parameterized.product(name=LOOP_RECIPES, preset=PRESETS)
     def test_matches_reference(self, name, preset):
         self._check(name, preset, (3, 6, 7), jax.jit)
 
+    @parameterized.product(name=tuple(REFERENCE_AS), preset=("default", "verl"))
+    def test_loss_family_chains_match_grpo_reference(self, name, preset):
+        self._check(name, preset, (3, 6, 7), jax.jit)
+
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.product(name=alg.ONLINE_RECIPES, shape=((1, 1, 5), (2, 3, 1)))
+    @parameterized.product(name=LOOP_RECIPES, shape=((1, 1, 5), (2, 3, 1)))
     def test_matches_reference_on_tiny_shapes(self, name, shape):
         self._check(name, "default", shape, self.variant)
 
@@ -77,7 +98,9 @@ class RecipesMatchLoopReferences(parameterized.TestCase):
             return ch.apply(recipe.advantage, rollout)[0]
 
         got = run(rollout)
-        want = reference_advantages(name, rollout, nm.resolve(preset), **ref_hp)
+        want = reference_advantages(
+            REFERENCE_AS.get(name, name), rollout, nm.resolve(preset), **ref_hp
+        )
         chex.assert_type(got, jnp.float32)
         # atol: whitening a near-constant signal multiplies f32 rounding by rsqrt(eps) = 1e4
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=1e-3)
@@ -119,15 +142,16 @@ class FailureCases(parameterized.TestCase):
     @parameterized.product(name=alg.ONLINE_RECIPES, preset=PRESETS)
     def test_easy_prompt_all_answers_right(self, name, preset):
         """Every answer right: std = 0. Advantages must be zero and finite, never NaN/inf."""
-        recipe = alg.get(name, numerics=preset, beta=0.0)
+        recipe = get(name, numerics=preset, beta=0.0)
         rollout = jrl.Rollout(
             reward_bg=jnp.ones((2, 4)),
             mask_bgt=jnp.ones((2, 4, 6), bool),
             value_bgt=jnp.ones((2, 4, 6)),
+            baseline_b=jnp.ones((2,)),  # ReMax: the greedy answer is right too
         )
         adv = jrl.compute_advantages(recipe, rollout)
         assert bool(jnp.all(jnp.isfinite(adv)))
-        if name in ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "dapo", "gspo"):
+        if name in (*GROUP_CENTRED, *REFERENCE_AS, "remax"):
             np.testing.assert_allclose(adv, 0.0, atol=1e-6)
 
     @parameterized.product(name=("grpo", "rloo", "dr_grpo", "dapo", "gspo"), preset=PRESETS)
@@ -293,7 +317,7 @@ def test_recipes_are_jittable_end_to_end():
     """Advantages and the policy objective under one jit, differentiable in log π."""
     rollout = random_rollout(6, 2, 3, 4)
     for name in alg.ONLINE_RECIPES:
-        recipe = alg.get(name, beta=0.1 if name in KL_IN_REWARD else 0.05)
+        recipe = get(name, beta=0.1 if name in KL_IN_REWARD else 0.05)
 
         @functools.partial(jax.jit)
         def loss(logp_bgt, rollout, recipe=recipe):
