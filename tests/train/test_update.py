@@ -223,7 +223,11 @@ from jaxrl_llm import recipe as _rc  # noqa: E402
 from jaxrl_llm.train import packing as _pk  # noqa: E402
 
 KL_RECIPES = ("grpo", "dapo", "gspo", "dr_grpo")
-PACK_CASES = [(name, None) for name in ONLINE] + [
+# Clip-Cov and KL-Cov choose tokens by the covariance statistics of each micro-batch (as verl
+# does): token-budget micro-batches of a packed update group other sequences, so they are not
+# packing-invariant by construction (documented in core.policy_losses.clip_cov_loss).
+MICRO_BATCH_DEPENDENT = ("clip_cov", "kl_cov")
+PACK_CASES = [(name, None) for name in ONLINE if name not in MICRO_BATCH_DEPENDENT] + [
     ("grpo", mode) for mode in _rc.AGGREGATIONS if mode != "seq-mean-token-mean"
 ]
 
