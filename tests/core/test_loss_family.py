@@ -412,3 +412,26 @@ def test_explain_grpo_options():
     assert "pass@k" in explain(alg.grpo(passk=True)).baseline
     gdpo = explain(alg.grpo(reward_aggregation="normalize_then_sum"))
     assert "per reward" in gdpo.baseline and "batch whitening" in gdpo.normalization
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer refuses what it cannot collect (ReMax's greedy baseline, GDPO's separate rewards).
+
+
+@pytest.mark.parametrize(
+    ("recipe", "needle"),
+    [
+        (lambda: alg.remax(), "greedy completion"),
+        (lambda: alg.grpo(reward_aggregation="normalize_then_sum"), "separate rewards"),
+    ],
+    ids=["remax", "gdpo"],
+)
+def test_trainer_refuses_what_it_does_not_collect(recipe, needle):
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.train import collect
+
+    with pytest.raises(ConfigError, match=needle) as e:
+        collect.check_collectable(recipe())
+    assert e.value.key == "algorithm.name"
+    for name in ("grpo", "cispo", "opo", "gpg", "dppo"):
+        collect.check_collectable(alg.get(name))  # collectable: no error
