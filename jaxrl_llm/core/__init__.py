@@ -62,6 +62,8 @@ from jaxrl_llm.core.baselines import (
     length_weighted_baseline,
     given_baseline,
     critic_baseline,
+    passk_advantage,
+    gpg_scale,
 )
 
 # --- normalize -------------------------------------------------------------------------------
@@ -70,6 +72,7 @@ from jaxrl_llm.core.normalization import (
     scale_by_group_std,
     scale_by_batch_std,
     batch_whiten,
+    normalize_then_sum,
 )
 
 # --- x grad log pi: per-token policy and value losses ---------------------------------------
@@ -78,6 +81,13 @@ from jaxrl_llm.core.policy_losses import (
     ppo_clip_loss,
     gspo_loss,
     cispo_loss,
+    sapo_loss,
+    gmpo_loss,
+    clip_cov_loss,
+    kl_cov_loss,
+    dro_loss,
+    dppo_loss,
+    vespo_loss,
     ratio_metrics,
     value_loss,
     entropy_bonus,
@@ -170,16 +180,26 @@ __all__ = [  # noqa: RUF022 (chain order, as the imports)
     "length_weighted_baseline",
     "given_baseline",
     "critic_baseline",
+    "passk_advantage",
+    "gpg_scale",
     # normalize
     "group_std",
     "scale_by_group_std",
     "scale_by_batch_std",
     "batch_whiten",
+    "normalize_then_sum",
     # x grad log pi: policy and value losses
     "reinforce_loss",
     "ppo_clip_loss",
     "gspo_loss",
     "cispo_loss",
+    "sapo_loss",
+    "gmpo_loss",
+    "clip_cov_loss",
+    "kl_cov_loss",
+    "dro_loss",
+    "dppo_loss",
+    "vespo_loss",
     "ratio_metrics",
     "value_loss",
     "entropy_bonus",
