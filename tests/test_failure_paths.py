@@ -83,6 +83,7 @@ def real_run(tmp_path_factory) -> Path:
     from jaxrl_llm.data import BatchIterator
     from jaxrl_llm.train import setup
     from jaxrl_llm.train.checkpoint import Checkpointer
+    from jaxrl_llm.train.loop import data_fingerprint
 
     run_dir = tmp_path_factory.mktemp("failure_paths") / "real"
     config = load_config(TINY, ["data.eval_size=0"])
@@ -90,7 +91,11 @@ def real_run(tmp_path_factory) -> Path:
     it = BatchIterator(run.data.train, config.rollout.prompts_per_step, seed=0, pad_multiple=32)
     it.next_batch()
     with Checkpointer(run_dir / "checkpoints") as ckpt:
-        meta = {"data": it.state_dict(), "config": to_yaml(config)}
+        meta = {
+            "data": it.state_dict(),
+            "data_fingerprint": data_fingerprint(run.data.train),
+            "config": to_yaml(config),
+        }
         ckpt.save(1, run.state._replace(step=run.state.step + 1), meta=meta)
     save_config(config, run_dir / "config.yaml")
     (run_dir / "metrics.jsonl").write_text(json.dumps(METRICS[0]) + "\n")
@@ -383,6 +388,16 @@ def test_resuming_with_a_changed_data_set_is_a_clear_error(run_copy, capsys):
         for k, v in before.items()
         if k != ".lock"  # the stale lock was taken over
     }
+
+
+def test_resuming_on_other_data_of_the_same_size_is_a_clear_error(run_copy, capsys):
+    before = _snapshot(run_copy)
+    status, err = _cli(_train(run_copy, "data.arithmetic.max_operand=50"), capsys)
+    assert status == 2
+    assert f"cannot resume {run_copy} from step 1: the training examples differ" in err, err
+    assert "(the same number, 64, but other prompts or order)" in err
+    after = _snapshot(run_copy)
+    assert {k: v for k, v in after.items() if not k.startswith("tensorboard")} == before
 
 
 REWARD_MODULE = "jaxrl_failure_paths_rewards"

@@ -419,6 +419,12 @@ def _resume(
         raise rundir.RunDirError(f"{e}. {rundir.START_OVER}") from e
     try:
         iterator.load_state_dict(meta["data"])
+        saved = meta.get("data_fingerprint")
+        if saved is not None and saved != data_fingerprint(iterator.dataset):
+            raise ValueError(
+                f"the training examples differ from the ones the checkpoint was trained on "
+                f"(the same number, {len(iterator.dataset)}, but other prompts or order)"
+            )
     except ValueError as e:
         raise rundir.RunDirError(
             f"cannot resume {setup.run_dir} from step {int(state.step)}: {e}. The checkpoint's "
@@ -441,7 +447,34 @@ def _split_key(state: st.TrainState) -> tuple[st.TrainState, jax.Array]:
 
 
 def _meta(config: TrainConfig, iterator: BatchIterator, skipped: int = 0) -> dict[str, Any]:
-    return {"data": iterator.state_dict(), "config": to_yaml(config), "skipped_steps": skipped}
+    return {
+        "data": iterator.state_dict(),
+        "data_fingerprint": data_fingerprint(iterator.dataset),
+        "config": to_yaml(config),
+        "skipped_steps": skipped,
+    }
+
+
+def data_fingerprint(dataset: Any) -> str | None:
+    """sha256 of the training examples' token ids (prompts; a preference set's chosen and
+    rejected too), in order: what a checkpoint's data position indexes. ``None`` for a dataset
+    without token ids. Resuming on other data of the same size is refused with it."""
+    parts = [
+        getattr(dataset, name)
+        for name in ("prompt_ids", "chosen_ids", "rejected_ids")
+        if isinstance(getattr(dataset, name, None), list | tuple)
+    ]
+    if not parts:
+        return None
+    import hashlib
+
+    digest = hashlib.sha256()
+    for ids in parts:
+        lengths = np.asarray([len(x) for x in ids], np.int64)
+        digest.update(lengths.tobytes())
+        if len(ids):
+            digest.update(np.concatenate([np.asarray(x, np.int64) for x in ids]).tobytes())
+    return digest.hexdigest()
 
 
 def _format_eval(step: int, ev: dict[str, float]) -> str:
