@@ -307,6 +307,10 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
     tb_file = _fake_run(tmp / "tb_file")
     shutil.rmtree(tb_file / "tensorboard")
     (tb_file / "tensorboard").write_text("x")
+    notes = _fake_run(tmp / "notes")
+    shutil.rmtree(notes / "export")
+    (notes / "export").mkdir()
+    (notes / "export" / "notes.txt").write_text("not a model")
     torn_mid = _fake_run(tmp / "torn_mid")
     (torn_mid / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "re\n{"step": 3}\n')
     return [
@@ -315,6 +319,7 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         (_train(tmp / "a_file" / "run"), "which is a file"),
         (_train(metrics_dir), f"{metrics_dir / 'metrics.jsonl'} is a folder"),
         (_train(tb_file), f"{tb_file / 'tensorboard'} is a file"),
+        (_train(notes), f"the export folder {notes / 'export'} is not empty and holds no model"),
         (_train(torn_mid), f"{torn_mid / 'metrics.jsonl'}:2: not a JSON metrics record"),
         (_train(""), "--run-dir is empty (an unset shell variable?)"),
         (["evaluate", "--run-dir", ""], "--run-dir is empty"),

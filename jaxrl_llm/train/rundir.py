@@ -238,6 +238,7 @@ def check_run_dir(run_dir: Path, *, writing: bool = True, overwrite: bool = Fals
     if overwrite:  # the run's files are removed, whatever they are
         return []
     _entry_types(run_dir)
+    check_export_dir(run_dir / EXPORT_DIR, default=True)  # else refused after training
     checkpoints = run_dir / CHECKPOINT_DIR
     steps = step_folders(checkpoints)
     if steps:
