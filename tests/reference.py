@@ -965,7 +965,20 @@ ESTIMATOR = {
     "reinforce_pp_baseline": "REINFORCE++-baseline",
     "dapo": "GRPO",
     "gspo": "GRPO",
+    # the 2025–26 loss family changes the loss, not the advantage (issue 17)
+    "cispo": "GRPO",
+    "sapo": "GRPO",
+    "gmpo": "GRPO",
+    "clip_cov": "GRPO",
+    "kl_cov": "GRPO",
+    "dppo": "GRPO",
+    "luspo": "GRPO",
+    "vespo": "GRPO",
+    "dro": "Dr. GRPO",
 }
+# Recipes whose default advantage is another recipe's (GPG, OPO, ReMax have their own
+# estimators, checked against verl's functions in tests/core/test_loss_family.py).
+SAME_ADVANTAGE_AS = {n: "grpo" for n, e in ESTIMATOR.items() if e == "GRPO"} | {"dro": "dr_grpo"}
 
 
 def recipe_advantages(
@@ -974,6 +987,7 @@ def recipe_advantages(
     """Advantages of recipe ``name`` (default numerics) on ``data``: a dict of ``reward_bg``,
     ``mask_bgt`` and, as needed, ``logp_old_bgt``, ``logp_ref_bgt``, ``value_bgt``.
     ``beta`` is the recipe's KL coefficient (used only by KL-in-reward recipes)."""
+    name = SAME_ADVANTAGE_AS.get(name, name)
     mask = data["mask_bgt"]
     r = token_rewards(data["reward_bg"], mask)
     if name in ("reinforce", "ppo", "rloo", "reinforce_pp") and beta > 0:
