@@ -34,10 +34,14 @@ as MaxText's ``train_compile.py``). GPUs have no deviceless compiler: ``--device
 the figures are an *estimate* (XLA:CPU's buffer assignment and fusion differ from XLA:GPU's).
 
 What is not measured here: the figures are XLA's static buffer assignment, not a measured
-``device.memory_stats()`` peak (CPU devices report none); the sampler's FLOPs count its decode
-``while_loop`` body once (XLA's cost analysis does not know the trip count), so the rollout's
-FLOPs are also given analytically (``2 · parameters · tokens``, Kaplan et al. 2020, eq. 2.1,
-without the attention term).
+``device.memory_stats()`` peak (CPU devices report none). XLA's cost analysis counts a loop body
+once (the layers' scan, the micro-batch loop, the sampler's decode ``while_loop``), so FLOPs per
+step are computed analytically as well, with Kaplan et al. (2020, eq. 2.1; the attention term
+left out) per token of ``N`` parameters: a forward pass ``2N``, a training pass ``6N`` (``8N``
+with remat: the forward runs twice):
+
+    rollout = 2N · B · (P + G·T)
+    update  = (P + T) · B·G · (2N · forward passes (π_ref, π_old, V) + (6N or 8N) · epochs)
 """
 
 from __future__ import annotations
@@ -674,6 +678,7 @@ class Plan:
     rollout: Program
     update: Program
     rollout_flops_analytic: float
+    update_flops_analytic: float
     seconds: float
 
     @property
@@ -716,8 +721,8 @@ class Plan:
 
     @property
     def flops_per_step(self) -> float:
-        """Per device: the update's (XLA) plus the rollout's analytic estimate."""
-        return self.update.flops + self.rollout_flops_analytic
+        """Per device, analytic: the rollout's and the update's (see the module docstring)."""
+        return self.update_flops_analytic + self.rollout_flops_analytic
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready values (``--json``)."""
@@ -748,9 +753,10 @@ class Plan:
             "programs": {"rollout": prog(self.rollout), "update": prog(self.update)},
             "peak_program": self.peak_program,
             "flops_per_step": {
-                "update_xla": self.update.flops,
-                "rollout_xla_loop_body_once": self.rollout.flops,
+                "update_xla_loop_bodies_once": self.update.flops,
+                "rollout_xla_loop_bodies_once": self.rollout.flops,
                 "rollout_analytic": self.rollout_flops_analytic,
+                "update_analytic": self.update_flops_analytic,
                 "total": self.flops_per_step,
             },
             "hbm_bytes": self.target.hbm_bytes,
@@ -802,8 +808,10 @@ def format_plan(plan: Plan) -> str:
     lines += [
         "",
         f"peak program: {plan.peak_program}, {_mib(plan.peak)} per device",
-        f"FLOPs per step per device: {plan.flops_per_step:.3e} (update {plan.update.flops:.3e} "
-        f"from XLA, rollout {plan.rollout_flops_analytic:.3e} = 2·params·tokens)",
+        f"FLOPs per step per device: {plan.flops_per_step:.3e} = update "
+        f"{plan.update_flops_analytic:.3e} + rollout {plan.rollout_flops_analytic:.3e} "
+        f"(6N/2N per token; XLA, counting loop bodies once: {plan.update.flops:.3e} + "
+        f"{plan.rollout.flops:.3e})",
         f"compiled in {plan.rollout.compile_s:.1f} s (rollout) + {plan.update.compile_s:.1f} s "
         f"(update); plan took {plan.seconds:.1f} s",
     ]
@@ -822,6 +830,24 @@ def format_plan(plan: Plan) -> str:
             "GPU compiler exists)"
         )
     return "\n".join(lines)
+
+
+def _update_flops(config: Any, recipe: Any, run: AbstractRun) -> float:
+    """The RL step's FLOPs over the mesh, analytically (see the module docstring)."""
+    from jaxrl_llm.train import setup as su
+    from jaxrl_llm.train.step import needs_old_logprob_pass
+
+    count = lambda tree: float(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
+    n, critic = count(run.state.params), count(run.state.critic_params)
+    b, g, t = run.groups.tokens_bgt.shape
+    tokens = b * g * (run.prompt_width + t)
+    update = su.update_shape(config)
+    old = su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap)
+    forwards = (
+        2 * n * ((run.models.ref_params is not None) + needs_old_logprob_pass(recipe, update, old))
+    )
+    train = (8 if run.model_config.remat != "none" else 6) * update.epochs
+    return tokens * (forwards + 2 * critic + train * (n + critic))
 
 
 def plan_run(config: Any, target: Target) -> Plan:
@@ -881,12 +907,93 @@ def plan_run(config: Any, target: Target) -> Plan:
         rollout=rollout,
         update=update,
         rollout_flops_analytic=2.0 * n_params * tokens / mesh.size,
+        update_flops_analytic=_update_flops(config, recipe, run) / mesh.size,
         seconds=time.perf_counter() - t0,
     )
 
 
+def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
+    """Changes that lower a run's peak, as ``(what, overrides)``: FSDP over every device, full
+    remat, a bfloat16 reference, half the micro-batch (down to one row per data-parallel
+    device), and all of those together. None changes the recipe's math (a bf16 reference
+    rounds π_ref's parameters; remat and micro-batches are exact)."""
+    found: list[tuple[str, list[str]]] = []
+    sizes, devices = plan.mesh, plan.target.num_devices
+    if sizes["fsdp"] * sizes["tensor"] < devices:
+        preset = "fsdp" if config.mesh.preset == "dp" else config.mesh.preset
+        found.append(
+            (
+                f"FSDP over all {devices} devices",
+                [f"mesh.preset={preset}", "mesh.data=1", "mesh.fsdp=-1"],
+            )
+        )
+    if config.model.remat == "none":
+        found.append(
+            ("full remat (recompute activations in the backward pass)", ["model.remat=full"])
+        )
+    if plan.reference.total and config.kl.reference_param_dtype == "float32":
+        found.append(("bfloat16 reference model", ["kl.reference_param_dtype=bfloat16"]))
+    dp = sizes["data"] * sizes["fsdp"]
+    minibatch = config.update_batch_size // config.optim.num_minibatches
+    micro = config.optim.micro_batch_size or minibatch
+    half = (micro // 2) // dp * dp
+    if not config.train.packing and half >= dp and minibatch % half == 0:
+        found.append(
+            (f"micro-batches of {half} rows (was {micro})", [f"optim.micro_batch_size={half}"])
+        )
+    if len(found) > 1:
+        merged = {}
+        for _, overrides in found:
+            merged.update(o.split("=", 1) for o in overrides)
+        found.append(("all of the above", [f"{k}={v}" for k, v in merged.items()]))
+    return found
+
+
+def suggestions(config: Any, plan: Plan) -> list[dict[str, Any]]:
+    """:func:`candidates` re-planned for the same target: each with its planned peak, whether
+    it fits, and the overrides that make it (a candidate the config refuses is left out)."""
+    from jaxrl_llm.config import ConfigError, apply_overrides
+
+    out = []
+    for what, overrides in candidates(config, plan):
+        try:
+            replanned = plan_run(apply_overrides(config, overrides), plan.target)
+        except (PlanError, ConfigError) as e:
+            out.append({"change": what, "overrides": overrides, "error": str(e)})
+            continue
+        out.append(
+            {
+                "change": what,
+                "overrides": overrides,
+                "peak": replanned.peak,
+                "fits": replanned.fits,
+                "margin_bytes": replanned.margin,
+            }
+        )
+    return out
+
+
+def format_suggestions(found: Sequence[Mapping[str, Any]]) -> str:
+    """The suggestions as lines under the plan."""
+    lines = ["", "suggestions (each re-planned for the same target):"]
+    for s in found:
+        if "error" in s:
+            lines.append(f"  {s['change']}: not possible here ({s['error']})")
+            continue
+        verdict = "FITS" if s["fits"] else "does not fit"
+        lines.append(
+            f"  {s['change']}: peak {_mib(s['peak'])}, {verdict}  ({' '.join(s['overrides'])})"
+        )
+    return "\n".join(lines)
+
+
 def plan_in_subprocess(
-    config_path: str, overrides: Sequence[str], target: Target, *, timeout: float | None = None
+    config_path: str,
+    overrides: Sequence[str],
+    target: Target,
+    *,
+    suggest: bool = True,
+    timeout: float | None = None,
 ) -> dict[str, Any]:
     """Runs the plan in a fresh Python with ``target.num_devices`` fake CPU devices (they must
     be requested before jax starts) and returns :meth:`Plan.to_dict`."""
@@ -900,6 +1007,8 @@ def plan_in_subprocess(
     if target.hbm_bytes is not None:
         args += ["--device-memory", str(target.hbm_bytes)]
     args += ["--json", *overrides]
+    if not suggest:
+        args.append("--no-suggest")
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise PlanError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed")
@@ -925,6 +1034,12 @@ def add_arguments(parser: Any) -> None:
         "--device-memory", default=None, help="memory per GPU with --devices, e.g. 141GiB, 80GB"
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--no-suggest",
+        dest="suggest",
+        action="store_false",
+        help="when the run does not fit, do not re-plan the suggested changes (each compiles)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
 
 
@@ -938,11 +1053,14 @@ def run_cli(args: Any) -> int:
         target = parse_target(args.topology, devices=args.devices, device_memory=args.device_memory)
         config = load_config(args.config, args.overrides)
         if target.platform == "cpu" and jax.device_count("cpu") < target.num_devices:
-            result = plan_in_subprocess(args.config, args.overrides, target)
+            result = plan_in_subprocess(args.config, args.overrides, target, suggest=args.suggest)
             text = None
         else:
             plan = plan_run(config, target)
             result, text = plan.to_dict(), format_plan(plan)
+            if plan.fits is False and args.suggest:
+                result["suggestions"] = suggestions(config, plan)
+                text += format_suggestions(result["suggestions"])
     except (PlanError, ConfigError, ModelLoadError, FileNotFoundError) as e:
         print(f"jaxrl-llm plan: {e}", file=sys.stderr)
         return 2
@@ -967,6 +1085,8 @@ def _format_dict(d: Mapping[str, Any]) -> str:
     if d["fits"] is not None:
         verdict = "FITS" if d["fits"] else "DOES NOT FIT"
         lines.append(f"{verdict}: margin {_mib(d['margin_bytes'])} of {_mib(d['hbm_bytes'])}")
+    if d.get("suggestions"):
+        lines.append(format_suggestions(d["suggestions"]))
     return "\n".join(lines)
 
 
@@ -994,7 +1114,9 @@ __all__ = [
     "Target",
     "abstract_run",
     "add_arguments",
+    "candidates",
     "format_plan",
+    "format_suggestions",
     "kv_cache_bytes",
     "lower_rollout",
     "lower_step",
@@ -1006,6 +1128,7 @@ __all__ = [
     "quiet_cpu_platform",
     "run_cli",
     "slice_names",
+    "suggestions",
     "target_devices",
     "tree_bytes",
 ]

@@ -7,6 +7,7 @@ reference) and XLA's argument bytes (the state, reference and batch the step tak
 """
 
 import importlib.util
+import json
 
 import jax
 import numpy as np
@@ -162,6 +163,11 @@ def test_tiny_plan_on_one_cpu_device_agrees_with_xla_and_the_state():
     assert plan.update.aliased > _nbytes(state.params) + _nbytes(state.opt_state)  # donated
     assert plan.rollout.arguments >= _nbytes(state.params)
     assert plan.update.temporaries > 0 and plan.update.flops > 0
+    # FLOPs, Kaplan's 2N per token forward (the reference) + 6N training, over B·G·(P + T).
+    n = plan.model["parameters"]
+    assert n == sum(x.size for x in jax.tree.leaves(state.params))
+    assert plan.update_flops_analytic == (2 + 6) * n * b * g * (128 + t)
+    assert plan.rollout_flops_analytic == 2 * n * b * (128 + g * t)
     assert plan.peak == max(plan.update_peak, plan.rollout_peak)
     assert plan.update_peak == (
         plan.update.arguments + plan.update.outputs - plan.update.aliased + plan.update.temporaries
@@ -171,9 +177,30 @@ def test_tiny_plan_on_one_cpu_device_agrees_with_xla_and_the_state():
     assert "FITS" in text and "estimate" in text
     d = plan.to_dict()
     assert d["fits"] is True and d["per_device_bytes"]["peak"] == plan.peak
-    # The same run against too little memory does not fit.
+    # The same run against too little memory does not fit, and gets suggestions.
     small = P.Plan(**{**plan.__dict__, "target": P.parse_target(devices=1, device_memory="1MB")})
     assert small.fits is False and "DOES NOT FIT" in P.format_plan(small)
+    assert [o for _, o in P.candidates(config, small)] == [
+        ["model.remat=full"],
+        ["kl.reference_param_dtype=bfloat16"],
+        ["optim.micro_batch_size=2"],
+        ["model.remat=full", "kl.reference_param_dtype=bfloat16", "optim.micro_batch_size=2"],
+    ]
+
+
+@pytest.mark.slow
+def test_suggestions_are_replanned(monkeypatch, capsys):
+    """A run that does not fit: exit 1, and each suggestion carries its re-planned peak."""
+    bf16 = ("bfloat16 reference model", ["kl.reference_param_dtype=bfloat16"])
+    monkeypatch.setattr(P, "candidates", lambda config, plan: [bf16])
+    argv = ["plan", "--config", TINY, "--devices", "1", "--device-memory", "40MiB", "--json"]
+    code = cli.main(argv)
+    d = json.loads(capsys.readouterr().out)
+    assert code == 1 and d["fits"] is False
+    (s,) = d["suggestions"]
+    assert "bfloat16 reference model: peak" in P.format_suggestions(d["suggestions"])
+    assert s["overrides"] == bf16[1] and s["fits"] is False
+    assert s["peak"] < d["per_device_bytes"]["peak"]  # the reference's bytes halve
 
 
 @pytest.mark.slow
