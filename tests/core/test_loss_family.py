@@ -53,6 +53,15 @@ PEER_CASES = {
 }
 
 
+PEER_CASES |= {
+    # TRL 1.16 GRPOTrainer._compute_loss: cispo caps r at ε_high = 5 (w = min(r, 5)).
+    "trl_sapo": lambda: alg.sapo(tau_pos=1.0, tau_neg=1.05),
+    "trl_cispo": lambda: alg.cispo(clip_low=10.0, clip_high=4.0),
+    "trl_luspo": lambda: alg.luspo(clip_low=3e-4, clip_high=4e-4),
+    "trl_vespo": lambda: alg.vespo(),
+}
+
+
 @pytest.mark.parametrize("name", sorted(PEER_CASES))
 def test_loss_matches_the_peer_in_value_and_gradient(name):
     value, grad = _objective_value_and_grad(PEER_CASES[name]())
