@@ -811,6 +811,7 @@ def dppo(
     clip_low: float | None = None,
     clip_high: float | None = None,
     ratio_cap: float = 10.0,
+    scale_by_std: bool = True,
     beta: float = 0.0,
     kl_estimator: str = "k3",
     loss_agg_mode: str | None = None,
@@ -823,7 +824,9 @@ def dppo(
     token whose sampled-token divergence left the trust region in the direction its advantage
     pushes: ``divergence="tv"`` (``p − q`` beyond ``δ_high`` / ``−δ_low``, DPPO-Binary-TV) or
     ``"kl"`` (the binary KL of the token beyond ``δ``, DPPO-Binary-KL); token mean. Default δ:
-    0.15 (TV), 0.05 (KL) on both sides.
+    0.15 (TV), 0.05 (KL) on both sides, as in verl's ``examples/dppo_trainer/run_qwen30b_dppo.sh``
+    (which also runs Dr. GRPO's advantage and aggregation: ``scale_by_std=False``,
+    ``loss_agg_mode="seq-mean-token-sum-norm"``, and disables the cap with c = 10000).
     """
     n = nm.resolve(numerics)
     if divergence not in _DPPO_DEFAULT_DELTA:
@@ -851,8 +854,10 @@ def dppo(
             clip_low=low,
             clip_high=high,
             ratio_cap=ratio_cap,
+            scale_by_std=scale_by_std,
             pods_num_keep=pods_num_keep,
         ),
+        advantage=_grpo_advantage(n, scale_by_std),
         pods_num_keep=pods_num_keep,
     )
 
