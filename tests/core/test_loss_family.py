@@ -444,3 +444,41 @@ def test_trainer_refuses_what_it_does_not_collect(recipe, needle):
     assert e.value.key == "algorithm.name"
     for name in ("grpo", "cispo", "opo", "gpg", "dppo"):
         collect.check_collectable(alg.get(name))  # collectable: no error
+
+
+def test_cov_losses_depend_on_the_micro_batch():
+    """What the docstrings say: KL-Cov's (and Clip-Cov's) token choice uses the statistics of
+    the arrays it is given, so two halves do not add up to the whole batch; PPO's loss does."""
+
+    def total(fn, rows, **kw):
+        sl = slice(*rows)
+        return float(np.sum(np.asarray(fn(LOGP[sl], OLD[sl], ADV[sl], MASK[sl], **kw))))
+
+    half = MASK.shape[0] // 2
+    kw = dict(kl_cov_ratio=0.1)
+    whole = total(pl.kl_cov_loss, (None,), **kw)
+    parts = total(pl.kl_cov_loss, (0, half), **kw) + total(pl.kl_cov_loss, (half, None), **kw)
+    assert abs(whole - parts) > 1e-4
+    ppo = dict(clip_low=0.2, clip_high=0.2)
+    whole = total(pl.ppo_clip_loss, (None,), **ppo)
+    parts = total(pl.ppo_clip_loss, (0, half), **ppo) + total(pl.ppo_clip_loss, (half, None), **ppo)
+    assert abs(whole - parts) < 1e-5
+
+
+def test_the_trainer_refuses_remax_at_its_first_step(tmp_path):
+    """``train`` on the tiny model with algorithm.name=remax: a ConfigError naming the greedy
+    baseline, before any update (the recipe itself is complete; the trainer lacks the rollout)."""
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.train import loop
+    from tests.train import helpers as H
+
+    config = H.config(
+        "tiny.yaml",
+        "algorithm.name=remax",
+        "algorithm.hparams={}",
+        "data.eval_size=0",
+        "optim.ppo_epochs=1",
+        "optim.num_minibatches=1",
+    )
+    with pytest.raises(ConfigError, match="greedy completion"):
+        loop.train(config, run_dir=tmp_path / "run", progress=False, log=lambda *_: None)
