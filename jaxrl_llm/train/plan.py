@@ -875,7 +875,7 @@ def plan_run(config: Any, target: Target) -> Plan:
     recipe = build_recipe(config)
     model_cfg = model_config(config.model, accelerator=target.accelerator)
     devices = target_devices(target)
-    mesh = shd.make_mesh(**sizes, devices=devices)
+    mesh = shd.make_mesh(**sizes, devices=devices[: math.prod(sizes.values())])
     run = abstract_run(config, recipe, mesh, model_cfg)
     rollout_lowered, kv = lower_rollout(run, config, target)
     rollout = _program("rollout", rollout_lowered)
@@ -994,9 +994,15 @@ def plan_in_subprocess(
     *,
     suggest: bool = True,
     timeout: float | None = None,
-) -> dict[str, Any]:
+    as_json: bool = True,
+) -> dict[str, Any] | tuple[int, str]:
     """Runs the plan in a fresh Python with ``target.num_devices`` fake CPU devices (they must
-    be requested before jax starts) and returns :meth:`Plan.to_dict`."""
+    be requested before jax starts) and returns :meth:`Plan.to_dict` (``as_json=False``: its
+    exit status and printed table).
+
+    Raises:
+      PlanError: the subprocess refused the input (its message) or failed.
+    """
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform" not in f]
     flags.append(f"--xla_force_host_platform_device_count={target.num_devices}")
@@ -1006,13 +1012,14 @@ def plan_in_subprocess(
     args += ["--devices", str(target.num_devices)]
     if target.hbm_bytes is not None:
         args += ["--device-memory", str(target.hbm_bytes)]
-    args += ["--json", *overrides]
-    if not suggest:
-        args.append("--no-suggest")
+    args += ["--json"] if as_json else []
+    args += [] if suggest else ["--no-suggest"]
+    args += ["--", *overrides]
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
-    if out.returncode != 0:
-        raise PlanError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "failed")
-    return json.loads(out.stdout)
+    if out.returncode not in (0, 1) or not out.stdout.strip():  # 1: planned, does not fit
+        said = out.stderr.strip().splitlines()
+        raise PlanError(said[-1].removeprefix("jaxrl-llm plan: ") if said else "plan failed")
+    return json.loads(out.stdout) if as_json else (out.returncode, out.stdout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1053,8 +1060,14 @@ def run_cli(args: Any) -> int:
         target = parse_target(args.topology, devices=args.devices, device_memory=args.device_memory)
         config = load_config(args.config, args.overrides)
         if target.platform == "cpu" and jax.device_count("cpu") < target.num_devices:
-            result = plan_in_subprocess(args.config, args.overrides, target, suggest=args.suggest)
-            text = None
+            found = plan_in_subprocess(
+                args.config, args.overrides, target, suggest=args.suggest, as_json=args.json
+            )
+            if not args.json:  # the subprocess printed the table
+                code, text = found
+                print(text, end="")
+                return code
+            result, text = found, None
         else:
             plan = plan_run(config, target)
             result, text = plan.to_dict(), format_plan(plan)
@@ -1064,30 +1077,8 @@ def run_cli(args: Any) -> int:
     except (PlanError, ConfigError, ModelLoadError, FileNotFoundError) as e:
         print(f"jaxrl-llm plan: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(result, indent=2))
-    elif text is not None:
-        print(text)
-    else:
-        print(_format_dict(result))
+    print(json.dumps(result, indent=2) if args.json else text)
     return 1 if result["fits"] is False else 0
-
-
-def _format_dict(d: Mapping[str, Any]) -> str:
-    """A short table of a subprocess plan's JSON."""
-    b = d["per_device_bytes"]
-    t = d["target"]
-    lines = [f"plan for {t['name']} ({t['num_devices']} devices; estimate: compiled for CPU)"]
-    for key in ("parameters", "optimizer", "reference", "critic", "batch", "kv_cache"):
-        lines.append(f"{key:<24}{_mib(b[key]['per_device']):>14}")
-    for key in ("rollout_peak", "update_peak", "peak"):
-        lines.append(f"{key:<24}{_mib(b[key]):>14}")
-    if d["fits"] is not None:
-        verdict = "FITS" if d["fits"] else "DOES NOT FIT"
-        lines.append(f"{verdict}: margin {_mib(d['margin_bytes'])} of {_mib(d['hbm_bytes'])}")
-    if d.get("suggestions"):
-        lines.append(format_suggestions(d["suggestions"]))
-    return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -284,3 +284,19 @@ def test_bytes_of_split_and_replicated_shardings():
     rep = jax.ShapeDtypeStruct((5,), np.int32, sharding=whole)
     b = P.tree_bytes({"a": split, "b": rep, "c": None})
     assert b == P.Bytes(total=8 * 3 * 4 + 20, per_device=2 * 3 * 4 + 20, replicated=20)
+
+
+def test_cli_subprocess_reports_the_subprocess_error(capsys):
+    """More devices than this process has: the plan runs in a subprocess; its refusal is ours."""
+    code, out, err = _cli(capsys, "--config", TINY, "--devices", "16", "model.path=/no/such")
+    assert code == 2 and out == "" and "model.path = '/no/such'" in err
+
+
+@pytest.mark.slow
+def test_cli_plans_more_devices_than_this_process_in_a_subprocess(capsys):
+    argv = ["--config", TINY, "--devices", "16", "--device-memory", "1GiB", "mesh.data=4"]
+    code, out, _ = _cli(capsys, *argv, "--json")
+    d = json.loads(out)
+    assert code == 0 and d["fits"] is True and d["target"]["num_devices"] == 16
+    assert d["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1} and d["target"]["estimate"]
+    assert d["target"]["name"] == "16x GPU (CPU estimate)"
