@@ -644,7 +644,7 @@ def sapo(
     pods_num_keep: int | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
-    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization", arXiv:2511.20347): GRPO's
+    """SAPO ("Soft Adaptive Policy Optimization", 2025, arXiv:2511.20347): GRPO's
     advantage; the soft gate ``−σ(τ(ρ−1))·4/τ·A`` instead of the hard clip (τ_pos for A > 0,
     τ_neg otherwise); ``seq-mean-token-mean`` (forced, as in verl).
     """

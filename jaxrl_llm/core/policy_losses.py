@@ -512,7 +512,7 @@ def sapo_loss(
     instead of dropping to zero at a boundary, faster for negative advantages (τ_neg > τ_pos).
     SAPO aggregates per sequence (``seq-mean-token-mean``), as verl forces.
 
-    Reference: C. Gao et al. (Qwen), "Soft Adaptive Policy Optimization", arXiv:2511.20347
+    Reference: "Soft Adaptive Policy Optimization", arXiv:2511.20347
     (2025). verl ``compute_policy_loss_sapo`` (κ = 20), TRL ``loss_type="sapo"`` (no clamp);
     defaults τ_pos = 1.0, τ_neg = 1.05 are TRL's.
 
