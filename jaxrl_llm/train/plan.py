@@ -144,7 +144,8 @@ class Target:
 
     Attributes:
       name: as given (``v5e-16``, ``v5e:4x4``, ``8 devices``).
-      platform: ``"tpu"`` (a real deviceless compile) or ``"cpu"`` (an estimate on CPU devices).
+      platform: ``"tpu"`` (a real deviceless compile), ``"cpu"`` (an estimate on CPU devices)
+        or ``"local"`` (this process's own devices, :func:`local_target`).
       num_devices: JAX devices (chips).
       hbm_bytes: memory per device; None when unknown (no FITS verdict then).
       hbm_source: where ``hbm_bytes`` comes from.
@@ -163,12 +164,26 @@ class Target:
     @property
     def estimate(self) -> bool:
         """True when the figures come from a CPU compile standing in for the real devices."""
-        return self.platform != "tpu"
+        return self.platform == "cpu"
 
     @property
     def accelerator(self) -> bool:
         """The run's defaults are an accelerator's (bf16 compute and KV cache for ``auto``)."""
+        if self.platform == "local":
+            return jax.default_backend() != "cpu"
         return self.platform == "tpu" or self.hbm_bytes is not None
+
+
+def local_target(num_devices: int | None = None) -> Target:
+    """This process's own first ``num_devices`` devices (default all), HBM from their
+    ``memory_stats()["bytes_limit"]`` when they report it (GPU, TPU; not CPU): for comparing a
+    plan with a measured peak on the same devices (scripts/bench_accelerator.py)."""
+    devices = jax.devices()[: num_devices or jax.device_count()]
+    stats = devices[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    source = "memory_stats()['bytes_limit']" if limit else "not reported by the device"
+    kind = devices[0].device_kind
+    return Target(f"local {kind}", "local", len(devices), limit, source, device_kind=kind)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -243,6 +258,8 @@ def target_devices(target: Target) -> list[Any]:
     Raises:
       PlanError: libtpu is not installed, or this process has too few CPU devices.
     """
+    if target.platform == "local":
+        return jax.devices()[: target.num_devices]
     if target.platform == "tpu":
         try:
             import libtpu  # noqa: F401
@@ -422,7 +439,9 @@ def abstract_run(config: Any, recipe: Any, mesh: jax.sharding.Mesh, model_cfg: A
         critic_cfg = model_cfg
         if config.critic.path is not None:
             critic_model = dataclasses.replace(config.model, path=config.critic.path)
-            critic_cfg = model_config(critic_model, accelerator=model_cfg.dtype != "float32")
+            critic_cfg = model_config(critic_model, accelerator=False).replace(
+                dtype=model_cfg.dtype  # the policy's compute dtype, "auto" resolved for the target
+            )
         critic = nnx.eval_shape(lambda: models.ValueModel(critic_cfg, rngs=nnx.Rngs(seed + 1)))
         critic_graphdef, critic_params = st.split_params(critic)
         critic_params = _shape_only(critic_params)
@@ -776,7 +795,8 @@ def format_plan(plan: Plan) -> str:
     """The plan as the table ``jaxrl-llm plan`` prints."""
     t = plan.target
     m = plan.model
-    kind = "estimate: compiled for CPU devices" if t.estimate else f"{t.device_kind}, {t.topology}"
+    kind = "estimate: compiled for CPU devices" if t.estimate else t.device_kind
+    kind += f", {t.topology}" if t.topology else ""
     lines = [
         f"plan for {t.name} ({t.num_devices} devices; {kind})",
         f"model {m['path']}: {m['parameters']:,} parameters, {m['layers']} layers, "
@@ -893,6 +913,7 @@ def plan_run(config: Any, target: Target) -> Plan:
             "parameters": int(n_params),
             "layers": model_cfg.num_layers,
             "hidden_size": model_cfg.hidden_size,
+            "kv_heads": model_cfg.num_kv_heads,
             "vocab_size": model_cfg.vocab_size,
             "dtype": model_cfg.dtype,
             "param_dtype": model_cfg.param_dtype,
@@ -933,6 +954,16 @@ def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
         )
     if plan.reference.total and config.kl.reference_param_dtype == "float32":
         found.append(("bfloat16 reference model", ["kl.reference_param_dtype=bfloat16"]))
+    heads = plan.model["kv_heads"]
+    tensor = next((k for k in (4, 2) if devices % k == 0 and heads % k == 0), 1)
+    if config.mesh.preset != "fsdp_tp" and sizes["tensor"] == 1 and tensor > 1:
+        found.append(
+            (
+                f"tensor parallelism {tensor} x FSDP {devices // tensor} (fewer gathered weights "
+                "per device)",
+                ["mesh.preset=fsdp_tp", "mesh.data=1", "mesh.fsdp=-1", f"mesh.tensor={tensor}"],
+            )
+        )
     dp = sizes["data"] * sizes["fsdp"]
     minibatch = config.update_batch_size // config.optim.num_minibatches
     micro = config.optim.micro_batch_size or minibatch
@@ -975,6 +1006,11 @@ def suggestions(config: Any, plan: Plan) -> list[dict[str, Any]]:
 
 def format_suggestions(found: Sequence[Mapping[str, Any]]) -> str:
     """The suggestions as lines under the plan."""
+    if not found:
+        return (
+            "\nno suggestion: FSDP over every device, remat, a bf16 reference and the smallest "
+            "micro-batch are already set; consider more devices, a smaller batch or LoRA"
+        )
     lines = ["", "suggestions (each re-planned for the same target):"]
     for s in found:
         if "error" in s:
@@ -1109,6 +1145,7 @@ __all__ = [
     "format_plan",
     "format_suggestions",
     "kv_cache_bytes",
+    "local_target",
     "lower_rollout",
     "lower_step",
     "model_config",
