@@ -271,6 +271,8 @@ def target_devices(target: Target) -> list[Any]:
             ) from None
         from jax.experimental import topologies
 
+        if not _tpu_device_files():  # no TPU to guard: let plans run side by side
+            os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         with _quiet_stderr() as said:
             try:
                 desc = topologies.get_topology_desc(platform="tpu", topology_name=target.topology)
