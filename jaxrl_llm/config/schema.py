@@ -225,7 +225,7 @@ class OptimConfig:
     num_minibatches: int = _field(1, ge=1)
     # Sequences per forward/backward pass (global), accumulated exactly; None = whole minibatch.
     micro_batch_size: int | None = _field(None, ge=1)
-    # With train.packing: real tokens per micro-batch (global), accumulated exactly; None = whole.
+    # With train.packing: tokens per micro-batch per device, accumulated exactly; None = whole.
     micro_batch_tokens: int | None = _field(None, ge=1)
 
 

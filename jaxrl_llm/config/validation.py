@@ -693,17 +693,6 @@ def check_devices(config: TrainConfig, device_count: int) -> dict[str, int]:
     parts.append(("each minibatch", minibatch, split))
     if config.optim.micro_batch_size is not None:
         parts.append(("each micro-batch", config.optim.micro_batch_size, "optim.micro_batch_size"))
-    tokens = config.optim.micro_batch_tokens
-    if tokens is not None and config.train.packing and config.rollout is not None:
-        longest = config.data.max_prompt_length + config.rollout.max_new_tokens
-        if tokens < dp * longest:
-            raise ConfigError(
-                f"optim.micro_batch_tokens = {tokens}: expected at least one longest sequence "
-                f"per data-parallel device, {dp} × (data.max_prompt_length + "
-                f"rollout.max_new_tokens = {longest}) = {dp * longest} (mesh data="
-                f"{sizes['data']} × fsdp={sizes['fsdp']} on {device_count} devices)",
-                "mesh",
-            )
     for what, size, formula in parts:
         if size % dp:
             raise ConfigError(

@@ -29,10 +29,10 @@ Buckets (so that steady state does not recompile): W is the sequence-length buck
 longest sequence, capped at L (never wider than the unpacked row); K (the micro-batch slots per
 minibatch) and, without a token budget, the rows of the single micro-batch are bucketed too.
 The buckets are ``{2^k, 3·2^(k−1)}`` (1, 2, 3, 4, 6, 8, 12, 16, 24, …): at most 1.5x slack, and
-few shapes. With a token budget B (``optim.micro_batch_tokens``), a micro-batch is
-``rows_per_micro = floor(B / W)`` rows (rounded down to the data-parallel size, at least one
-per device), so its memory is bounded by tokens and the number of micro-batches follows the real
-tokens of each minibatch.
+few shapes. With a token budget B per device (``optim.micro_batch_tokens``, like verl's
+``ppo_max_token_len_per_gpu``), a micro-batch is ``floor(B / W)`` rows per device (times the
+data-parallel size D), so each device's memory is bounded by tokens and the number of
+micro-batches follows the real tokens of each minibatch.
 """
 
 from __future__ import annotations
@@ -181,10 +181,10 @@ def make_plan(
       lengths_n: real tokens (prompt + completion) of each sequence.
       max_len: L, the unpacked row width; W never exceeds it.
       num_minibatches: M; minibatch j holds sequences ``{i·M + j}`` (the unpacked split).
-      micro_batch_tokens: the token budget of one micro-batch (``rows·W ≤ budget``); None: one
-        micro-batch per minibatch.
-      row_multiple: rows per micro-batch are a multiple of this (the data-parallel size, so each
-        device gets whole rows).
+      micro_batch_tokens: the token budget of one micro-batch *per device*
+        (``rows·W ≤ budget·row_multiple``); None: one micro-batch per minibatch.
+      row_multiple: D, the data-parallel size: rows per micro-batch are a multiple of it, so
+        each device gets whole rows.
 
     Raises:
       ValueError: N does not split into M minibatches, a length exceeds ``max_len``, or the
@@ -207,12 +207,12 @@ def make_plan(
         rows = bucket(max(rows_needed))
         rows = math.ceil(rows / row_multiple) * row_multiple
     else:
-        rows = (micro_batch_tokens // width) // row_multiple * row_multiple
+        rows = (micro_batch_tokens // width) * row_multiple
         if rows < 1:
             raise ValueError(
-                f"optim.micro_batch_tokens={micro_batch_tokens} cannot hold {row_multiple} "
-                f"row(s) of {width} tokens (the longest sequence has {longest}, bucketed to "
-                f"{width}); expected at least {row_multiple * width}"
+                f"optim.micro_batch_tokens={micro_batch_tokens} (per device) cannot hold one row "
+                f"of {width} tokens (the longest sequence has {longest}, bucketed to {width}); "
+                f"expected at least {width}"
             )
     counts = np.asarray([math.ceil(r / rows) for r in rows_needed], np.int32)
     slots = bucket(int(counts.max()))

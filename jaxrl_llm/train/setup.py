@@ -102,9 +102,9 @@ class UpdateShape:
 
     With ``packing`` the forward passes and the update run on packed rows
     (:mod:`jaxrl_llm.train.packing`) and a micro-batch is a token budget of
-    ``micro_batch_tokens`` (None: one micro-batch per minibatch); the RL step then ignores
-    ``micro_batch_size`` (:func:`update_shape` turns it into the budget it implies; evaluation's
-    log-prob pass still uses it)."""
+    ``micro_batch_tokens`` per device (None: one micro-batch per minibatch); the RL step then
+    ignores ``micro_batch_size`` (:func:`update_shape` turns it into the budget it implies;
+    evaluation's log-prob pass still uses it)."""
 
     epochs: int = 1
     num_minibatches: int = 1
@@ -315,17 +315,17 @@ def make_critic_optimizer(
     )
 
 
-def update_shape(config: TrainConfig) -> UpdateShape:
+def update_shape(config: TrainConfig, data_parallel: int = 1) -> UpdateShape:
     """The update's shape. With ``train.packing`` and ``optim.micro_batch_size`` but no
-    ``optim.micro_batch_tokens``, the budget is what the micro-batch size bounds unpacked:
-    ``micro_batch_size · (data.max_prompt_length + rollout.max_new_tokens)`` tokens."""
+    ``optim.micro_batch_tokens``, the per-device budget is what the micro-batch size bounds
+    unpacked: ``⌈micro_batch_size / D⌉ · (data.max_prompt_length + rollout.max_new_tokens)``
+    tokens, D = ``data_parallel`` devices."""
     o = config.optim
     packing = bool(config.train.packing) and not config.is_offline
     tokens = o.micro_batch_tokens
     if packing and tokens is None and o.micro_batch_size is not None:
-        tokens = o.micro_batch_size * (
-            config.data.max_prompt_length + config.rollout.max_new_tokens
-        )
+        rows = -(-o.micro_batch_size // data_parallel)
+        tokens = rows * (config.data.max_prompt_length + config.rollout.max_new_tokens)
     return UpdateShape(
         o.ppo_epochs,
         o.num_minibatches,
@@ -619,7 +619,7 @@ def resolve(
             data_seed=config.data.seed,
             shuffle=config.data.shuffle,
         ),
-        update=update_shape(config),
+        update=update_shape(config, shd.data_parallel_size(models.mesh)),
         old_logprobs=OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
         checkpoint=CheckpointPlan(run_dir / CHECKPOINT_DIR, t.save_every, t.keep_checkpoints),
         evaluation=_eval_plan(config, sampler, stop_ids),

@@ -539,7 +539,7 @@ def test_packed_ppo_matches_and_recompiles_only_for_new_buckets():
 @pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
 def test_packed_step_on_8_devices_equals_one_device_unpacked():
     """Packed on a data=4 × fsdp=2 mesh with token-budget micro-batches = unpacked on one."""
-    base = ("rollout.prompts_per_step=8", "rollout.num_samples=2", "algorithm.hparams.beta=0.04")
+    base = ("rollout.prompts_per_step=8", "rollout.num_samples=4", "algorithm.hparams.beta=0.04")
     one = resolve(*base, "optim.num_minibatches=2")
     many = resolve(
         *base,
@@ -549,7 +549,7 @@ def test_packed_step_on_8_devices_equals_one_device_unpacked():
         "mesh.fsdp=2",
         "mesh.preset=fsdp",
     )
-    many = with_budget(many, 112)  # 8 rows of 14: two micro-batches per minibatch
+    many = with_budget(many, 16)  # one row of 16 tokens per device and micro-batch
     assert many.models.mesh.size == 8 and many.update.packing
     groups = make_groups(one, 11)
     (s1, m1), (s8, m8) = (
@@ -573,3 +573,4 @@ def test_packing_config_resolves_and_validates():
         H.config("tiny.yaml", *SMALL, "optim.micro_batch_tokens=512")
     with pytest.raises(ConfigError, match="at least one longest sequence"):
         H.config("tiny.yaml", *SMALL, *PACKED, "optim.micro_batch_tokens=100")
+    assert S.update_shape(config, data_parallel=2).micro_batch_tokens == longest
