@@ -358,9 +358,7 @@ def model_config(model: Any, *, accelerator: bool) -> Any:
         attention_impl=model.attention,
     )
     if model.path == models.TINY_RANDOM:
-        return models.tiny_random_config(
-            **{k: jnp.dtype(v).name if "dtype" in k else v for k, v in policy.items()}
-        )
+        return models.tiny_random_config(**policy)
     path = Path(train_models.resolve_model_path(model.path)).expanduser()
     if not path.exists():
         raise PlanError(
@@ -373,7 +371,14 @@ def model_config(model: Any, *, accelerator: bool) -> Any:
         raw = hub.read_config_json(folder)
     else:
         raw = hub._read_hf_config(folder, gguf_file).to_dict()  # GGUF header metadata only
-    return ModelConfig.from_hf(raw, **policy)
+    try:
+        return ModelConfig.from_hf(raw, **policy)
+    except (KeyError, TypeError, ZeroDivisionError) as e:
+        raise PlanError(
+            f"model.path = {model.path!r}: its config lacks or mistypes a field "
+            f"({type(e).__name__}: {e}); expected vocab_size, hidden_size, intermediate_size, "
+            "num_hidden_layers and num_attention_heads as integers"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1092,7 +1097,7 @@ def run_cli(args: Any) -> int:
     """``jaxrl-llm plan``: prints the plan; 0 when it fits (or no memory was given), 1 when it
     does not, 2 on bad input."""
     from jaxrl_llm.config import ConfigError, load_config
-    from jaxrl_llm.models import ModelLoadError
+    from jaxrl_llm.models import ModelLoadError, UnsupportedModelError
 
     try:
         target = parse_target(args.topology, devices=args.devices, device_memory=args.device_memory)
@@ -1112,7 +1117,7 @@ def run_cli(args: Any) -> int:
             if plan.fits is False and args.suggest:
                 result["suggestions"] = suggestions(config, plan)
                 text += format_suggestions(result["suggestions"])
-    except (PlanError, ConfigError, ModelLoadError, FileNotFoundError) as e:
+    except (PlanError, ConfigError, ModelLoadError, UnsupportedModelError, FileNotFoundError) as e:
         print(f"jaxrl-llm plan: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else text)

@@ -242,6 +242,19 @@ def test_cli_bad_input_exits_2(capsys, argv, message):
     assert err.startswith("jaxrl-llm plan: ") and message in err
 
 
+@pytest.mark.parametrize(
+    "config_json, message",
+    [
+        ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "is not supported"),
+        ({"model_type": "llama", "vocab_size": 8}, "lacks or mistypes a field"),
+    ],
+)
+def test_cli_bad_model_config_exits_2(capsys, tmp_path, config_json, message):
+    (tmp_path / "config.json").write_text(json.dumps(config_json))
+    code, _, err = _cli(capsys, "--config", TINY, "--devices", "1", f"model.path={tmp_path}")
+    assert code == 2 and message in err
+
+
 def test_cli_mesh_that_does_not_divide_names_the_sizes(capsys):
     code, _, err = _cli(capsys, "--config", TINY, "--devices", "8", "mesh.data=3")
     assert code == 2 and "8" in err and "data" in err
