@@ -90,6 +90,12 @@ def test_bad_targets(kwargs, message):
     assert message in str(e.value)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed")
+def test_tpu_target_without_libtpu_says_what_to_install():
+    with pytest.raises(P.PlanError, match=r'pip install -e "\.\[tpu-plan\]"'):
+        P.target_devices(P.parse_target("v5e-16"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Abstract state: the same bytes as the trainer's real arrays.
 
