@@ -118,14 +118,18 @@ np.testing.assert_allclose(grpo_verl, (r - mean) / (std_sample + 1e-6), rtol=1e-
 #
 # Recipes that put the KL in the reward (`reinforce`, `ppo`, `rloo`, `reinforce_pp`) need the
 # rollout's and the reference's log-probs: we give equal ones (the policy has not moved yet, KL
-# = 0). PPO needs critic values: an untrained critic, V = 0. Each recipe runs with its defaults.
+# = 0). PPO needs critic values: an untrained critic, V = 0. ReMax needs the reward of a greedy
+# answer (its baseline). Each recipe runs with its defaults.
 # The table shows each answer's advantage on its first and its last token.
 
 # %%
 RECIPES = algorithms.ONLINE_RECIPES
 recipes = {name: algorithms.get(name) for name in RECIPES}
 zeros = jnp.zeros((1, 3, T))
-seed_rollout = rollout._replace(logp_old_bgt=zeros, logp_ref_bgt=zeros, value_bgt=zeros)
+# ReMax's baseline is the reward of a greedy answer to the prompt: say it scored 7.0.
+seed_rollout = rollout._replace(
+    logp_old_bgt=zeros, logp_ref_bgt=zeros, value_bgt=zeros, baseline_b=jnp.array([7.0])
+)
 seed_adv = {n: np.asarray(jrl.compute_advantages(rc, seed_rollout))[0] for n, rc in recipes.items()}
 
 
@@ -188,6 +192,7 @@ batch = jrl.Rollout(
     logp_old_bgt=jnp.asarray(logp_old, jnp.float32),
     logp_ref_bgt=jnp.asarray(logp_old + rng.normal(0.0, 0.3, (B, G, T2)), jnp.float32),
     value_bgt=jnp.asarray(rng.normal(0.0, 0.5, (B, G, T2)), jnp.float32),
+    baseline_b=jnp.asarray([0.5, 0.6, 1.0], jnp.float32),  # ReMax: the greedy answers' rewards
 )
 batch_adv = {n: np.asarray(jrl.compute_advantages(rc, batch)) for n, rc in recipes.items()}
 

@@ -24,7 +24,7 @@ from jaxrl_llm import distributed as dist
 from jaxrl_llm import recipe as rc
 from jaxrl_llm import rewards as R
 from jaxrl_llm.data import BatchIterator
-from jaxrl_llm.train.setup import Models, Sampler, Setup
+from jaxrl_llm.train.setup import Models, Sampler, Setup, check_trainable
 from jaxrl_llm.train.step import Groups
 from jaxrl_llm.train.update import DPOBatch
 
@@ -179,42 +179,12 @@ def _select(recipe: rc.Recipe, groups: Groups) -> np.ndarray:
     return np.asarray(rc.select(recipe, rollout).mask_bg)
 
 
-# What the chain may read that this host side does not produce yet (ReMax's greedy baseline,
-# GDPO's separate rewards), with what is missing.
-_NOT_COLLECTED = {
-    ch.GIVEN_BASELINE: "one greedy completion per prompt scored with the same reward "
-    "(Rollout.baseline_b), which train.collect does not generate",
-    ch.REWARD_COMPONENTS: "the K separate rewards of each completion (Rollout.reward_bgk), which "
-    "train.collect does not keep (rewards are summed into reward_bg)",
-}
-
-
-def check_collectable(recipe: rc.AnyRecipe) -> None:
-    """Refuses a recipe whose chain needs inputs the trainer does not collect (clear error).
-
-    Raises:
-      ConfigError: naming the recipe and what is missing; the recipe still works through the
-        chain API (``jaxrl_llm.compute_advantages`` on a Rollout that carries the field).
-    """
-    from jaxrl_llm.config import ConfigError
-
-    missing = [text for need, text in _NOT_COLLECTED.items() if need in recipe.requires]
-    if missing:
-        raise ConfigError(
-            f"algorithm.name = {recipe.name!r} cannot be trained by this trainer yet: it needs "
-            + "; and ".join(missing)
-            + ". Use it through the chain API (jaxrl_llm.compute_advantages with those Rollout "
-            "fields) or pick another algorithm",
-            "algorithm.name",
-        )
-
-
 def collect(
     setup: Setup, params: dict, it: BatchIterator, key: jax.Array
 ) -> tuple[Groups, dict[str, float]]:
     """Generates, scores and selects this step's groups (see the module docstring)."""
     recipe = setup.recipe
-    check_collectable(recipe)
+    check_trainable(recipe)  # resolve() already refused such a run; a hand-built Setup too
     b = setup.loop.batch_size
     dynamic = recipe.selection.dynamic_sampling
     keep_m = recipe.selection.pods_num_keep

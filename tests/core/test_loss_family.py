@@ -437,13 +437,13 @@ def test_explain_grpo_options():
 )
 def test_trainer_refuses_what_it_does_not_collect(recipe, needle):
     from jaxrl_llm.config import ConfigError
-    from jaxrl_llm.train import collect
+    from jaxrl_llm.train import setup
 
     with pytest.raises(ConfigError, match=needle) as e:
-        collect.check_collectable(recipe())
+        setup.check_trainable(recipe())
     assert e.value.key == "algorithm.name"
     for name in ("grpo", "cispo", "opo", "gpg", "dppo"):
-        collect.check_collectable(alg.get(name))  # collectable: no error
+        setup.check_trainable(alg.get(name))  # collectable: no error
 
 
 def test_cov_losses_depend_on_the_micro_batch():
@@ -465,9 +465,10 @@ def test_cov_losses_depend_on_the_micro_batch():
     assert abs(whole - parts) < 1e-5
 
 
-def test_the_trainer_refuses_remax_at_its_first_step(tmp_path):
+def test_the_trainer_refuses_remax_before_loading(tmp_path):
     """``train`` on the tiny model with algorithm.name=remax: a ConfigError naming the greedy
-    baseline, before any update (the recipe itself is complete; the trainer lacks the rollout)."""
+    baseline, before any model loads (the recipe itself is complete; the trainer lacks the
+    greedy rollout), leaving no config.yaml behind."""
     from jaxrl_llm.config import ConfigError
     from jaxrl_llm.train import loop
     from tests.train import helpers as H
@@ -482,3 +483,4 @@ def test_the_trainer_refuses_remax_at_its_first_step(tmp_path):
     )
     with pytest.raises(ConfigError, match="greedy completion"):
         loop.train(config, run_dir=tmp_path / "run", progress=False, log=lambda *_: None)
+    assert not (tmp_path / "run" / "config.yaml").exists()
