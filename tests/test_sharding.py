@@ -83,6 +83,7 @@ def test_token_mean_loss_sharded_equals_single_device():
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, None)))
     args = [put(x) for x in (logp, adv, mask, rollout.logp_old_bgt)]
     value, grad = jax.value_and_grad(loss)(*args)
-    np.testing.assert_allclose(value, single_value, rtol=1e-6)
+    # float32 sums over 8 shards in another order: a few ulps (1.6e-6 seen at XLA opt level 0)
+    np.testing.assert_allclose(value, single_value, rtol=5e-6)
     np.testing.assert_allclose(grad, single_grad, rtol=1e-5, atol=1e-9)
     assert jnp.asarray(grad).sharding.spec == P("data", None, None) or len(grad.devices()) == 8
