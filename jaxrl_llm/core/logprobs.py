@@ -54,10 +54,18 @@ def _scaled(logits_btv: chex.Array, temperature: float) -> chex.Array:
     return z if temperature == 1.0 else z / temperature
 
 
-def _logprob(logits_btv: chex.Array, tokens_bt: chex.Array, temperature: float) -> chex.Array:
+def _tempered(
+    logits_btv: chex.Array, tokens_bt: chex.Array, temperature: float
+) -> tuple[chex.Array, chex.Array, chex.Array]:
+    """``(z, logsumexp(z), log π(tokens))`` with ``z = logits / τ`` in f32."""
     z = _scaled(logits_btv, temperature)
+    lse = jax.nn.logsumexp(z, axis=-1)
     picked = jnp.take_along_axis(z, tokens_bt[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(z, axis=-1)
+    return z, lse, picked - lse
+
+
+def _logprob(logits_btv: chex.Array, tokens_bt: chex.Array, temperature: float) -> chex.Array:
+    return _tempered(logits_btv, tokens_bt, temperature)[2]
 
 
 def _entropy(z: chex.Array, lse: chex.Array) -> chex.Array:
@@ -73,10 +81,8 @@ def _entropy(z: chex.Array, lse: chex.Array) -> chex.Array:
 def _logprob_and_entropy(
     logits_btv: chex.Array, tokens_bt: chex.Array, temperature: float
 ) -> tuple[chex.Array, chex.Array]:
-    z = _scaled(logits_btv, temperature)
-    lse = jax.nn.logsumexp(z, axis=-1)
-    picked = jnp.take_along_axis(z, tokens_bt[..., None], axis=-1)[..., 0]
-    return picked - lse, _entropy(z, lse)
+    z, lse, logp = _tempered(logits_btv, tokens_bt, temperature)
+    return logp, _entropy(z, lse)
 
 
 def _over_time_chunks(
@@ -242,9 +248,7 @@ def token_logprobs_and_log_sum_sq(
     _check_tokens(fn, tokens_bt, logits_btv)
 
     def one(logits: chex.Array, tokens: chex.Array) -> tuple[chex.Array, chex.Array]:
-        z = _scaled(logits, temperature)
-        lse = jax.nn.logsumexp(z, axis=-1)
-        picked = jnp.take_along_axis(z, tokens[..., None], axis=-1)[..., 0]
-        return picked - lse, jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * lse
+        z, lse, logp = _tempered(logits, tokens, temperature)
+        return logp, jax.nn.logsumexp(2.0 * z, axis=-1) - 2.0 * lse
 
     return _over_time_chunks(one, 2, logits_btv, tokens_bt, chunk_size)
