@@ -210,7 +210,13 @@ def matmul_2d(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
 
 
 class _Proj(nnx.Module):
-    """A bias-optional linear map ``[..., *in] -> [..., *out]`` with a per-head kernel layout."""
+    """A bias-optional linear map ``[..., *in] -> [..., *out]`` with a per-head kernel layout.
+
+    Optionally LoRA-adapted (``lora_a: [*in, r]``, ``lora_b: [r, *out]``, ``y = x W + s·(x A) B``;
+    :mod:`jaxrl_llm.models.lora`) and with a quantised frozen kernel (``quant = (mode,
+    block_size)``: ``kernel`` holds the codes ``[K or K/2, N]`` and ``kernel_scales`` the block
+    scales, dequantised on the fly in the matmul; :mod:`jaxrl_llm.models.quant`).
+    """
 
     def __init__(
         self,
@@ -221,12 +227,53 @@ class _Proj(nnx.Module):
         param_dtype: jax.typing.DTypeLike,
     ) -> None:
         self.kernel = _param(rngs, shape, axes, param_dtype)
+        self.unstacked_shape = tuple(shape)
         self.n_in = 2 if axes[-1] == "embed" and len(shape) == 3 else 1
         out_shape, out_axes = shape[self.n_in :], axes[self.n_in :]
         self.bias = _param(None, out_shape, out_axes, param_dtype, "zeros") if use_bias else None
+        self.lora_a: nnx.LoRAParam | None = nnx.data(None)
+        self.lora_b: nnx.LoRAParam | None = nnx.data(None)
+        self.lora_scale = 1.0
+        self.quant: tuple[str, int] | None = None
+        self.kernel_scales: nnx.Param | None = nnx.data(None)
+
+    @property
+    def kernel_shape(self) -> tuple[int, ...]:
+        """The float kernel's shape, leading (layer) axes included, quantised or not."""
+        value = self.kernel[...]
+        if self.quant is None:
+            return tuple(value.shape)
+        return (*value.shape[: value.ndim - 2], *self.unstacked_shape)
+
+    def dense_kernel(self, dtype: jax.typing.DTypeLike) -> jax.Array:
+        """The base kernel in ``dtype`` (dequantised when the base is quantised)."""
+        if self.quant is None:
+            return self.kernel[...].astype(dtype)
+        from jaxrl_llm.models import quant as quant_lib
+
+        mode, block_size = self.quant
+        codes = quant_lib.QuantizedKernel(self.kernel[...], self.kernel_scales[...])
+        w_kn = quant_lib.dequantize_kernel(codes, mode, block_size=block_size, dtype=dtype)
+        return w_kn.reshape(self.kernel_shape)
+
+    def merged_kernel(self) -> jax.Array:
+        """``W + s·A B`` in the kernel's layout and float dtype (``W`` without adapters)."""
+        dtype = self.kernel[...].dtype if self.quant is None else jnp.float32
+        w = self.dense_kernel(jnp.float32)
+        if self.lora_a is None:
+            return w.astype(dtype)
+        a, b = self.lora_a[...], self.lora_b[...]
+        lead = w.shape[: w.ndim - len(self.unstacked_shape)]
+        k = math.prod(self.unstacked_shape[: self.n_in])
+        r = a.shape[-1]
+        delta = jnp.matmul(a.reshape(*lead, k, r), b.reshape(*lead, r, -1))
+        return (w + self.lora_scale * delta.reshape(w.shape)).astype(dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = matmul_2d(x, self.kernel[...].astype(x.dtype), self.n_in)
+        y = matmul_2d(x, self.dense_kernel(x.dtype), self.n_in)
+        if self.lora_a is not None:
+            xa = matmul_2d(x, self.lora_a[...].astype(x.dtype), self.n_in)
+            y = y + self.lora_scale * matmul_2d(xa, self.lora_b[...].astype(x.dtype), 1)
         if self.bias is not None:
             bias = self.bias[...].astype(x.dtype)
             y = y + bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
