@@ -77,7 +77,7 @@ lists the same values in its appendix.
 """
 
 NF4_MAX_HALF_GAP = float(np.max(np.diff(NF4_LEVELS)) / 2)
-"""Half the widest gap between neighbouring NF4 levels (~0.1326, between 0.7230 and 1.0): the
+"""Half the widest gap between neighbouring NF4 levels (0.1519, between -1 and -0.6962): the
 largest rounding error of an nf4 weight in units of its block's absmax."""
 
 DEFAULT_BLOCK_SIZES = {"int8": 64, "nf4": 64, "int4": 64}
