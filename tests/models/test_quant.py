@@ -275,3 +275,25 @@ def test_bad_quantized_kernel_raises():
         quant.dequantize_kernel(q._replace(scales=q.scales[:, :7]), "nf4")
     with pytest.raises(ValueError, match=r"mode: expected one of"):
         quant.dequantize_kernel(q, "NF4")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scan_over_stacked_layers_dequantises_each_slice(mode):
+    """As in transformer.scan_layers: lax.scan slices the [L] axis of the QuantizedKernel."""
+    w_lkk = _weights((3, 64, 64), seed=9)
+    x_bk = jnp.asarray(np.random.default_rng(11).standard_normal((4, 64)), jnp.float32)
+    q = quant.quantize_kernel(w_lkk, mode)
+
+    def layer(h_bk, q_l):
+        return jnp.tanh(h_bk @ quant.dequantize_kernel(q_l, mode)), None
+
+    scanned, _ = jax.jit(lambda x, q: jax.lax.scan(layer, x, q))(x_bk, q)
+    w_hat = np.asarray(quant.dequantize_kernel(q, mode))
+    h = np.asarray(x_bk)
+    for w_l in w_hat:
+        h = np.tanh(h @ w_l)
+    np.testing.assert_allclose(np.asarray(scanned), h, rtol=1e-5, atol=1e-6)
+
+    # The input's gradient flows through the frozen, dequantised kernel (as LoRA's does).
+    grad = jax.grad(lambda x: jnp.sum(jax.lax.scan(layer, x, q)[0]))(x_bk)
+    assert grad.shape == x_bk.shape and bool(jnp.all(jnp.isfinite(grad)))
