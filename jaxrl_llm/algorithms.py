@@ -22,6 +22,8 @@ import functools
 import types
 from collections.abc import Callable
 
+import jax.numpy as jnp
+
 from jaxrl_llm import chain as ch
 from jaxrl_llm import numerics as nm
 from jaxrl_llm import recipe as rc
@@ -57,7 +59,7 @@ def reinforce(
         advantage=ch.chain(
             *rc.reward_stages(n),
             *rc.kl_reward_stages(beta, kl_estimator, n, kl_controller),
-            ch.discounted_return(gamma),
+            ch.discounted_return(gamma, skip_masked=n.skip_masked_tokens),
         ),
         objective=rc.reinforce_objective(
             agg=rc.agg_mode("seq-mean-token-sum", loss_agg_mode, n),
@@ -77,7 +79,7 @@ def ppo(
     clip_low: float | None = None,
     clip_high: float | None = None,
     dual_clip: float | None = None,
-    value_clip: float | None = 0.2,
+    value_clip: float | None = None,
     kl_estimator: str = "k1",
     kl_controller: _kl.KLController | None = None,
     loss_agg_mode: str | None = None,
@@ -90,13 +92,21 @@ def ppo(
     with a learned critic (arXiv:1506.02438), batch-whitened advantages, clipped surrogate
     ``max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high))`` (dual clip ``c`` optional, arXiv:1912.09729),
     clipped value loss regressed on the unwhitened GAE returns ``A_t + V_t``.
+
+    ``value_clip``: the value loss's clip ε_v; ``None`` takes the preset's (0.2 by default, 0.5
+    under ``verl`` and ``openrlhf``), 0 turns the clip off.
     """
     n = nm.resolve(numerics)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
+    if value_clip is None:
+        value_clip = 0.2 if n.value_clip is None else n.value_clip
+    if value_clip < 0:
+        raise ValueError(f"ppo: `value_clip` must be >= 0 (0: no clip), got {value_clip!r}")
+    value_clip = float(value_clip) or None
     returns = ch.chain(
         *rc.reward_stages(n),
         *rc.kl_reward_stages(beta, kl_estimator, n, kl_controller),
-        ch.gae(gamma, lam),
+        ch.gae(gamma, lam, skip_masked=n.skip_masked_tokens),
     )
     return rc.make_recipe(
         "ppo",
@@ -140,7 +150,8 @@ def grpo(
     passk: bool = False,
     reward_aggregation: str = "sum_then_normalize",
     reward_weights: tuple[float, ...] | None = None,
-    kl_estimator: str = "k3",
+    kl_estimator: str | None = None,
+    kl_in_reward: bool | None = None,
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
@@ -157,9 +168,15 @@ def grpo(
     ``multi_objective_aggregation``): each of the K rewards in ``Rollout.reward_bgk`` is
     normalised in its group, their ``reward_weights``-weighted sum whitened over the batch
     (``ch.normalize_then_sum``); it needs the separate rewards (``REWARD_COMPONENTS``).
+
+    ``kl_in_reward=True`` moves the KL from the loss into the reward (``−β·KL_t`` per token,
+    k1 unless ``kl_estimator`` says otherwise); ``None`` takes the preset's
+    (``group_kl_in_reward``: OpenRLHF's ``group_norm`` puts it in the reward). ``kl_estimator``
+    defaults to k3 in the loss, k1 in the reward.
     """
     n = nm.resolve(numerics)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
+    in_reward, kl_estimator = rc.kl_placement("grpo", kl_in_reward, kl_estimator, n)
     if reward_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
         raise ValueError(
             f"grpo: reward_aggregation={reward_aggregation!r}; expected 'sum_then_normalize' or "
@@ -183,19 +200,22 @@ def grpo(
     return rc.make_recipe(
         "grpo",
         numerics=n,
-        advantage=ch.chain(*rc.reward_stages(n), ch.outcome_return(), *estimator),
+        advantage=rc.outcome_advantage(
+            n, estimator, beta=beta if in_reward else 0.0, kl_estimator=kl_estimator
+        ),
         objective=rc.ppo_objective(
             clip_low=low,
             clip_high=high,
             dual_clip=dual_clip,
             numerics=n,
             agg=rc.agg_mode("seq-mean-token-mean", loss_agg_mode, n),
-            kl=rc.kl_term(beta, kl_estimator, n),
+            kl=None if in_reward else rc.kl_term(beta, kl_estimator, n),
             entropy_coef=entropy_coef,
         ),
         selection=Selection(pods_num_keep=pods_num_keep),
         hparams=dict(
             beta=beta,
+            kl_in_reward=in_reward,
             clip_low=low,
             clip_high=high,
             scale_by_std=scale_by_std,
@@ -217,7 +237,8 @@ def dr_grpo(
     clip_high: float | None = None,
     dual_clip: float | None = None,
     max_completion_length: int | None = None,
-    kl_estimator: str = "k3",
+    kl_estimator: str | None = None,
+    kl_in_reward: bool | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
     numerics: nm.Numerics | str | None = None,
@@ -226,14 +247,19 @@ def dr_grpo(
     GRPO without the std division (``A_i = r_i − mean(r)``) and without the per-sequence length
     normaliser: token losses are summed and divided by a constant (``max_completion_length``,
     default the padded T) times the number of sequences (``seq-mean-token-sum-norm``); no KL.
+    ``kl_in_reward`` / ``kl_estimator`` as in :func:`grpo` (for ``beta > 0``).
     """
     n = nm.resolve(numerics)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
+    in_reward, kl_estimator = rc.kl_placement("dr_grpo", kl_in_reward, kl_estimator, n)
     return rc.make_recipe(
         "dr_grpo",
         numerics=n,
-        advantage=ch.chain(
-            *rc.reward_stages(n), ch.outcome_return(), *rc.group_norm_stages(n, False)
+        advantage=rc.outcome_advantage(
+            n,
+            rc.group_norm_stages(n, False),
+            beta=beta if in_reward else 0.0,
+            kl_estimator=kl_estimator,
         ),
         objective=rc.ppo_objective(
             clip_low=low,
@@ -242,7 +268,7 @@ def dr_grpo(
             numerics=n,
             agg="seq-mean-token-sum-norm",
             agg_norm=max_completion_length,
-            kl=rc.kl_term(beta, kl_estimator, n),
+            kl=None if in_reward else rc.kl_term(beta, kl_estimator, n),
             entropy_coef=entropy_coef,
             text=(
                 f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A), token sums ÷ a "
@@ -252,6 +278,7 @@ def dr_grpo(
         selection=Selection(pods_num_keep=pods_num_keep),
         hparams=dict(
             beta=beta,
+            kl_in_reward=in_reward,
             clip_low=low,
             clip_high=high,
             max_completion_length=max_completion_length,
@@ -274,17 +301,20 @@ def rloo(
 ) -> Recipe:
     """RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740):
     ``A_i = R_i − 1/(G−1)·Σ_{j≠i} R_j`` with ``R_i = r_i − β·Σ_t KL_t`` (KL folded into the
-    sequence reward), no std, no clipping: REINFORCE on whole sequences.
+    sequence reward), no std, no clipping: REINFORCE on whole sequences. Under
+    ``numerics="openrlhf"`` the baseline is taken on the raw scores and the KL enters after it,
+    ``A_t = (s_i − mean_{j≠i} s_j) − β·Σ_{t'≥t} KL_t'`` (OpenRLHF's ``rloo``).
     """
     n = nm.resolve(numerics)
     return rc.make_recipe(
         "rloo",
         numerics=n,
-        advantage=ch.chain(
-            *rc.reward_stages(n),
-            *rc.kl_reward_stages(beta, kl_estimator, n, kl_controller),
-            ch.outcome_return(),
-            ch.leave_one_out_baseline(singleton_baseline=n.loo_singleton_baseline),
+        advantage=rc.outcome_advantage(
+            n,
+            (ch.leave_one_out_baseline(singleton_baseline=n.loo_singleton_baseline),),
+            beta=beta,
+            kl_estimator=kl_estimator,
+            kl_controller=kl_controller,
         ),
         objective=rc.reinforce_objective(
             agg=rc.agg_mode("seq-mean-token-sum", loss_agg_mode, n),
@@ -328,7 +358,7 @@ def reinforce_pp(
         advantage=ch.chain(
             *rc.reward_stages(n),
             *rc.kl_reward_stages(beta, kl_estimator, n, kl_controller),
-            ch.discounted_return(gamma),
+            ch.discounted_return(gamma, skip_masked=n.skip_masked_tokens),
             rc.whiten_stage(n, axis_name),
         ),
         objective=rc.ppo_objective(
@@ -357,7 +387,8 @@ def reinforce_pp_baseline(
     clip_low: float | None = None,
     clip_high: float | None = None,
     dual_clip: float | None = None,
-    kl_estimator: str = "k3",
+    kl_estimator: str | None = None,
+    kl_in_reward: bool | None = None,
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     axis_name: str | None = None,
@@ -366,16 +397,23 @@ def reinforce_pp_baseline(
 ) -> Recipe:
     """REINFORCE++-baseline (Hu et al. 2025, arXiv:2501.03262): ``r_i − mean(group)`` (no
     per-group std), then global batch whitening; ``β·k3`` as a loss term; clipped surrogate.
+    ``kl_in_reward`` / ``kl_estimator`` as in :func:`grpo` (OpenRLHF's ``reinforce_baseline``
+    puts a k1 KL in the reward, after the baseline, before the whitening).
     """
     n = nm.resolve(numerics)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
+    name = "reinforce_pp_baseline"
+    in_reward, kl_estimator = rc.kl_placement(name, kl_in_reward, kl_estimator, n)
     return rc.make_recipe(
-        "reinforce_pp_baseline",
+        name,
         numerics=n,
         advantage=ch.chain(
-            *rc.reward_stages(n),
-            ch.outcome_return(),
-            *rc.group_norm_stages(n, False),
+            rc.outcome_advantage(
+                n,
+                rc.group_norm_stages(n, False),
+                beta=beta if in_reward else 0.0,
+                kl_estimator=kl_estimator,
+            ),
             rc.whiten_stage(n, axis_name),
         ),
         objective=rc.ppo_objective(
@@ -384,12 +422,13 @@ def reinforce_pp_baseline(
             dual_clip=dual_clip,
             numerics=n,
             agg=rc.agg_mode("token-mean", loss_agg_mode, n),
-            kl=rc.kl_term(beta, kl_estimator, n),
+            kl=None if in_reward else rc.kl_term(beta, kl_estimator, n),
             entropy_coef=entropy_coef,
         ),
         selection=Selection(pods_num_keep=pods_num_keep),
         hparams=dict(
             beta=beta,
+            kl_in_reward=in_reward,
             clip_low=low,
             clip_high=high,
             pods_num_keep=pods_num_keep,
@@ -439,9 +478,7 @@ def dapo(
     return rc.make_recipe(
         "dapo",
         numerics=n,
-        advantage=ch.chain(
-            *rc.reward_stages(n), *shaping, ch.outcome_return(), *rc.group_norm_stages(n, True)
-        ),
+        advantage=rc.outcome_advantage(n, rc.group_norm_stages(n, True), shaping=shaping),
         objective=rc.ppo_objective(
             clip_low=float(clip_low),
             clip_high=float(clip_high),
@@ -492,9 +529,7 @@ def gspo(
     return rc.make_recipe(
         "gspo",
         numerics=n,
-        advantage=ch.chain(
-            *rc.reward_stages(n), ch.outcome_return(), *rc.group_norm_stages(n, True)
-        ),
+        advantage=rc.outcome_advantage(n, rc.group_norm_stages(n, True)),
         objective=rc.objective(
             functools.partial(pl.gspo_loss, **clip),
             agg="seq-mean-token-mean",
@@ -525,9 +560,7 @@ def gspo(
 
 
 def _grpo_advantage(n: nm.Numerics, scale_by_std: bool = True) -> ch.AdvantageTransform:
-    return ch.chain(
-        *rc.reward_stages(n), ch.outcome_return(), *rc.group_norm_stages(n, scale_by_std)
-    )
+    return rc.outcome_advantage(n, rc.group_norm_stages(n, scale_by_std))
 
 
 def _loss_recipe(
@@ -619,11 +652,8 @@ def gpg(
     return rc.make_recipe(
         "gpg",
         numerics=n,
-        advantage=ch.chain(
-            *rc.reward_stages(n),
-            ch.outcome_return(),
-            ch.group_mean_baseline(singleton_baseline=0.0),
-            ch.gpg_scale(f_norm=f_norm),
+        advantage=rc.outcome_advantage(
+            n, (ch.group_mean_baseline(singleton_baseline=0.0), ch.gpg_scale(f_norm=f_norm))
         ),
         objective=rc.reinforce_objective(
             agg=rc.agg_mode("token-mean", loss_agg_mode, n),
@@ -990,11 +1020,7 @@ def opo(
     return rc.make_recipe(
         "opo",
         numerics=n,
-        advantage=ch.chain(
-            *rc.reward_stages(n),
-            ch.outcome_return(),
-            ch.length_weighted_baseline(singleton_baseline=0.0),
-        ),
+        advantage=rc.outcome_advantage(n, (ch.length_weighted_baseline(singleton_baseline=0.0),)),
         objective=rc.reinforce_objective(
             agg=rc.agg_mode("token-mean", loss_agg_mode, n),
             entropy_coef=entropy_coef,
@@ -1038,9 +1064,12 @@ def remax(
 
 
 def _reference_losses(
-    beta: float, label_smoothing: float, discopop_tau: float
+    beta: float, label_smoothing: float, discopop_tau: float, ipo_length_normalize: bool = True
 ) -> dict[str, Callable]:
-    """``loss_type -> PairLogprobs -> f32[P]`` for the losses against a reference."""
+    """``loss_type -> PairLogprobs -> f32[P]`` for the losses against a reference.
+
+    ``ipo_length_normalize=False`` gives IPO lengths of 1: OpenRLHF's raw token-summed margin
+    (``DPOLoss(ipo=True)``, ``openrlhf/models/loss.py``) instead of TRL's length average."""
 
     def with_ref(fn: Callable, *, lengths: bool = False, **kw) -> Callable:
         def loss(pairs: rc.PairLogprobs):
@@ -1048,7 +1077,10 @@ def _reference_losses(
                 raise ValueError("dpo: reference log-probs are required (ref_chosen_p)")
             args = (pairs.logp_chosen_p, pairs.logp_rejected_p, pairs.ref_chosen_p)
             args += (pairs.ref_rejected_p,)
-            if lengths:
+            if lengths == "raw":
+                one_p = jnp.ones_like(pairs.logp_chosen_p)
+                args += (one_p, one_p)
+            elif lengths:
                 args += (pairs.len_chosen_p, pairs.len_rejected_p)
             return fn(*args, beta=beta, **kw)
 
@@ -1057,7 +1089,7 @@ def _reference_losses(
     smoothed = dict(label_smoothing=label_smoothing)
     return {
         "sigmoid": with_ref(pref.dpo_sigmoid_loss, **smoothed),
-        "ipo": with_ref(pref.ipo_loss, lengths=True),
+        "ipo": with_ref(pref.ipo_loss, lengths=True if ipo_length_normalize else "raw"),
         "hinge": with_ref(pref.hinge_loss),
         "robust": with_ref(pref.robust_dpo_loss, **smoothed),
         "exo_pair": with_ref(pref.exo_pair_loss, label_smoothing=label_smoothing or 1e-3),
@@ -1118,7 +1150,8 @@ def dpo(
 
     ``loss_type`` (TRL's names; formulas and papers in :mod:`jaxrl_llm.core.preference`):
     ``"sigmoid"`` (DPO; cDPO with ``label_smoothing``), ``"ipo"`` (Azar et al.,
-    length-averaged), ``"hinge"`` (SLiC), ``"robust"`` (rDPO), ``"simpo"`` (reference-free,
+    length-averaged as TRL; the raw summed margin under ``numerics="openrlhf"``), ``"hinge"``
+    (SLiC), ``"robust"`` (rDPO), ``"simpo"`` (reference-free,
     length-normalised, margin ``simpo_gamma``), ``"exo_pair"`` (EXO; ``label_smoothing`` is its
     ε, 1e-3 when 0), ``"nca_pair"``, ``"bco_pair"``, ``"sppo_hard"``, ``"aot"`` /
     ``"aot_unpaired"`` (formerly ``"aot_pair"``; batch-sorted, so the loss depends on the
@@ -1128,7 +1161,7 @@ def dpo(
     branch: no reward model, no rollouts, no advantage; :func:`jaxrl_llm.compute_advantages`
     does not apply to it.
     """
-    nm.resolve(numerics)  # validates the name; no preset changes a preference loss
+    n = nm.resolve(numerics)  # the preset changes IPO's margin only (ipo_length_normalize)
     loss_type = _PREFERENCE_ALIASES.get(loss_type, loss_type)
     if loss_type not in _PREFERENCE_TEXT:
         raise ValueError(f"dpo: loss_type={loss_type!r}; expected one of {tuple(_PREFERENCE_TEXT)}")
@@ -1152,9 +1185,12 @@ def dpo(
 
         requires = {rc.PREFERENCE_PAIRS}
     else:
-        loss = _reference_losses(beta, label_smoothing, discopop_tau)[loss_type]
+        losses = _reference_losses(beta, label_smoothing, discopop_tau, n.ipo_length_normalize)
+        loss = losses[loss_type]
         requires = {rc.PREFERENCE_PAIRS, rc.REFERENCE_LOGPROBS}
     label, text = f"DPO {loss_type}", _PREFERENCE_TEXT[loss_type]
+    if loss_type == "ipo" and not n.ipo_length_normalize:
+        text = "(Δ − 1/(2β))² on the raw token-summed margin Δ (OpenRLHF)"
     if use_weighting:
         loss = _wpo_weighted(loss)
         requires.add(rc.SEQUENCE_WEIGHTS)

@@ -303,6 +303,18 @@ def clip_reward(low: float, high: float) -> AdvantageTransform:
     )
 
 
+def clip_advantage(low: float, high: float) -> AdvantageTransform:
+    """Clips the signal to ``[low, high]`` after the baseline: OpenRLHF's reward clip, which
+    ``compute_reward`` applies to the baselined (and group-normalised) score ``A_i = s_i − b_i``
+    of its outcome estimators, not to the raw score (so it rarely fires)."""
+
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
+        return jnp.where(token_mask(rollout), jnp.clip(signal_bgt, low, high), 0.0)
+
+    text = f"the baselined score clipped to [{low:g}, {high:g}] (OpenRLHF's reward clip)"
+    return stateless(fn, StageInfo("normalize", text, "clipped advantage"))
+
+
 def overlong_penalty(
     *, max_length: int, buffer_length: int, penalty_factor: float = 1.0, cap: bool = True
 ) -> AdvantageTransform:
@@ -328,6 +340,55 @@ def overlong_penalty(
     return stateless(fn, StageInfo("reward", text, "overlong shaping"))
 
 
+def _kl_stage(
+    beta: float | _kl.KLController,
+    estimator: str | Callable,
+    estimator_kwargs: dict,
+    *,
+    to_go: bool,
+) -> AdvantageTransform:
+    controller = (
+        beta if isinstance(beta, _kl.KLController) else _kl.fixed_kl_controller(float(beta))
+    )
+    kl_fn = kl_estimator(estimator) if isinstance(estimator, str) else estimator
+    name = estimator if isinstance(estimator, str) else getattr(estimator, "__name__", "custom")
+    stage = "kl_reward_to_go" if to_go else "kl_penalty"
+
+    def init(rollout: Rollout) -> _kl.KLControllerState:
+        del rollout
+        return controller.init()
+
+    def update(
+        signal_bgt: chex.Array, state: _kl.KLControllerState, rollout: Rollout
+    ) -> tuple[chex.Array, _kl.KLControllerState]:
+        logp_old = require(rollout, "logp_old_bgt", stage)
+        logp_ref = require(rollout, "logp_ref_bgt", stage)
+        mask_bgt = token_mask(rollout)
+        kl_bgt = jnp.where(mask_bgt, kl_fn(logp_old, logp_ref, **estimator_kwargs), 0.0)
+        if to_go:
+            to_go_bgt = _returns.discounted_returns(kl_bgt, mask_bgt, gamma=1.0)
+            shaped = jnp.where(mask_bgt, signal_bgt - state.beta * to_go_bgt, 0.0)
+        else:
+            shaped = _kl.kl_in_reward(signal_bgt, kl_bgt, mask_bgt, beta=state.beta)
+        observed = _kl.mean_sequence_kl(kl_bgt, mask_bgt)
+        n_steps = jnp.asarray(mask_bgt.shape[0] * mask_bgt.shape[1], jnp.float32)
+        return shaped, controller.update(state, observed, n_steps)
+
+    kind = "fixed" if not isinstance(beta, _kl.KLController) else "controller-driven"
+    if to_go:
+        text = (
+            f"in the reward, after the baseline: A_t − β·Σ_(t'≥t) {name}_t'(π_old ‖ π_ref), the "
+            f"KL's reward-to-go added to the baselined score (OpenRLHF's order; {kind} β)"
+        )
+    else:
+        text = f"in the reward: r_t − β·{name}(π_old ‖ π_ref) per token ({kind} β)"
+    if not isinstance(beta, _kl.KLController):
+        text += f", β = {float(beta):g}"
+    needs = frozenset({BEHAVIOUR_LOGPROBS, REFERENCE_LOGPROBS})
+    label = "in reward, after baseline" if to_go else "in reward"
+    return AdvantageTransform(init, update, (StageInfo("kl", text, label, needs),))
+
+
 def kl_penalty(
     beta: float | _kl.KLController, *, estimator: str | Callable = "k1", **estimator_kwargs
 ) -> AdvantageTransform:
@@ -340,34 +401,25 @@ def kl_penalty(
     controller's, and after shaping the controller is updated with this batch's observed KL
     (mean over sequences of the per-sequence mean KL) and ``n_steps = B·G``, as verl does.
     """
-    controller = (
-        beta if isinstance(beta, _kl.KLController) else _kl.fixed_kl_controller(float(beta))
-    )
-    kl_fn = kl_estimator(estimator) if isinstance(estimator, str) else estimator
-    name = estimator if isinstance(estimator, str) else getattr(estimator, "__name__", "custom")
+    return _kl_stage(beta, estimator, estimator_kwargs, to_go=False)
 
-    def init(rollout: Rollout) -> _kl.KLControllerState:
-        del rollout
-        return controller.init()
 
-    def update(
-        signal_bgt: chex.Array, state: _kl.KLControllerState, rollout: Rollout
-    ) -> tuple[chex.Array, _kl.KLControllerState]:
-        logp_old = require(rollout, "logp_old_bgt", "kl_penalty")
-        logp_ref = require(rollout, "logp_ref_bgt", "kl_penalty")
-        mask_bgt = token_mask(rollout)
-        kl_bgt = jnp.where(mask_bgt, kl_fn(logp_old, logp_ref, **estimator_kwargs), 0.0)
-        shaped = _kl.kl_in_reward(signal_bgt, kl_bgt, mask_bgt, beta=state.beta)
-        observed = _kl.mean_sequence_kl(kl_bgt, mask_bgt)
-        n_steps = jnp.asarray(mask_bgt.shape[0] * mask_bgt.shape[1], jnp.float32)
-        return shaped, controller.update(state, observed, n_steps)
+def kl_reward_to_go(
+    beta: float | _kl.KLController, *, estimator: str | Callable = "k1", **estimator_kwargs
+) -> AdvantageTransform:
+    """The KL in the reward added *after* the baseline: ``A_t ← A_t − β·Σ_{t'≥t} KL_t'``.
 
-    kind = "fixed" if not isinstance(beta, _kl.KLController) else "controller-driven"
-    text = f"in the reward: r_t − β·{name}(π_old ‖ π_ref) per token ({kind} β)"
-    if not isinstance(beta, _kl.KLController):
-        text += f", β = {float(beta):g}"
-    needs = frozenset({BEHAVIOUR_LOGPROBS, REFERENCE_LOGPROBS})
-    return AdvantageTransform(init, update, (StageInfo("kl", text, "in reward", needs),))
+    OpenRLHF's order for its outcome estimators (``rloo``, ``group_norm``, ``dr_grpo``,
+    ``reinforce_baseline``; ``RemoteExperienceMaker.compute_advantages_and_returns`` then
+    ``compute_reward`` and ``get_cumulative_returns`` with γ = 1, openrlhf 0.11.2): the group
+    baseline (and std) is taken on the raw scores, then ``−β·KL_t`` is added per token and the
+    return summed from the end. The per-sequence advantage from the stages before is one
+    number on every token, so this equals ``A_i − β·Σ_{t'≥t} KL_t'`` on each valid token.
+    :func:`kl_penalty` before the return (the seeds' order, verl's) instead folds the summed KL
+    into the score that the baseline compares. Same estimators, controller and state as
+    :func:`kl_penalty`.
+    """
+    return _kl_stage(beta, estimator, estimator_kwargs, to_go=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -387,25 +439,43 @@ def outcome_return() -> AdvantageTransform:
     return stateless(fn, StageInfo("return", text, "outcome"))
 
 
-def discounted_return(gamma: float = 1.0) -> AdvantageTransform:
-    """Reward-to-go ``G_t = r_t + γ·G_{t+1}``; masked (observation) tokens carry ``G`` through."""
+_HOLES = {
+    True: "masked tokens carry it through",
+    False: "masked tokens are zero-reward, zero-value steps",
+}
+
+
+def discounted_return(gamma: float = 1.0, *, skip_masked: bool = True) -> AdvantageTransform:
+    """Reward-to-go ``G_t = r_t + γ·G_{t+1}``; masked (observation) tokens carry ``G`` through,
+    or, with ``skip_masked=False`` (OpenRLHF), are discounted as zero-reward steps
+    (:func:`jaxrl_llm.core.returns.discounted_returns`)."""
 
     def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
-        return _returns.discounted_returns(signal_bgt, token_mask(rollout), gamma=gamma)
+        return _returns.discounted_returns(
+            signal_bgt, token_mask(rollout), gamma=gamma, skip_masked=skip_masked
+        )
 
     text = f"reward-to-go G_t = r_t + γ·G_(t+1), γ = {gamma:g}"
+    if gamma != 1:
+        text += f"; {_HOLES[skip_masked]}"
     return stateless(fn, StageInfo("return", text, f"reward-to-go (γ = {gamma:g})"))
 
 
-def gae(gamma: float = 1.0, lam: float = 0.95) -> AdvantageTransform:
+def gae(gamma: float = 1.0, lam: float = 0.95, *, skip_masked: bool = True) -> AdvantageTransform:
     """Generalised advantage estimation with the rollout's critic values (Schulman et al. 2016,
     arXiv:1506.02438). The critic is the baseline, inside the TD errors
-    ``δ_t = r_t + γV_(t+1) − V_t``."""
+    ``δ_t = r_t + γV_(t+1) − V_t``; ``skip_masked`` as in :func:`jaxrl_llm.core.returns.gae`
+    (False: OpenRLHF's zero-r, zero-V hole tokens)."""
 
     def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
         value_bgt = require(rollout, "value_bgt", "gae")
         adv_bgt, _ = _returns.gae(
-            signal_bgt, C.f32(value_bgt), token_mask(rollout), gamma=gamma, lam=lam
+            signal_bgt,
+            C.f32(value_bgt),
+            token_mask(rollout),
+            gamma=gamma,
+            lam=lam,
+            skip_masked=skip_masked,
         )
         return adv_bgt
 
@@ -413,7 +483,10 @@ def gae(gamma: float = 1.0, lam: float = 0.95) -> AdvantageTransform:
         *stateless(fn)[:2],
         (
             StageInfo(
-                "return", f"GAE over TD errors, γ = {gamma:g}, λ = {lam:g}", "GAE", frozenset()
+                "return",
+                f"GAE over TD errors, γ = {gamma:g}, λ = {lam:g}; {_HOLES[skip_masked]}",
+                "GAE",
+                frozenset(),
             ),
             StageInfo(
                 "baseline",
@@ -676,6 +749,7 @@ __all__ = [
     "batch_whiten",
     "chain",
     "check_rollout",
+    "clip_advantage",
     "clip_reward",
     "critic_baseline",
     "discounted_return",
@@ -686,6 +760,7 @@ __all__ = [
     "group_std_scale",
     "kl_estimator",
     "kl_penalty",
+    "kl_reward_to_go",
     "leave_one_out_baseline",
     "length_weighted_baseline",
     "member_mask",

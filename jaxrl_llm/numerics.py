@@ -40,6 +40,21 @@ class Numerics:
       reward_clip: clip of the sequence score before the chain (OpenRLHF ±10).
       loss_agg_mode: loss aggregation for every recipe whose aggregation is not its defining
         feature (all but Dr. GRPO and GSPO); ``None`` keeps each recipe's own (the paper's).
+      skip_masked_tokens: GAE and discounted returns carry their recursion through interior
+        masked tokens (verl); False treats them as steps with r = V = 0 that are discounted
+        (OpenRLHF's ``get_advantages_and_returns`` / ``get_cumulative_returns``).
+      shaping_after_baseline: for outcome estimators with a baseline, take the baseline (and
+        group std) on the raw score, then apply the score clip and add the KL in the reward as
+        its per-token reward-to-go (OpenRLHF's ``compute_advantages_and_returns``); False is the
+        seeds' chain (clip, KL into the reward, return, baseline).
+      group_kl_in_reward: ``grpo``, ``dr_grpo`` and ``reinforce_pp_baseline`` put their KL in
+        the reward (k1 by default) instead of the loss when their ``kl_in_reward`` is not given
+        (OpenRLHF's default for ``group_norm``, ``dr_grpo``, ``reinforce_baseline``).
+      ipo_length_normalize: IPO on the length-averaged margin (TRL) or the raw token-summed
+        margin (OpenRLHF's ``DPOLoss(ipo=True)``).
+      gspo_loss_agg_mode: GSPO's aggregation when the call gives none (``None``: the paper's
+        ``seq-mean-token-mean``; verl and TRL default to token-mean).
+      value_clip: the default value-loss clip of ``ppo`` (``None``: the recipe's 0.2).
     """
 
     name: str = "jaxrl_llm"
@@ -59,6 +74,12 @@ class Numerics:
     dual_clip: float | None = None
     reward_clip: tuple[float, float] | None = None
     loss_agg_mode: str | None = None
+    skip_masked_tokens: bool = True
+    shaping_after_baseline: bool = False
+    group_kl_in_reward: bool = False
+    ipo_length_normalize: bool = True
+    gspo_loss_agg_mode: str | None = None
+    value_clip: float | None = None
 
     def kl_kwargs(self, estimator: str) -> dict:
         """Clamp keywords for a KL estimator under these conventions."""
@@ -92,6 +113,8 @@ VERL = Numerics(
     dual_clip=3.0,
     reward_clip=None,
     loss_agg_mode="token-mean",
+    gspo_loss_agg_mode="token-mean",
+    value_clip=0.5,
 )
 
 TRL = Numerics(
@@ -111,6 +134,7 @@ TRL = Numerics(
     dual_clip=None,
     reward_clip=None,
     loss_agg_mode="token-mean",
+    gspo_loss_agg_mode="token-mean",
 )
 
 OPENRLHF = Numerics(
@@ -131,6 +155,12 @@ OPENRLHF = Numerics(
     dual_clip=None,
     reward_clip=(-10.0, 10.0),
     loss_agg_mode="token-mean",
+    skip_masked_tokens=False,
+    shaping_after_baseline=True,
+    group_kl_in_reward=True,
+    ipo_length_normalize=False,
+    gspo_loss_agg_mode="seq-mean-token-mean",
+    value_clip=0.5,
 )
 
 PRESETS: dict[str, Numerics] = {

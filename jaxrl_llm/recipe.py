@@ -418,15 +418,63 @@ def reward_stages(numerics: nm.Numerics) -> tuple[ch.AdvantageTransform, ...]:
 
 
 def kl_reward_stages(
-    beta: float, estimator: str, numerics: nm.Numerics, kl_controller: Any
+    beta: float, estimator: str, numerics: nm.Numerics, kl_controller: Any, *, to_go: bool = False
 ) -> tuple[ch.AdvantageTransform, ...]:
-    """The KL folded into the rewards (a fixed β, or the given controller), if any."""
+    """The KL folded into the rewards (a fixed β, or the given controller), if any; ``to_go``:
+    after the baseline, as its reward-to-go (``ch.kl_reward_to_go``)."""
     kwargs = numerics.kl_kwargs(estimator)
+    stage = ch.kl_reward_to_go if to_go else ch.kl_penalty
     if kl_controller is not None:
-        return (ch.kl_penalty(kl_controller, estimator=estimator, **kwargs),)
+        return (stage(kl_controller, estimator=estimator, **kwargs),)
     if beta <= 0:
         return ()
-    return (ch.kl_penalty(beta, estimator=estimator, **kwargs),)
+    return (stage(beta, estimator=estimator, **kwargs),)
+
+
+def outcome_advantage(
+    numerics: nm.Numerics,
+    estimator: tuple[ch.AdvantageTransform, ...],
+    *,
+    beta: float = 0.0,
+    kl_estimator: str = "k1",
+    kl_controller: Any = None,
+    shaping: tuple[ch.AdvantageTransform, ...] = (),
+) -> ch.AdvantageTransform:
+    """An outcome estimator's chain in the preset's order.
+
+    The seeds' order (default, verl, TRL): score clip → ``shaping`` → KL in the reward →
+    outcome return → ``estimator`` (baseline, std), so a KL in the reward is summed into the
+    score that the group compares. ``numerics.shaping_after_baseline`` (OpenRLHF's
+    ``compute_advantages_and_returns``): ``shaping`` → outcome return → ``estimator`` on the
+    raw score → score clip on the baselined score → the KL's per-token reward-to-go.
+    """
+    if numerics.shaping_after_baseline:
+        clip = () if numerics.reward_clip is None else (ch.clip_advantage(*numerics.reward_clip),)
+        kl = kl_reward_stages(beta, kl_estimator, numerics, kl_controller, to_go=True)
+        return ch.chain(*shaping, ch.outcome_return(), *estimator, *clip, *kl)
+    return ch.chain(
+        *reward_stages(numerics),
+        *shaping,
+        *kl_reward_stages(beta, kl_estimator, numerics, kl_controller),
+        ch.outcome_return(),
+        *estimator,
+    )
+
+
+def kl_placement(
+    name: str, kl_in_reward: bool | None, kl_estimator: str | None, numerics: nm.Numerics
+) -> tuple[bool, str]:
+    """``(in_reward, estimator)``: the call's ``kl_in_reward``, else the preset's
+    ``group_kl_in_reward``; the estimator the call's, else k1 in the reward and k3 in the loss
+    (OpenRLHF's and GRPO's defaults)."""
+    if kl_in_reward is not None and not isinstance(kl_in_reward, bool):
+        raise ValueError(
+            f"{name}: `kl_in_reward` must be true, false or null, got {kl_in_reward!r}"
+        )
+    in_reward = numerics.group_kl_in_reward if kl_in_reward is None else kl_in_reward
+    estimator = kl_estimator if kl_estimator is not None else ("k1" if in_reward else "k3")
+    ch.kl_estimator(estimator)  # validates the name
+    return in_reward, estimator
 
 
 def whiten_stage(numerics: nm.Numerics, axis_name: str | None) -> ch.AdvantageTransform:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +13,7 @@ import pytest
 import jaxrl_llm as jrl
 from jaxrl_llm import algorithms as alg
 from jaxrl_llm import numerics as nm
+from jaxrl_llm import recipe as rc
 
 
 def one_token_rollout(rewards):
@@ -33,7 +38,7 @@ ATOL = {"trl": 1e-4, "default": 1e-5}  # the quoted values are rounded
     ],
 )
 def test_grpo_group_normalisation_golden(preset, rewards, expected):
-    adv = jrl.compute_advantages(alg.grpo(numerics=preset), one_token_rollout(rewards))
+    adv = jrl.compute_advantages(alg.grpo(beta=0.0, numerics=preset), one_token_rollout(rewards))
     np.testing.assert_allclose(adv[0, :, 0], expected, atol=ATOL.get(preset, 2e-6))
 
 
@@ -84,3 +89,91 @@ def test_verl_dual_clip_is_on():
 def test_unknown_preset_is_a_clear_error():
     with pytest.raises(ValueError, match="verl"):
         nm.resolve("ver1")
+
+
+# --------------------------------------------------------------------------------------------
+# OpenRLHF 0.11.2's own numbers (tests/fixtures/generate_openrlhf.py calls its
+# compute_advantages_and_returns, compute_approx_kl and DPOLoss).
+
+OPENRLHF_FIXTURE = np.load(Path(__file__).parent / "fixtures" / "openrlhf.npz")
+
+
+def _openrlhf_rollout(f):
+    g = int(f["groups"])
+    shape = (-1, g, f["mask"].shape[-1])
+    return jrl.Rollout(
+        reward_bg=jnp.asarray(f["reward"]).reshape(-1, g),
+        mask_bgt=jnp.asarray(f["mask"]).reshape(shape),
+        logp_old_bgt=jnp.asarray(f["logp_old"]).reshape(shape),
+        logp_ref_bgt=jnp.asarray(f["logp_ref"]).reshape(shape),
+        value_bgt=jnp.asarray(f["value"]).reshape(shape),
+    )
+
+
+OPENRLHF_CASES = {
+    # fixture key: our recipe under numerics="openrlhf" (OpenRLHF's estimator of the same name)
+    "gae_g1_l1": lambda b: alg.ppo(beta=b, gamma=1.0, lam=1.0, numerics="openrlhf"),
+    "gae_g0.9_l0.8": lambda b: alg.ppo(beta=b, gamma=0.9, lam=0.8, numerics="openrlhf"),
+    "reinforce_g0.9_l1": lambda b: alg.reinforce_pp(beta=b, gamma=0.9, numerics="openrlhf"),
+    "rloo_g1_l1": lambda b: alg.rloo(beta=b, numerics="openrlhf"),
+    "group_norm_g1_l1": lambda b: alg.grpo(beta=b, numerics="openrlhf"),
+    "dr_grpo_g1_l1": lambda b: alg.dr_grpo(beta=b, numerics="openrlhf"),
+    "reinforce_baseline_g1_l1": lambda b: alg.reinforce_pp_baseline(beta=b, numerics="openrlhf"),
+}
+
+
+@pytest.mark.parametrize("key", sorted(OPENRLHF_CASES))
+def test_openrlhf_advantages_match_openrlhf(key):
+    """Baseline, score clip after it, the KL's reward-to-go, GAE / discounted returns through
+    interior mask holes, whitening: OpenRLHF's whole advantage on the valid tokens."""
+    f = OPENRLHF_FIXTURE
+    recipe = OPENRLHF_CASES[key](float(f["beta"]))
+    rollout = _openrlhf_rollout(f)
+    mask = f["mask"]
+    assert (~mask[:, :-1] & mask[:, 1:]).any(), "the fixture must have interior holes"
+    adv = np.asarray(jrl.compute_advantages(recipe, rollout)).reshape(mask.shape)
+    np.testing.assert_allclose(adv[mask], f[f"adv_{key}"][mask], rtol=1e-5, atol=1e-5)
+    if recipe.critic is not None:
+        ret = np.asarray(rc.value_targets(recipe, rollout, recipe.advantage.init(rollout)))
+        ret = ret.reshape(mask.shape)
+        np.testing.assert_allclose(ret[mask], f[f"ret_{key}"][mask], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("key", ["rloo_g1_l1", "group_norm_g1_l1", "gae_g0.9_l0.8"])
+def test_default_order_differs_from_openrlhf(key):
+    """The fixture exercises each difference: without the preset the numbers change."""
+    f = OPENRLHF_FIXTURE
+    recipe = OPENRLHF_CASES[key](float(f["beta"]))
+    ours = dataclasses.replace(nm.OPENRLHF, skip_masked_tokens=True, shaping_after_baseline=False)
+    builder = {"rloo_g1_l1": alg.rloo, "group_norm_g1_l1": alg.grpo, "gae_g0.9_l0.8": alg.ppo}
+    kwargs = dict(recipe.hparams)
+    other = builder[key](
+        beta=kwargs["beta"],
+        numerics=ours,
+        **({"kl_in_reward": True} if key == "group_norm_g1_l1" else {}),
+        **({"gamma": 0.9, "lam": 0.8} if key.startswith("gae") else {}),
+    )
+    mask = f["mask"]
+    adv = np.asarray(jrl.compute_advantages(other, _openrlhf_rollout(f))).reshape(mask.shape)
+    assert np.abs(adv[mask] - f[f"adv_{key}"][mask]).max() > 1e-3
+
+
+def test_openrlhf_ipo_uses_the_raw_margin():
+    f = OPENRLHF_FIXTURE
+    pairs = {k: jnp.asarray(f[f"ipo_{k}"], jnp.float32) for k in ("chosen", "rejected")}
+    ref = {k: jnp.asarray(f[f"ipo_ref_{k}"], jnp.float32) for k in ("chosen", "rejected")}
+    lengths = (jnp.asarray(f["ipo_len_chosen"]), jnp.asarray(f["ipo_len_rejected"]))
+
+    def loss(chosen, rejected, numerics):
+        recipe = alg.dpo(beta=0.1, loss_type="ipo", numerics=numerics)
+        p = rc.PairLogprobs(chosen, rejected, *lengths, ref["chosen"], ref["rejected"])
+        return recipe.loss(p).mean()
+
+    value, grads = jax.value_and_grad(loss, argnums=(0, 1))(
+        pairs["chosen"], pairs["rejected"], "openrlhf"
+    )
+    np.testing.assert_allclose(value, f["ipo_loss"], rtol=1e-5)
+    np.testing.assert_allclose(grads[0], f["ipo_grad_chosen"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grads[1], f["ipo_grad_rejected"], rtol=1e-5, atol=1e-7)
+    trl = loss(pairs["chosen"], pairs["rejected"], "trl")  # TRL length-averages
+    assert abs(float(trl) - float(f["ipo_loss"])) > 1e-2

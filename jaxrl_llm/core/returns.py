@@ -11,6 +11,13 @@ skipped by the recursion: the running accumulators are carried through them unch
 their outputs are exactly 0. Rewards and values under the mask are never read, so they may be
 anything, NaN included. This is verl's semantics (``compute_gae_advantage_return`` and, since
 verl #7278/#7300, ``reinforce_plus_plus``).
+
+``skip_masked=False`` is OpenRLHF's instead (``RemoteExperienceMaker.get_advantages_and_returns``
+and ``get_cumulative_returns`` in ``openrlhf/trainer/ppo_utils/experience_maker.py``, 0.11.2):
+rewards and values are multiplied by the mask (a hole token has r = V = 0) and the textbook
+recursion runs over every position, so a hole is a zero-reward step that is discounted (γ, and
+γλ in GAE) and whose zero value enters its neighbour's TD error. For right padding only (no
+interior holes) both semantics give the same numbers on the valid tokens.
 """
 
 from __future__ import annotations
@@ -59,11 +66,16 @@ def _vmap_leading(fn: Callable, ndim: int) -> Callable:
     return fn
 
 
-def discounted_returns_t(reward_t: chex.Array, mask_t: chex.Array, *, gamma: float) -> chex.Array:
+def discounted_returns_t(
+    reward_t: chex.Array, mask_t: chex.Array, *, gamma: float, skip_masked: bool = True
+) -> chex.Array:
     """Discounted reward-to-go of one sequence, skipping masked tokens.
 
         G_t = r_t + γ·G_{t'}   if m_t,   with t' the next valid token (G = 0 past the end)
         G_t := G_{t+1}         if not m_t (carried through unchanged, no discount; output 0)
+
+    With ``skip_masked=False`` (OpenRLHF's ``get_cumulative_returns``) every position is a step:
+    ``G_t = m_t·r_t + γ·G_{t+1}``, so each hole token discounts the return once more.
 
     This is the return of REINFORCE (Williams 1992, "Simple statistical gradient-following
     algorithms for connectionist reinforcement learning") and REINFORCE++ (Hu et al. 2025,
@@ -74,6 +86,8 @@ def discounted_returns_t(reward_t: chex.Array, mask_t: chex.Array, *, gamma: flo
       reward_t: float ``[T]`` token rewards (upcast to f32); entries under the mask are ignored.
       mask_t: ``bool[T]``, True on the tokens the policy generated.
       gamma: discount γ ∈ [0, 1].
+      skip_masked: carry the return through masked tokens (verl) or discount at them as
+        zero-reward steps (OpenRLHF).
 
     Returns:
       f32 ``[T]`` returns, 0 where ``mask_t`` is False.
@@ -84,7 +98,10 @@ def discounted_returns_t(reward_t: chex.Array, mask_t: chex.Array, *, gamma: flo
 
     def _body(acc: chex.Array, xs: tuple[chex.Array, chex.Array]) -> tuple[chex.Array, chex.Array]:
         r, m = xs
-        acc = jnp.where(m, r + gamma * acc, acc)
+        if skip_masked:
+            acc = jnp.where(m, r + gamma * acc, acc)
+        else:
+            acc = jnp.where(m, r, 0.0) + gamma * acc
         return acc, acc
 
     reward_t = _contracts.f32(reward_t)
@@ -95,13 +112,16 @@ def discounted_returns_t(reward_t: chex.Array, mask_t: chex.Array, *, gamma: flo
     return jnp.where(mask_t, return_t, 0.0)
 
 
-def discounted_returns(reward_bgt: chex.Array, mask_bgt: chex.Array, *, gamma: float) -> chex.Array:
+def discounted_returns(
+    reward_bgt: chex.Array, mask_bgt: chex.Array, *, gamma: float, skip_masked: bool = True
+) -> chex.Array:
     """``discounted_returns_t`` over every sequence of a batch (any leading shape).
 
     Args:
       reward_bgt: float ``[..., T]`` (e.g. ``[B, G, T]``), upcast to f32.
       mask_bgt: ``bool``, same shape as ``reward_bgt``.
       gamma: discount γ ∈ [0, 1].
+      skip_masked: see :func:`discounted_returns_t` (the two agree when ``gamma == 1``).
 
     Returns:
       f32 ``[..., T]`` returns, 0 under the mask.
@@ -117,7 +137,7 @@ def discounted_returns(reward_bgt: chex.Array, mask_bgt: chex.Array, *, gamma: f
         reward_bgt = jnp.where(mask_bgt, _contracts.f32(reward_bgt), 0.0)
         return_bgt = jax.lax.cumsum(reward_bgt, axis=reward_bgt.ndim - 1, reverse=True)
         return jnp.where(mask_bgt, return_bgt, 0.0)
-    one = lambda r, m: discounted_returns_t(r, m, gamma=gamma)
+    one = lambda r, m: discounted_returns_t(r, m, gamma=gamma, skip_masked=skip_masked)
     return _vmap_leading(one, reward_bgt.ndim)(reward_bgt, mask_bgt)
 
 
@@ -128,6 +148,7 @@ def gae_t(
     *,
     gamma: float,
     lam: float,
+    skip_masked: bool = True,
 ) -> tuple[chex.Array, chex.Array]:
     """Generalised advantage estimation for one sequence, skipping masked tokens.
 
@@ -143,12 +164,18 @@ def gae_t(
     So V_next is the value of the next *valid* token and masked spans are invisible to the
     recursion. λ = 1, V = 0 gives the discounted return; λ = 0 gives the one-step TD error.
 
+    With ``skip_masked=False`` (OpenRLHF's ``get_advantages_and_returns``) the recursion is the
+    textbook one over every position on ``r·m`` and ``V·m``: ``δ_t = m_t r_t + γ m_{t+1}
+    V_{t+1} − m_t V_t``, ``A_t = δ_t + γλ A_{t+1}``, so a hole token is a step with r = V = 0.
+
     Args:
       reward_t: float ``[T]`` token rewards (upcast to f32); ignored under the mask.
       value_t: float ``[T]`` critic values V(s_t); ignored under the mask.
       mask_t: ``bool[T]``, True on the tokens the policy generated.
       gamma: discount γ ∈ [0, 1].
       lam: GAE λ ∈ [0, 1].
+      skip_masked: carry V and A through masked tokens (verl) or treat them as steps with
+        r = V = 0 (OpenRLHF).
 
     Returns:
       ``(adv_t, return_t)``, both f32 ``[T]`` and 0 where ``mask_t`` is False.
@@ -163,6 +190,10 @@ def gae_t(
     ) -> tuple[tuple[chex.Array, chex.Array], chex.Array]:
         next_value, next_adv = carry
         r, v, m = xs
+        if not skip_masked:
+            r, v = jnp.where(m, r, 0.0), jnp.where(m, v, 0.0)
+            adv = r + gamma * next_value - v + gamma * lam * next_adv
+            return (v, adv), adv
         adv = r + gamma * next_value - v + gamma * lam * next_adv
         next_value = jnp.where(m, v, next_value)
         next_adv = jnp.where(m, adv, next_adv)
@@ -182,6 +213,7 @@ def gae(
     *,
     gamma: float,
     lam: float,
+    skip_masked: bool = True,
 ) -> tuple[chex.Array, chex.Array]:
     """``gae_t`` over every sequence of a batch (any leading shape).
 
@@ -194,6 +226,7 @@ def gae(
       mask_bgt: ``bool``, same shape.
       gamma: discount γ ∈ [0, 1].
       lam: GAE λ ∈ [0, 1].
+      skip_masked: see :func:`gae_t`.
 
     Returns:
       ``(adv_bgt, return_bgt)``, f32 ``[..., T]``, 0 under the mask.
@@ -204,5 +237,5 @@ def gae(
     )
     _check_unit_interval(fn, "gamma", gamma)
     _check_unit_interval(fn, "lam", lam)
-    one = lambda r, v, m: gae_t(r, v, m, gamma=gamma, lam=lam)
+    one = lambda r, v, m: gae_t(r, v, m, gamma=gamma, lam=lam, skip_masked=skip_masked)
     return _vmap_leading(one, reward_bgt.ndim)(reward_bgt, value_bgt, mask_bgt)

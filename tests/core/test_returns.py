@@ -214,3 +214,68 @@ def test_gamma_one_cumsum_path_equals_the_scan():
         jnp.asarray(reward), jnp.asarray(mask)
     )
     np.testing.assert_allclose(fast, scan, rtol=1e-6, atol=1e-6)
+
+
+def _openrlhf_gae(reward, value, mask, gamma, lam):
+    """OpenRLHF's loop (get_advantages_and_returns): r·m and V·m, every position a step."""
+    r, v = np.where(mask, reward, 0.0), np.where(mask, value, 0.0)
+    adv = np.zeros_like(r, dtype=np.float64)
+    last = np.zeros(r.shape[:-1])
+    for t in reversed(range(r.shape[-1])):
+        nxt = v[..., t + 1] if t + 1 < r.shape[-1] else 0.0
+        last = r[..., t] + gamma * nxt - v[..., t] + gamma * lam * last
+        adv[..., t] = last
+    return adv, adv + v
+
+
+def _openrlhf_returns(reward, mask, gamma):
+    """OpenRLHF's loop (get_cumulative_returns): discounts at every position."""
+    r = np.where(mask, reward, 0.0)
+    out, acc = np.zeros_like(r, dtype=np.float64), np.zeros(r.shape[:-1])
+    for t in reversed(range(r.shape[-1])):
+        acc = r[..., t] + gamma * acc
+        out[..., t] = acc
+    return out
+
+
+class HolesAsStepsTest(chex.TestCase):
+    """skip_masked=False: interior holes are zero-reward, zero-value steps (OpenRLHF)."""
+
+    @parameterized.parameters((1.0, 1.0), (0.9, 0.8), (0.5, 0.0))
+    def test_gae_matches_openrlhf_loop(self, gamma, lam):
+        for seed, shape in enumerate(SHAPES):
+            reward, value, mask = random_episode(seed + 20, shape)
+            adv, ret = returns.gae(
+                jnp.asarray(reward),
+                jnp.asarray(value),
+                jnp.asarray(mask),
+                gamma=gamma,
+                lam=lam,
+                skip_masked=False,
+            )
+            want_adv, want_ret = _openrlhf_gae(reward, value, mask, gamma, lam)
+            np.testing.assert_allclose(adv, np.where(mask, want_adv, 0), rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(ret, np.where(mask, want_ret, 0), rtol=1e-5, atol=1e-5)
+
+    @parameterized.parameters(1.0, 0.9, 0.0)
+    def test_returns_match_openrlhf_loop(self, gamma):
+        for seed, shape in enumerate(SHAPES):
+            reward, _, mask = random_episode(seed + 30, shape)
+            got = returns.discounted_returns(
+                jnp.asarray(reward), jnp.asarray(mask), gamma=gamma, skip_masked=False
+            )
+            want = np.where(mask, _openrlhf_returns(reward, mask, gamma), 0)
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    def test_holes_change_the_numbers_and_right_padding_does_not(self):
+        reward = jnp.array([1.0, 5.0, 2.0, 0.0])
+        hole = jnp.array([True, False, True, False])
+        skip = returns.discounted_returns(reward, hole, gamma=0.5)
+        steps = returns.discounted_returns(reward, hole, gamma=0.5, skip_masked=False)
+        np.testing.assert_allclose(skip, [2.0, 0.0, 2.0, 0.0])
+        np.testing.assert_allclose(steps, [1.5, 0.0, 2.0, 0.0])  # 1 + 0.5·(0 + 0.5·2)
+        padded = jnp.array([True, True, True, False])
+        np.testing.assert_allclose(
+            returns.discounted_returns(reward, padded, gamma=0.5),
+            returns.discounted_returns(reward, padded, gamma=0.5, skip_masked=False),
+        )
