@@ -46,6 +46,35 @@ _CONFIG = dict(frozen=True, slots=True, kw_only=True)
 
 
 @dataclasses.dataclass(**_CONFIG)
+class LoRASection:
+    """``model.lora`` (or ``critic.lora``): low-rank adapters on the frozen base (LoRA/QLoRA)."""
+
+    # r: the adapters' rank.
+    rank: int = _field(16, ge=1)
+    # α: the adapter update is scaled by α / r (α / √r with use_rslora).
+    alpha: float = _field(32.0, gt=0)
+    # Dropout on the adapter branch's input (PEFT's lora_dropout); only 0 is supported so far.
+    dropout: float = _field(0.0, ge=0)
+    # The projections adapted in every layer (HF names).
+    targets: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    # Rank-stabilised scaling α / √r (Kalajdzievski 2023).
+    use_rslora: bool = False
+    # QLoRA: the frozen base stored quantised (int8, nf4, int4), dequantised in each matmul.
+    quantize: Literal["none", "int8", "nf4", "int4"] = "none"
+    # A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from;
+    # its rank, alpha and targets must match these.
+    adapter: str | None = None
+
+
+@dataclasses.dataclass(**_CONFIG)
 class ModelLoadConfig:
     """The policy: where its weights come from and how it runs."""
 
@@ -65,6 +94,8 @@ class ModelLoadConfig:
     trust_remote_code: bool = False
     # Read PyTorch .bin (pickle) weights, whose unpickling can run code; off unless trusted.
     allow_pickle: bool = False
+    # LoRA / QLoRA: train adapters only, the base frozen (and the reference for free); None = off.
+    lora: LoRASection | None = None
 
 
 @dataclasses.dataclass(**_CONFIG)
@@ -239,6 +270,8 @@ class CriticConfig:
     lr: float = _field(1e-5, gt=0)
     # Critic warmup, in training steps.
     warmup_steps: int = _field(0, ge=0)
+    # LoRA on the critic's trunk (its value head trains in full); required with model.lora.
+    lora: LoRASection | None = None
 
 
 @dataclasses.dataclass(**_CONFIG)

@@ -553,6 +553,46 @@ def _check_seeds(config: TrainConfig) -> None:
             raise _bad(key, value, "an integer in [0, 2^63 - 1) (a JAX key is an int64)")
 
 
+def _check_lora(config: TrainConfig) -> None:
+    """``model.lora`` / ``critic.lora``: targets that exist, no dropout yet, and a critic with
+    adapters when the policy has them (a full critic next to a LoRA policy is allowed only
+    when asked for: ``critic.lora`` null is then an error, not a silent full fine-tune)."""
+    from jaxrl_llm.models import lora as _lora
+
+    for key, section in (("model.lora", config.model.lora), ("critic.lora", config.critic.lora)):
+        if section is None:
+            continue
+        unknown = [t for t in section.targets if t not in _lora.TARGETS]
+        if unknown or not section.targets:
+            raise _bad(
+                f"{key}.targets",
+                list(section.targets),
+                f"projection names from {list(_lora.TARGETS)}"
+                + (f" ({unknown} match none)" if unknown else ""),
+            )
+        if len(set(section.targets)) != len(section.targets):
+            raise _bad(f"{key}.targets", list(section.targets), "each projection once")
+        if section.dropout != 0:
+            raise _bad(
+                f"{key}.dropout",
+                section.dropout,
+                "0 (adapter dropout is not implemented by the trainer yet)",
+            )
+    recipe = build_recipe(config) if not config.is_offline else None
+    has_critic = recipe is not None and getattr(recipe, "critic", None) is not None
+    if config.model.lora is not None and has_critic and config.critic.lora is None:
+        raise ConfigError(
+            f"model.lora is set and {config.algorithm.name} trains a critic, but critic.lora "
+            "is null: the critic would be fully fine-tuned next to a LoRA policy. Set "
+            "critic.lora (e.g. {rank: 16, alpha: 32}) or remove model.lora",
+            "critic.lora",
+        )
+    if config.critic.lora is not None and not has_critic:
+        raise ConfigError(
+            f"critic.lora is set but {config.algorithm.name} has no critic", "critic.lora"
+        )
+
+
 def validate(config: TrainConfig) -> TrainConfig:
     """Cross-checks the sections; returns the config with its hyperparameters converted.
 
@@ -570,6 +610,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check_rewards(config)
     _check_mesh(config.mesh)
     _check_seeds(config)
+    _check_lora(config)
     return config
 
 

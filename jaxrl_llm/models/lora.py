@@ -144,11 +144,27 @@ def has_lora(model: nnx.Module) -> bool:
     return any(isinstance(v, nnx.LoRAParam) for _, v in nnx.iter_graph(model))
 
 
-def split(model: nnx.Module) -> tuple[nnx.GraphDef, dict, dict]:
-    """``(graphdef, frozen, adapters)``: pure dicts of the base parameters and of the
-    adapters; ``nnx.merge(graphdef, combine(frozen, adapters))`` rebuilds the model."""
-    graphdef, adapters, frozen = nnx.split(model, nnx.LoRAParam, nnx.Param)
+def trainable_filter(extra: str | None = None) -> Any:
+    """The ``nnx`` filter of the trainable parameters: the adapters, plus every parameter
+    whose path holds the module name ``extra`` (a critic's fresh ``score`` head)."""
+    if extra is None:
+        return nnx.LoRAParam
+    return nnx.Any(nnx.LoRAParam, nnx.All(nnx.Param, nnx.PathContains(extra)))
+
+
+def split(model: nnx.Module, trainable: Any = nnx.LoRAParam) -> tuple[nnx.GraphDef, dict, dict]:
+    """``(graphdef, frozen, adapters)``: pure dicts of the base parameters and of the trainable
+    ones (``trainable``, an ``nnx`` filter; default the adapters);
+    ``nnx.merge(graphdef, combine(frozen, adapters))`` rebuilds the model."""
+    graphdef, adapters, frozen = nnx.split(model, trainable, nnx.Param)
     return graphdef, nnx.to_pure_dict(frozen), nnx.to_pure_dict(adapters)
+
+
+def split_states(model: nnx.Module, trainable: Any = nnx.LoRAParam) -> tuple[nnx.State, nnx.State]:
+    """``(frozen, trainable)`` as ``nnx.State``s with their variables' metadata (for
+    :func:`jaxrl_llm.models.sharding.param_shardings`)."""
+    adapters, frozen = nnx.state(model, trainable, nnx.Param)
+    return frozen, adapters
 
 
 def combine(frozen: dict, adapters: dict) -> dict:
@@ -211,4 +227,6 @@ __all__ = [
     "merged_kernels",
     "num_adapter_params",
     "split",
+    "split_states",
+    "trainable_filter",
 ]

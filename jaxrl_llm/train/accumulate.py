@@ -405,8 +405,13 @@ def jit_step(
     mesh: Mesh | None = None,
     state_sharding: Any = None,
     batch_axes: BatchAxes = None,
+    consts: tuple = (),
 ) -> Callable[[StateT, BatchT], tuple[StateT, dict[str, jax.Array]]]:
     """``step_fn`` jitted with the state donated.
+
+    ``consts``: further arguments ``step_fn(state, batch, *consts)`` is called with each time
+    (arrays that stay fixed, such as LoRA's frozen base): jit arguments in their own layouts,
+    not constants folded into the program, not donated.
 
     With a mesh: in/out shardings (the state as ``state_sharding``, the batch's leading axis over
     ``batch_axes``, the metrics replicated), one compiled program per batch structure, run under
@@ -414,7 +419,8 @@ def jit_step(
     arrays already in place). Without a mesh: a plain donating ``jax.jit``.
     """
     if mesh is None:
-        return jax.jit(step_fn, donate_argnums=0)
+        jitted = jax.jit(step_fn, donate_argnums=0)
+        return lambda state, batch: jitted(state, batch, *consts)
     if state_sharding is None:
         raise ValueError("jit_step: a mesh needs the state_sharding")
     rep = NamedSharding(mesh, PartitionSpec())
@@ -433,9 +439,10 @@ def jit_step(
             batch_sharding = jax.tree.map(lambda x: _batch_sharding(mesh, batch_axes, x), batch)
         treedef = jax.tree.structure(batch)
         if treedef not in cache:
+            const_shardings = jax.tree.map(lambda x: x.sharding, consts)
             cache[treedef] = jax.jit(
                 step_fn,
-                in_shardings=(state_sharding, batch_sharding),
+                in_shardings=(state_sharding, batch_sharding, *const_shardings),
                 out_shardings=(state_sharding, rep),
                 donate_argnums=0,
             )
@@ -444,7 +451,7 @@ def jit_step(
         state = jax.device_put(state, state_sharding)
         batch = jax.device_put(batch, batch_sharding)
         with jax.set_mesh(mesh):
-            return cache[treedef](state, batch)
+            return cache[treedef](state, batch, *consts)
 
     return call
 

@@ -70,7 +70,7 @@ def sample_completions(
 
     # generate() runs on the parameters' mesh by itself (batch over the data axes).
     out = rollout.generate(
-        (models.graphdef, params),
+        (models.graphdef, models.full_params(params)),  # LoRA: adapters on the frozen base
         prompt_ids,
         prompt_mask,
         rng=key,
@@ -281,6 +281,7 @@ def dpo_batch(
                     models.to_device(fields[f"{side}_tokens_nl"]),
                     models.to_device(fields[f"{side}_input_mask_nl"]),
                     completion_len=fields[f"{side}_mask_nt"].shape[1],
+                    graphdef=models.ref_graphdef,
                 )
                 fields[f"ref_{side}_n"] = jnp.sum(
                     jnp.where(fields[f"{side}_mask_nt"], logp, 0.0), axis=-1

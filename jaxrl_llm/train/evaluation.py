@@ -214,7 +214,7 @@ def evaluate_pairs(
             for side in ("chosen", "rejected"):
                 mask = getattr(batch, f"{side}_mask_nt")
                 logp = logprob(
-                    params,
+                    models.full_params(params),
                     getattr(batch, f"{side}_tokens_nl"),
                     getattr(batch, f"{side}_input_mask_nl"),
                     completion_len=mask.shape[1],

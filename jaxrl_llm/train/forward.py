@@ -167,17 +167,35 @@ def make_logprob_fn(
     micro_batch_size: int | None = None,
 ) -> Callable[..., jax.Array]:
     """:func:`completion_logprobs_nt` jitted: ``fn(params, tokens_nl, input_mask_nl, *,
-    completion_len) -> f32[N, T]``."""
-    return jax.jit(
+    completion_len, graphdef=graphdef) -> f32[N, T]``; another (static) ``graphdef`` runs
+    another architecture's parameters (LoRA's base without the adapters, for instance)."""
+    jitted = jax.jit(
         functools.partial(
             completion_logprobs_nt,
-            graphdef,
             temperature=temperature,
             chunk_size=chunk_size,
             micro_batch_size=micro_batch_size,
         ),
-        static_argnames=("completion_len",),
+        static_argnames=("graphdef", "completion_len"),
     )
+
+    def fn(
+        params: dict,
+        tokens_nl: jax.Array,
+        input_mask_nl: jax.Array,
+        *,
+        completion_len: int,
+        graphdef: nnx.GraphDef = graphdef,
+    ) -> jax.Array:
+        return jitted(
+            graphdef=graphdef,
+            params=params,
+            tokens_nl=tokens_nl,
+            input_mask_nl=input_mask_nl,
+            completion_len=completion_len,
+        )
+
+    return fn
 
 
 def make_value_fn(

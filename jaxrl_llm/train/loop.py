@@ -49,6 +49,7 @@ from jaxrl_llm.train.faults import (
 )
 from jaxrl_llm.train.metrics import MetricsLogger, NullLogger, plot_run
 from jaxrl_llm.train.setup import (
+    ADAPTER_DIR,
     CHECKPOINT_DIR,
     CONFIG_FILE,
     EXPORT_DIR,
@@ -96,6 +97,7 @@ def make_train_step(setup: Setup, logprob: Callable[..., jax.Array]) -> StepFn:
             mesh=models.mesh,
             state_sharding=models.state_sharding,
             rules=models.rules,
+            frozen=models.frozen,
         )
 
         def offline(
@@ -521,13 +523,24 @@ def export_policy(setup: Setup, params: dict, out: str | Path | None = None) -> 
     The model files of a previous export there are removed first (a stale shard index would
     load the old weights); a folder holding something else, a file, or ``RUN_DIR/export`` as a
     symlink is refused (:func:`~jaxrl_llm.train.rundir.prepare_export_dir`)."""
-    from jaxrl_llm.models import save_pretrained
+    from jaxrl_llm.models import lora, save_pretrained
 
     default = out is None
     out = Path(out).expanduser().absolute() if out is not None else setup.run_dir / EXPORT_DIR
     if dist.is_primary():
         rundir.prepare_export_dir(out, default=default)
-    return save_pretrained(setup.policy(params), out, tokenizer=setup.tokenizer)
+    policy = setup.policy(params)
+    models = setup.models
+    if models.lora is not None:  # LoRA: the adapter in PEFT's format, then the merged model
+        from jaxrl_llm.models import peft
+
+        adapter = setup.run_dir / ADAPTER_DIR
+        if dist.is_primary():
+            peft.save_adapter(
+                policy, adapter, config=models.lora, base_model_name_or_path=models.base_path
+            )
+        policy = lora.merge_into_base(policy)
+    return save_pretrained(policy, out, tokenizer=setup.tokenizer)
 
 
 def _restored(

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxrl_llm import models
+from jaxrl_llm.models import lora
 from jaxrl_llm.models import sharding as shd
+from jaxrl_llm.models.lora import LoRAConfig, combine
 from jaxrl_llm.models.tiny import TINY_RANDOM, tiny_random_config
 
 if TYPE_CHECKING:
@@ -175,12 +177,89 @@ def reference_params(params: dict, dtype: str = "float32") -> dict:
     return jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), params)
 
 
+class Adapted(NamedTuple):
+    """A model with LoRA adapters, split for training (see :func:`adapt`).
+
+    Attributes:
+      graphdef: the adapted model's graph definition.
+      base_graphdef: the base's (no adapters): ``nnx.merge(base_graphdef, frozen)`` is the
+        base model, i.e. the reference policy.
+      params, params_sharding: the trainable parameters (adapters, plus a critic's head).
+      frozen, frozen_sharding: everything else, frozen.
+    """
+
+    graphdef: Any
+    base_graphdef: Any
+    params: dict
+    params_sharding: Any
+    frozen: dict
+    frozen_sharding: Any
+
+
+def lora_config(section: Any) -> LoRAConfig | None:
+    """A ``model.lora`` / ``critic.lora`` config section (anything with the fields) as a
+    :class:`~jaxrl_llm.models.lora.LoRAConfig`; None stays None."""
+    if section is None:
+        return None
+    return LoRAConfig(
+        rank=section.rank,
+        alpha=float(section.alpha),
+        dropout=float(section.dropout),
+        targets=tuple(section.targets),
+        use_rslora=section.use_rslora,
+    )
+
+
+def adapt(
+    model: Any,
+    config: LoRAConfig,
+    *,
+    quantize: str = "none",
+    adapter: str | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    rules: shd.Rules = shd.DEFAULT_RULES,
+    seed: int = 0,
+    trainable_extra: str | None = None,
+) -> Adapted:
+    """Freezes ``model``'s weights (quantised with ``quantize``: none, int8, nf4, int4), adds
+    adapters (fresh with ``B = 0`` from ``seed``, or the PEFT folder ``adapter``) and splits
+    it into trainable adapters and the frozen base, laid out over ``mesh``. The model is
+    changed in place. ``trainable_extra``: a module name trained in full as well (a critic's
+    ``score`` head)."""
+    if quantize != "none":
+        from jaxrl_llm.models import quant
+
+        quant.quantize_model(model, quantize)
+    base_graphdef = nnx.graphdef(model)
+    if adapter is not None:
+        from jaxrl_llm.models import peft
+
+        peft.apply_adapter(model, adapter, expected=config)
+    else:
+        lora.apply_lora(model, config, rngs=nnx.Rngs(seed + 2))
+    trainable = lora.trainable_filter(trainable_extra)
+    graphdef, frozen, params = lora.split(model, trainable)
+    params_sh = frozen_sh = None
+    if mesh is not None:
+        frozen_state, trainable_state = lora.split_states(model, trainable)
+        params_sh = shd.param_shardings(trainable_state, mesh, rules)
+        frozen_sh = shd.param_shardings(frozen_state, mesh, rules)
+        params = jax.device_put(params, params_sh)
+        frozen = jax.device_put(frozen, frozen_sh)
+    return Adapted(graphdef, base_graphdef, params, params_sh, frozen, frozen_sh)
+
+
 __all__ = [
     "DEFAULT",
     "TINY_RANDOM",
+    "Adapted",
+    "LoRAConfig",
+    "adapt",
+    "combine",
     "load_critic",
     "load_policy",
     "load_tokenizer",
+    "lora_config",
     "make_mesh",
     "reference_params",
     "resolve_model_path",

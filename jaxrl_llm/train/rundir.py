@@ -53,6 +53,7 @@ from jaxrl_llm.train.metrics import METRICS_FILE, PLOT_FILE, read_metrics
 
 CONFIG_FILE = "config.yaml"
 EXPORT_DIR = "export"
+ADAPTER_DIR = "adapter"  # setup.ADAPTER_DIR: a LoRA run's adapter in PEFT's format
 CHECKPOINT_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
 UNREADABLE_DIR = "unreadable"  # checkpoint.UNREADABLE_DIR (not imported: no orbax here)
@@ -67,6 +68,7 @@ RUN_FILES = (
     TENSORBOARD_DIR,
     CHECKPOINT_DIR,
     EXPORT_DIR,
+    ADAPTER_DIR,
     PLOT_FILE,
     CHECKPOINTED,
 )

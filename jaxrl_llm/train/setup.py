@@ -54,6 +54,7 @@ from jaxrl_llm.train.tracking import TrackingPlan, TrackioSettings, WandbSetting
 
 CONFIG_FILE = "config.yaml"
 EXPORT_DIR = "export"
+ADAPTER_DIR = "adapter"  # LoRA runs: the adapter alone, in PEFT's format
 CHECKPOINT_DIR = "checkpoints"
 PAD_MULTIPLE = 32  # prompt widths are padded to a multiple of this (fewer distinct shapes)
 
@@ -181,8 +182,17 @@ class Models:
       graphdef: the policy's ``nnx`` graph definition.
       tx, schedule: the policy's optimizer and its ``step -> lr``.
       state_sharding: a TrainState of shardings.
-      ref_params: the frozen reference's parameters, or None when the recipe needs none.
+      ref_params: the frozen reference's parameters, or None when the recipe needs none
+        (with LoRA: the frozen base itself, not a copy).
       critic_graphdef, critic_tx, critic_schedule: the critic's, or None.
+      ref_graphdef: the reference's graph definition (the base without adapters under LoRA;
+        else ``graphdef``).
+      frozen, frozen_sharding: with LoRA, the frozen base parameters (the TrainState's
+        ``params`` are then the adapters only) and their shardings; else None.
+      critic_frozen, critic_frozen_sharding: the same for a LoRA critic (its trunk).
+      lora: the adapters' settings, or None (full fine-tuning).
+      base_path: the base model's folder (``model.path`` resolved; PEFT's
+        ``base_model_name_or_path`` of an exported adapter).
     """
 
     mesh: jax.sharding.Mesh
@@ -195,10 +205,31 @@ class Models:
     critic_graphdef: nnx.GraphDef | None = None
     critic_tx: optax.GradientTransformation | None = None
     critic_schedule: st.Schedule | None = None
+    ref_graphdef: nnx.GraphDef | None = None
+    frozen: dict | None = None
+    frozen_sharding: Any = None
+    critic_frozen: dict | None = None
+    critic_frozen_sharding: Any = None
+    lora: train_models.LoRAConfig | None = None
+    base_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ref_graphdef is None:
+            object.__setattr__(self, "ref_graphdef", self.graphdef)
+
+    def full_params(self, params: dict) -> dict:
+        """The policy's whole parameter dict: ``params`` (the adapters, with LoRA) joined with
+        the frozen base; ``params`` itself without LoRA."""
+        return params if self.frozen is None else train_models.combine(self.frozen, params)
+
+    def full_critic_params(self, params: dict) -> dict:
+        if self.critic_frozen is None:
+            return params
+        return train_models.combine(self.critic_frozen, params)
 
     def policy(self, params: dict) -> nnx.Module:
-        """The policy module with ``params``."""
-        return nnx.merge(self.graphdef, params)
+        """The policy module with ``params`` (joined with the frozen base under LoRA)."""
+        return nnx.merge(self.graphdef, self.full_params(params))
 
     @property
     def batch_axes(self) -> Any:
@@ -431,20 +462,16 @@ def build_models(
         rules = shd.PRESETS[config.mesh.preset]
     seed = config.train.seed
     n_updates = update_shape(config).updates_per_step
+    lora_cfg = train_models.lora_config(config.model.lora)
+    critic_lora = train_models.lora_config(config.critic.lora)
+    quantize = "none" if config.model.lora is None else config.model.lora.quantize
+    with_critic = isinstance(recipe, Recipe) and recipe.critic is not None
     with jax.set_mesh(mesh):
         policy = train_models.load_policy(
             config.model.path, **_load_options(config.model), mesh=mesh, rules=rules, seed=seed
         )
-        graphdef, params = st.split_params(policy)
-        param_sh = shd.param_shardings(nnx.state(policy, nnx.Param), mesh, rules)
-        ref = None
-        if REFERENCE_LOGPROBS in recipe.requires:
-            ref = train_models.reference_params(params, config.kl.reference_param_dtype)
-        tx, schedule = make_optimizer(
-            config.optim, max_steps=config.train.max_steps, updates_per_step=n_updates
-        )
-        critic_graphdef = critic_params = critic_sh = critic_tx = critic_schedule = None
-        if isinstance(recipe, Recipe) and recipe.critic is not None:
+        critic = None
+        if with_critic:
             critic = train_models.load_critic(
                 policy,
                 path=config.critic.path,
@@ -453,8 +480,52 @@ def build_models(
                 rules=rules,
                 seed=seed,
             )
-            critic_graphdef, critic_params = st.split_params(critic)
-            critic_sh = shd.param_shardings(nnx.state(critic, nnx.Param), mesh, rules)
+        frozen = frozen_sh = critic_frozen = critic_frozen_sh = None
+        ref_graphdef = None
+        if lora_cfg is None:
+            graphdef, params = st.split_params(policy)
+            param_sh = shd.param_shardings(nnx.state(policy, nnx.Param), mesh, rules)
+        else:
+            adapted = train_models.adapt(
+                policy,
+                lora_cfg,
+                quantize=quantize,
+                adapter=config.model.lora.adapter,
+                mesh=mesh,
+                rules=rules,
+                seed=seed,
+            )
+            graphdef, ref_graphdef = adapted.graphdef, adapted.base_graphdef
+            params, param_sh = adapted.params, adapted.params_sharding
+            frozen, frozen_sh = adapted.frozen, adapted.frozen_sharding
+        ref = None
+        if REFERENCE_LOGPROBS in recipe.requires:
+            if frozen is not None:  # the frozen base is the reference: no copy
+                ref = frozen
+            else:
+                ref = train_models.reference_params(params, config.kl.reference_param_dtype)
+        tx, schedule = make_optimizer(
+            config.optim, max_steps=config.train.max_steps, updates_per_step=n_updates
+        )
+        critic_graphdef = critic_params = critic_sh = critic_tx = critic_schedule = None
+        if critic is not None:
+            if critic_lora is None:
+                critic_graphdef, critic_params = st.split_params(critic)
+                critic_sh = shd.param_shardings(nnx.state(critic, nnx.Param), mesh, rules)
+            else:
+                adapted = train_models.adapt(
+                    critic,
+                    critic_lora,
+                    quantize=config.critic.lora.quantize,
+                    adapter=config.critic.lora.adapter,
+                    mesh=mesh,
+                    rules=rules,
+                    seed=seed + 3,
+                    trainable_extra="score",
+                )
+                critic_graphdef = adapted.graphdef
+                critic_params, critic_sh = adapted.params, adapted.params_sharding
+                critic_frozen, critic_frozen_sh = adapted.frozen, adapted.frozen_sharding
             critic_tx, critic_schedule = make_critic_optimizer(
                 config.critic,
                 config.optim,
@@ -500,6 +571,13 @@ def build_models(
         critic_graphdef=critic_graphdef,
         critic_tx=critic_tx,
         critic_schedule=critic_schedule,
+        ref_graphdef=ref_graphdef,
+        frozen=frozen,
+        frozen_sharding=frozen_sh,
+        critic_frozen=critic_frozen,
+        critic_frozen_sharding=critic_frozen_sh,
+        lora=lora_cfg,
+        base_path=train_models.resolve_model_path(config.model.path),
     )
     return models, state
 
@@ -662,6 +740,7 @@ def resolve(
 
 
 __all__ = [
+    "ADAPTER_DIR",
     "CHECKPOINT_DIR",
     "CONFIG_FILE",
     "EXPORT_DIR",

@@ -58,12 +58,21 @@ from jaxrl_llm.core import kl as _kl
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.recipe import Recipe
 from jaxrl_llm.train import forward
+from jaxrl_llm.train import models as tm
 from jaxrl_llm.train import packing as pk
 from jaxrl_llm.train import state as st
 from jaxrl_llm.train import update as up
 from jaxrl_llm.train.setup import Models, OldLogprobs, UpdateShape
 
 Metrics = dict[str, jax.Array]
+
+
+class Frozen(NamedTuple):
+    """The frozen bases of LoRA models (None without LoRA): arguments of the jitted step, not
+    part of the (donated) state; the policy is ``combine(policy, state.params)``."""
+
+    policy: dict | None = None
+    critic: dict | None = None
 
 
 class Groups(NamedTuple):
@@ -169,7 +178,8 @@ def make_rl_step(
     micro = None if packing else update.micro_batch_size
     mesh, sharding = models.mesh, models.state_sharding
     dp = shd.data_parallel_size(mesh)
-    update_fn = up.make_update_step(
+    make_update = functools.partial(
+        up.make_update_step,
         recipe,
         models.graphdef,
         models.tx,
@@ -189,13 +199,17 @@ def make_rl_step(
         jit=False,
         packed=packing,
     )
+    lora = models.frozen is not None or models.critic_frozen is not None
+    update_fn = None if lora else make_update()
 
     def constrain(x: jax.Array) -> jax.Array:
         return jax.lax.with_sharding_constraint(x, models.batch_sharding(x.ndim))
 
-    def logprobs(params: Any, tokens_nl: jax.Array, mask_nl: jax.Array, t: int) -> jax.Array:
+    def logprobs(
+        graphdef: Any, params: Any, tokens_nl: jax.Array, mask_nl: jax.Array, t: int
+    ) -> jax.Array:
         return forward.completion_logprobs_nt(
-            models.graphdef,
+            graphdef,
             params,
             tokens_nl,
             mask_nl,
@@ -212,9 +226,12 @@ def make_rl_step(
         state: st.TrainState,
         groups: Groups,
         ref_params: Any,
+        frozen: Frozen,
         plan: pk.PlanArrays | None,
         shape: pk.PackShape | None,
     ):
+        full = lambda p: p if frozen.policy is None else tm.combine(frozen.policy, p)
+        full_critic = lambda p: p if frozen.critic is None else tm.combine(frozen.critic, p)
         b, g, t = groups.tokens_bgt.shape
         n = b * g
         tokens_nl, input_mask_nl = _sequences(groups)
@@ -226,8 +243,8 @@ def make_rl_step(
             packed = pk.pack_rows(tokens_nl, input_mask_nl, plan, shape)
             index = pk.unpack_index(input_mask_nl, plan, t)
             kw = dict(temperature=temperature, chunk_size=chunk_size, constrain=rows_constraint)
-            logprobs_of = lambda params: forward.packed_logprobs_nt(
-                models.graphdef, params, packed, plan, shape, index, **kw
+            logprobs_of = lambda params, graphdef=models.graphdef: forward.packed_logprobs_nt(
+                graphdef, params, packed, plan, shape, index, **kw
             )
             values_of = lambda params: forward.packed_values_nt(
                 models.critic_graphdef,
@@ -239,7 +256,9 @@ def make_rl_step(
                 constrain=rows_constraint,
             )
         else:
-            logprobs_of = lambda params: logprobs(params, tokens_nl, input_mask_nl, t)
+            logprobs_of = lambda params, graphdef=models.graphdef: logprobs(
+                graphdef, params, tokens_nl, input_mask_nl, t
+            )
             values_of = lambda params: forward.completion_values_nt(
                 models.critic_graphdef,
                 params,
@@ -249,11 +268,11 @@ def make_rl_step(
                 micro_batch_size=micro,
             )
         if recompute:
-            logp_old = bgt(logprobs_of(state.params))
-        if ref_params is not None:
-            logp_ref = bgt(logprobs_of(ref_params))
+            logp_old = bgt(logprobs_of(full(state.params)))
+        if ref_params is not None:  # under LoRA: the frozen base, without the adapters
+            logp_ref = bgt(logprobs_of(ref_params, models.ref_graphdef))
         if with_critic:
-            values = bgt(values_of(state.critic_params))
+            values = bgt(values_of(full_critic(state.critic_params)))
         sampler_bgt = groups.logp_sampler_bgt.astype(jnp.float32)
         chain_old = (
             logp_old
@@ -295,7 +314,10 @@ def make_rl_step(
             used = jnp.sum(jnp.asarray(plan.count_m, jnp.int32)) * shape.rows * shape.width
             metrics["perf/pack_rows_tokens"] = used.astype(jnp.float32)
             metrics["perf/padded_tokens"] = jnp.asarray(tokens_nl.size, jnp.float32)
-        state, update_metrics = update_fn(state._replace(kl_state=kl_state), batch)
+        run_update = update_fn
+        if run_update is None:  # the frozen bases are this trace's arguments
+            run_update = make_update(frozen=frozen.policy, critic_frozen=frozen.critic)
+        state, update_metrics = run_update(state._replace(kl_state=kl_state), batch)
         metrics.update(update_metrics)
         metrics["perf/tokens"] = jnp.sum(input_mask_nl, dtype=jnp.int32).astype(jnp.float32)
         # One vector, so the metrics come back in one transfer; the names are fixed at trace.
@@ -305,7 +327,11 @@ def make_rl_step(
 
     rep = st.replicated(mesh)
     ref_params = models.ref_params
-    ref_sharding = None if ref_params is None else sharding.params
+    ref_sharding = None
+    if ref_params is not None:
+        ref_sharding = models.frozen_sharding if models.frozen is not None else sharding.params
+    frozen = Frozen(models.frozen, models.critic_frozen)
+    frozen_sharding = Frozen(models.frozen_sharding, models.critic_frozen_sharding)
     cache: dict[Any, tuple[Callable, list[str]]] = {}
     traced_names: list[list[str]] = []
 
@@ -337,7 +363,7 @@ def make_rl_step(
         if key not in cache:
             jitted = jax.jit(
                 functools.partial(step, shape=shape),
-                in_shardings=(sharding, g_sharding, ref_sharding, rep),
+                in_shardings=(sharding, g_sharding, ref_sharding, frozen_sharding, rep),
                 out_shardings=(sharding, rep),
                 donate_argnums=0,
             )
@@ -346,7 +372,7 @@ def make_rl_step(
         state = jax.device_put(state, sharding)
         groups = jax.device_put(groups, g_sharding)
         with jax.set_mesh(mesh):
-            state, packed = jitted(state, groups, ref_params, plan)
+            state, packed = jitted(state, groups, ref_params, frozen, plan)
         if not names:  # traced by the call above
             names.extend(traced_names.pop())
         values = np.asarray(jax.device_get(packed)).tolist()
@@ -359,12 +385,12 @@ def make_rl_step(
         plan, shape = plan_of(groups)
         jitted = jax.jit(
             functools.partial(step, shape=shape),
-            in_shardings=(sharding, groups_sharding(groups), ref_sharding, rep),
+            in_shardings=(sharding, groups_sharding(groups), ref_sharding, frozen_sharding, rep),
             out_shardings=(sharding, rep),
             donate_argnums=0,
         )
         with jax.set_mesh(mesh):
-            lowered = jitted.lower(state, groups, ref_params, plan)
+            lowered = jitted.lower(state, groups, ref_params, frozen, plan)
         traced_names.pop()  # the metric names of this trace; call() pops only its own
         return lowered
 

@@ -52,7 +52,8 @@ non-finite gradient: the parameters and optimizer state are kept), and for PPO
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -64,6 +65,7 @@ from jaxrl_llm import recipe as rc
 from jaxrl_llm.core import kl as _kl
 from jaxrl_llm.core import policy_losses as pl
 from jaxrl_llm.core import preference as pref
+from jaxrl_llm.models import lora
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.models.logprobs import completion_logprobs, hidden_logprobs
 from jaxrl_llm.recipe import PreferenceRecipe, Recipe
@@ -225,6 +227,13 @@ def _state_io(with_critic: bool) -> tuple[Callable, Callable]:
     return read, write
 
 
+def _model_of(graphdef: nnx.GraphDef, frozen: dict | None) -> Callable[[dict], nnx.Module]:
+    """``params -> module``; with LoRA's ``frozen`` base, the module of ``frozen ∪ params``."""
+    if frozen is None:
+        return lambda params: nnx.merge(graphdef, params)
+    return lambda params: nnx.merge(graphdef, lora.combine(frozen, params))
+
+
 def _param_sharding(state_sharding: TrainState | None, field: str) -> Any:
     return None if state_sharding is None else getattr(state_sharding, field)
 
@@ -302,14 +311,17 @@ def policy_sums_fn(
     entropy_metrics: bool = True,
     chunk_size: int | None = 256,
     packed: bool = False,
+    frozen: dict | None = None,
 ) -> Callable[[Any, Any], tuple[jax.Array, dict[str, Pair]]]:
     """``(params, micro_batch) -> (Σ loss, metric pairs)`` of the recipe's policy objective
-    (``packed``: the micro-batch is ``(PackedShared, PackedMicro)``)."""
+    (``packed``: the micro-batch is ``(PackedShared, PackedMicro)``; ``frozen``: LoRA's frozen
+    base, joined with ``params``, the adapters, which alone are differentiated)."""
     obj = recipe.objective
     with_entropy = entropy_metrics or obj.entropy_coef > 0
+    model_of = _model_of(graphdef, frozen)
 
     def sums(params: dict, mb: UpdateBatch) -> tuple[jax.Array, dict[str, Pair]]:
-        model = nnx.merge(graphdef, params)
+        model = model_of(params)
         mask = mb.mask_nt
         out = completion_logprobs(
             model,
@@ -327,7 +339,7 @@ def policy_sums_fn(
         params: dict, mb: tuple[PackedShared, PackedMicro]
     ) -> tuple[jax.Array, dict[str, Pair]]:
         shared, micro = mb
-        model = nnx.merge(graphdef, params)
+        model = model_of(params)
         h_rwd = packed_hidden(model.model, micro)
         out = hidden_logprobs(
             model,
@@ -360,13 +372,19 @@ def packed_values(critic: nnx.Module, micro: PackedMicro) -> jax.Array:
 
 
 def critic_sums_fn(
-    recipe: Recipe, critic_graphdef: nnx.GraphDef, *, packed: bool = False
+    recipe: Recipe,
+    critic_graphdef: nnx.GraphDef,
+    *,
+    packed: bool = False,
+    frozen: dict | None = None,
 ) -> Callable[[Any, Any], tuple[jax.Array, dict[str, Pair]]]:
     """``(critic_params, micro_batch) -> (Σ value loss, metric pairs)``; token-mean loss
-    (``packed``: the micro-batch is ``(PackedShared, PackedMicro)``)."""
+    (``packed``: the micro-batch is ``(PackedShared, PackedMicro)``; ``frozen``: a LoRA
+    critic's frozen trunk)."""
+    model_of = _model_of(critic_graphdef, frozen)
 
     def sums(params: dict, mb: Any) -> tuple[jax.Array, dict[str, Pair]]:
-        critic = nnx.merge(critic_graphdef, params)
+        critic = model_of(params)
         if packed:
             shared, micro = mb
             mb = shared.fields
@@ -412,6 +430,8 @@ def make_update_step(
     rules: shd.Rules = shd.DEFAULT_RULES,
     jit: bool = True,
     packed: bool = False,
+    frozen: dict | None = None,
+    critic_frozen: dict | None = None,
 ) -> Callable[[TrainState, Any], tuple[TrainState, dict[str, jax.Array]]]:
     """The jitted update ``step(state, batch) -> (state, metrics)`` of an on-policy recipe.
 
@@ -435,6 +455,12 @@ def make_update_step(
       packed: the batch is a packed :func:`packed_batch` (``ppo_epochs`` still applies; the
         minibatches and micro-batches are the plan's, ``num_minibatches`` and
         ``micro_batch_size`` are ignored).
+      frozen, critic_frozen: LoRA (:mod:`jaxrl_llm.models.lora`): the frozen base of the
+        policy (critic); the state's ``params`` (``critic_params``) are then the adapters
+        only, the models are ``combine(frozen, params)``, and gradients and optimizer states
+        exist for the adapters alone. The jitted step takes the bases as arguments (not
+        constants of the program, not donated); with ``jit=False`` they are closed over, so
+        pass the caller's traced values.
     """
     if isinstance(recipe, PreferenceRecipe):
         raise ValueError(f"make_update_step: {recipe.name} is offline; use make_dpo_step")
@@ -444,35 +470,39 @@ def make_update_step(
         )
     if mesh is not None and state_sharding is None:
         raise ValueError("make_update_step: a mesh needs the state_sharding")
-    trainees = [
-        acc.Trainee(
-            "actor",
-            tx,
-            policy_sums_fn(
-                recipe,
-                graphdef,
-                temperature=temperature,
-                tis_cap=tis_cap,
-                entropy_metrics=entropy_metrics,
-                chunk_size=chunk_size,
-                packed=packed,
-            ),
-            lambda mb: recipe.objective.aggregate(_zeros(_mask(mb)), _mask(mb))[1],
-            param_sharding=_param_sharding(state_sharding, "params"),
-            schedule=schedule,
-        )
-    ]
-    if recipe.critic is not None:
-        trainees.append(
+
+    def trainees(frozen: dict | None, critic_frozen: dict | None) -> list[acc.Trainee]:
+        out = [
             acc.Trainee(
-                "critic",
-                critic_tx,
-                critic_sums_fn(recipe, critic_graphdef, packed=packed),
-                lambda mb: jnp.sum(_mask(mb), dtype=jnp.int32).astype(jnp.float32),
-                param_sharding=_param_sharding(state_sharding, "critic_params"),
-                schedule=critic_schedule,
+                "actor",
+                tx,
+                policy_sums_fn(
+                    recipe,
+                    graphdef,
+                    temperature=temperature,
+                    tis_cap=tis_cap,
+                    entropy_metrics=entropy_metrics,
+                    chunk_size=chunk_size,
+                    packed=packed,
+                    frozen=frozen,
+                ),
+                lambda mb: recipe.objective.aggregate(_zeros(_mask(mb)), _mask(mb))[1],
+                param_sharding=_param_sharding(state_sharding, "params"),
+                schedule=schedule,
             )
-        )
+        ]
+        if recipe.critic is not None:
+            out.append(
+                acc.Trainee(
+                    "critic",
+                    critic_tx,
+                    critic_sums_fn(recipe, critic_graphdef, packed=packed, frozen=critic_frozen),
+                    lambda mb: jnp.sum(_mask(mb), dtype=jnp.int32).astype(jnp.float32),
+                    param_sharding=_param_sharding(state_sharding, "critic_params"),
+                    schedule=critic_schedule,
+                )
+            )
+        return out
 
     def check(batch: Any) -> None:
         if packed != isinstance(batch, acc.Ragged):
@@ -486,8 +516,8 @@ def make_update_step(
             raise ValueError(f"{recipe.name}: the batch needs value_old_nt and return_nt")
 
     read, write = _state_io(recipe.critic is not None)
-    return acc.make_step(
-        trainees,
+    make = functools.partial(
+        acc.make_step,
         read=read,
         write=write,
         epochs=ppo_epochs,
@@ -497,7 +527,44 @@ def make_update_step(
         state_sharding=state_sharding,
         batch_axes=dict(rules).get("batch"),
         check=check,
+    )
+    return _with_frozen(
+        make,
+        trainees,
+        frozen,
+        critic_frozen,
         jit=jit,
+        mesh=mesh,
+        state_sharding=state_sharding,
+        rules=rules,
+    )
+
+
+def _with_frozen(
+    make: Callable[..., Callable],
+    trainees: Callable[[dict | None, dict | None], Sequence[acc.Trainee]],
+    frozen: dict | None,
+    critic_frozen: dict | None,
+    *,
+    jit: bool,
+    mesh: jax.sharding.Mesh | None,
+    state_sharding: Any,
+    rules: shd.Rules,
+) -> Callable:
+    """The step of ``make(trainees(frozen, critic_frozen), jit=...)``; with frozen LoRA bases
+    and ``jit``, jitted with the bases as (non-donated) arguments rather than constants."""
+    if (frozen is None and critic_frozen is None) or not jit:
+        return make(trainees(frozen, critic_frozen), jit=jit)
+
+    def step(state: TrainState, batch: Any, bases: tuple) -> tuple[TrainState, dict]:
+        return make(trainees(*bases), jit=False)(state, batch)
+
+    return acc.jit_step(
+        step,
+        mesh=mesh,
+        state_sharding=state_sharding,
+        batch_axes=dict(rules).get("batch"),
+        consts=((frozen, critic_frozen),),
     )
 
 
@@ -506,15 +573,20 @@ def make_update_step(
 
 
 def dpo_sums_fn(
-    recipe: PreferenceRecipe, graphdef: nnx.GraphDef, *, chunk_size: int | None = 256
+    recipe: PreferenceRecipe,
+    graphdef: nnx.GraphDef,
+    *,
+    chunk_size: int | None = 256,
+    frozen: dict | None = None,
 ) -> Callable[[Any, DPOBatch], tuple[jax.Array, dict[str, Pair]]]:
     """``(params, micro_batch) -> (Σ pair losses, metric pairs)``; one forward on chosen and
-    rejected stacked."""
+    rejected stacked (``frozen``: LoRA's frozen base)."""
     beta = recipe.beta
     weighted = rc.SEQUENCE_WEIGHTS in recipe.requires
+    model_of = _model_of(graphdef, frozen)
 
     def sums(params: dict, mb: DPOBatch) -> tuple[jax.Array, dict[str, Pair]]:
-        model = nnx.merge(graphdef, params)
+        model = model_of(params)
         n = mb.chosen_tokens_nl.shape[0]
         tokens = jnp.concatenate([mb.chosen_tokens_nl, mb.rejected_tokens_nl])
         input_mask = jnp.concatenate([mb.chosen_input_mask_nl, mb.rejected_input_mask_nl])
@@ -577,8 +649,10 @@ def make_dpo_step(
     mesh: jax.sharding.Mesh | None = None,
     state_sharding: TrainState | None = None,
     rules: shd.Rules = shd.DEFAULT_RULES,
+    frozen: dict | None = None,
 ) -> Callable[[TrainState, DPOBatch], tuple[TrainState, dict[str, jax.Array]]]:
-    """The jitted DPO-family update ``step(state, batch) -> (state, metrics)``.
+    """The jitted DPO-family update ``step(state, batch) -> (state, metrics)`` (``frozen``:
+    LoRA's frozen base, as in :func:`make_update_step`).
 
     The loss of a minibatch is the mean over its pairs of ``recipe.loss`` on the
     sequence log-probs Σ_t log π(y_t | x, y_<t) of the answers; gradients are accumulated over
@@ -590,20 +664,25 @@ def make_dpo_step(
     """
     if not isinstance(recipe, PreferenceRecipe):
         raise ValueError(f"make_dpo_step: {recipe.name} is not a preference recipe")
-    trainee = acc.Trainee(
-        "actor",
-        tx,
-        dpo_sums_fn(recipe, graphdef, chunk_size=chunk_size),
-        # the number of pairs: the minibatch's masks are stacked [K, m, T]
-        lambda mb: jnp.asarray(
-            mb.chosen_mask_nt.shape[0] * mb.chosen_mask_nt.shape[1], jnp.float32
-        ),
-        param_sharding=_param_sharding(state_sharding, "params"),
-        schedule=schedule,
-    )
+
+    def trainees(frozen: dict | None, _: None) -> tuple[acc.Trainee]:
+        return (
+            acc.Trainee(
+                "actor",
+                tx,
+                dpo_sums_fn(recipe, graphdef, chunk_size=chunk_size, frozen=frozen),
+                # the number of pairs: the minibatch's masks are stacked [K, m, T]
+                lambda mb: jnp.asarray(
+                    mb.chosen_mask_nt.shape[0] * mb.chosen_mask_nt.shape[1], jnp.float32
+                ),
+                param_sharding=_param_sharding(state_sharding, "params"),
+                schedule=schedule,
+            ),
+        )
+
     read, write = _state_io(with_critic=False)
-    return acc.make_step(
-        (trainee,),
+    make = functools.partial(
+        acc.make_step,
         read=read,
         write=write,
         epochs=ppo_epochs,
@@ -612,6 +691,16 @@ def make_dpo_step(
         mesh=mesh,
         state_sharding=state_sharding,
         batch_axes=dict(rules).get("batch"),
+    )
+    return _with_frozen(
+        make,
+        trainees,
+        frozen,
+        None,
+        jit=True,
+        mesh=mesh,
+        state_sharding=state_sharding,
+        rules=rules,
     )
 
 

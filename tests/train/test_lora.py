@@ -1,0 +1,235 @@
+"""LoRA (models/lora.py) in the model and the trainer: the adapted model starts as the base,
+only adapters train, their gradient is the full gradient projected, the frozen base is the
+reference, runs resume bit-identically and export the merged model."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrl_llm.config import ConfigError
+from jaxrl_llm.models import lora
+from jaxrl_llm.train import loop
+from jaxrl_llm.train import setup as setup_lib
+from jaxrl_llm.train import state as st
+from jaxrl_llm.train import update as up
+from tests.train import helpers as H
+
+VARIED = [
+    "rewards.terms=[{type: length_penalty, kwargs: {target: 10, unit: chars, coef: 0.1}},"
+    " {type: regex, weight: 0.5, kwargs: {pattern: '[aeiou]'}}]"
+]
+LORA = "model.lora={rank: 4, alpha: 8}"
+
+
+def _adapted(seed: int = 0, **kw) -> tuple[nnx.Module, nnx.Module]:
+    base = H.tiny_lm(seed, num_layers=2)
+    model = H.tiny_lm(seed, num_layers=2)
+    lora.apply_lora(model, lora.LoRAConfig(**{"rank": 4, "alpha": 8.0, **kw}), rngs=nnx.Rngs(7))
+    return base, model
+
+
+def _randomise_b(model: nnx.Module, seed: int = 3, scale: float = 0.05) -> None:
+    """Non-zero B (B = 0 at init would make the adapter tests vacuous)."""
+    keys = iter(jax.random.split(jax.random.key(seed), 64))
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.LoRAParam) and not np.any(np.asarray(node[...])):
+            node[...] = scale * jax.random.normal(next(keys), node[...].shape)
+
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(3, H.VOCAB, (3, 7)), jnp.int32)
+MASK = jnp.asarray(np.arange(7)[None, :] >= np.array([[0], [2], [4]]))
+
+
+@pytest.mark.parametrize("targets", [lora.TARGETS, ("q_proj", "down_proj")])
+def test_zero_init_adapted_model_equals_the_base(targets):
+    base, model = _adapted(targets=targets)
+    np.testing.assert_array_equal(np.asarray(model(TOKENS, MASK)), np.asarray(base(TOKENS, MASK)))
+    _, frozen, adapters = lora.split(model)
+    assert jax.tree.structure(frozen) == jax.tree.structure(nnx.to_pure_dict(nnx.state(base)))
+    adapted = {k for k in adapters["model"]["layers"]["self_attn"]} | {
+        k for k in adapters["model"]["layers"].get("mlp", {})
+    }
+    assert adapted == set(targets)
+    a = adapters["model"]["layers"]["self_attn"]["q_proj"]["lora_a"]
+    assert a.shape == (2, 32, 4) and a.dtype == jnp.float32  # [L, D, r], f32
+    assert float(jnp.max(jnp.abs(a))) <= 1 / math.sqrt(32)  # U(-1/sqrt(K), 1/sqrt(K))
+
+
+def test_adapter_forward_is_w_plus_scaled_ab():
+    """y = x W + (α/r)·x A B, checked against the merged kernel W + (α/r)·A B."""
+    _, model = _adapted(use_rslora=True)
+    _randomise_b(model)
+    proj = model.model.layers.self_attn.o_proj  # two input axes: [L, H, Dh, D]
+    w = np.asarray(proj.kernel[...], np.float64)
+    a = np.asarray(proj.lora_a[...], np.float64)
+    b = np.asarray(proj.lora_b[...], np.float64)
+    scale = 8.0 / math.sqrt(4)  # rsLoRA
+    expected = w + scale * np.einsum("lhdr,lre->lhde", a, b)
+    np.testing.assert_allclose(np.asarray(proj.merged_kernel()), expected, rtol=1e-5, atol=1e-6)
+    merged = lora.merge_into_base(nnx.clone(model))
+    assert not lora.has_lora(merged)
+    np.testing.assert_allclose(
+        np.asarray(merged(TOKENS, MASK)), np.asarray(model(TOKENS, MASK)), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_lora_gradients_are_the_full_gradient_projected():
+    """For W_eff = W + s·A B: ∂L/∂A = s·G Bᵀ and ∂L/∂B = s·Aᵀ G with G = ∂L/∂W_eff = ∂L/∂W."""
+    _, model = _adapted()
+    _randomise_b(model)
+    graphdef, frozen, adapters = lora.split(model)
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(3, 7, H.VOCAB)), jnp.float32)
+
+    def loss(frozen, adapters):
+        logits = nnx.merge(graphdef, lora.combine(frozen, adapters))(TOKENS, MASK)
+        return jnp.sum(jax.nn.log_softmax(logits) * weights)
+
+    g_frozen, g_adapters = jax.grad(loss, argnums=(0, 1))(frozen, adapters)
+    s = 8.0 / 4
+    for group, name in (("self_attn", "q_proj"), ("self_attn", "o_proj"), ("mlp", "down_proj")):
+        g_w = np.asarray(g_frozen["model"]["layers"][group][name]["kernel"], np.float64)
+        ad = adapters["model"]["layers"][group][name]
+        a = np.asarray(ad["lora_a"], np.float64)
+        b = np.asarray(ad["lora_b"], np.float64)
+        n_lead_in = a.ndim - 1  # [L, *in]
+        num_l = a.shape[0]
+        k = math.prod(a.shape[1:n_lead_in])
+        g = g_w.reshape(num_l, k, -1)
+        a2, b2 = a.reshape(num_l, k, -1), b.reshape(num_l, b.shape[1], -1)
+        exp_a = s * g @ b2.transpose(0, 2, 1)
+        exp_b = s * a2.transpose(0, 2, 1) @ g
+        got = g_adapters["model"]["layers"][group][name]
+        np.testing.assert_allclose(
+            np.asarray(got["lora_a"]).reshape(exp_a.shape), exp_a, rtol=1e-4, atol=1e-6
+        )
+        np.testing.assert_allclose(
+            np.asarray(got["lora_b"]).reshape(exp_b.shape), exp_b, rtol=1e-4, atol=1e-6
+        )
+        assert np.abs(exp_a).max() > 0 and np.abs(exp_b).max() > 0
+
+
+def test_update_step_trains_only_the_adapters():
+    _, model = _adapted()
+    graphdef, frozen, adapters = lora.split(model)
+    rec = H.recipe("grpo", beta=0.04)
+    tx = optax.adam(1e-2)
+    copy = lambda: jax.tree.map(jnp.copy, adapters)  # the step donates the state
+    state = st.init_train_state(copy(), tx, recipe=rec, seed=0)
+    frozen_before = jax.tree.map(np.asarray, frozen)
+    batch = H.synthetic_batch(completion_len=5, prompt_len=6)
+    step = up.make_update_step(rec, graphdef, tx, frozen=frozen, num_minibatches=2)
+    new, metrics = step(state, batch)
+    assert jax.tree.structure(new.params) == jax.tree.structure(adapters)
+    moments = [x for x in jax.tree.leaves(new.opt_state) if np.ndim(x) > 0]
+    assert sum(x.size for x in moments) == 2 * lora.num_adapter_params(model)  # adam: mu, nu
+    b = new.params["model"]["layers"]["mlp"]["up_proj"]["lora_b"]
+    assert float(jnp.max(jnp.abs(b))) > 0  # B moved off zero
+    for x, y in zip(jax.tree.leaves(frozen), jax.tree.leaves(frozen_before), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), y)  # the base is not donated nor changed
+    assert np.isfinite(float(metrics["actor/loss"]))
+    # The traceable form (frozen closed over by the caller's jit) computes the same step.
+    state = st.init_train_state(copy(), tx, recipe=rec, seed=0)
+    inner = jax.jit(
+        lambda state, batch, frozen: up.make_update_step(
+            rec, graphdef, tx, frozen=frozen, num_minibatches=2, jit=False
+        )(state, batch)
+    )
+    again, _ = inner(state, batch, frozen)
+    assert H.tree_max_diff(again.params, new.params) < 1e-6
+
+
+def test_lora_run_uses_the_base_as_reference_and_no_copy():
+    config = H.config("tiny.yaml", LORA)
+    s = setup_lib.resolve(config)
+    models = s.models
+    assert models.ref_params is models.frozen  # the frozen base is π_ref: no reference copy
+    leaves = jax.tree_util.tree_leaves_with_path(s.state.params)
+    assert leaves and all("lora_" in jax.tree_util.keystr(p) for p, _ in leaves)
+    ref = nnx.merge(models.ref_graphdef, models.ref_params)
+    assert not lora.has_lora(ref)
+    base = setup_lib.resolve(H.config("tiny.yaml")).policy()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 100, (2, 6)), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(ref(tokens)), np.asarray(base(tokens)))
+    np.testing.assert_array_equal(np.asarray(s.policy()(tokens)), np.asarray(base(tokens)))
+
+
+def test_lora_run_resumes_bit_identically_and_exports(tmp_path, monkeypatch):
+    from jaxrl_llm.train import metrics as M
+    from jaxrl_llm.train.checkpoint import Checkpointer
+
+    config = H.config(
+        "tiny.yaml", LORA, "train.max_steps=3", "train.save_every=1", "data.eval_size=0",
+        "optim.lr=0.01", *VARIED,
+    )
+    full = loop.train(config, run_dir=tmp_path / "full", progress=False, log=lambda *_: None)
+    assert full["step"] == 3 and full["actor/grad_norm"] > 0
+    original = M.MetricsLogger.progress
+
+    class Killed(Exception):
+        pass
+
+    def die_at_2(self, step, metrics):
+        original(self, step, metrics)
+        if step == 2:
+            raise Killed
+
+    monkeypatch.setattr(M.MetricsLogger, "progress", die_at_2)
+    with pytest.raises(Killed):
+        loop.train(config, run_dir=tmp_path / "killed", progress=False, log=lambda *_: None)
+    monkeypatch.setattr(M.MetricsLogger, "progress", original)
+    loop.train(config, run_dir=tmp_path / "killed", progress=False, log=lambda *_: None)
+    fresh = setup_lib.resolve(config).state
+    states = []
+    for name in ("full", "killed"):
+        with Checkpointer(tmp_path / name / "checkpoints") as ckpt:
+            states.append(ckpt.restore(fresh)[0])
+    a, b = states
+    assert int(a.step) == int(b.step) == 3
+    assert H.tree_max_diff(a.params, fresh.params) > 0  # the adapters trained
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    # The export is the merged model; RUN_DIR/adapter the adapter alone.
+    from jaxrl_llm import models
+
+    s = setup_lib.resolve(config, tmp_path / "full")
+    exported = models.from_pretrained(tmp_path / "full" / "export", dtype=jnp.float32)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 100, (2, 6)), jnp.int32)
+    np.testing.assert_allclose(
+        np.asarray(exported(tokens)), np.asarray(s.policy(a.params)(tokens)), atol=1e-4
+    )
+    assert (tmp_path / "full" / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "full" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["model.lora={targets: [q_proj, qkv_proj]}"], r"model\.lora\.targets.*qkv_proj"),
+        (["model.lora={rank: 0}"], r"model\.lora\.rank = 0"),
+        (["model.lora={alpha: -1}"], r"model\.lora\.alpha"),
+        (["model.lora={rank: 4}", "algorithm.name=ppo"], r"critic\.lora is null"),
+        (["critic.lora={rank: 4}"], r"critic\.lora is set but grpo has no critic"),
+        (["model.lora={dropout: 0.1}"], r"model\.lora\.dropout"),
+    ],
+)
+def test_bad_lora_configs_are_clear_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        H.config("tiny.yaml", *overrides)
+
+
+def test_lora_config_checks_its_fields():
+    with pytest.raises(ValueError, match="model.lora.rank"):
+        lora.LoRAConfig(rank=0)
+    with pytest.raises(ValueError, match=r"\['qq'\] match no projection"):
+        lora.LoRAConfig(targets=("qq",))
+    _, model = _adapted()
+    with pytest.raises(ValueError, match="already has LoRA adapters"):
+        lora.apply_lora(model, lora.LoRAConfig(rank=2), rngs=nnx.Rngs(0))
