@@ -281,6 +281,10 @@ def save_adapter(
         if folder.exists():
             folder.rename(old)
         tmp.rename(folder)
+    except BaseException:
+        if old.exists() and not folder.exists():
+            old.rename(folder)  # the previous adapter stays where it was
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(old, ignore_errors=True)

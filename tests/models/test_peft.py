@@ -6,17 +6,17 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import safetensors.numpy as safetensors_numpy
+import torch
+import transformers
 from flax import nnx
 
-peft = pytest.importorskip("peft")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-safetensors_numpy = pytest.importorskip("safetensors.numpy")
+from jaxrl_llm import models
+from jaxrl_llm.models import lora, sharding
+from jaxrl_llm.models import peft as adapters
+from tests.models import hf_tiny
 
-from jaxrl_llm import models  # noqa: E402
-from jaxrl_llm.models import lora  # noqa: E402
-from jaxrl_llm.models import peft as adapters  # noqa: E402
-from tests.models import hf_tiny  # noqa: E402
+peft = pytest.importorskip("peft")
 
 VOCAB = 96
 TOL = 1e-4
@@ -91,7 +91,7 @@ def test_our_adapter_in_peft_gives_our_logits(config, base_dir, tmp_path):
     assert saved["base_model_name_or_path"] == str(base_dir)
     assert saved["task_type"] == "CAUSAL_LM" and saved["peft_type"] == "LORA"
     hf = hf_base(base_dir)
-    plain = hf_tiny.hf_logits(hf, *batch()[0:2])
+    plain = hf_tiny.hf_logits(hf, *batch())  # before peft adapts hf in place
     peft_model = peft.PeftModel.from_pretrained(hf, folder).eval()
     assert peft_model.peft_config["default"].r == config.rank
     got = assert_logits_equal(ours, peft_model)
@@ -140,20 +140,45 @@ def test_load_of_save_is_exact_and_has_split_structure(tmp_path):
     )
 
 
-def test_value_model_adapter_round_trip(tmp_path):
+def test_value_model_adapter_in_peft_and_back(tmp_path):
+    """A critic's adapter: PEFT on the exported AutoModelForSequenceClassification gives our
+    last-token value; importing it into a fresh critic gives the same values."""
     config = lora.LoRAConfig(rank=2, alpha=4.0, targets=("q_proj", "up_proj"))
     critic = models.ValueModel(CONFIG, rngs=nnx.Rngs(0))
+    base_dir = models.save_pretrained(critic, tmp_path / "base")
     randomize(lora.apply_lora(critic, config, rngs=nnx.Rngs(1)), 2)
     folder = adapters.save_adapter(
-        critic, tmp_path / "a", config=config, base_model_name_or_path="b"
+        critic, tmp_path / "a", config=config, base_model_name_or_path=str(base_dir)
     )
     assert json.loads((folder / adapters.CONFIG_FILE).read_text())["task_type"] is None
+    tokens = np.random.RandomState(0).randint(3, VOCAB, (2, 7)).astype(np.int32)
+    values_bt = np.asarray(nnx.jit(lambda m, x: m(x))(critic, tokens))
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(
+        base_dir, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        plain = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()[:, 0]
+        peft_model = peft.PeftModel.from_pretrained(hf, folder).eval()
+        want = peft_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()[:, 0]
+    np.testing.assert_allclose(values_bt[:, -1], want, atol=TOL, rtol=0)
+    assert np.abs(want - plain).max() > 10 * TOL
     fresh = adapters.apply_adapter(models.ValueModel(CONFIG, rngs=nnx.Rngs(0)), folder)
-    tokens, mask, _ = batch()
-    np.testing.assert_array_equal(
-        np.asarray(nnx.jit(lambda m: m(tokens, mask))(fresh)),
-        np.asarray(nnx.jit(lambda m: m(tokens, mask))(critic)),
+    np.testing.assert_array_equal(np.asarray(nnx.jit(lambda m, x: m(x))(fresh, tokens)), values_bt)
+
+
+def test_sharded_model_takes_and_gives_the_same_adapter(good, tmp_path):
+    mesh, rules = sharding.preset("fsdp_tp")  # 8 fake CPU devices (tests/conftest.py)
+    config, want = adapters.load_adapter(good, CONFIG)
+    model = adapters.apply_adapter(sharding.shard_model(base_model(), mesh, rules), good)
+    fresh = lora.apply_lora(
+        sharding.shard_model(base_model(), mesh, rules), config, rngs=nnx.Rngs(0)
     )
+    placed = jax.tree.map(lambda x: x.sharding, lora.split(model)[2])
+    assert placed == jax.tree.map(lambda x: x.sharding, lora.split(fresh)[2])
+    assert any(not s.is_fully_replicated for s in jax.tree.leaves(placed))
+    jax.tree.map(np.testing.assert_array_equal, lora.split(model)[2], want)
+    again = adapters.save_adapter(model, tmp_path / "a", config=config, base_model_name_or_path="b")
+    jax.tree.map(np.testing.assert_array_equal, adapters.load_adapter(again, CONFIG)[1], want)
 
 
 # ---------------------------------------------------------------------------- bad input
