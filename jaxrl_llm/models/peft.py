@@ -513,17 +513,46 @@ def load_adapter(
     return config, _adapter_tree(arrays)
 
 
+def check_expected(
+    folder: str | os.PathLike, found: lora.LoRAConfig, expected: lora.LoRAConfig
+) -> None:
+    """Raises :class:`AdapterError` listing each setting in which the folder's adapter
+    (``found``) differs from the ``expected`` one: rank, alpha, use_rslora, the targets (as a
+    set). The dropout is not compared (a training setting, not part of the adapted function)."""
+    diffs = [
+        f"{name}: the folder has {a!r}, expected {b!r}"
+        for name, a, b in (
+            ("rank (r)", found.rank, expected.rank),
+            ("alpha (lora_alpha)", found.alpha, expected.alpha),
+            ("use_rslora", found.use_rslora, expected.use_rslora),
+            ("targets (target_modules)", sorted(found.targets), sorted(expected.targets)),
+        )
+        if a != b
+    ]
+    if diffs:
+        raise AdapterError(
+            f"{Path(folder) / CONFIG_FILE}: the adapter does not match the configured LoRA ("
+            + "; ".join(diffs)
+            + "); set the LoRA settings to the adapter's, or use another adapter"
+        )
+
+
 def apply_adapter(
     model: Any,
     folder: str | os.PathLike,
     *,
+    expected: lora.LoRAConfig | None = None,
     allow_pickle: bool = False,
 ) -> Any:
     """Adds the adapters of the PEFT folder to ``model`` (in place; returns it):
     :func:`lora.apply_lora` with the folder's config, then the folder's values, placed like the
     fresh adapters (same sharding). Training continues from them as from any adapter
-    (``nnx.LoRAParam``); merging (:func:`lora.merge_into_base`) gives the adapted model."""
+    (``nnx.LoRAParam``); merging (:func:`lora.merge_into_base`) gives the adapted model.
+    With ``expected``, a folder whose rank, alpha, use_rslora or targets differ from it is an
+    :class:`AdapterError` (:func:`check_expected`) and ``model`` is left unchanged."""
     config, adapters = load_adapter(folder, model, allow_pickle=allow_pickle)
+    if expected is not None:
+        check_expected(folder, config, expected)
     lora.apply_lora(model, config, rngs=nnx.Rngs(0))
     layers = adapters["model"]["layers"]
     for name, proj in lora._projections(model, config.targets):
@@ -544,6 +573,7 @@ __all__ = [
     "AdapterError",
     "UnsafeAdapterError",
     "apply_adapter",
+    "check_expected",
     "load_adapter",
     "peft_key",
     "save_adapter",

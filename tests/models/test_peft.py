@@ -310,3 +310,20 @@ def test_save_refuses_mismatched_config_and_foreign_folders(good, tmp_path):
         adapters.save_adapter(model, foreign, config=config, base_model_name_or_path="b")
     assert sorted(p.name for p in foreign.iterdir()) == ["notes.txt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["foreign"]  # no temporary left
+
+
+def test_apply_adapter_checks_the_expected_config(good):
+    config, want = adapters.load_adapter(good, CONFIG)
+    model = adapters.apply_adapter(base_model(), good, expected=config)
+    jax.tree.map(np.testing.assert_array_equal, lora.split(model)[2], want)
+    same = lora.LoRAConfig(rank=2, alpha=4.0, targets=("o_proj", "q_proj"), dropout=0.1)
+    adapters.apply_adapter(base_model(), good, expected=same)  # order and dropout do not matter
+    wrong = lora.LoRAConfig(rank=4, alpha=4.0, targets=("q_proj", "v_proj"))
+    model = base_model()
+    with pytest.raises(
+        adapters.AdapterError,
+        match=r"rank \(r\): the folder has 2, expected 4; .*targets .*'o_proj', 'q_proj'\], "
+        r"expected \['q_proj', 'v_proj'\]",
+    ):
+        adapters.apply_adapter(model, good, expected=wrong)
+    assert not lora.has_lora(model)
