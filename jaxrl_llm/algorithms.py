@@ -147,6 +147,7 @@ def grpo(
     clip_high: float | None = None,
     dual_clip: float | None = None,
     scale_by_std: bool = True,
+    scale_rewards: str | None = None,
     passk: bool = False,
     reward_aggregation: str = "sum_then_normalize",
     reward_weights: tuple[float, ...] | None = None,
@@ -173,10 +174,28 @@ def grpo(
     k1 unless ``kl_estimator`` says otherwise); ``None`` takes the preset's
     (``group_kl_in_reward``: OpenRLHF's ``group_norm`` puts it in the reward). ``kl_estimator``
     defaults to k3 in the loss, k1 in the reward.
+
+    ``scale_rewards`` (TRL's names): ``"group"`` (÷ the group std, the default),
+    ``"batch"`` (÷ the std of the raw rewards over the whole batch, centring still per group:
+    TRL's ``scale_rewards="batch"``) or ``"none"`` (no std: ``scale_by_std=False``); ``None``
+    follows ``scale_by_std``.
     """
     n = nm.resolve(numerics)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
     in_reward, kl_estimator = rc.kl_placement("grpo", kl_in_reward, kl_estimator, n)
+    if scale_rewards is None:
+        scale_rewards = "group" if scale_by_std else "none"
+    elif scale_rewards not in ("group", "batch", "none"):
+        raise ValueError(
+            f"grpo: scale_rewards={scale_rewards!r}; expected 'group', 'batch' or 'none'"
+        )
+    elif not scale_by_std and scale_rewards != "none":
+        raise ValueError(
+            f"grpo: scale_by_std=False contradicts scale_rewards={scale_rewards!r}; give one"
+        )
+    if scale_rewards == "batch" and (passk or reward_aggregation != "sum_then_normalize"):
+        raise ValueError("grpo: scale_rewards='batch' applies to the group-mean estimator only")
+    scale_by_std = scale_rewards == "group"
     if reward_aggregation not in ("sum_then_normalize", "normalize_then_sum"):
         raise ValueError(
             f"grpo: reward_aggregation={reward_aggregation!r}; expected 'sum_then_normalize' or "
@@ -197,6 +216,10 @@ def grpo(
         estimator = (ch.normalize_then_sum(weights=weights),)
     else:
         estimator = rc.group_norm_stages(n, scale_by_std)
+        if scale_rewards == "batch":
+            estimator += (
+                ch.batch_std_scale(ddof=n.group_std_ddof, eps=n.group_std_eps, source="reward"),
+            )
     return rc.make_recipe(
         "grpo",
         numerics=n,
@@ -219,6 +242,7 @@ def grpo(
             clip_low=low,
             clip_high=high,
             scale_by_std=scale_by_std,
+            scale_rewards=scale_rewards,
             passk=passk,
             reward_aggregation=reward_aggregation,
             reward_weights=reward_weights,
@@ -294,6 +318,8 @@ def rloo(
     beta: float = 0.05,
     kl_estimator: str = "k1",
     kl_controller: _kl.KLController | None = None,
+    normalize_advantages: bool = False,
+    reward_clip_range: tuple[float, float] | None = None,
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
@@ -304,20 +330,36 @@ def rloo(
     sequence reward), no std, no clipping: REINFORCE on whole sequences. Under
     ``numerics="openrlhf"`` the baseline is taken on the raw scores and the KL enters after it,
     ``A_t = (s_i − mean_{j≠i} s_j) − β·Σ_{t'≥t} KL_t'`` (OpenRLHF's ``rloo``).
+
+    TRL RLOO's options: ``reward_clip_range=(lo, hi)`` clips the raw score before the KL;
+    ``normalize_advantages`` whitens the per-sequence advantages over the batch,
+    ``(A − mean)/(std₁ + 1e-4)``. Under ``numerics="trl"`` the loss is a mean over sequences
+    of the sequence loss (``seq-mean-token-sum``), as TRL's ``per_sequence_loss.mean()``.
     """
     n = nm.resolve(numerics)
+    shaping = ()
+    if reward_clip_range is not None:
+        low, high = (float(x) for x in reward_clip_range)
+        if not low < high:
+            raise ValueError(
+                f"rloo: `reward_clip_range` must be (low, high) with low < high, got "
+                f"{reward_clip_range!r}"
+            )
+        shaping = (ch.clip_reward(low, high),)
+    whiten = (ch.sequence_whiten(ddof=1, eps=1e-4),) if normalize_advantages else ()
     return rc.make_recipe(
         "rloo",
         numerics=n,
         advantage=rc.outcome_advantage(
             n,
-            (ch.leave_one_out_baseline(singleton_baseline=n.loo_singleton_baseline),),
+            (ch.leave_one_out_baseline(singleton_baseline=n.loo_singleton_baseline), *whiten),
             beta=beta,
             kl_estimator=kl_estimator,
             kl_controller=kl_controller,
+            shaping=shaping,
         ),
         objective=rc.reinforce_objective(
-            agg=rc.agg_mode("seq-mean-token-sum", loss_agg_mode, n),
+            agg=rc.agg_mode("seq-mean-token-sum", loss_agg_mode, n, "rloo"),
             entropy_coef=entropy_coef,
             text="−A·log π summed over each sequence (REINFORCE, no ratio, no clip)",
         ),
@@ -325,6 +367,8 @@ def rloo(
         hparams=dict(
             beta=beta,
             kl_estimator=kl_estimator,
+            normalize_advantages=normalize_advantages,
+            reward_clip_range=reward_clip_range,
             pods_num_keep=pods_num_keep,
             entropy_coef=entropy_coef,
         ),
@@ -514,13 +558,15 @@ def gspo(
     clip_low: float = 3e-4,
     clip_high: float = 4e-4,
     kl_estimator: str = "k3",
+    loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071): GRPO's
     advantage with a sequence-level importance ratio ``s_i = exp(mean_t(log π − log π_old))``
-    clipped to ``[1−ε_low, 1+ε_high]`` (paper: 3e-4, 4e-4); ``seq-mean-token-mean``.
+    clipped to ``[1−ε_low, 1+ε_high]`` (paper: 3e-4, 4e-4); ``seq-mean-token-mean`` (the
+    paper's), token-mean under ``numerics="verl"`` and ``"trl"`` (their defaults).
     """
     n = nm.resolve(numerics)
     clip = dict(
@@ -532,7 +578,7 @@ def gspo(
         advantage=rc.outcome_advantage(n, rc.group_norm_stages(n, True)),
         objective=rc.objective(
             functools.partial(pl.gspo_loss, **clip),
-            agg="seq-mean-token-mean",
+            agg=rc.agg_mode("seq-mean-token-mean", loss_agg_mode, n, "gspo", fixed=True),
             ratio_metrics=functools.partial(pl.ratio_metrics, **clip),
             kl=rc.kl_term(beta, kl_estimator, n),
             entropy_coef=entropy_coef,

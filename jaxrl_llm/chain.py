@@ -674,17 +674,50 @@ def group_std_scale(
     return stateless(fn, StageInfo("normalize", text, "group std", frozenset({GROUPS})))
 
 
-def batch_std_scale(*, ddof: int = 0, eps: float = 1e-6) -> AdvantageTransform:
-    """Divides by the std of all member returns of the batch (TRL ``scale_rewards="batch"``)."""
+def batch_std_scale(
+    *, ddof: int = 0, eps: float = 1e-6, source: str = "return"
+) -> AdvantageTransform:
+    """Divides by one std over the batch: of all member returns (``source="return"``, the
+    signal's per-sequence value when the stage runs) or of the raw rewards ``Rollout.reward_bg``
+    (``source="reward"``: TRL GRPO's ``scale_rewards="batch"``, which divides the group-centred
+    advantage by ``nanstd(rewards)`` of the uncentred rewards, ``grpo_trainer.py``
+    ``_generate_and_score_completions``). After a group baseline the two differ: the std of
+    the centred signal lacks the spread of the group means."""
+    if source not in ("return", "reward"):
+        raise ValueError(f"batch_std_scale: source={source!r}; expected 'return' or 'reward'")
 
     def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
-        score_bg = _sequence_score(signal_bgt, rollout)
+        if source == "reward":
+            score_bg = C.f32(rollout.reward_bg)
+        else:
+            score_bg = _sequence_score(signal_bgt, rollout)
         return _norm.scale_by_batch_std(
             signal_bgt, score_bg, scoring_members(rollout), ddof=ddof, eps=eps
         )
 
-    text = f"batch: ÷ (std of all returns in the batch + {eps:g}), ddof = {ddof}"
+    what = "all raw rewards" if source == "reward" else "all returns"
+    text = f"batch: ÷ (std of {what} in the batch + {eps:g}), ddof = {ddof}"
     return stateless(fn, StageInfo("normalize", text, "batch std"))
+
+
+def sequence_whiten(*, ddof: int = 1, eps: float = 1e-4) -> AdvantageTransform:
+    """Whitens the per-sequence advantages over the batch's members (one value per sequence,
+    not per token): ``A ← (A − mean_batch A)/(std_batch A + eps)``. TRL RLOO's
+    ``normalize_advantages=True`` (``rloo_trainer.py``: ``(A − nanmean(A))/(nanstd(A) +
+    1e-4)``, ddof 1)."""
+
+    def fn(signal_bgt: chex.Array, rollout: Rollout) -> chex.Array:
+        score_bg = _sequence_score(signal_bgt, rollout)
+        members_bg = scoring_members(rollout)
+        mean = _masked.masked_mean(score_bg, members_bg)
+        centred_bg = jnp.where(members_bg, score_bg - mean, 0.0)
+        centred_bgt = _subtract_per_sequence(
+            signal_bgt, jnp.broadcast_to(mean, score_bg.shape), rollout
+        )
+        return _norm.scale_by_batch_std(centred_bgt, centred_bg, members_bg, ddof=ddof, eps=eps)
+
+    text = f"batch: per-sequence whitening (A − mean)/(std + {eps:g}), ddof = {ddof}"
+    return stateless(fn, StageInfo("normalize", text, "sequence whitening"))
 
 
 def batch_whiten(
@@ -770,6 +803,7 @@ __all__ = [
     "passk_advantage",
     "requirements",
     "scoring_members",
+    "sequence_whiten",
     "stateless",
     "token_mask",
     "token_rewards",

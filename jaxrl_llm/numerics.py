@@ -52,8 +52,10 @@ class Numerics:
         (OpenRLHF's default for ``group_norm``, ``dr_grpo``, ``reinforce_baseline``).
       ipo_length_normalize: IPO on the length-averaged margin (TRL) or the raw token-summed
         margin (OpenRLHF's ``DPOLoss(ipo=True)``).
-      gspo_loss_agg_mode: GSPO's aggregation when the call gives none (``None``: the paper's
-        ``seq-mean-token-mean``; verl and TRL default to token-mean).
+      recipe_loss_agg_modes: ``(recipe, mode)`` pairs that beat ``loss_agg_mode`` for one
+        recipe, including those whose aggregation is otherwise fixed: GSPO (verl and TRL:
+        token-mean, OpenRLHF: seq-mean-token-mean) and RLOO (TRL: a mean over sequences of the
+        sequence loss, ``seq-mean-token-sum``).
       value_clip: the default value-loss clip of ``ppo`` (``None``: the recipe's 0.2).
     """
 
@@ -78,7 +80,7 @@ class Numerics:
     shaping_after_baseline: bool = False
     group_kl_in_reward: bool = False
     ipo_length_normalize: bool = True
-    gspo_loss_agg_mode: str | None = None
+    recipe_loss_agg_modes: tuple[tuple[str, str], ...] = ()
     value_clip: float | None = None
 
     def kl_kwargs(self, estimator: str) -> dict:
@@ -91,6 +93,10 @@ class Numerics:
         if self.kl_value_clamp is not None and (is_k3 or self.kl_value_clamp_all):
             kwargs["value_clamp"] = self.kl_value_clamp
         return kwargs
+
+    def recipe_loss_agg_mode(self, recipe: str) -> str | None:
+        """This preset's aggregation for ``recipe``, or ``None`` (see ``recipe_loss_agg_modes``)."""
+        return dict(self.recipe_loss_agg_modes).get(recipe)
 
 
 DEFAULT = Numerics()
@@ -113,7 +119,7 @@ VERL = Numerics(
     dual_clip=3.0,
     reward_clip=None,
     loss_agg_mode="token-mean",
-    gspo_loss_agg_mode="token-mean",
+    recipe_loss_agg_modes=(("gspo", "token-mean"),),
     value_clip=0.5,
 )
 
@@ -134,7 +140,7 @@ TRL = Numerics(
     dual_clip=None,
     reward_clip=None,
     loss_agg_mode="token-mean",
-    gspo_loss_agg_mode="token-mean",
+    recipe_loss_agg_modes=(("gspo", "token-mean"), ("rloo", "seq-mean-token-sum")),
 )
 
 OPENRLHF = Numerics(
@@ -159,7 +165,7 @@ OPENRLHF = Numerics(
     shaping_after_baseline=True,
     group_kl_in_reward=True,
     ipo_length_normalize=False,
-    gspo_loss_agg_mode="seq-mean-token-mean",
+    recipe_loss_agg_modes=(("gspo", "seq-mean-token-mean"),),
     value_clip=0.5,
 )
 

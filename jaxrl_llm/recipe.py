@@ -308,9 +308,23 @@ def clip_range(
     return float(low), float(high)
 
 
-def agg_mode(recipe_default: str, loss_agg_mode: str | None, numerics: nm.Numerics) -> str:
-    """The aggregation: the call's ``loss_agg_mode``, else the preset's, else the recipe's."""
-    return loss_agg_mode or numerics.loss_agg_mode or recipe_default
+def agg_mode(
+    recipe_default: str,
+    loss_agg_mode: str | None,
+    numerics: nm.Numerics,
+    recipe: str | None = None,
+    *,
+    fixed: bool = False,
+) -> str:
+    """The aggregation: the call's ``loss_agg_mode``, else the preset's for ``recipe``
+    (``Numerics.recipe_loss_agg_modes``), else the preset's ``loss_agg_mode`` (unless the
+    recipe's aggregation is ``fixed``, its defining feature), else the recipe's."""
+    if loss_agg_mode:
+        return loss_agg_mode
+    own = numerics.recipe_loss_agg_mode(recipe) if recipe else None
+    if own:
+        return own
+    return recipe_default if fixed else (numerics.loss_agg_mode or recipe_default)
 
 
 def kl_term(beta: float, estimator: str, numerics: nm.Numerics) -> KLTerm | None:

@@ -177,3 +177,119 @@ def test_openrlhf_ipo_uses_the_raw_margin():
     np.testing.assert_allclose(grads[1], f["ipo_grad_rejected"], rtol=1e-5, atol=1e-7)
     trl = loss(pairs["chosen"], pairs["rejected"], "trl")  # TRL length-averages
     assert abs(float(trl) - float(f["ipo_loss"])) > 1e-2
+
+
+# --------------------------------------------------------------------------------------------
+# TRL 1.16.0 (tests/fixtures/generate_trl_presets.py calls RLOOTrainer._compute_loss) and
+# numpy transcriptions of TRL's advantage lines (inside _generate_and_score_completions).
+
+TRL_FIXTURE = np.load(Path(__file__).parent / "fixtures" / "trl_presets.npz")
+
+
+def test_trl_rloo_loss_is_a_mean_over_sequences():
+    """TRL's RLOO loss −min(ρA, clip(ρ)A) per sequence, averaged over sequences: on-policy its
+    gradient is −A_i/B on every valid token, which ours reproduces under the trl preset (the
+    values differ by construction: ours is the REINFORCE surrogate −A·Σ_t log π, TRL's −ρA)."""
+    f = TRL_FIXTURE
+    mask = jnp.asarray(f["rloo_mask"])[None]
+    logp = jnp.asarray(f["rloo_logp"], jnp.float32)[None]
+    adv = jnp.where(mask, jnp.asarray(f["rloo_adv"], jnp.float32)[None, :, None], 0.0)
+    recipe = alg.rloo(beta=0.0, numerics="trl")
+    assert recipe.objective.aggregation_label == "seq-mean-token-sum"
+
+    def loss(lp):
+        total = rc.policy_objective(recipe, lp, adv, mask).total
+        return total[0] / jnp.maximum(total[1], 1.0)
+
+    value, grad = jax.value_and_grad(loss)(logp)
+    np.testing.assert_allclose(grad[0], f["rloo_grad"], rtol=1e-5, atol=1e-7)
+    want = -np.mean(f["rloo_adv"] * (f["rloo_logp"] * f["rloo_mask"]).sum(-1))
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    np.testing.assert_allclose(f["rloo_loss"], -f["rloo_adv"].mean(), rtol=1e-10)
+    token_mean = alg.rloo(beta=0.0, numerics="trl", loss_agg_mode="token-mean")
+    other = jax.grad(
+        lambda lp: (lambda s: s[0] / s[1])(rc.policy_objective(token_mean, lp, adv, mask).total)
+    )(logp)
+    assert np.abs(np.asarray(other[0]) - f["rloo_grad"]).max() > 1e-3
+
+
+def _rollout_bgt(reward_bg, t=3, seed=0):
+    rng = np.random.default_rng(seed)
+    reward_bg = np.asarray(reward_bg, np.float32)
+    mask = np.arange(t)[None, None] < rng.integers(1, t + 1, size=reward_bg.shape)[..., None]
+    return jrl.Rollout(reward_bg=jnp.asarray(reward_bg), mask_bgt=jnp.asarray(mask)), mask
+
+
+def test_trl_scale_rewards_batch_divides_by_the_std_of_raw_rewards():
+    # TRL: advantages = rewards − group mean; ÷ (nanstd(rewards) + 1e-4), nanstd over the batch
+    rewards = np.array([[1.0, 0.0, 0.0, 1.0], [3.0, 2.5, 4.0, 3.5], [0.0, 0.0, 1.0, 0.0]])
+    rollout, mask = _rollout_bgt(rewards)
+    want = (rewards - rewards.mean(1, keepdims=True)) / (rewards.std(ddof=1) + 1e-4)
+    recipe = alg.grpo(beta=0.0, scale_rewards="batch", numerics="trl")
+    adv = np.asarray(jrl.compute_advantages(recipe, rollout))
+    np.testing.assert_allclose(adv, np.where(mask, want[..., None], 0.0), rtol=1e-5, atol=1e-6)
+    centred = rewards - rewards.mean(1, keepdims=True)  # the std of the centred signal differs
+    assert abs(centred.std(ddof=1) - rewards.std(ddof=1)) > 0.1
+    assert "raw rewards" in jrl.explain(recipe).normalization
+    with pytest.raises(ValueError, match="scale_rewards"):
+        alg.grpo(scale_rewards="global")
+    with pytest.raises(ValueError, match="contradicts"):
+        alg.grpo(scale_by_std=False, scale_rewards="batch")
+
+
+def test_trl_rloo_reward_clip_and_normalize_advantages():
+    # TRL: rewards.clamp(lo, hi); A = r − (Σ r − r)/(n − 1); (A − nanmean A)/(nanstd A + 1e-4)
+    rewards = np.array([[4.0, -3.0, 0.5], [1.0, 2.0, 9.0]])
+    rollout, mask = _rollout_bgt(rewards, seed=1)
+    r = np.clip(rewards, -2.0, 2.0)
+    a = r - (r.sum(1, keepdims=True) - r) / (r.shape[1] - 1)
+    want = (a - a.mean()) / (a.std(ddof=1) + 1e-4)
+    recipe = alg.rloo(
+        beta=0.0, reward_clip_range=(-2.0, 2.0), normalize_advantages=True, numerics="trl"
+    )
+    adv = np.asarray(jrl.compute_advantages(recipe, rollout))
+    np.testing.assert_allclose(adv, np.where(mask, want[..., None], 0.0), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="reward_clip_range"):
+        alg.rloo(reward_clip_range=(1.0, -1.0))
+
+
+@pytest.mark.parametrize(
+    ("preset", "mode"),
+    [
+        ("default", "seq-mean-token-mean"),
+        ("verl", "token-mean"),
+        ("trl", "token-mean"),
+        ("openrlhf", "seq-mean-token-mean"),
+    ],
+)
+def test_gspo_aggregation_follows_the_peer(preset, mode):
+    assert alg.gspo(numerics=preset).objective.aggregation_label == mode
+    explicit = alg.gspo(numerics=preset, loss_agg_mode="seq-mean-token-sum")
+    assert explicit.objective.aggregation_label == "seq-mean-token-sum"
+    assert alg.dr_grpo(numerics=preset).objective.aggregation_label == "seq-mean-token-sum-norm"
+
+
+@pytest.mark.parametrize(
+    ("preset", "clip"), [("default", 0.2), ("trl", 0.2), ("verl", 0.5), ("openrlhf", 0.5)]
+)
+def test_ppo_value_clip_follows_the_peer(preset, clip):
+    assert alg.ppo(numerics=preset).critic.value_clip == clip
+    assert alg.ppo(numerics=preset, value_clip=0.3).critic.value_clip == 0.3
+    assert alg.ppo(numerics=preset, value_clip=0).critic.value_clip is None
+    with pytest.raises(ValueError, match="value_clip"):
+        alg.ppo(value_clip=-0.1)
+
+
+def test_openrlhf_group_recipes_put_the_kl_in_the_reward():
+    for build in (alg.grpo, alg.dr_grpo, alg.reinforce_pp_baseline):
+        orl = build(beta=0.01, numerics="openrlhf")
+        assert orl.objective.kl is None and orl.hparams["kl_in_reward"] is True
+        assert "after the baseline" in jrl.explain(orl).kl and "k1" in jrl.explain(orl).kl
+        assert {rc.REFERENCE_LOGPROBS, rc.BEHAVIOUR_LOGPROBS} <= orl.requires
+        loss = build(beta=0.01, numerics="openrlhf", kl_in_reward=False)
+        assert loss.objective.kl is not None and loss.objective.kl.label == "k3"
+        verl = build(beta=0.01, numerics="verl", kl_in_reward=True)
+        assert verl.objective.kl is None and "after the baseline" not in jrl.explain(verl).kl
+        with pytest.raises(ValueError, match="kl_in_reward"):
+            build(kl_in_reward="yes")
+    assert "clipped to [-10, 10]" in jrl.explain(alg.rloo(numerics="openrlhf")).normalization
