@@ -6,8 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
+from jaxrl_llm import models
 from jaxrl_llm.models import quant
+from jaxrl_llm.models import sharding as shd
 
 MODES = quant.QUANT_MODES
 
@@ -297,3 +300,104 @@ def test_scan_over_stacked_layers_dequantises_each_slice(mode):
     # The input's gradient flows through the frozen, dequantised kernel (as LoRA's does).
     grad = jax.grad(lambda x: jnp.sum(jax.lax.scan(layer, x, q)[0]))(x_bk)
     assert grad.shape == x_bk.shape and bool(jnp.all(jnp.isfinite(grad)))
+
+
+TINY = models.tiny_random_config(vocab_size=256)
+# Logits of the 2-layer random tiny model, quantised vs float, relative Frobenius error; measured
+# (seed 0): int8 0.64%, nf4 10.1%, int4 15.4%.
+MODEL_LOGITS_REL_ERROR_BOUND = {"int8": 0.02, "nf4": 0.15, "int4": 0.22}
+
+
+def _tokens():
+    return jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 12)), jnp.int32)
+
+
+def _projections(model):
+    layers = model.model.layers
+    for name in quant.PROJECTIONS:
+        parent = (
+            layers.self_attn if name in ("q_proj", "k_proj", "v_proj", "o_proj") else layers.mlp
+        )
+        yield name, getattr(parent, name)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_quantize_model_replaces_every_projection(mode):
+    model = models.CausalLM(TINY, rngs=nnx.Rngs(0))
+    float_kernels = {name: np.asarray(p.kernel[...]) for name, p in _projections(model)}
+    float_axes = {name: p.kernel.get_metadata()["logical_axes"] for name, p in _projections(model)}
+    logits = model(_tokens())
+    assert quant.quantize_model(model, mode) is model
+    for name, proj in _projections(model):
+        w = float_kernels[name]
+        assert proj.quant == (mode, 64)
+        assert proj.kernel[...].dtype == (jnp.int8 if mode == "int8" else jnp.uint8)
+        assert proj.kernel[...].ndim == proj.kernel_scales[...].ndim == 3  # [L, K(/2), N]
+        assert proj.kernel_shape == w.shape
+        meta = proj.kernel.get_metadata()
+        assert tuple(meta["float_logical_axes"]) == tuple(float_axes[name])
+        assert len(meta["logical_axes"]) == 3
+        assert len(proj.kernel_scales.get_metadata()["logical_axes"]) == 3
+        w_hat = np.asarray(proj.dense_kernel(jnp.float32))
+        assert w_hat.shape == w.shape
+        k = int(np.prod(proj.unstacked_shape[: proj.n_in]))
+        w_lkn, w_hat_lkn = w.reshape(w.shape[0], k, -1), w_hat.reshape(w.shape[0], k, -1)
+        bound = _error_bound(w_lkn, mode, 64)
+        assert np.all(np.abs(w_hat_lkn - w_lkn) <= bound * (1 + 1e-5) + 1e-12), name
+    out = model(_tokens())
+    rel = float(jnp.linalg.norm(out - logits) / jnp.linalg.norm(logits))
+    assert rel < MODEL_LOGITS_REL_ERROR_BOUND[mode], rel
+    graphdef, state = nnx.split(model)
+    jitted = jax.jit(lambda state: nnx.merge(graphdef, state)(_tokens()))(state)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(out), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_model_saves_memory_and_spares_the_value_head():
+    critic = models.ValueModel(TINY, rngs=nnx.Rngs(0))
+    score = np.asarray(critic.score.kernel[...])
+
+    def layer_bytes():
+        return sum(x.nbytes for x in jax.tree.leaves(nnx.state(critic.model.layers)))
+
+    def flat_shape(p):  # [L, K, N]
+        k = int(np.prod(p.unstacked_shape[: p.n_in]))
+        return (p.kernel_shape[0], k, int(np.prod(p.unstacked_shape)) // k)
+
+    proj_bytes = sum(p.kernel[...].nbytes for _, p in _projections(critic))
+    before = layer_bytes()
+    quant.quantize_model(critic, "nf4")
+    expected = sum(quant.quantized_nbytes(flat_shape(p), "nf4") for _, p in _projections(critic))
+    assert before - layer_bytes() == proj_bytes - expected
+    assert 8 * expected / (proj_bytes / 4) == 4.5  # bits per weight, from float32
+    np.testing.assert_array_equal(np.asarray(critic.score.kernel[...]), score)
+    assert critic(_tokens()).shape == (2, 12)
+
+
+def test_quantized_model_shards_over_eight_devices():
+    model = quant.quantize_model(models.CausalLM(TINY, rngs=nnx.Rngs(0)), "nf4")
+    expected = model(_tokens())
+    mesh = shd.make_mesh(fsdp=4, tensor=2, devices=jax.devices()[:8])
+    shd.shard_model(model, mesh)
+    q_codes = model.model.layers.self_attn.q_proj.kernel[...]
+    assert q_codes.sharding.spec == jax.P(None, "fsdp", "tensor")
+    graphdef, state = nnx.split(model)
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda state: nnx.merge(graphdef, state)(_tokens()))(state)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_model_bad_inputs():
+    model = models.CausalLM(TINY, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"mode: expected one of"):
+        quant.quantize_model(model, "int2")
+    with pytest.raises(ValueError, match=r"targets: 'lm_head' is not a projection"):
+        quant.quantize_model(model, "int8", targets=("lm_head",))
+    with pytest.raises(
+        ValueError,
+        match=r"model.layers.self_attn.q_proj \(kernel \(2, 64, 4, 16\), K=64\): "
+        r"block_size: K=64 .* not divisible by block_size=48",
+    ):
+        quant.quantize_model(model, "nf4", block_size=48)
+    quant.quantize_model(model, "int8", targets=("down_proj",))
+    with pytest.raises(ValueError, match=r"model.layers.mlp.down_proj: already quantised \(int8\)"):
+        quant.quantize_model(model, "nf4")
