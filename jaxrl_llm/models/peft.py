@@ -44,6 +44,7 @@ from flax import nnx
 
 from jaxrl_llm.models import lora, weights
 from jaxrl_llm.models.config import ModelConfig, UnsafeCheckpointError
+from jaxrl_llm.models.transformer import CausalLM
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -117,8 +118,6 @@ def _layouts(model: Any) -> tuple[int, dict[str, tuple[tuple[int, ...], tuple[in
     ValueModel, or a :class:`ModelConfig`: then an abstract CausalLM, no memory)."""
     if isinstance(model, ModelConfig):
         config = model
-        from jaxrl_llm.models.transformer import CausalLM
-
         model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
     layouts, num_layers = {}, None
     for name, proj in lora._projections(model, lora.TARGETS):
@@ -267,8 +266,7 @@ def save_adapter(
     if jax.process_index() != 0:
         return folder
     _check_folder(folder)
-    kind = type(model).__name__
-    task_type = "CAUSAL_LM" if kind == "CausalLM" else None
+    task_type = "CAUSAL_LM" if isinstance(model, CausalLM) else None
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.parent / f".{folder.name}.tmp-{os.getpid()}"
     old = folder.parent / f".{folder.name}.old-{os.getpid()}"
