@@ -146,6 +146,7 @@ def grpo(
     clip_low: float | None = None,
     clip_high: float | None = None,
     dual_clip: float | None = None,
+    delta: float | None = None,
     scale_by_std: bool = True,
     scale_rewards: str | None = None,
     passk: bool = False,
@@ -153,6 +154,8 @@ def grpo(
     reward_weights: tuple[float, ...] | None = None,
     kl_estimator: str | None = None,
     kl_in_reward: bool | None = None,
+    use_bias_correction_kl: bool = False,
+    off_policy_mask_threshold: float | None = None,
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
@@ -179,10 +182,28 @@ def grpo(
     ``"batch"`` (÷ the std of the raw rewards over the whole batch, centring still per group:
     TRL's ``scale_rewards="batch"``) or ``"none"`` (no std: ``scale_by_std=False``); ``None``
     follows ``scale_by_std``.
+
+    TRL GRPO's options: ``delta`` (two-sided clipping, ``min(ρ, δ)`` in the unclipped term,
+    δ > 1 + ε_high) is the dual clip with ``c = δ``: for A ≥ 0 the cap never binds and for
+    A < 0 both cap the loss at ``δ·|A|``, the same piecewise function (so ``dual_clip`` and
+    ``delta`` exclude each other); ``use_bias_correction_kl`` multiplies the KL term by
+    ``π_θ/π_old`` (``KLTerm.importance_weighted``); ``off_policy_mask_threshold`` drops
+    negative-advantage sequences that drifted from π_old (:func:`rc.off_policy_sequence_mask`).
     """
     n = nm.resolve(numerics)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
     in_reward, kl_estimator = rc.kl_placement("grpo", kl_in_reward, kl_estimator, n)
+    if delta is not None:
+        if dual_clip is not None:
+            raise ValueError("grpo: give `delta` (TRL's name) or `dual_clip`, not both")
+        if not delta > 1.0 + high:
+            raise ValueError(
+                f"grpo: `delta` must be > 1 + clip_high = {1.0 + high:g} (TRL: δ > 1 + ε), got "
+                f"{delta!r}"
+            )
+        dual_clip = float(delta)
+    if use_bias_correction_kl and in_reward:
+        raise ValueError("grpo: `use_bias_correction_kl` applies to a KL in the loss only")
     if scale_rewards is None:
         scale_rewards = "group" if scale_by_std else "none"
     elif scale_rewards not in ("group", "batch", "none"):
@@ -232,13 +253,21 @@ def grpo(
             dual_clip=dual_clip,
             numerics=n,
             agg=rc.agg_mode("seq-mean-token-mean", loss_agg_mode, n),
-            kl=None if in_reward else rc.kl_term(beta, kl_estimator, n),
+            kl=None
+            if in_reward
+            else rc.kl_term(
+                beta, kl_estimator, n, importance_weighted=bool(use_bias_correction_kl)
+            ),
             entropy_coef=entropy_coef,
+            off_policy_mask_threshold=off_policy_mask_threshold,
         ),
         selection=Selection(pods_num_keep=pods_num_keep),
         hparams=dict(
             beta=beta,
             kl_in_reward=in_reward,
+            use_bias_correction_kl=use_bias_correction_kl,
+            off_policy_mask_threshold=off_policy_mask_threshold,
+            delta=delta,
             clip_low=low,
             clip_high=high,
             scale_by_std=scale_by_std,

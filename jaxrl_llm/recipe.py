@@ -115,11 +115,16 @@ class KLTerm(NamedTuple):
       estimate: ``(logp_bgt, logp_ref_bgt) -> kl_bgt``, β-free.
       beta: the coefficient β > 0.
       label: the estimator's name (``"k3"``), for ``explain``.
+      importance_weighted: multiply the estimate by the ratio ``π_θ/π_old`` (gradient through
+        it), TRL GRPO's ``use_bias_correction_kl``: the sampled tokens come from π_old, so the
+        weighted k3 estimates KL(π_θ ‖ π_ref) without bias off-policy. The log-ratio is
+        clamped to ±20 before the exp.
     """
 
     estimate: Callable[[chex.Array, chex.Array], chex.Array]
     beta: float
     label: str
+    importance_weighted: bool = False
 
 
 class Objective(NamedTuple):
@@ -327,12 +332,41 @@ def agg_mode(
     return recipe_default if fixed else (numerics.loss_agg_mode or recipe_default)
 
 
-def kl_term(beta: float, estimator: str, numerics: nm.Numerics) -> KLTerm | None:
-    """``β·estimator(π_θ ‖ π_ref)`` as a loss term, or ``None`` when β = 0."""
+def kl_term(
+    beta: float, estimator: str, numerics: nm.Numerics, *, importance_weighted: bool = False
+) -> KLTerm | None:
+    """``β·estimator(π_θ ‖ π_ref)`` as a loss term (times ``π_θ/π_old`` when
+    ``importance_weighted``), or ``None`` when β = 0."""
     if beta <= 0:
         return None
     fn = functools.partial(ch.kl_estimator(estimator), **numerics.kl_kwargs(estimator))
-    return KLTerm(estimate=fn, beta=float(beta), label=estimator)
+    return KLTerm(
+        estimate=fn, beta=float(beta), label=estimator, importance_weighted=importance_weighted
+    )
+
+
+def off_policy_sequence_mask(loss: PolicyLoss, threshold: float) -> PolicyLoss:
+    """``loss`` with the sequences dropped that have a negative advantage and drifted from the
+    sampler: DeepSeek-V3.2's off-policy sequence mask (DeepSeek-AI 2025, "DeepSeek-V3.2",
+    Eq. 9; TRL GRPO ``off_policy_mask_threshold``, ``GRPOTrainer.get_off_policy_mask``)::
+
+        keep_i = (A_i ≥ 0) or (Σ_t m_t (log π_old − sg(log π_θ)) / max(|y_i|, 1) ≤ δ)
+
+    per token ``ℓ_t ← keep_i·ℓ_t``. π_old is the rollout's log-probs (with the trainer's
+    ``old_logprobs.source: sampler`` they equal sg(π_θ), so nothing is dropped)."""
+    if not threshold >= 0:
+        raise ValueError(f"off_policy_mask_threshold must be >= 0, got {threshold!r}")
+
+    def masked(
+        logp_bgt: chex.Array, logp_old_bgt: chex.Array, adv_bgt: chex.Array, mask_bgt: chex.Array
+    ) -> chex.Array:
+        drift = jnp.where(mask_bgt, logp_old_bgt - jax.lax.stop_gradient(logp_bgt), 0.0)
+        length = jnp.maximum(mask_bgt.sum(-1, keepdims=True), 1)
+        low_kl = drift.sum(-1, keepdims=True) / length <= threshold
+        keep = (adv_bgt >= 0) | low_kl
+        return jnp.where(keep, loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt), 0.0)
+
+    return masked
 
 
 def objective(
@@ -379,9 +413,11 @@ def ppo_objective(
     entropy_coef: float = 0.0,
     label: str = "PPO clip",
     text: str | None = None,
+    off_policy_mask_threshold: float | None = None,
 ) -> Objective:
     """PPO's clipped surrogate (``pl.ppo_clip_loss``) at ``[1 − ε_low, 1 + ε_high]``; the dual
-    clip ``c`` is the preset's unless given (0 turns it off)."""
+    clip ``c`` is the preset's unless given (0 turns it off); with
+    ``off_policy_mask_threshold`` the loss goes through :func:`off_policy_sequence_mask`."""
     kwargs = dict(
         clip_low=float(clip_low),
         clip_high=float(clip_high),
@@ -389,8 +425,15 @@ def ppo_objective(
         log_ratio_clamp=numerics.log_ratio_clamp,
     )
     default_text = f"clipped surrogate −min(ρA, clip(ρ, 1−{clip_low:g}, 1+{clip_high:g})A)"
+    loss = functools.partial(pl.ppo_clip_loss, **kwargs)
+    if off_policy_mask_threshold is not None:
+        loss = off_policy_sequence_mask(loss, float(off_policy_mask_threshold))
+        default_text += (
+            f"; sequences with A < 0 and mean log(π_old/π) > {off_policy_mask_threshold:g} "
+            "dropped (off-policy sequence mask)"
+        )
     return objective(
-        functools.partial(pl.ppo_clip_loss, **kwargs),
+        loss,
         agg=agg,
         agg_norm=agg_norm,
         ratio_metrics=functools.partial(pl.ratio_metrics, **kwargs),
@@ -638,7 +681,10 @@ def policy_objective(
                 f"policy_objective({where}): beta={obj.kl.beta} puts a KL term in the loss, "
                 "so `logp_ref_bgt` is required"
             )
-        kl_bgt = jnp.where(mask_bgt, obj.kl.estimate(logp_bgt, logp_ref_bgt), 0.0)
+        kl_bgt = obj.kl.estimate(logp_bgt, logp_ref_bgt)
+        if obj.kl.importance_weighted:
+            kl_bgt = kl_bgt * jnp.exp(jnp.clip(logp_bgt - logp_old_bgt, -20.0, 20.0))
+        kl_bgt = jnp.where(mask_bgt, kl_bgt, 0.0)
         total_bgt = total_bgt + obj.kl.beta * kl_bgt
         kl_terms = obj.aggregate(kl_bgt, mask_bgt)
     if obj.entropy_coef > 0:

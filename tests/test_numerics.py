@@ -293,3 +293,49 @@ def test_openrlhf_group_recipes_put_the_kl_in_the_reward():
         with pytest.raises(ValueError, match="kl_in_reward"):
             build(kl_in_reward="yes")
     assert "clipped to [-10, 10]" in jrl.explain(alg.rloo(numerics="openrlhf")).normalization
+
+
+TRL_GRPO_OPTIONS = {  # fixture case: our grpo options under numerics="trl" (TRL's loss "dapo")
+    "delta": dict(beta=0.0, delta=1.5),
+    "bias_kl": dict(beta=0.04, use_bias_correction_kl=True),
+    "plain_kl": dict(beta=0.04),
+    "opsm": dict(beta=0.0, off_policy_mask_threshold=0.05),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRL_GRPO_OPTIONS))
+def test_trl_grpo_options_match_trl(case):
+    """delta, use_bias_correction_kl and off_policy_mask_threshold against TRL 1.16.0's own
+    GRPOTrainer._compute_loss, off-policy, value and gradient."""
+    f = TRL_FIXTURE
+    x = {k: jnp.asarray(f[f"grpo_{k}"])[None] for k in ("mask", "logp_old", "logp", "logp_ref")}
+    x = {k: v.astype(jnp.float32) if k != "mask" else v for k, v in x.items()}
+    adv = jnp.where(x["mask"], jnp.asarray(f["grpo_adv"], jnp.float32)[None], 0.0)
+    recipe = alg.grpo(numerics="trl", **TRL_GRPO_OPTIONS[case])
+
+    def loss(lp):
+        terms = rc.policy_objective(
+            recipe, lp, adv, x["mask"], logp_old_bgt=x["logp_old"], logp_ref_bgt=x["logp_ref"]
+        )
+        return terms.total[0] / terms.total[1]
+
+    value, grad = jax.value_and_grad(loss)(x["logp"])
+    np.testing.assert_allclose(value, f[f"grpo_{case}_loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grad[0], f[f"grpo_{case}_grad"], rtol=1e-5, atol=1e-7)
+    plain = alg.grpo(numerics="trl", beta=TRL_GRPO_OPTIONS[case]["beta"])
+    if case != "plain_kl":  # each option changes the numbers on this fixture
+        other = rc.policy_objective(
+            plain, x["logp"], adv, x["mask"], logp_old_bgt=x["logp_old"], logp_ref_bgt=x["logp_ref"]
+        ).total
+        assert abs(float(other[0] / other[1]) - float(f[f"grpo_{case}_loss"])) > 1e-4
+
+
+def test_trl_grpo_option_errors():
+    with pytest.raises(ValueError, match="delta"):
+        alg.grpo(delta=1.1)
+    with pytest.raises(ValueError, match="not both"):
+        alg.grpo(delta=2.0, dual_clip=3.0)
+    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
+        alg.grpo(off_policy_mask_threshold=-1.0)
+    with pytest.raises(ValueError, match="use_bias_correction_kl"):
+        alg.grpo(use_bias_correction_kl=True, kl_in_reward=True)
