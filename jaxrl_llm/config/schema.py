@@ -72,6 +72,9 @@ class LoRASection:
     # A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from;
     # its rank, alpha and targets must match these.
     adapter: str | None = None
+    # Rollouts sample from W + (α/r)·AB merged once per step (a float copy of the adapted
+    # kernels for the rollout's duration) instead of running the adapters unmerged.
+    merge_for_sampling: bool = False
 
 
 @dataclasses.dataclass(**_CONFIG)

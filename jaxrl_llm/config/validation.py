@@ -572,6 +572,13 @@ def _check_lora(config: TrainConfig) -> None:
             )
         if len(set(section.targets)) != len(section.targets):
             raise _bad(f"{key}.targets", list(section.targets), "each projection once")
+        if section.merge_for_sampling and section.quantize != "none":
+            raise _bad(
+                f"{key}.merge_for_sampling",
+                True,
+                f"false with quantize = {section.quantize} (merging would dequantise the "
+                "whole base into a float copy: sample with the adapters unmerged)",
+            )
         if section.dropout != 0:
             raise _bad(
                 f"{key}.dropout",

@@ -557,6 +557,17 @@ def save_pretrained(
     out = Path(out_dir)
     kind, num_labels = _kind(model)
     config: ModelConfig = model.config
+    adapted = [
+        "/".join(map(str, path))
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.LoRAParam) or getattr(node, "quant", None) is not None
+    ]
+    if adapted:
+        raise ValueError(
+            f"save_pretrained: the model has LoRA adapters or a quantised base ({adapted[0]}, "
+            "...); a Hugging Face folder holds plain weights: lora.merge_into_base(model) first "
+            "(and peft.save_adapter for the adapter alone)"
+        )
     save_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
     entries = []
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):

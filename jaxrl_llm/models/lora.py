@@ -25,6 +25,7 @@ PEFT's names: our ``model.layers.self_attn.q_proj.lora_a[l]`` is PEFT's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -111,7 +112,8 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.
         if proj.lora_a is not None:
             raise ValueError(f"{name} already has LoRA adapters")
         kernel = proj.kernel
-        axes = tuple(kernel.get_metadata()["logical_axes"])
+        meta = kernel.get_metadata()  # a quantised kernel keeps its float axes apart
+        axes = tuple(meta.get("float_logical_axes", meta["logical_axes"]))
         shape = proj.kernel_shape
         n_lead = len(shape) - len(proj.unstacked_shape)
         n_in = n_lead + proj.n_in
@@ -193,20 +195,39 @@ def merged_kernels(model: nnx.Module) -> dict[str, jax.Array]:
 
 def merge_into_base(model: nnx.Module) -> nnx.Module:
     """Folds every adapter into its base kernel and removes the adapters, in place: the result
-    is a plain model with the adapted model's function (for export and for sampling merged).
-    A quantised base cannot take the merged weights: dequantise it first."""
-    for name, proj in _projections(model, TARGETS):
-        if proj.lora_a is None:
+    is a plain float model with the adapted model's function (for export and for sampling
+    merged). A quantised base (QLoRA) is dequantised: its merged kernels are float32."""
+    for _, proj in _projections(model, TARGETS):
+        if proj.lora_a is None and proj.quant is None:
             continue
+        merged = proj.merged_kernel()
         if proj.quant is not None:
-            raise ValueError(
-                f"{name}: the base is quantised ({proj.quant[0]}); merging needs a float base "
-                "(load the base unquantised for export)"
-            )
-        proj.kernel[...] = proj.merged_kernel()
-        proj.lora_a = proj.lora_b = None
+            axes = proj.kernel.get_metadata()["float_logical_axes"]
+            proj.kernel = nnx.Param(merged, logical_axes=tuple(axes))
+            proj.kernel_scales = nnx.data(None)
+            proj.quant = None
+        else:
+            proj.kernel[...] = merged
+        proj.lora_a = nnx.data(None)
+        proj.lora_b = nnx.data(None)
         proj.lora_scale = 1.0
     return model
+
+
+@functools.cache
+def _merged_params_fn(graphdef: nnx.GraphDef) -> Any:
+    def merged(frozen: dict, adapters: dict) -> dict:
+        module = merge_into_base(nnx.merge(graphdef, combine(frozen, adapters)))
+        return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+    return jax.jit(merged)
+
+
+def merged_params(graphdef: nnx.GraphDef, frozen: dict, adapters: dict) -> dict:
+    """The parameters of the merged model (``W + s·A B`` for every adapted kernel; a quantised
+    base comes back dequantised), jitted once per ``graphdef``: the parameter dict of the
+    base's structure, for sampling merged. Costs one float copy of the adapted kernels."""
+    return _merged_params_fn(graphdef)(frozen, adapters)
 
 
 def num_adapter_params(model: nnx.Module) -> int:
@@ -225,6 +246,7 @@ __all__ = [
     "has_lora",
     "merge_into_base",
     "merged_kernels",
+    "merged_params",
     "num_adapter_params",
     "split",
     "split_states",

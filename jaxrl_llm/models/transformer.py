@@ -240,10 +240,10 @@ class _Proj(nnx.Module):
     @property
     def kernel_shape(self) -> tuple[int, ...]:
         """The float kernel's shape, leading (layer) axes included, quantised or not."""
-        value = self.kernel[...]
+        shape = tuple(self.kernel.get_value().shape)  # also on an abstract (eval_shape) model
         if self.quant is None:
-            return tuple(value.shape)
-        return (*value.shape[: value.ndim - 2], *self.unstacked_shape)
+            return shape
+        return (*shape[: len(shape) - 2], *self.unstacked_shape)
 
     def dense_kernel(self, dtype: jax.typing.DTypeLike) -> jax.Array:
         """The base kernel in ``dtype`` (dequantised when the base is quantised)."""

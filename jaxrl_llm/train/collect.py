@@ -70,7 +70,7 @@ def sample_completions(
 
     # generate() runs on the parameters' mesh by itself (batch over the data axes).
     out = rollout.generate(
-        (models.graphdef, models.full_params(params)),  # LoRA: adapters on the frozen base
+        models.sampling_policy(params),  # LoRA: the adapters on the base, or merged
         prompt_ids,
         prompt_mask,
         rng=key,

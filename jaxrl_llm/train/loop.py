@@ -534,11 +534,13 @@ def export_policy(setup: Setup, params: dict, out: str | Path | None = None) -> 
     if models.lora is not None:  # LoRA: the adapter in PEFT's format, then the merged model
         from jaxrl_llm.models import peft
 
-        adapter = setup.run_dir / ADAPTER_DIR
-        if dist.is_primary():
-            peft.save_adapter(
-                policy, adapter, config=models.lora, base_model_name_or_path=models.base_path
-            )
+        # Every process joins the gathers of sharded adapters; process 0 alone writes.
+        peft.save_adapter(
+            policy,
+            setup.run_dir / ADAPTER_DIR,
+            config=models.lora,
+            base_model_name_or_path=models.base_path,
+        )
         policy = lora.merge_into_base(policy)
     return save_pretrained(policy, out, tokenizer=setup.tokenizer)
 

@@ -191,6 +191,7 @@ class Models:
         ``params`` are then the adapters only) and their shardings; else None.
       critic_frozen, critic_frozen_sharding: the same for a LoRA critic (its trunk).
       lora: the adapters' settings, or None (full fine-tuning).
+      merge_for_sampling: LoRA: rollouts sample from the merged weights (else unmerged).
       base_path: the base model's folder (``model.path`` resolved; PEFT's
         ``base_model_name_or_path`` of an exported adapter).
     """
@@ -212,6 +213,7 @@ class Models:
     critic_frozen_sharding: Any = None
     lora: train_models.LoRAConfig | None = None
     base_path: str | None = None
+    merge_for_sampling: bool = False
 
     def __post_init__(self) -> None:
         if self.ref_graphdef is None:
@@ -226,6 +228,15 @@ class Models:
         if self.critic_frozen is None:
             return params
         return train_models.combine(self.critic_frozen, params)
+
+    def sampling_policy(self, params: dict) -> tuple[nnx.GraphDef, dict]:
+        """``(graphdef, parameters)`` the sampler runs: the policy's, or under LoRA with
+        ``merge_for_sampling`` the base's graph with ``W + s·A B`` merged in (jitted)."""
+        if self.frozen is not None and self.merge_for_sampling:
+            from jaxrl_llm.models import lora
+
+            return self.ref_graphdef, lora.merged_params(self.graphdef, self.frozen, params)
+        return self.graphdef, self.full_params(params)
 
     def policy(self, params: dict) -> nnx.Module:
         """The policy module with ``params`` (joined with the frozen base under LoRA)."""
@@ -578,6 +589,7 @@ def build_models(
         critic_frozen_sharding=critic_frozen_sh,
         lora=lora_cfg,
         base_path=train_models.resolve_model_path(config.model.path),
+        merge_for_sampling=config.model.lora is not None and config.model.lora.merge_for_sampling,
     )
     return models, state
 

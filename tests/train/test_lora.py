@@ -165,8 +165,13 @@ def test_lora_run_resumes_bit_identically_and_exports(tmp_path, monkeypatch):
     from jaxrl_llm.train.checkpoint import Checkpointer
 
     config = H.config(
-        "tiny.yaml", LORA, "train.max_steps=3", "train.save_every=1", "data.eval_size=0",
-        "optim.lr=0.01", *VARIED,
+        "tiny.yaml",
+        LORA,
+        "train.max_steps=3",
+        "train.save_every=1",
+        "data.eval_size=0",
+        "optim.lr=0.01",
+        *VARIED,
     )
     full = loop.train(config, run_dir=tmp_path / "full", progress=False, log=lambda *_: None)
     assert full["step"] == 3 and full["actor/grad_norm"] > 0
@@ -233,3 +238,100 @@ def test_lora_config_checks_its_fields():
     _, model = _adapted()
     with pytest.raises(ValueError, match="already has LoRA adapters"):
         lora.apply_lora(model, lora.LoRAConfig(rank=2), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+def test_lora_sharded_step_equals_one_device():
+    """fsdp × tensor on 8 devices = 1 device; adapters laid out by the base's logical axes."""
+    from jaxrl_llm.train.step import make_rl_step
+    from tests.train import test_step as T
+
+    base = (LORA, "algorithm.hparams.beta=0.04", "rollout.prompts_per_step=8")
+    one = T.resolve(*base)
+    many = T.resolve(*base, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "mesh.preset=fsdp_tp")
+    q = many.state.params["model"]["layers"]["self_attn"]["q_proj"]
+    assert q["lora_a"].sharding.spec == jax.P(None, "fsdp", None)  # [L, D(embed), r]
+    assert q["lora_b"].sharding.spec == jax.P(None, None, "tensor", None)  # [L, r, H, Dh]
+    kernel = many.models.frozen["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert kernel.sharding.spec == jax.P(None, "fsdp", "tensor", None)
+    groups = T.make_groups(one, 6)
+    results = [
+        make_rl_step(s.recipe, s.models, s.update)(T.moved_state(s), groups) for s in (one, many)
+    ]
+    (s1, m1), (s8, m8) = results
+    T.assert_trees_close(s8.params, s1.params, what="params")
+    T.assert_trees_close(s8.opt_state, s1.opt_state, what="opt_state")
+    T.assert_metrics_close(m8, m1)
+    assert m1["actor/grad_norm"] > 0 and m1["actor/kl_ref"] > 0  # moved adapters: π ≠ π_ref
+
+
+@pytest.mark.parametrize("mode", ["int8", "nf4"])
+def test_qlora_quantised_base_trains_its_adapters(mode):
+    from jaxrl_llm.train.step import make_rl_step
+    from tests.train import test_step as T
+
+    s = T.resolve(
+        f"model.lora={{rank: 4, alpha: 8, quantize: {mode}}}", "algorithm.hparams.beta=0.04"
+    )
+    q = s.models.frozen["model"]["layers"]["mlp"]["gate_proj"]
+    assert q["kernel"].dtype == (jnp.int8 if mode == "int8" else jnp.uint8)
+    assert s.models.ref_params is s.models.frozen
+    float_base = T.resolve().policy()
+    tokens = jnp.asarray(np.random.default_rng(0).integers(3, 100, (2, 6)), jnp.int32)
+    rel = float(jnp.linalg.norm(s.policy()(tokens) - float_base(tokens))) / float(
+        jnp.linalg.norm(float_base(tokens))
+    )
+    assert 0 < rel < (0.02 if mode == "int8" else 0.15)  # the quantisation error, and only it
+    new, metrics = make_rl_step(s.recipe, s.models, s.update)(T.moved_state(s), T.make_groups(s, 2))
+    assert np.isfinite(metrics["actor/loss"]) and metrics["actor/grad_norm"] > 0
+    assert jax.tree.structure(new.params) == jax.tree.structure(s.state.params)
+
+
+def test_merged_and_unmerged_sampling_agree():
+    from jaxrl_llm.train.collect import sample_completions
+
+    runs = []
+    for merged in ("false", "true"):
+        s = setup_lib.resolve(
+            H.config("tiny.yaml", f"model.lora={{rank: 4, alpha: 8, merge_for_sampling: {merged}}}")
+        )
+        model = s.policy()
+        _randomise_b(model, scale=0.5)
+        _, _, adapters = lora.split(model)
+        ids = np.asarray(np.random.default_rng(0).integers(3, 100, (2, 5)), np.int32)
+        runs.append(
+            sample_completions(
+                s.models, adapters, s.sampler, ids, np.ones_like(ids, bool), jax.random.key(0)
+            )
+        )
+    unmerged, merged = runs
+    np.testing.assert_array_equal(unmerged.tokens, merged.tokens)
+    np.testing.assert_allclose(unmerged.logprobs, merged.logprobs, atol=1e-4)
+
+
+def test_training_starts_from_a_peft_adapter_folder(tmp_path):
+    from jaxrl_llm.models import peft
+
+    s = setup_lib.resolve(H.config("tiny.yaml", LORA))
+    model = s.policy()
+    _randomise_b(model)
+    peft.save_adapter(model, tmp_path / "ad", config=s.models.lora, base_model_name_or_path="x")
+    _, _, expected = lora.split(model)
+    resumed = setup_lib.resolve(
+        H.config("tiny.yaml", f"model.lora={{rank: 4, alpha: 8, adapter: {tmp_path / 'ad'}}}")
+    )
+    assert H.tree_max_diff(resumed.state.params, expected) == 0
+    with pytest.raises(peft.AdapterError, match="rank"):
+        setup_lib.resolve(
+            H.config("tiny.yaml", f"model.lora={{rank: 8, alpha: 8, adapter: {tmp_path / 'ad'}}}")
+        )
+
+
+def test_save_pretrained_refuses_an_unmerged_model(tmp_path):
+    from jaxrl_llm.models import save_pretrained
+
+    _, model = _adapted()
+    with pytest.raises(ValueError, match="merge_into_base"):
+        save_pretrained(model, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    save_pretrained(lora.merge_into_base(model), tmp_path / "out")
