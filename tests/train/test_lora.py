@@ -231,7 +231,7 @@ def test_bad_lora_configs_are_clear_errors(overrides, match):
 
 
 def test_lora_config_checks_its_fields():
-    with pytest.raises(ValueError, match="model.lora.rank"):
+    with pytest.raises(ValueError, match=r"model\.lora\.rank"):
         lora.LoRAConfig(rank=0)
     with pytest.raises(ValueError, match=r"\['qq'\] match no projection"):
         lora.LoRAConfig(targets=("qq",))
