@@ -538,7 +538,8 @@ def test_required_marker(tmp_path):
 
 def test_recipe_hparams_fill_in_the_signature_defaults():
     hp = C.recipe_hparams(_load([]))
-    assert hp["beta"] == 0.0 and hp["clip_eps"] == 0.2 and hp["kl_estimator"] == "k3"
+    # kl_estimator None: k3 in the loss, k1 when the KL goes in the reward (rc.kl_placement)
+    assert hp["beta"] == 0.0 and hp["clip_eps"] == 0.2 and hp["kl_estimator"] is None
     assert "numerics" not in hp and "kl_controller" not in hp
     c = _load(["algorithm.numerics=verl"])
     assert C.build_recipe(c).numerics.name == "verl"

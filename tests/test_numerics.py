@@ -339,3 +339,33 @@ def test_trl_grpo_option_errors():
         alg.grpo(off_policy_mask_threshold=-1.0)
     with pytest.raises(ValueError, match="use_bias_correction_kl"):
         alg.grpo(use_bias_correction_kl=True, kl_in_reward=True)
+
+
+def test_new_options_through_the_config_path():
+    from jaxrl_llm import config as C
+    from jaxrl_llm.config import ConfigError, load_config
+
+    quickstart = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    c = load_config(
+        quickstart,
+        [
+            "algorithm.numerics=openrlhf",
+            "algorithm.hparams.beta=0.01",
+            "algorithm.hparams.kl_in_reward=false",
+            "algorithm.hparams.scale_rewards=batch",
+        ],
+    )
+    recipe = C.build_recipe(c)
+    assert recipe.hparams["kl_in_reward"] is False and recipe.objective.kl.label == "k3"
+    assert recipe.hparams["scale_rewards"] == "batch"
+    with pytest.raises(ConfigError, match="scale_rewards"):
+        load_config(quickstart, ["algorithm.hparams.scale_rewards=global"])
+    rloo = load_config(
+        quickstart,
+        ["algorithm.name=rloo", "algorithm.hparams.reward_clip_range=[-2.0, 2.0]"],
+    )
+    assert C.build_recipe(rloo).hparams["reward_clip_range"] == (-2.0, 2.0)
+    with pytest.raises(ConfigError, match="reward_clip_range"):
+        load_config(
+            quickstart, ["algorithm.name=rloo", "algorithm.hparams.reward_clip_range=[2.0, -2.0]"]
+        )
