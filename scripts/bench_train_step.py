@@ -45,6 +45,13 @@ the padding fraction of the rows the model runs on (unpacked ``[N, P + T]``; pac
 fp32 matmul peak.
 
     python scripts/bench_train_step.py --ragged --steps 3 --warmup 1 --rounds 1
+
+LoRA (``--lora``, issue 14): the issue-5 workload above (β = 0.04) as full fine-tuning, LoRA
+rank 16 (α = 32, every projection; rollouts with the adapters unmerged, and merged once per
+step), and QLoRA (the same adapters on an nf4 base), each in its own child: seconds per step
+(rollout / update) and peak RSS, with the ratios to full fine-tuning.
+
+    python scripts/bench_train_step.py --lora --steps 2 --warmup 1
 """
 
 from __future__ import annotations
@@ -108,14 +115,14 @@ def _prompt_rows(n: int) -> list[dict]:
 # Children.
 
 
-def ours_child(steps: int) -> dict:
+def ours_child(steps: int, extra: list[str] | None = None) -> dict:
     from jaxrl_llm.config import load_config
     from jaxrl_llm.models import default_model_path
     from jaxrl_llm.train.hostmem import peak_rss_gib
     from jaxrl_llm.train.loop import train
 
     default_model_path()  # converted and cached outside the timed steps (as TRL's folder is)
-    config = load_config(ROOT / "configs/quickstart.yaml", OURS_OVERRIDES)
+    config = load_config(ROOT / "configs/quickstart.yaml", [*OURS_OVERRIDES, *(extra or [])])
     with tempfile.TemporaryDirectory() as run_dir:
         t0 = time.perf_counter()
         train(config, run_dir=run_dir, max_steps=steps, progress=False, log=lambda *a: None)
@@ -211,6 +218,52 @@ def ragged_child(steps: int, packing: bool, extra: list[str]) -> dict:
                 }
             )
     return {"steps": out, "peak_rss_gib": peak_rss_gib(), "overrides": overrides}
+
+
+LORA_VARIANTS = {
+    "full": [],
+    "lora": ["model.lora={rank: 16, alpha: 32}"],
+    "lora_merged": ["model.lora={rank: 16, alpha: 32, merge_for_sampling: true}"],
+    "qlora_nf4": ["model.lora={rank: 16, alpha: 32, quantize: nf4}"],
+}
+
+
+def lora_main(args: argparse.Namespace) -> None:
+    """Full fine-tuning vs LoRA rank 16 (adapters sampled unmerged, and merged once per step) vs
+    QLoRA (nf4 base) on the issue-5 workload (β = 0.04): seconds per step and peak RSS, each
+    variant in its own child process, one after the other."""
+    from _bench_common import machine_info
+
+    total = args.steps + args.warmup
+    result = {"machine": machine_info(), "command": " ".join(sys.argv), "raw": {}}
+    result["machine"]["load_avg_before"] = os.getloadavg()
+    for name, extra in LORA_VARIANTS.items():
+        result["raw"][name] = _run_child("ours", total, [*extra, *args.extra])
+        result[name] = _summary(result["raw"][name], args.warmup)
+    full = result["full"]
+    for name in LORA_VARIANTS:
+        r = result[name]
+        r["step_ratio_vs_full"] = r["median_s"]["step"] / full["median_s"]["step"]
+        r["rss_ratio_vs_full"] = r["peak_rss_gib_steps"] / full["peak_rss_gib_steps"]
+    result["machine"]["load_avg_after"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    rows = [
+        "| variant | step s | rollout s | update s | peak RSS GiB (steps) | step / full "
+        "| RSS / full |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in LORA_VARIANTS:
+        r = result[name]
+        m = r["median_s"]
+        rows.append(
+            f"| {name} | {m['step']:.2f} | {m['generation']:.2f} | {m['update']:.2f} | "
+            f"{r['peak_rss_gib_steps']:.2f} | {r['step_ratio_vs_full']:.2f} | "
+            f"{r['rss_ratio_vs_full']:.2f} |"
+        )
+    print("\n".join(rows))
+    print(f"wrote {out}")
 
 
 def ragged_main(args: argparse.Namespace) -> None:
@@ -441,7 +494,10 @@ def main() -> None:
     ap.add_argument("--ragged", action="store_true", help="the ragged workload (issue 13)")
     ap.add_argument("--rounds", type=int, default=1, help="--ragged: alternating rounds")
     ap.add_argument(
-        "--extra", action="append", default=[], help="--ragged: a config override for both"
+        "--lora", action="store_true", help="full vs LoRA vs QLoRA on this workload (issue 14)"
+    )
+    ap.add_argument(
+        "--extra", action="append", default=[], help="--ragged/--lora: an override for all"
     )
     ap.add_argument(
         "--child",
@@ -453,9 +509,16 @@ def main() -> None:
     if args.child:
         if args.child.startswith("ragged"):
             res = ragged_child(args.steps, args.child == "ragged-packed", args.extra)
+        elif args.child == "ours":
+            res = ours_child(args.steps, args.extra)
         else:
-            res = (ours_child if args.child == "ours" else trl_child)(args.steps)
+            res = trl_child(args.steps)
         Path(args.json).write_text(json.dumps(res))
+        return
+    if args.lora:
+        if args.out == str(ROOT / "bench_results/train_step.json"):
+            args.out = str(ROOT / "bench_results/train_step_lora.json")
+        lora_main(args)
         return
     if args.ragged:
         if args.out == str(ROOT / "bench_results/train_step.json"):
