@@ -335,3 +335,11 @@ def test_save_pretrained_refuses_an_unmerged_model(tmp_path):
         save_pretrained(model, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     save_pretrained(lora.merge_into_base(model), tmp_path / "out")
+
+
+def test_bf16_base_with_f32_adapters():
+    s = setup_lib.resolve(H.config("tiny.yaml", LORA, "model.param_dtype=bfloat16"))
+    assert {x.dtype for x in jax.tree.leaves(s.models.frozen)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(s.state.params)} == {jnp.dtype(jnp.float32)}
+    moments = [x for x in jax.tree.leaves(s.state.opt_state) if np.ndim(x) > 0]
+    assert sum(x.size for x in moments) == 2 * sum(x.size for x in jax.tree.leaves(s.state.params))
