@@ -121,8 +121,8 @@ def ppo(
             entropy_coef=entropy_coef,
             label="PPO clip + value loss",
             text=(
-                f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A) + a clipped value "
-                "loss"
+                f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A) + "
+                + (f"a value loss clipped at ±{value_clip:g}" if value_clip else "a value loss")
             ),
         ),
         critic=rc.gae_critic(returns, value_clip=value_clip),

@@ -68,6 +68,8 @@ def explain(recipe: AnyRecipe | str) -> Explanation:
             f"in the loss: + β·{obj.kl.label}(π_θ ‖ π_ref) per token on the current "
             f"policy, β = {obj.kl.beta:g}"
         )
+        if obj.kl.importance_weighted:
+            kl += ", times the ratio π_θ/π_old (bias-corrected off-policy)"
     else:
         kl = "nowhere (β = 0): no reference model is needed"
     returns = by_kind.get("return", [])

@@ -425,6 +425,8 @@ def ppo_objective(
         log_ratio_clamp=numerics.log_ratio_clamp,
     )
     default_text = f"clipped surrogate −min(ρA, clip(ρ, 1−{clip_low:g}, 1+{clip_high:g})A)"
+    if kwargs["dual_clip"] is not None:
+        default_text += f", dual clip c = {kwargs['dual_clip']:g} for A < 0"
     loss = functools.partial(pl.ppo_clip_loss, **kwargs)
     if off_policy_mask_threshold is not None:
         loss = off_policy_sequence_mask(loss, float(off_policy_mask_threshold))

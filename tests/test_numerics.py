@@ -369,3 +369,18 @@ def test_new_options_through_the_config_path():
         load_config(
             quickstart, ["algorithm.name=rloo", "algorithm.hparams.reward_clip_range=[2.0, -2.0]"]
         )
+
+
+def test_explain_describes_the_presets_form():
+    assert "±0.5" in jrl.explain(alg.ppo(numerics="verl")).objective
+    assert "±0.2" in jrl.explain(alg.ppo()).objective
+    assert "dual clip c = 3" in jrl.explain(alg.grpo(numerics="verl")).objective
+    assert "dual clip" not in jrl.explain(alg.grpo()).objective
+    assert "π_θ/π_old" in jrl.explain(alg.grpo(beta=0.1, use_bias_correction_kl=True)).kl
+    assert "zero-reward" in jrl.explain(alg.ppo(numerics="openrlhf")).baseline
+    assert "carry it through" in jrl.explain(alg.ppo()).baseline
+    assert (
+        "raw token-summed" in jrl.explain(alg.dpo(loss_type="ipo", numerics="openrlhf")).objective
+    )
+    assert "length-averaged" in jrl.explain(alg.dpo(loss_type="ipo")).objective
+    assert "token-mean" in jrl.explain(alg.gspo(numerics="verl")).objective
