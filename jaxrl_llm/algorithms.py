@@ -300,11 +300,15 @@ def dr_grpo(
     GRPO without the std division (``A_i = r_i − mean(r)``) and without the per-sequence length
     normaliser: token losses are summed and divided by a constant (``max_completion_length``,
     default the padded T) times the number of sequences (``seq-mean-token-sum-norm``); no KL.
-    ``kl_in_reward`` / ``kl_estimator`` as in :func:`grpo` (for ``beta > 0``).
+    ``kl_in_reward`` / ``kl_estimator`` as in :func:`grpo` (for ``beta > 0``). Under
+    ``numerics="openrlhf"`` the loss is a token mean: OpenRLHF's ``dr_grpo`` changes the
+    advantage only, its ``--actor.loss_agg_mode`` stays token-mean.
     """
     n = nm.resolve(numerics)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
     in_reward, kl_estimator = rc.kl_placement("dr_grpo", kl_in_reward, kl_estimator, n)
+    # OpenRLHF's `dr_grpo` is an advantage estimator only: its loss keeps the actor's token-mean
+    agg = rc.agg_mode("seq-mean-token-sum-norm", None, n, "dr_grpo", fixed=True)
     return rc.make_recipe(
         "dr_grpo",
         numerics=n,
@@ -319,8 +323,8 @@ def dr_grpo(
             clip_high=high,
             dual_clip=dual_clip,
             numerics=n,
-            agg="seq-mean-token-sum-norm",
-            agg_norm=max_completion_length,
+            agg=agg,
+            agg_norm=max_completion_length if agg == "seq-mean-token-sum-norm" else None,
             kl=None if in_reward else rc.kl_term(beta, kl_estimator, n),
             entropy_coef=entropy_coef,
             text=(

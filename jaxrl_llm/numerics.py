@@ -54,8 +54,9 @@ class Numerics:
         margin (OpenRLHF's ``DPOLoss(ipo=True)``).
       recipe_loss_agg_modes: ``(recipe, mode)`` pairs that beat ``loss_agg_mode`` for one
         recipe, including those whose aggregation is otherwise fixed: GSPO (verl and TRL:
-        token-mean, OpenRLHF: seq-mean-token-mean) and RLOO (TRL: a mean over sequences of the
-        sequence loss, ``seq-mean-token-sum``).
+        token-mean, OpenRLHF: seq-mean-token-mean), RLOO (TRL: a mean over sequences of the
+        sequence loss, ``seq-mean-token-sum``) and Dr. GRPO (OpenRLHF's ``dr_grpo`` estimator
+        keeps the actor's token-mean loss).
       value_clip: the default value-loss clip of ``ppo`` (``None``: the recipe's 0.2).
     """
 
@@ -165,7 +166,7 @@ OPENRLHF = Numerics(
     shaping_after_baseline=True,
     group_kl_in_reward=True,
     ipo_length_normalize=False,
-    recipe_loss_agg_modes=(("gspo", "seq-mean-token-mean"),),
+    recipe_loss_agg_modes=(("gspo", "seq-mean-token-mean"), ("dr_grpo", "token-mean")),
     value_clip=0.5,
 )
 
