@@ -24,7 +24,7 @@ from jaxrl_llm import distributed as dist
 from jaxrl_llm import recipe as rc
 from jaxrl_llm import rewards as R
 from jaxrl_llm.data import BatchIterator
-from jaxrl_llm.train.setup import Models, Sampler, Setup, check_trainable
+from jaxrl_llm.train.setup import Models, Sampler, Setup
 from jaxrl_llm.train.step import Groups
 from jaxrl_llm.train.update import DPOBatch
 
@@ -33,7 +33,7 @@ from jaxrl_llm.train.update import DPOBatch
 
 
 def _take(groups: Groups, rows: Any) -> Groups:
-    return Groups(*(x[rows] for x in groups))
+    return Groups(*(None if x is None else x[rows] for x in groups))
 
 
 def _left_pad(ids: np.ndarray, mask: np.ndarray, width: int, pad: int):
@@ -49,7 +49,9 @@ def _left_pad(ids: np.ndarray, mask: np.ndarray, width: int, pad: int):
 def _concat(parts: list[Groups], pad: int) -> Groups:
     width = max(p.prompt_ids_bp.shape[1] for p in parts)
     padded = [_left_pad(p.prompt_ids_bp, p.prompt_mask_bp, width, pad) for p in parts]
-    out = Groups(*(np.concatenate(xs) for xs in zip(*parts, strict=True)))
+    out = Groups(
+        *(None if xs[0] is None else np.concatenate(xs) for xs in zip(*parts, strict=True))
+    )
     return out._replace(
         prompt_ids_bp=np.concatenate([p[0] for p in padded]),
         prompt_mask_bp=np.concatenate([p[1] for p in padded]),
@@ -158,6 +160,30 @@ def _generate_round(setup: Setup, params: dict, batch: Any, key: jax.Array):
         truncated=out.truncated.astype(bool),
         reward=reward_bg,
     )
+    requires = setup.recipe.requires
+    if ch.REWARD_COMPONENTS in requires:  # GDPO: the terms apart, in the config's order
+        b, g = reward_bg.shape
+        terms = [reward_out.components[name] for name in setup.reward.names]
+        local["reward_k"] = np.stack(terms, -1).reshape(b, g, len(terms)).astype(np.float32)
+    if ch.GIVEN_BASELINE in requires:  # ReMax: one greedy completion per prompt, same reward
+        greedy = sample_completions(
+            setup.models,
+            params,
+            setup.sampler.greedy(),
+            batch.prompt_ids_bt[rows],
+            batch.prompt_mask_bt[rows],
+            key,
+        )
+        baseline_b1, _, _ = score_completions(
+            setup.tokenizer,
+            setup.reward,
+            batch.prompts[rows],
+            {k: v[rows] for k, v in batch.fields.items()},
+            greedy.tokens,
+            greedy.mask,
+        )
+        local["baseline"] = baseline_b1[:, 0]
+    t3 = time.perf_counter()
     local, reward_out = dist.gather(local), _gather_reward_output(reward_out)
     groups = Groups(
         prompt_ids_bp=np.asarray(batch.prompt_ids_bt, np.int32),
@@ -167,8 +193,10 @@ def _generate_round(setup: Setup, params: dict, batch: Any, key: jax.Array):
         logp_sampler_bgt=local["logp"],
         reward_bg=local["reward"],
         member_bg=np.ones(local["reward"].shape, bool),
+        baseline_b=local.get("baseline"),
+        reward_bgk=local.get("reward_k"),
     )
-    metrics = {"time/rollout": t1 - t0, "time/reward": t2 - t1}
+    metrics = {"time/rollout": t1 - t0 + (t3 - t2), "time/reward": t2 - t1}
     return groups, reward_out, local["truncated"], metrics
 
 
@@ -184,7 +212,6 @@ def collect(
 ) -> tuple[Groups, dict[str, float]]:
     """Generates, scores and selects this step's groups (see the module docstring)."""
     recipe = setup.recipe
-    check_trainable(recipe)  # resolve() already refused such a run; a hand-built Setup too
     b = setup.loop.batch_size
     dynamic = recipe.selection.dynamic_sampling
     keep_m = recipe.selection.pods_num_keep
@@ -209,6 +236,8 @@ def collect(
             metrics["response_length/max"] = float(lengths.max())
             metrics["response_length/truncated_fraction"] = float(truncated.mean())
             metrics["perf/generated_tokens"] = float(groups.mask_bgt.sum())
+            if groups.baseline_b is not None:
+                metrics["reward/greedy_baseline_mean"] = float(np.mean(groups.baseline_b))
         member = _select(recipe, groups)
         if keep_m is not None:
             order = np.argsort(~member, axis=1, kind="stable")[:, :keep_m]
@@ -221,6 +250,7 @@ def collect(
                 mask_bgt=take(groups.mask_bgt),
                 logp_sampler_bgt=take(groups.logp_sampler_bgt),
                 reward_bg=take(groups.reward_bg),
+                reward_bgk=None if groups.reward_bgk is None else take(groups.reward_bgk),
             )
             member = take(member)
         groups = groups._replace(member_bg=member)

@@ -31,7 +31,6 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrl_llm import chain as ch
 from jaxrl_llm import distributed as dist
 from jaxrl_llm import rewards as R
 from jaxrl_llm.config import (
@@ -672,34 +671,6 @@ def _eval_plan(config: TrainConfig, sampler: Sampler | None, stop_ids: Sequence[
     )
 
 
-# What a chain may read that the trainer's host side (train/collect.py) does not produce yet:
-# ReMax's greedy baseline and GDPO's separate rewards, with what is missing.
-_NOT_COLLECTED = {
-    ch.GIVEN_BASELINE: "one greedy completion per prompt scored with the same reward "
-    "(Rollout.baseline_b), which train.collect does not generate",
-    ch.REWARD_COMPONENTS: "the K separate rewards of each completion (Rollout.reward_bgk), which "
-    "train.collect does not keep (rewards are summed into reward_bg)",
-}
-
-
-def check_trainable(recipe: AnyRecipe) -> None:
-    """Refuses a recipe whose chain needs inputs the trainer does not collect (clear error).
-
-    Raises:
-      ConfigError: naming the recipe and what is missing; the recipe still works through the
-        chain API (``jaxrl_llm.compute_advantages`` on a Rollout that carries the field).
-    """
-    missing = [text for need, text in _NOT_COLLECTED.items() if need in recipe.requires]
-    if missing:
-        raise ConfigError(
-            f"algorithm.name = {recipe.name!r} cannot be trained by this trainer yet: it needs "
-            + "; and ".join(missing)
-            + ". Use it through the chain API (jaxrl_llm.compute_advantages with those Rollout "
-            "fields) or pick another algorithm",
-            "algorithm.name",
-        )
-
-
 def resolve(
     config: TrainConfig,
     run_dir: str | Path | None = None,
@@ -709,7 +680,6 @@ def resolve(
     """The run of ``config`` in ``run_dir`` (default ``config.run_dir``), resolved: models,
     tokenizer, data, reward, recipe, optimizers, a fresh state, and the plans (not restored)."""
     recipe = build_recipe(config)
-    check_trainable(recipe)  # before any model loads
     models, state = build_models(config, recipe, mesh=mesh)
     check_processes(config, models.mesh)
     model_config = models.policy(state.params).config
@@ -769,7 +739,6 @@ __all__ = [
     "build_models",
     "build_reward",
     "check_processes",
-    "check_trainable",
     "load_tokenizer",
     "make_critic_optimizer",
     "make_mesh",

@@ -86,6 +86,9 @@ class Groups(NamedTuple):
       logp_sampler_bgt: ``f32[B, G, T]`` the sampler's log-probs of the completion tokens.
       reward_bg: ``f32[B, G]`` sequence rewards.
       member_bg: ``bool[B, G]`` completions that reach the update (selection).
+      baseline_b: ``f32[B]`` a given per-prompt baseline (ReMax: the reward of one greedy
+        completion of the prompt), or None.
+      reward_bgk: ``f32[B, G, K]`` the K reward terms apart, unweighted (GDPO), or None.
     """
 
     prompt_ids_bp: jax.Array
@@ -95,6 +98,8 @@ class Groups(NamedTuple):
     logp_sampler_bgt: jax.Array
     reward_bg: jax.Array
     member_bg: jax.Array
+    baseline_b: jax.Array | None = None
+    reward_bgk: jax.Array | None = None
 
 
 def _host(x: Any) -> np.ndarray:
@@ -286,6 +291,8 @@ def make_rl_step(
             logp_old_bgt=chain_old,
             logp_ref_bgt=logp_ref,
             value_bgt=values,
+            baseline_b=None if groups.baseline_b is None else groups.baseline_b.astype(jnp.float32),
+            reward_bgk=None if groups.reward_bgk is None else groups.reward_bgk.astype(jnp.float32),
         )
         adv_bgt, kl_state = ch.apply(recipe.advantage, rollout, state.kl_state)
         returns = rc.value_targets(recipe, rollout, state.kl_state) if with_critic else None

@@ -423,29 +423,6 @@ def test_explain_grpo_options():
     assert "per reward" in gdpo.baseline and "batch whitening" in gdpo.normalization
 
 
-# --------------------------------------------------------------------------------------------
-# The trainer refuses what it cannot collect (ReMax's greedy baseline, GDPO's separate rewards).
-
-
-@pytest.mark.parametrize(
-    ("recipe", "needle"),
-    [
-        (lambda: alg.remax(), "greedy completion"),
-        (lambda: alg.grpo(reward_aggregation="normalize_then_sum"), "separate rewards"),
-    ],
-    ids=["remax", "gdpo"],
-)
-def test_trainer_refuses_what_it_does_not_collect(recipe, needle):
-    from jaxrl_llm.config import ConfigError
-    from jaxrl_llm.train import setup
-
-    with pytest.raises(ConfigError, match=needle) as e:
-        setup.check_trainable(recipe())
-    assert e.value.key == "algorithm.name"
-    for name in ("grpo", "cispo", "opo", "gpg", "dppo"):
-        setup.check_trainable(alg.get(name))  # collectable: no error
-
-
 def test_cov_losses_depend_on_the_micro_batch():
     """What the docstrings say: KL-Cov's (and Clip-Cov's) token choice uses the statistics of
     the arrays it is given, so two halves do not add up to the whole batch; PPO's loss does."""
