@@ -553,6 +553,22 @@ def _check_seeds(config: TrainConfig) -> None:
             raise _bad(key, value, "an integer in [0, 2^63 - 1) (a JAX key is an int64)")
 
 
+def _check_reward_components(config: TrainConfig) -> None:
+    """GDPO (a chain reading Rollout.reward_bgk): one weight per ``rewards.terms`` entry."""
+    if config.is_offline:
+        return
+    weights = config.algorithm.hparams.get("reward_weights")
+    if weights is None or ch.REWARD_COMPONENTS not in build_recipe(config).requires:
+        return
+    if len(weights) != len(config.rewards.terms):
+        raise _bad(
+            "algorithm.hparams.reward_weights",
+            list(weights),
+            f"one weight per rewards.terms entry ({len(config.rewards.terms)}: the reward "
+            "terms are kept apart, in their config order)",
+        )
+
+
 def _check_lora(config: TrainConfig) -> None:
     """``model.lora`` / ``critic.lora``: targets that exist, no dropout yet, and a critic with
     adapters when the policy has them (a full critic next to a LoRA policy is allowed only
@@ -618,6 +634,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check_mesh(config.mesh)
     _check_seeds(config)
     _check_lora(config)
+    _check_reward_components(config)
     return config
 
 

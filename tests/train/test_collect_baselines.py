@@ -64,3 +64,14 @@ def test_remax_and_gdpo_train(tmp_path):
         out = loop.train(config, run_dir=tmp_path / name, progress=False, log=lambda *_: None)
         assert out["step"] == 1 and np.isfinite(out["actor/loss"])
         assert out["actor/grad_norm"] > 0
+
+
+def test_gdpo_weights_must_match_the_reward_terms():
+    import pytest
+
+    from jaxrl_llm.config import ConfigError
+
+    gdpo = "algorithm.hparams.reward_aggregation=normalize_then_sum"
+    with pytest.raises(ConfigError, match=r"reward_weights.*one weight per rewards\.terms"):
+        H.config("tiny.yaml", TERMS, gdpo, "algorithm.hparams.reward_weights=[1.0, 2.0, 3.0]")
+    H.config("tiny.yaml", TERMS, gdpo, "algorithm.hparams.reward_weights=[1.0, 2.0]")
