@@ -9,6 +9,7 @@ out = rollout.generate(model, ids, mask, rng=jax.random.key(0), max_new_tokens=3
 rollout.decode_completions(tokenizer, out.tokens, out.mask)   # [B][G] strings
 """
 
+from jaxrl_llm.rollout import paged
 from jaxrl_llm.rollout.engine import Generation, generate
 from jaxrl_llm.rollout.sampling import sample
 from jaxrl_llm.rollout.text import completion_ids, decode_completions, encode_prompts
@@ -19,5 +20,6 @@ __all__ = [
     "decode_completions",
     "encode_prompts",
     "generate",
+    "paged",
     "sample",
 ]

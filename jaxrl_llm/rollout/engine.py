@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jaxrl_llm.models import sharding
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import CausalLM, KVCache
-from jaxrl_llm.rollout import decode, sampling
+from jaxrl_llm.rollout import decode, paged, sampling
 
 Params = dict[str, Any]
 """Model parameters as a pure dict (``nnx.to_pure_dict``): nested dicts of arrays."""
@@ -101,6 +101,7 @@ def _rollout(
     temperature: jax.Array,
     top_p: jax.Array,
     stop_ids_s: jax.Array,
+    budget_n: jax.Array | None = None,
     *,
     static: _Static,
 ) -> Generation:
@@ -142,6 +143,8 @@ def _rollout(
     logp_tn = jnp.zeros((t, n), jnp.float32).at[0].set(logp_n)
     mask_tn = jnp.zeros((t, n), bool).at[0].set(True)
     alive_n = ~stopped(token_n)
+    if budget_n is not None:  # per-sample budgets: a row stops after its budget_n tokens
+        alive_n = alive_n & (budget_n > 1)
 
     layers = decode.unstack_layers(lm.model.layers)  # once, outside the decode loop
 
@@ -162,6 +165,8 @@ def _rollout(
         logp_tn = logp_tn.at[step].set(jnp.where(alive_n, logp_n, 0.0))
         mask_tn = mask_tn.at[step].set(alive_n)
         alive_n = alive_n & ~stopped(new_n)
+        if budget_n is not None:
+            alive_n = alive_n & (step + 1 < budget_n)
         return step + 1, new_n, alive_n, cache, tokens_tn, logp_tn, mask_tn
 
     carry = (jnp.int32(1), token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn)
@@ -170,6 +175,9 @@ def _rollout(
     def bgt(x_tn: jax.Array) -> jax.Array:
         return x_tn.T.reshape(b, g, t)
 
+    if budget_n is not None:  # alive_n is False at a budget's end too: truncated = no stop id
+        hit = mask_tn & jnp.any(tokens_tn[..., None] == stop_ids_s, axis=-1)
+        alive_n = ~jnp.any(hit, axis=0)
     return Generation(bgt(tokens_tn), bgt(mask_tn), bgt(logp_tn), alive_n.reshape(b, g))
 
 
@@ -375,7 +383,11 @@ def generate(
     stop_token_ids: int | Sequence[int] | None = None,
     cache_dtype: jax.typing.DTypeLike | None = None,
     prompt_bucket: int = 16,
-) -> Generation:
+    max_new_tokens_bg: jax.typing.ArrayLike | None = None,
+    engine: str = "static",
+    paged_options: paged.PagedOptions | None = None,
+    return_stats: bool = False,
+) -> Generation | tuple[Generation, paged.PagedStats | None]:
     """Samples ``num_samples`` completions of ``max_new_tokens`` tokens for each prompt.
 
         y_t ~ π(· | x, y_<t),   π ∝ exp(logits / τ) on the top-k ∩ top-p set,   t < T
@@ -405,9 +417,20 @@ def generate(
         model's compute dtype, but float32 on CPU (see :func:`_cache_dtype`).
       prompt_bucket: prompt widths are padded on the left to a multiple of this, so similar
         batches reuse one compiled program.
+      max_new_tokens_bg: optional ``int[B, G]`` per-sample budgets, each in
+        ``[1, max_new_tokens]``: sample ``g`` of prompt ``b`` stops after that many tokens
+        (``truncated`` when it got there without a stop id). ``None``: ``max_new_tokens``.
+      engine: ``"static"`` (one dense batch, ``P + T`` cache slots per row, this module) or
+        ``"paged"`` (continuous batching over a paged KV cache, ``paged.py``; not yet on a
+        sharded mesh or several processes). Greedy tokens agree; sampled tokens use
+        different (per-sequence) keys in the paged engine.
+      paged_options: sizes of the paged engine (:class:`paged.PagedOptions`).
+      return_stats: also return the paged engine's :class:`paged.PagedStats` (``None`` for
+        the static engine); for benchmarks.
 
     Returns:
-      A :class:`Generation` of ``[B, G, T]`` tokens, mask and log-probs and ``[B, G]`` truncated.
+      A :class:`Generation` of ``[B, G, T]`` tokens, mask and log-probs and ``[B, G]`` truncated
+      (with ``return_stats``, the pair ``(generation, stats)``).
     """
     graphdef, params, module = _split_model(model)
     config = _config_of(graphdef, params, module)
@@ -441,8 +464,94 @@ def generate(
         cache_dtype=_cache_dtype(cache_dtype, config).name,
     )
     stop = _stop_ids(stop_token_ids, config)
-    args = (params, ids, mask, rng, np.float32(temperature or 1.0), np.float32(top_p), stop)
+    budgets_bg = _check_budgets(max_new_tokens_bg, ids.shape[0], num_samples, max_new_tokens)
+    if engine not in ("static", "paged"):
+        raise ValueError(f"generate: engine must be 'static' or 'paged', got {engine!r}")
     mesh = _mesh_of(params)
+    if engine == "paged":
+        if jax.process_count() > 1 or mesh is not None:
+            raise NotImplementedError(
+                "generate(engine='paged') runs on one device for now (parameters on a mesh of "
+                f"{dict(mesh.shape) if mesh is not None else '?'} / {jax.process_count()} "
+                "processes); use engine='static' there"
+            )
+        if budgets_bg is None:
+            budgets_bg = np.full((ids.shape[0], num_samples), max_new_tokens, np.int32)
+        prompts = [ids[i][mask[i]] for i in range(ids.shape[0])]
+        options = paged.resolve_options(
+            paged_options,
+            num_seqs=ids.shape[0] * num_samples,
+            num_samples=num_samples,
+            longest_prompt=max(len(p) for p in prompts),
+            max_new_tokens=max_new_tokens,
+        )
+        arrays, stats = paged.run(
+            graphdef,
+            _cast_params(params, config.jnp_dtype),
+            prompts,
+            budgets_bg,
+            rng=rng,
+            temperature=temperature,
+            top_p=top_p,
+            greedy=static.greedy,
+            top_k=static.top_k,
+            stop_ids=stop,
+            pad_token_id=static.pad_token_id,
+            cache_dtype=jnp.dtype(static.cache_dtype),
+            max_new_tokens=max_new_tokens,
+            options=options,
+        )
+        out = Generation(*(jnp.asarray(x) for x in arrays))
+        return (out, stats) if return_stats else out
+    out = _generate_static(
+        graphdef, params, ids, mask, rng, temperature, top_p, stop, budgets_bg, static, mesh
+    )
+    return (out, None) if return_stats else out
+
+
+def _check_budgets(
+    budgets: jax.typing.ArrayLike | None, b: int, g: int, max_new_tokens: int
+) -> np.ndarray | None:
+    """int32[B, G] per-sample budgets in [1, max_new_tokens], or None."""
+    if budgets is None:
+        return None
+    arr = np.asarray(budgets)
+    if arr.shape != (b, g):
+        raise ValueError(
+            f"generate: max_new_tokens_bg must have shape [B, G] = {(b, g)}, got {arr.shape}"
+        )
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"generate: max_new_tokens_bg must hold integers, got {arr.dtype}")
+    bad = np.argwhere((arr < 1) | (arr > max_new_tokens))
+    if bad.size:
+        i, j = (int(x) for x in bad[0])
+        raise ValueError(
+            f"generate: max_new_tokens_bg[{i}, {j}] = {int(arr[i, j])} is outside "
+            f"[1, max_new_tokens={max_new_tokens}]"
+        )
+    return arr.astype(np.int32)
+
+
+def _generate_static(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    rng: jax.Array,
+    temperature: float,
+    top_p: float,
+    stop: np.ndarray,
+    budgets_bg: np.ndarray | None,
+    static: _Static,
+    mesh: jax.sharding.Mesh | None,
+) -> Generation:
+    args = (params, ids, mask, rng, np.float32(temperature or 1.0), np.float32(top_p), stop)
+    if budgets_bg is not None:
+        if jax.process_count() > 1:
+            raise NotImplementedError(
+                "generate: max_new_tokens_bg is not supported in a multi-process run yet"
+            )
+        args = (*args, budgets_bg.reshape(-1))
     if jax.process_count() > 1:
         return _rollout_multiprocess(graphdef, args, static, mesh)
     if mesh is None or not jax.sharding.get_abstract_mesh().empty:

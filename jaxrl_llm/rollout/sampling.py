@@ -127,7 +127,9 @@ def sample(
 
     Args:
       logits_nv: float ``[N, V]`` (upcast to f32).
-      key: PRNG key (one uniform per row is drawn from it).
+      key: PRNG key (one uniform per row is drawn from it), or ``[N]`` keys, one per row (each
+        row's draw then depends on its own key only: what the paged engine needs so that a
+        sequence's tokens do not depend on its slot or its neighbours).
       temperature: τ > 0 (may be traced); ignored when ``greedy``.
       top_k: static; 0 keeps the whole vocabulary.
       top_p: nucleus mass in (0, 1] (may be traced); ``None`` skips the filter entirely.
@@ -148,7 +150,10 @@ def sample(
     if top_p is not None:
         z_nv = jnp.where(top_p_mask(z_nv, top_p), z_nv, _NEG_INF)
     max_n = jnp.max(z_nv, axis=-1)
-    u_n = jax.random.uniform(key, (z_nv.shape[0],), jnp.float32)
+    if key.ndim == 1:
+        u_n = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(key)
+    else:
+        u_n = jax.random.uniform(key, (z_nv.shape[0],), jnp.float32)
     token_n, total_n = inverse_cdf(jnp.exp(z_nv - max_n[:, None]), u_n)
     lse_n = max_n + jnp.log(total_n)
     picked_n = jnp.take_along_axis(z_nv, token_n[:, None], axis=-1)[:, 0]

@@ -1,0 +1,755 @@
+"""The paged rollout engine: continuous batching over a paged KV cache (``engine="paged"``).
+
+Memory. Keys and values live in a pool of fixed-size pages per layer (Kwon et al. 2023,
+"Efficient Memory Management for LLM Serving with PagedAttention", vLLM):
+
+    pool.k, pool.v   [L, num_pages, page_size, K, Dh]
+
+and sequence ``n`` reads its context through a page table: token ``s`` of the sequence sits at
+``pool[:, table[n, s // page_size], s % page_size]``. Page 0 is a trash page: writes of padded
+tokens and of idle slots land there, and table entries past a sequence's pages point there
+(always masked). A host-side :class:`PageAllocator` hands pages out of a free list as a
+sequence grows and takes them back when it ends, so KV memory follows the live tokens, not
+``rows x (P + T)``. The G samples of a prompt share the prompt's full pages (prefill once, no
+copy, reference-counted); only the partially filled last prompt page exists once per sample,
+written G times by the prefill itself (copy-on-write done eagerly for that one page).
+
+Scheduling (continuous batching, Yu et al. 2022, "Orca"): ``num_slots`` decode slots. A prompt
+is admitted when G slots are free and the pool can hold its worst case (prompt plus each
+sample's budget; the reservation is counted, pages are taken lazily), so no admitted sequence
+ever waits for a page and nothing is preempted. Its prefill runs in chunks of at most
+``prefill_chunk`` tokens (chunked prefill, Agrawal et al. 2023, "Sarathi"), between decode
+dispatches; each decode dispatch is a ``lax.fori_loop`` of ``steps_per_dispatch`` one-token
+steps over all slots, so the host is visited once per k tokens. A slot whose sequence stops
+(a stop id, or its own budget ``max_new_tokens_bg[b, g]``) idles until the dispatch ends and
+is then refilled. Compiled shapes are bucketed (slots fixed; page-table width and prefill
+chunk width in powers of two), so a run compiles a handful of programs and a second run with
+the same buckets compiles none.
+
+Model. No second model definition: both programs run the model's own stacked
+:class:`~jaxrl_llm.models.transformer.DecoderLayer` through ``scan_layers`` with an ``attend``
+callable (:func:`paged_attention_reference`) that reads the context from the pool and the
+chunk's own keys from the layer; the layer's new keys/values are collected from that callable
+and scattered into the pool once per step for all layers. So LoRA adapters and quantised
+kernels (``_Proj``), q/k norms, biases, RoPE schedules and sliding windows are the trainer's.
+
+Randomness. Token ``t`` of sample ``g`` of prompt ``b`` is drawn with the key
+``fold_in(fold_in(rng, b·G + g), t)`` (one uniform per row, ``sampling.sample`` with per-row
+keys), so a sequence's tokens do not depend on its slot, admission order or neighbours. (The
+static engine draws from ``fold_in(rng, t)`` per batch: sampled tokens differ between the two
+engines for the same key; greedy tokens agree.)
+
+Kernels. The engine runs the reference attention (plain JAX, gathers pages by table, masks by
+length). :func:`pallas_gpu_decode_attention` wires JAX's Pallas GPU ``paged_attention`` to this
+pool layout (checked against the reference in interpret mode on CPU); it is not yet used
+inside the engine (it needs the current token written to the pool before attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections import deque
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrl_llm.models.rope import rope_cos_sin, rope_frequencies
+from jaxrl_llm.models.transformer import CausalLM, DecoderLayer, layer_windows, scan_layers
+from jaxrl_llm.rollout import sampling
+
+Params = dict[str, Any]
+
+TRASH_PAGE = 0
+"""The page that takes every write nobody reads (padding, idle slots, unused table entries)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedOptions:
+    """Sizes of the paged engine (all optional; defaults fit the request).
+
+    Attributes:
+      page_size: tokens per page.
+      num_slots: decode slots (sequences decoded at once); default ``min(next_pow2(B·G), 64)``
+        and at least G. Must be >= G (a prompt's G samples are admitted together).
+      num_pages: pages in the pool, the trash page included; default enough for every slot
+        to hold a longest prompt plus ``max_new_tokens`` (the static engine's memory for
+        ``num_slots`` rows), plus the trash page.
+      steps_per_dispatch: decode steps per compiled dispatch (host visits once per k tokens).
+      prefill_chunk: longest prefill chunk in tokens (a power of two); longer prompts are
+        prefilled in several chunks.
+    """
+
+    page_size: int = 16
+    num_slots: int | None = None
+    num_pages: int | None = None
+    steps_per_dispatch: int = 8
+    prefill_chunk: int = 256
+
+
+class PagePool(NamedTuple):
+    """Keys and values of every layer, ``[L, num_pages, page_size, K, Dh]`` each."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+class PagedStats(NamedTuple):
+    """What a paged run used: peak pages held (trash excluded), bytes per page, dispatches."""
+
+    peak_pages: int
+    page_bytes: int
+    decode_dispatches: int
+    prefill_calls: int
+
+    @property
+    def peak_kv_bytes(self) -> int:
+        return self.peak_pages * self.page_bytes
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << max(0, int(x) - 1).bit_length()
+
+
+class PageAllocator:
+    """Host-side page bookkeeping: a free list, reference counts and a reservation count.
+
+    ``reserve(n)`` promises ``n`` pages to a request (fails when fewer than ``n`` free pages are
+    unpromised); ``take(n)`` converts promised pages into pages; ``release(pages)`` drops one
+    reference from each and frees those that reach zero; ``unreserve(n)`` returns promises.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self.free = list(range(num_pages - 1, TRASH_PAGE, -1))  # pop() gives low ids first
+        self.refcount = np.zeros((num_pages,), np.int64)
+        self.reserved = 0
+        self.peak = 0
+
+    @property
+    def in_use(self) -> int:
+        return self.num_pages - 1 - len(self.free)
+
+    @property
+    def available(self) -> int:
+        return len(self.free) - self.reserved
+
+    def reserve(self, n: int) -> bool:
+        if n > self.available:
+            return False
+        self.reserved += n
+        return True
+
+    def unreserve(self, n: int) -> None:
+        assert 0 <= n <= self.reserved
+        self.reserved -= n
+
+    def take(self, n: int, refs: int = 1) -> list[int]:
+        assert 0 <= n <= self.reserved and n <= len(self.free), (n, self.reserved)
+        self.reserved -= n
+        pages = [self.free.pop() for _ in range(n)]
+        self.refcount[pages] = refs
+        self.peak = max(self.peak, self.in_use)
+        return pages
+
+    def release(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcount[p] > 0, p
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self.free.append(p)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention over pages (pure functions).
+
+
+def gather_pages(pool_x: jax.Array, layer: jax.Array | int, table_bw: jax.Array) -> jax.Array:
+    """``[B, W·page_size, K, Dh]``: layer ``layer``'s context of each row, in token order.
+
+    One gather from the whole pool ``[L, P, page_size, K, Dh]`` (no per-layer slice copy).
+    """
+    x_bwpkd = pool_x[layer, table_bw]
+    b, w, ps, k, d = x_bwpkd.shape
+    return x_bwpkd.reshape(b, w * ps, k, d)
+
+
+def paged_attention_reference(
+    q_bthd: jax.Array,
+    k_new_btkd: jax.Array,
+    v_new_btkd: jax.Array,
+    k_ctx_bskd: jax.Array,
+    v_ctx_bskd: jax.Array,
+    ctx_len_b: jax.Array,
+    new_valid_bt: jax.Array,
+    window: jax.Array | int,
+) -> jax.Array:
+    """Attention of T new tokens over a row's cached context and over themselves.
+
+    Query ``t`` of row ``b`` has position ``c_b + t`` (``c_b = ctx_len_b[b]``). It reads
+    context key ``s`` iff ``s < c_b`` and ``c_b + t - s < window``, and new key ``j`` iff
+    ``j <= t``, ``new_valid_bt[b, j]`` and ``t - j < window``:
+
+        out = Σ_s p_s v_ctx[s] + Σ_j p_j v_new[j],   p = softmax over both key sets of
+        q·k / sqrt(Dh)
+
+    (grouped-query: query head ``h`` reads kv head ``h // (H / K)``). Scores and softmax in
+    float32; the two key sets are never concatenated (no copy of the gathered context).
+    """
+    b, t, h, hd = q_bthd.shape
+    kv_heads = k_ctx_bskd.shape[2]
+    s = k_ctx_bskd.shape[1]
+    dtype = jnp.promote_types(q_bthd.dtype, k_ctx_bskd.dtype)
+    q = (q_bthd.astype(dtype) * jnp.asarray(hd**-0.5, dtype)).reshape(
+        b, t, kv_heads, h // kv_heads, hd
+    )
+    sc_ctx = jnp.einsum(
+        "btkgd,bskd->bkgts", q, k_ctx_bskd.astype(dtype), preferred_element_type=jnp.float32
+    )
+    sc_new = jnp.einsum(
+        "btkgd,bjkd->bkgtj", q, k_new_btkd.astype(dtype), preferred_element_type=jnp.float32
+    )
+    q_pos_bt = ctx_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    slot_s = jnp.arange(s, dtype=jnp.int32)
+    ok_ctx_bts = (slot_s[None, None] < ctx_len_b[:, None, None]) & (
+        q_pos_bt[:, :, None] - slot_s[None, None] < window
+    )
+    tj = jnp.arange(t, dtype=jnp.int32)
+    diff_tj = tj[:, None] - tj[None, :]
+    ok_new_btj = (diff_tj >= 0)[None] & (diff_tj < window)[None] & new_valid_bt[:, None, :]
+    neg = jnp.finfo(jnp.float32).min
+    sc_ctx = jnp.where(ok_ctx_bts[:, None, None], sc_ctx, neg)
+    sc_new = jnp.where(ok_new_btj[:, None, None], sc_new, neg)
+    m = jnp.maximum(jnp.max(sc_ctx, axis=-1), jnp.max(sc_new, axis=-1))[..., None]
+    e_ctx, e_new = jnp.exp(sc_ctx - m), jnp.exp(sc_new - m)
+    z = jnp.sum(e_ctx, axis=-1, keepdims=True) + jnp.sum(e_new, axis=-1, keepdims=True)
+    out = jnp.einsum(
+        "bkgts,bskd->btkgd",
+        (e_ctx / z).astype(dtype),
+        v_ctx_bskd.astype(dtype),
+        preferred_element_type=jnp.float32,
+    ) + jnp.einsum(
+        "bkgtj,bjkd->btkgd",
+        (e_new / z).astype(dtype),
+        v_new_btkd.astype(dtype),
+        preferred_element_type=jnp.float32,
+    )
+    return out.reshape(b, t, h, hd).astype(q_bthd.dtype)
+
+
+def pallas_gpu_decode_attention(
+    q_bhd: jax.Array,
+    pool_k_pskd: jax.Array,
+    pool_v_pskd: jax.Array,
+    table_bw: jax.Array,
+    lengths_b: jax.Array,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """One query per row over ``lengths_b`` pooled tokens with JAX's Pallas GPU kernel.
+
+    ``jax.experimental.pallas.ops.gpu.paged_attention.paged_attention`` takes pages as
+    ``[K, P, page_size, Dh]`` and unscaled queries; this pool is ``[P, page_size, K, Dh]`` per
+    layer, so the pages are transposed and ``q`` scaled by ``1/sqrt(Dh)`` here. ``interpret``
+    runs it on CPU (the wiring test).
+    """
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+    hd = q_bhd.shape[-1]
+    k_kpsd = jnp.transpose(pool_k_pskd, (2, 0, 1, 3))
+    v_kpsd = jnp.transpose(pool_v_pskd, (2, 0, 1, 3))
+    q = (q_bhd.astype(jnp.float32) * hd**-0.5).astype(k_kpsd.dtype)
+    pages_per_block = min(8, table_bw.shape[1])
+    return gpu_paged.paged_attention(
+        q,
+        k_kpsd,
+        v_kpsd,
+        table_bw.astype(jnp.int32),
+        lengths_b.astype(jnp.int32),
+        pages_per_compute_block=pages_per_block,
+        k_splits=1,
+        interpret=interpret,
+    ).astype(q_bhd.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model over the pool.
+
+
+def forward_paged(
+    lm: CausalLM,
+    pool: PagePool,
+    tokens_bt: jax.Array,
+    new_valid_bt: jax.Array,
+    ctx_len_b: jax.Array,
+    table_bw: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The model on T new tokens per row whose context is in the pool.
+
+    Returns the final hidden states ``[B, T, D]`` and the new tokens' keys and values
+    ``[L, B, T, K, Dh]`` (to be written with :func:`write_pages`). Positions are
+    ``ctx_len_b + t``. The layers are the model's own (``scan_layers``); only ``attend``
+    differs from the training forward.
+    """
+    c = lm.config
+    decoder = lm.model
+    dtype = c.jnp_dtype
+    t = tokens_bt.shape[1]
+    positions_bt = ctx_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    x_btd = decoder.embed_tokens(tokens_bt, dtype)
+    inv_freq, rope_scaling = rope_frequencies(c)
+    cos, sin = rope_cos_sin(positions_bt, inv_freq, rope_scaling, dtype)
+
+    def body(
+        layer: DecoderLayer, x_btd: jax.Array, per_layer: tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        index, window = per_layer
+        new_kv: list[tuple[jax.Array, jax.Array]] = []
+
+        def attend(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array) -> jax.Array:
+            new_kv.append((k_btkd, v_btkd))
+            return paged_attention_reference(
+                q_bthd,
+                k_btkd,
+                v_btkd,
+                gather_pages(pool.k, index, table_bw),
+                gather_pages(pool.v, index, table_bw),
+                ctx_len_b,
+                new_valid_bt,
+                window,
+            )
+
+        x_btd, _ = layer(x_btd, cos, sin, attend)
+        ((k_btkd, v_btkd),) = new_kv
+        return x_btd, (k_btkd, v_btkd)
+
+    layers_idx = jnp.arange(c.num_layers, dtype=jnp.int32)
+    x_btd, (k_lbtkd, v_lbtkd) = scan_layers(
+        decoder.layers, body, x_btd, (layers_idx, layer_windows(c))
+    )
+    return decoder.norm(x_btd), k_lbtkd, v_lbtkd
+
+
+def write_pages(
+    pool_x: jax.Array, page_idx: jax.Array, offset_idx: jax.Array, values: jax.Array
+) -> jax.Array:
+    """``pool_x[:, page_idx, offset_idx] = values`` for every layer (one scatter).
+
+    ``values`` is ``[L, *page_idx.shape, K, Dh]``; padded entries point at the trash page.
+    """
+    return pool_x.at[:, page_idx, offset_idx].set(values.astype(pool_x.dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# The compiled programs.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    greedy: bool
+    top_k: int
+    use_top_p: bool
+    pad_token_id: int
+    page_size: int
+    steps: int
+
+
+def _row_keys(rng: jax.Array, seq_id_n: jax.Array, pos_n: jax.Array) -> jax.Array:
+    """``fold_in(fold_in(rng, sequence id), token index)`` per row: slot-independent keys."""
+    return jax.vmap(lambda s, t: jax.random.fold_in(jax.random.fold_in(rng, s), t))(seq_id_n, pos_n)
+
+
+def _pick(
+    logits_nv: jax.Array,
+    keys_n: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    static: _Static,
+) -> tuple[jax.Array, jax.Array]:
+    return sampling.sample(
+        logits_nv,
+        keys_n,
+        temperature=temperature,
+        top_k=static.top_k,
+        top_p=top_p if static.use_top_p else None,
+        greedy=static.greedy,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("pool",))
+def _prefill(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    pool: PagePool,
+    tokens_1c: jax.Array,
+    valid_1c: jax.Array,
+    ctx_len_1: jax.Array,
+    table_1w: jax.Array,
+    write_page_cg: jax.Array,
+    write_off_c: jax.Array,
+    last_index: jax.Array,
+    seq_id_g: jax.Array,
+    rng: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    *,
+    static: _Static,
+) -> tuple[PagePool, jax.Array, jax.Array]:
+    """One prefill chunk of one prompt; writes it for its G samples; samples their token 0."""
+    lm: CausalLM = nnx.merge(graphdef, params)
+    h_1cd, k_l1ckd, v_l1ckd = forward_paged(lm, pool, tokens_1c, valid_1c, ctx_len_1, table_1w)
+    g = write_page_cg.shape[1]
+    off_cg = jnp.broadcast_to(write_off_c[:, None], write_page_cg.shape)
+
+    def spread(x_l1ckd: jax.Array) -> jax.Array:  # [L, C, G, K, Dh]
+        x_lckd = x_l1ckd[:, 0]
+        return jnp.broadcast_to(x_lckd[:, :, None], (*x_lckd.shape[:2], g, *x_lckd.shape[2:]))
+
+    pool = PagePool(
+        write_pages(pool.k, write_page_cg, off_cg, spread(k_l1ckd)),
+        write_pages(pool.v, write_page_cg, off_cg, spread(v_l1ckd)),
+    )
+    logits_1v = lm.logits(jax.lax.dynamic_index_in_dim(h_1cd[0], last_index, 0))
+    logits_gv = jnp.broadcast_to(logits_1v, (g, logits_1v.shape[-1]))
+    keys_g = _row_keys(rng, seq_id_g, jnp.zeros_like(seq_id_g))
+    token_g, logp_g = _pick(logits_gv, keys_g, temperature, top_p, static)
+    return pool, token_g, logp_g
+
+
+class _SlotState(NamedTuple):
+    lens_n: jax.Array  # tokens in the pool per slot (= position of token_n)
+    token_n: jax.Array  # the last sampled token (not yet in the pool)
+    alive_n: jax.Array  # token_n is to be fed and a next token sampled
+    remaining_n: jax.Array  # tokens still to sample
+    gen_pos_n: jax.Array  # index of the next token in its completion
+    seq_id_n: jax.Array  # b·G + g
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("pool",))
+def _decode(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    pool: PagePool,
+    table_nw: jax.Array,
+    state: _SlotState,
+    rng: jax.Array,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    stop_ids_s: jax.Array,
+    *,
+    static: _Static,
+) -> tuple[PagePool, _SlotState, jax.Array, jax.Array, jax.Array]:
+    """``static.steps`` decode steps of every slot: ``(pool, state, tokens, logps, valid)``,
+    the last three ``[k, N]``."""
+    lm: CausalLM = nnx.merge(graphdef, params)
+    k, n = static.steps, table_nw.shape[0]
+    ps = static.page_size
+    rows = jnp.arange(n)
+
+    def step(i: jax.Array, carry: tuple) -> tuple:
+        pool, st, tok_kn, logp_kn, valid_kn = carry
+        h_n1d, k_ln1kd, v_ln1kd = forward_paged(
+            lm, pool, st.token_n[:, None], st.alive_n[:, None], st.lens_n, table_nw
+        )
+        page_n = jnp.where(st.alive_n, table_nw[rows, st.lens_n // ps], TRASH_PAGE)
+        off_n = jnp.where(st.alive_n, st.lens_n % ps, 0)
+        pool = PagePool(
+            write_pages(pool.k, page_n[:, None], off_n[:, None], k_ln1kd),
+            write_pages(pool.v, page_n[:, None], off_n[:, None], v_ln1kd),
+        )
+        logits_nv = lm.logits(h_n1d[:, 0])
+        new_n, logp_n = _pick(
+            logits_nv, _row_keys(rng, st.seq_id_n, st.gen_pos_n), temperature, top_p, static
+        )
+        alive = st.alive_n
+        tok_kn = tok_kn.at[i].set(jnp.where(alive, new_n, static.pad_token_id))
+        logp_kn = logp_kn.at[i].set(jnp.where(alive, logp_n, 0.0))
+        valid_kn = valid_kn.at[i].set(alive)
+        step_n = alive.astype(jnp.int32)
+        remaining = st.remaining_n - step_n
+        stop_n = jnp.any(new_n[:, None] == stop_ids_s[None, :], axis=1)
+        st = _SlotState(
+            lens_n=st.lens_n + step_n,
+            token_n=jnp.where(alive, new_n, st.token_n),
+            alive_n=alive & ~stop_n & (remaining > 0),
+            remaining_n=remaining,
+            gen_pos_n=st.gen_pos_n + step_n,
+            seq_id_n=st.seq_id_n,
+        )
+        return pool, st, tok_kn, logp_kn, valid_kn
+
+    carry = (
+        pool,
+        state,
+        jnp.full((k, n), static.pad_token_id, jnp.int32),
+        jnp.zeros((k, n), jnp.float32),
+        jnp.zeros((k, n), bool),
+    )
+    return jax.lax.fori_loop(0, k, step, carry)
+
+
+# ---------------------------------------------------------------------------------------------
+# The host-side scheduler.
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclasses.dataclass
+class _Seq:
+    prompt: int
+    sample: int
+    prompt_len: int
+    budget: int
+    pages: list[int]
+    reserved: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logps: list[float] = dataclasses.field(default_factory=list)
+    stopped: bool = False
+
+
+def resolve_options(
+    options: PagedOptions | None,
+    *,
+    num_seqs: int,
+    num_samples: int,
+    longest_prompt: int,
+    max_new_tokens: int,
+) -> PagedOptions:
+    """Fills the defaults of :class:`PagedOptions` and checks the sizes (clear errors)."""
+    o = options or PagedOptions()
+    for name in ("page_size", "steps_per_dispatch", "prefill_chunk"):
+        value = getattr(o, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"generate(engine='paged'): {name} must be an int >= 1, got {value!r}")
+    if o.prefill_chunk & (o.prefill_chunk - 1):
+        raise ValueError(
+            f"generate(engine='paged'): prefill_chunk must be a power of two, got {o.prefill_chunk}"
+        )
+    slots = o.num_slots
+    if slots is None:
+        slots = max(min(_next_pow2(num_seqs), 64), _next_pow2(num_samples))
+    if slots < num_samples:
+        raise ValueError(
+            f"generate(engine='paged'): num_slots={slots} is smaller than num_samples="
+            f"{num_samples}; a prompt's G samples are admitted together, so num_slots >= G"
+        )
+    pages = o.num_pages
+    if pages is None:
+        pages = 1 + slots * _ceil_div(longest_prompt + max_new_tokens, o.page_size)
+    if pages < 2:
+        raise ValueError(
+            f"generate(engine='paged'): num_pages={pages} leaves no page for tokens (page "
+            f"{TRASH_PAGE} is the trash page); give at least 2"
+        )
+    return dataclasses.replace(o, num_slots=slots, num_pages=pages)
+
+
+def run(
+    graphdef: nnx.GraphDef,
+    params: Params,
+    prompts: list[np.ndarray],
+    budgets_bg: np.ndarray,
+    *,
+    rng: jax.Array,
+    temperature: float,
+    top_p: float,
+    greedy: bool,
+    top_k: int,
+    stop_ids: np.ndarray,
+    pad_token_id: int,
+    cache_dtype: jnp.dtype,
+    max_new_tokens: int,
+    options: PagedOptions,
+) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], PagedStats]:
+    """Samples ``budgets_bg[b, g]`` tokens (or up to a stop id) for each prompt and sample.
+
+    ``prompts`` are the unpadded token ids of each prompt; ``params`` already in the compute
+    dtype; ``options`` resolved (:func:`resolve_options`). Returns numpy ``(tokens, mask,
+    logprobs, truncated)`` shaped as :class:`~jaxrl_llm.rollout.engine.Generation` and the
+    run's :class:`PagedStats`.
+    """
+    b_count, g = budgets_bg.shape
+    ps, slots, k = options.page_size, options.num_slots, options.steps_per_dispatch
+    chunk = options.prefill_chunk
+    cfg = _model_config(graphdef, params)
+    shape = (cfg.num_layers, options.num_pages, ps, cfg.num_kv_heads, cfg.head_dim)
+    pool = PagePool(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype))
+    page_bytes = 2 * math.prod(shape) // options.num_pages * jnp.dtype(cache_dtype).itemsize
+    alloc = PageAllocator(options.num_pages)
+    static = _Static(greedy, top_k, top_p < 1.0, pad_token_id, ps, k)
+    temp, topp = np.float32(temperature or 1.0), np.float32(top_p)
+    stop_ids = np.asarray(stop_ids, np.int32)
+    stop_set = {int(s) for s in stop_ids if s >= 0}
+
+    def group_need(b: int) -> int:
+        n_full = len(prompts[b]) // ps
+        per = [_ceil_div(len(prompts[b]) + int(budgets_bg[b, i]) - 1, ps) for i in range(g)]
+        return n_full + sum(max(p, n_full) - n_full for p in per)
+
+    for b in range(b_count):
+        need = group_need(b)
+        if need > options.num_pages - 1:
+            raise ValueError(
+                f"generate(engine='paged'): prompt {b} ({len(prompts[b])} tokens, G={g}, "
+                f"budgets up to {int(budgets_bg[b].max())}) needs {need} pages of "
+                f"{ps} tokens, but the pool has {options.num_pages - 1} (num_pages="
+                f"{options.num_pages}, one is the trash page); raise num_pages"
+            )
+
+    seqs: dict[int, _Seq] = {}
+    slot_seq = [-1] * slots  # sequence id per slot, -1 free
+    lens = np.zeros((slots,), np.int32)
+    token = np.zeros((slots,), np.int32)
+    alive = np.zeros((slots,), bool)
+    remaining = np.zeros((slots,), np.int32)
+    gen_pos = np.zeros((slots,), np.int32)
+    seq_id = np.zeros((slots,), np.int32)
+    max_width = _ceil_div(max(len(p) for p in prompts) + max_new_tokens, ps)
+    pending = deque(range(b_count))
+    finished: dict[int, _Seq] = {}
+    dispatches = prefills = 0
+
+    def finish(s: int) -> None:
+        seq = seqs.pop(s)
+        alloc.release(seq.pages)
+        alloc.unreserve(seq.reserved)
+        finished[s] = seq
+
+    def admit(b: int) -> None:
+        nonlocal pool, prefills
+        prompt = prompts[b]
+        p = len(prompt)
+        need = group_need(b)
+        assert alloc.reserve(need)
+        n_full, tail = p // ps, p % ps
+        shared = alloc.take(n_full, refs=g)
+        tails = [alloc.take(1) for _ in range(g)] if tail else [[] for _ in range(g)]
+        free_slots = [i for i, s in enumerate(slot_seq) if s < 0][:g]
+        ids = [b * g + i for i in range(g)]
+        for i, sid in enumerate(ids):
+            total = max(_ceil_div(p + int(budgets_bg[b, i]) - 1, ps), n_full)
+            owned = n_full + len(tails[i])
+            seqs[sid] = _Seq(b, i, p, int(budgets_bg[b, i]), shared + tails[i], total - owned)
+        # The page of prompt token j for sample i: shared full pages, then sample i's tail.
+        page_of_jg = np.empty((p, g), np.int32)
+        page_of_jg[: n_full * ps] = np.repeat(np.asarray(shared, np.int32), ps)[:, None]
+        if tail:
+            page_of_jg[n_full * ps :] = np.asarray([t[0] for t in tails], np.int32)[None]
+        start = 0
+        while start < p:
+            length = min(chunk, p - start)
+            width_c = min(chunk, max(_next_pow2(length), 16))
+            tok = np.zeros((1, width_c), np.int32)
+            tok[0, :length] = prompt[start : start + length]
+            valid = np.zeros((1, width_c), bool)
+            valid[0, :length] = True
+            wpage = np.full((width_c, g), TRASH_PAGE, np.int32)
+            wpage[:length] = page_of_jg[start : start + length]
+            woff = np.zeros((width_c,), np.int32)
+            woff[:length] = np.arange(start, start + length) % ps
+            ctx_pages = _ceil_div(start, ps)
+            table = np.full((1, _next_pow2(max(ctx_pages, 1))), TRASH_PAGE, np.int32)
+            table[0, :ctx_pages] = page_of_jg[: ctx_pages * ps : ps, 0]
+            pool, tok_g, logp_g = _prefill(
+                graphdef,
+                params,
+                pool,
+                tok,
+                valid,
+                np.asarray([start], np.int32),
+                table,
+                wpage,
+                woff,
+                np.int32(length - 1),
+                np.asarray(ids, np.int32),
+                rng,
+                temp,
+                topp,
+                static=static,
+            )
+            prefills += 1
+            start += length
+        tok_g, logp_g = np.asarray(tok_g), np.asarray(logp_g)
+        for i, sid in enumerate(ids):
+            seq = seqs[sid]
+            seq.tokens.append(int(tok_g[i]))
+            seq.logps.append(float(logp_g[i]))
+            seq.stopped = int(tok_g[i]) in stop_set
+            if seq.stopped or seq.budget == 1:
+                finish(sid)
+                continue
+            slot = free_slots[i]
+            slot_seq[slot] = sid
+            lens[slot], token[slot], alive[slot] = p, tok_g[i], True
+            remaining[slot], gen_pos[slot], seq_id[slot] = seq.budget - 1, 1, sid
+
+    while pending or seqs:
+        while (
+            pending
+            and sum(s < 0 for s in slot_seq) >= g
+            and alloc.available >= group_need(pending[0])
+        ):
+            admit(pending.popleft())
+        if not any(alive):
+            continue
+        # Pages for the next k tokens of every live slot (from its reservation).
+        needed = 1
+        for slot in np.flatnonzero(alive):
+            seq = seqs[slot_seq[slot]]
+            want = _ceil_div(int(lens[slot]) + min(k, int(remaining[slot])), ps)
+            extra = want - len(seq.pages)
+            if extra > 0:
+                seq.pages += alloc.take(extra)
+                seq.reserved -= extra
+            needed = max(needed, len(seq.pages))
+        width = min(_next_pow2(needed), _next_pow2(max_width))
+        table = np.full((slots, width), TRASH_PAGE, np.int32)
+        for slot in range(slots):
+            if slot_seq[slot] >= 0:
+                pages = seqs[slot_seq[slot]].pages[:width]
+                table[slot, : len(pages)] = pages
+        state = _SlotState(lens, token, alive, remaining, gen_pos, seq_id)
+        pool, state, tok_kn, logp_kn, valid_kn = _decode(
+            graphdef, params, pool, table, state, rng, temp, topp, stop_ids, static=static
+        )
+        dispatches += 1
+        state = jax.tree.map(lambda x: np.array(x), state)
+        tok_kn, logp_kn, valid_kn = np.asarray(tok_kn), np.asarray(logp_kn), np.asarray(valid_kn)
+        lens, token, alive, remaining, gen_pos, seq_id = state
+        for slot in range(slots):
+            sid = slot_seq[slot]
+            if sid < 0:
+                continue
+            seq = seqs[sid]
+            rows = valid_kn[:, slot]
+            seq.tokens += tok_kn[rows, slot].tolist()
+            seq.logps += logp_kn[rows, slot].tolist()
+            if not alive[slot]:
+                seq.stopped = seq.tokens[-1] in stop_set
+                finish(sid)
+                slot_seq[slot] = -1
+
+    assert alloc.in_use == 0 and alloc.reserved == 0, (alloc.in_use, alloc.reserved)
+    t = max_new_tokens
+    tokens = np.full((b_count, g, t), pad_token_id, np.int32)
+    mask = np.zeros((b_count, g, t), bool)
+    logps = np.zeros((b_count, g, t), np.float32)
+    truncated = np.zeros((b_count, g), bool)
+    for seq in finished.values():
+        n = len(seq.tokens)
+        tokens[seq.prompt, seq.sample, :n] = seq.tokens
+        mask[seq.prompt, seq.sample, :n] = True
+        logps[seq.prompt, seq.sample, :n] = seq.logps
+        truncated[seq.prompt, seq.sample] = not seq.stopped
+    stats = PagedStats(alloc.peak, page_bytes, dispatches, prefills)
+    return (tokens, mask, logps, truncated), stats
+
+
+def _model_config(graphdef: nnx.GraphDef, params: Params) -> Any:
+    return nnx.merge(graphdef, params).config
