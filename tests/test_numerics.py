@@ -385,3 +385,23 @@ def test_explain_describes_the_presets_form():
     )
     assert "length-averaged" in jrl.explain(alg.dpo(loss_type="ipo")).objective
     assert "token-mean" in jrl.explain(alg.gspo(numerics="verl")).objective
+
+
+@pytest.mark.parametrize(("kind", "build"), [("ppo", alg.grpo), ("gspo", alg.gspo)])
+def test_openrlhf_policy_losses_match_openrlhf(kind, build):
+    """OpenRLHF's PolicyLoss, off-policy: PPO token-mean, GSPO's forced per-sequence mean."""
+    f = OPENRLHF_FIXTURE
+    mask = jnp.asarray(f["mask"])[None]
+    logp_old = jnp.asarray(f["logp_old"], jnp.float32)[None]
+    adv = jnp.asarray(f["policy_adv"], jnp.float32)
+    adv = jnp.where(mask, (adv[:, :1] if kind == "gspo" else adv)[None], 0.0)
+    recipe = build(beta=0.0, numerics="openrlhf")
+
+    def loss(lp):
+        total = rc.policy_objective(recipe, lp, adv, mask, logp_old_bgt=logp_old).total
+        return total[0] / total[1]
+
+    value, grad = jax.value_and_grad(loss)(jnp.asarray(f["policy_logp"], jnp.float32)[None])
+    np.testing.assert_allclose(value, f[f"policy_{kind}_loss"], rtol=1e-5, atol=1e-7)
+    grad = np.where(f["mask"], grad[0], 0.0)  # OpenRLHF's gradient is 0 off the mask too
+    np.testing.assert_allclose(grad, f[f"policy_{kind}_grad"], rtol=1e-5, atol=1e-7)
