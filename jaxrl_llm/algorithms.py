@@ -353,6 +353,7 @@ def rloo(
     kl_controller: _kl.KLController | None = None,
     normalize_advantages: bool = False,
     reward_clip_range: tuple[float, float] | None = None,
+    clip_eps: float | None = None,
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
@@ -368,6 +369,10 @@ def rloo(
     ``normalize_advantages`` whitens the per-sequence advantages over the batch,
     ``(A − mean)/(std₁ + 1e-4)``. Under ``numerics="trl"`` the loss is a mean over sequences
     of the sequence loss (``seq-mean-token-sum``), as TRL's ``per_sequence_loss.mean()``.
+    ``clip_eps=ε`` is TRL's off-policy RLOO: the sequence ratio ``ρ = exp(Σ_t log π −
+    Σ_t log π_old)`` clipped, ``−min(ρA, clip(ρ, 1−ε, 1+ε)A)`` per sequence
+    (``rc.sequence_level`` of PPO's loss), so several updates per batch are allowed; ``None``
+    (the default) is on-policy REINFORCE, one update per batch.
     """
     n = nm.resolve(numerics)
     shaping = ()
@@ -380,6 +385,33 @@ def rloo(
             )
         shaping = (ch.clip_reward(low, high),)
     whiten = (ch.sequence_whiten(ddof=1, eps=1e-4),) if normalize_advantages else ()
+    agg = rc.agg_mode("seq-mean-token-sum", loss_agg_mode, n, "rloo")
+    if clip_eps is None:
+        objective = rc.reinforce_objective(
+            agg=agg,
+            entropy_coef=entropy_coef,
+            text="−A·log π summed over each sequence (REINFORCE, no ratio, no clip)",
+        )
+    else:
+        if not clip_eps > 0:
+            raise ValueError(f"rloo: `clip_eps` must be > 0 (or None), got {clip_eps!r}")
+        kw = dict(
+            clip_low=float(clip_eps),
+            clip_high=float(clip_eps),
+            dual_clip=None,
+            log_ratio_clamp=n.log_ratio_clamp,
+        )
+        objective = rc.objective(
+            rc.sequence_level(functools.partial(pl.ppo_clip_loss, **kw)),
+            agg=agg,
+            ratio_metrics=rc.sequence_level(functools.partial(pl.ratio_metrics, **kw)),
+            entropy_coef=entropy_coef,
+            label="RLOO sequence-ratio clip",
+            text=(
+                f"−min(ρA, clip(ρ, 1−{clip_eps:g}, 1+{clip_eps:g})A) per sequence, "
+                "ρ = exp(Σ_t log π − Σ_t log π_old) (TRL's off-policy RLOO)"
+            ),
+        )
     return rc.make_recipe(
         "rloo",
         numerics=n,
@@ -391,17 +423,14 @@ def rloo(
             kl_controller=kl_controller,
             shaping=shaping,
         ),
-        objective=rc.reinforce_objective(
-            agg=rc.agg_mode("seq-mean-token-sum", loss_agg_mode, n, "rloo"),
-            entropy_coef=entropy_coef,
-            text="−A·log π summed over each sequence (REINFORCE, no ratio, no clip)",
-        ),
+        objective=objective,
         selection=Selection(pods_num_keep=pods_num_keep),
         hparams=dict(
             beta=beta,
             kl_estimator=kl_estimator,
             normalize_advantages=normalize_advantages,
             reward_clip_range=reward_clip_range,
+            clip_eps=clip_eps,
             pods_num_keep=pods_num_keep,
             entropy_coef=entropy_coef,
         ),

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jaxrl_llm import chain as ch
 from jaxrl_llm import numerics as nm
 from jaxrl_llm.core import aggregation as agg
+from jaxrl_llm.core import masked as _masked
 from jaxrl_llm.core import policy_losses as pl
 from jaxrl_llm.core import selection as sel
 
@@ -444,6 +445,35 @@ def ppo_objective(
         label=label,
         text=text or default_text,
     )
+
+
+def sequence_level(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Lifts a per-token ratio loss (or its ``ratio_metrics``) to whole sequences: ``fn`` is
+    applied to the sequence log-probs ``Σ_t m_t log π`` and ``Σ_t m_t log π_old`` with the
+    sequence's advantage (read at its first valid token), so its ratio is the sequence ratio
+    ``ρ_i = exp(Σ_t log π − Σ_t log π_old)``; a loss is then spread evenly over the sequence's
+    tokens (``ℓ_t = L_i / |y_i|``), so its token sum is ``L_i`` and ``seq-mean-token-sum``
+    averages ``L_i`` over sequences. With ``pl.ppo_clip_loss`` this is TRL RLOO's loss
+    ``−min(ρA, clip(ρ)A)`` averaged over sequences (``RLOOTrainer._compute_loss``)."""
+
+    def _sequence(
+        logp_bgt: chex.Array, logp_old_bgt: chex.Array, adv_bgt: chex.Array, mask_bgt: chex.Array
+    ):
+        logp_seq = jnp.where(mask_bgt, logp_bgt, 0.0).sum(-1, keepdims=True)
+        logp_old_seq = jnp.where(mask_bgt, logp_old_bgt, 0.0).sum(-1, keepdims=True)
+        adv_seq = _masked.value_at_first_token(adv_bgt, mask_bgt)[..., None]
+        return fn(logp_seq, logp_old_seq, adv_seq, mask_bgt.any(-1, keepdims=True))
+
+    def lifted(
+        logp_bgt: chex.Array, logp_old_bgt: chex.Array, adv_bgt: chex.Array, mask_bgt: chex.Array
+    ) -> Any:
+        out = _sequence(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt)
+        if isinstance(out, dict):  # ratio metrics: already (sum, den) pairs over sequences
+            return out
+        length = jnp.maximum(mask_bgt.sum(-1, keepdims=True), 1)
+        return jnp.where(mask_bgt, out / length, 0.0)
+
+    return lifted
 
 
 def _reinforce_loss(

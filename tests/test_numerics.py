@@ -405,3 +405,30 @@ def test_openrlhf_policy_losses_match_openrlhf(kind, build):
     np.testing.assert_allclose(value, f[f"policy_{kind}_loss"], rtol=1e-5, atol=1e-7)
     grad = np.where(f["mask"], grad[0], 0.0)  # OpenRLHF's gradient is 0 off the mask too
     np.testing.assert_allclose(grad, f[f"policy_{kind}_grad"], rtol=1e-5, atol=1e-7)
+
+
+def test_trl_off_policy_rloo_matches_trl():
+    """rloo(clip_eps=0.2): TRL's clipped sequence ratio, value and gradient against TRL's own
+    RLOOTrainer._compute_loss with off-policy old log-probs."""
+    f = TRL_FIXTURE
+    mask = jnp.asarray(f["rloo_mask"])[None]
+    logp = jnp.asarray(f["rloo_logp"], jnp.float32)[None]
+    adv = jnp.where(mask, jnp.asarray(f["rloo_adv"], jnp.float32)[None, :, None], 0.0)
+    # any split of the sequence's old log-prob over its tokens gives the same Σ_t log π_old
+    length = f["rloo_mask"].sum(-1, keepdims=True)
+    old = np.where(f["rloo_mask"], f["rloo_old_logps"][:, None] / length, 0.0)
+    old = jnp.asarray(old, jnp.float32)[None]
+    recipe = alg.rloo(beta=0.0, clip_eps=0.2, numerics="trl")
+    assert rc.ON_POLICY not in recipe.requires
+
+    def loss(lp):
+        total = rc.policy_objective(recipe, lp, adv, mask, logp_old_bgt=old).total
+        return total[0] / jnp.maximum(total[1], 1.0)
+
+    value, grad = jax.value_and_grad(loss)(logp)
+    np.testing.assert_allclose(value, f["rloo_off_loss"], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grad[0], f["rloo_off_grad"], rtol=1e-5, atol=1e-7)
+    metrics = recipe.objective.ratio_metrics(logp, old, adv, mask)
+    assert all(float(d) == mask.any(-1).sum() for _, d in metrics.values())
+    with pytest.raises(ValueError, match="clip_eps"):
+        alg.rloo(clip_eps=0.0)
