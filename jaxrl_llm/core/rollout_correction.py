@@ -39,6 +39,7 @@ Scaling Reinforcement Learning for Trillion-Scale Thinking Model" (Ring-1T, arXi
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import chex
@@ -81,13 +82,21 @@ def _check_choice(fn: str, name: str, value: str, choices: tuple[str, ...]) -> N
         )
 
 
-def check_bounds(fn: str, low: float | None, high: float | None, *, need_one: bool) -> None:
-    """``low`` ≥ 0 and ``high`` > 0 when given, ``low < high`` when both; ``need_one``: at
-    least one of them. Raises ``ValueError`` naming the function and the bound."""
-    if low is not None and not (low >= 0 and low == low):
-        raise ValueError(f"{fn}: argument `low` must be >= 0 (or None: open), got {low!r}")
-    if high is not None and not high > 0:
-        raise ValueError(f"{fn}: argument `high` must be > 0 (or None: open), got {high!r}")
+def check_bounds(
+    fn: str, low: float | None, high: float | None, *, need_one: bool, ratio: bool = True
+) -> None:
+    """Bounds of a band ``[low, high]`` (None: open): finite, ``low < high`` when both are given,
+    and for a band on ratios or weights (``ratio``) ``low ≥ 0`` and ``high > 0``;
+    ``need_one``: at least one bound. Raises ``ValueError`` naming the function and the bound."""
+    for name, value in (("low", low), ("high", high)):
+        if value is not None and not (isinstance(value, int | float) and math.isfinite(value)):
+            raise ValueError(
+                f"{fn}: argument `{name}` must be a finite number or None, got {value!r}"
+            )
+    if ratio and low is not None and not low >= 0:
+        raise ValueError(f"{fn}: argument `low` must be >= 0 (a ratio; None: open), got {low!r}")
+    if ratio and high is not None and not high > 0:
+        raise ValueError(f"{fn}: argument `high` must be > 0 (a ratio; None: open), got {high!r}")
     if low is not None and high is not None and not low < high:
         raise ValueError(
             f"{fn}: arguments `low` < `high` required, got low={low!r} and high={high!r}"
@@ -246,7 +255,8 @@ def within_bounds(
     low: float | None = None,
     high: float | None = None,
 ) -> chex.Array:
-    """The keep-mask ``m_t ∧ (low ≤ s_t ≤ high)`` (both bounds inclusive; None is open).
+    """The keep-mask ``m_t ∧ (low ≤ s_t ≤ high)`` (both bounds inclusive; None is open; any
+    finite bounds, so log-space or divergence statistics work too).
 
     Masked importance sampling (MIS, "icepop" at the token level) and rejection sampling drop
     the tokens (or, with a per-sequence statistic from :func:`sequence_statistic`, the whole
@@ -258,7 +268,7 @@ def within_bounds(
     """
     fn = "within_bounds"
     _check_inputs(fn, {"stat_bgt": stat_bgt}, mask_bgt)
-    check_bounds(fn, low, high, need_one=True)
+    check_bounds(fn, low, high, need_one=True, ratio=False)
     s = jnp.where(mask_bgt, f32(stat_bgt), 0.0)
     keep = mask_bgt
     if low is not None:
