@@ -176,7 +176,7 @@ def _rollout(
         return x_tn.T.reshape(b, g, t)
 
     if budget_n is not None:  # alive_n is False at a budget's end too: truncated = no stop id
-        hit = mask_tn & jnp.any(tokens_tn[..., None] == stop_ids_s, axis=-1)
+        hit = mask_tn & jnp.any(tokens_tn[..., None] == stop_ids_s[None, None], axis=-1)
         alive_n = ~jnp.any(hit, axis=0)
     return Generation(bgt(tokens_tn), bgt(mask_tn), bgt(logp_tn), alive_n.reshape(b, g))
 

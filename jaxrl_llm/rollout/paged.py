@@ -67,6 +67,9 @@ Params = dict[str, Any]
 TRASH_PAGE = 0
 """The page that takes every write nobody reads (padding, idle slots, unused table entries)."""
 
+_MIN_TABLE_TOKENS = 128
+"""Page tables are at least this many tokens wide: fewer compiled widths for short contexts."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PagedOptions:
@@ -99,12 +102,14 @@ class PagePool(NamedTuple):
 
 
 class PagedStats(NamedTuple):
-    """What a paged run used: peak pages held (trash excluded), bytes per page, dispatches."""
+    """What a paged run used: peak pages held (trash excluded), bytes per page (keys and
+    values of every layer), compiled-program calls, and pages still held at the end (0)."""
 
     peak_pages: int
     page_bytes: int
     decode_dispatches: int
     prefill_calls: int
+    pages_in_use_at_end: int
 
     @property
     def peak_kv_bytes(self) -> int:
@@ -610,7 +615,13 @@ def run(
     remaining = np.zeros((slots,), np.int32)
     gen_pos = np.zeros((slots,), np.int32)
     seq_id = np.zeros((slots,), np.int32)
-    max_width = _ceil_div(max(len(p) for p in prompts) + max_new_tokens, ps)
+    max_width = _next_pow2(_ceil_div(max(len(p) for p in prompts) + max_new_tokens, ps))
+    min_width = min(max_width, _next_pow2(_ceil_div(_MIN_TABLE_TOKENS, ps)))
+
+    def table_width(pages: int) -> int:
+        """Page-table width bucket: a power of two in [min_width, max_width]."""
+        return min(max(_next_pow2(pages), min_width), max_width)
+
     pending = deque(range(b_count))
     finished: dict[int, _Seq] = {}
     dispatches = prefills = 0
@@ -654,7 +665,7 @@ def run(
             woff = np.zeros((width_c,), np.int32)
             woff[:length] = np.arange(start, start + length) % ps
             ctx_pages = _ceil_div(start, ps)
-            table = np.full((1, _next_pow2(max(ctx_pages, 1))), TRASH_PAGE, np.int32)
+            table = np.full((1, table_width(ctx_pages)), TRASH_PAGE, np.int32)
             table[0, :ctx_pages] = page_of_jg[: ctx_pages * ps : ps, 0]
             pool, tok_g, logp_g = _prefill(
                 graphdef,
@@ -708,7 +719,7 @@ def run(
                 seq.pages += alloc.take(extra)
                 seq.reserved -= extra
             needed = max(needed, len(seq.pages))
-        width = min(_next_pow2(needed), _next_pow2(max_width))
+        width = table_width(needed)
         table = np.full((slots, width), TRASH_PAGE, np.int32)
         for slot in range(slots):
             if slot_seq[slot] >= 0:
@@ -735,7 +746,6 @@ def run(
                 finish(sid)
                 slot_seq[slot] = -1
 
-    assert alloc.in_use == 0 and alloc.reserved == 0, (alloc.in_use, alloc.reserved)
     t = max_new_tokens
     tokens = np.full((b_count, g, t), pad_token_id, np.int32)
     mask = np.zeros((b_count, g, t), bool)
@@ -747,7 +757,7 @@ def run(
         mask[seq.prompt, seq.sample, :n] = True
         logps[seq.prompt, seq.sample, :n] = seq.logps
         truncated[seq.prompt, seq.sample] = not seq.stopped
-    stats = PagedStats(alloc.peak, page_bytes, dispatches, prefills)
+    stats = PagedStats(alloc.peak, page_bytes, dispatches, prefills, alloc.in_use)
     return (tokens, mask, logps, truncated), stats
 
 

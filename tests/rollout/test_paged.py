@@ -1,0 +1,278 @@
+"""The paged engine (rollout/paged.py) on tiny random models: the static engine's greedy tokens
+and log-probs for ragged prompts and budgets, per-sequence randomness, the trainer's log-probs,
+page accounting, bad input, compile reuse and the Pallas GPU kernel's wiring."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import rollout
+from jaxrl_llm.rollout import paged
+from jaxrl_llm.train.hostmem import BACKEND_COMPILE_EVENT
+from tests.rollout.test_generate import prompts, training_logprobs
+
+LENGTHS = (9, 4, 1, 6, 23)  # ragged; 23 > prefill_chunk below: a chunked prefill
+T, G = 12, 2
+BUDGETS = np.array([[12, 3], [1, 12], [7, 8], [12, 5], [2, 9]], np.int32)
+SMALL = paged.PagedOptions(page_size=4, num_slots=4, steps_per_dispatch=4, prefill_chunk=16)
+
+
+class CompileCounter:
+    """Counts XLA backend compiles while active."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def both(model, ids, mask, options=SMALL, **kw):
+    kw = dict(rng=jax.random.key(0), max_new_tokens=T, num_samples=G, **kw)
+    static = rollout.generate(model, ids, mask, **kw)
+    out, stats = rollout.generate(
+        model, ids, mask, engine="paged", paged_options=options, return_stats=True, **kw
+    )
+    return static, out, stats
+
+
+def assert_same(a, b, logp_atol=1e-5):
+    np.testing.assert_array_equal(np.asarray(a.mask), np.asarray(b.mask))
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    np.testing.assert_array_equal(np.asarray(a.truncated), np.asarray(b.truncated))
+    np.testing.assert_allclose(np.asarray(a.logprobs), np.asarray(b.logprobs), atol=logp_atol)
+
+
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen2", "qwen3"])
+def test_greedy_equals_static_engine_with_ragged_prompts_and_budgets(tiny_pair, family):
+    _, model = tiny_pair(family)  # mistral: sliding window 5; qwen3: q/k norm; qwen2: biases
+    ids, mask = prompts(seed=1, lengths=LENGTHS)
+    static, out, stats = both(model, ids, mask, temperature=0.0, max_new_tokens_bg=BUDGETS)
+    assert_same(static, out)
+    assert np.asarray(out.mask).sum(-1).max() <= T
+    assert (np.asarray(out.mask).sum(-1) <= BUDGETS).all()
+    assert stats.pages_in_use_at_end == 0
+    assert stats.prefill_calls == len(LENGTHS) + 1  # the 23-token prompt in two chunks
+    if family != "llama3":
+        return
+    # Without budgets: every row runs to T or its stop id, as in the static engine.
+    static, out, stats = both(model, ids, mask, temperature=0.0)
+    assert_same(static, out)
+    assert stats.pages_in_use_at_end == 0
+
+
+def test_page_size_not_dividing_the_chunk_and_one_slot_group(tiny_pair):
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=4, lengths=LENGTHS)
+    options = paged.PagedOptions(page_size=3, num_slots=2, steps_per_dispatch=3, prefill_chunk=8)
+    static, out, stats = both(model, ids, mask, options, temperature=0.0, max_new_tokens_bg=BUDGETS)
+    assert_same(static, out)
+    assert stats.pages_in_use_at_end == 0
+
+
+def test_sampled_tokens_do_not_depend_on_slots_order_or_neighbours(tiny_pair):
+    _, model = tiny_pair("qwen2")
+    ids, mask = prompts(seed=2, lengths=LENGTHS)
+    kw = dict(
+        rng=jax.random.key(7),
+        max_new_tokens=T,
+        num_samples=G,
+        temperature=1.0,
+        top_k=20,
+        max_new_tokens_bg=BUDGETS,
+        engine="paged",
+    )
+    one_group = dataclasses.replace(SMALL, num_slots=2)  # admits one prompt at a time
+    one_group = rollout.generate(model, ids, mask, paged_options=one_group, **kw)
+    wide = rollout.generate(model, ids, mask, paged_options=SMALL, **kw)
+    assert_same(one_group, wide)
+    # The first two prompts alone (other neighbours, other admission times) sample the same.
+    kw["max_new_tokens_bg"] = BUDGETS[:2]
+    alone = rollout.generate(model, ids[:2], mask[:2], paged_options=SMALL, **kw)
+    for field in ("tokens", "mask", "truncated"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(alone, field)), np.asarray(getattr(wide, field))[:2]
+        )
+    # And the key matters: another key gives other tokens.
+    kw["rng"] = jax.random.key(8)
+    other = rollout.generate(model, ids[:2], mask[:2], paged_options=SMALL, **kw)
+    assert not np.array_equal(np.asarray(other.tokens), np.asarray(alone.tokens))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_equal_training_side(tiny_pair, temperature):
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=3, lengths=LENGTHS)
+    out = rollout.generate(
+        model,
+        ids,
+        mask,
+        rng=jax.random.key(3),
+        max_new_tokens=T,
+        num_samples=G,
+        temperature=temperature,
+        max_new_tokens_bg=BUDGETS,
+        engine="paged",
+        paged_options=SMALL,
+    )
+    ref = training_logprobs(model, ids, mask, out, temperature=temperature)
+    valid = np.asarray(out.mask)
+    assert valid.sum() > 40
+    np.testing.assert_allclose(np.asarray(out.logprobs)[valid], ref[valid], atol=1e-4)
+    assert (np.asarray(out.logprobs)[~valid] == 0).all()
+
+
+def test_samples_share_the_prompt_pages(tiny_pair):
+    """A 32-token prompt in 4-token pages, G = 4, 3 new tokens each: 8 shared prompt pages,
+    and one page per sample for positions 32-33 (the last token is never written)."""
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=5, lengths=(32,))
+    out, stats = rollout.generate(
+        model,
+        ids,
+        mask,
+        rng=jax.random.key(0),
+        max_new_tokens=3,
+        num_samples=4,
+        temperature=1.0,
+        stop_token_ids=(),
+        engine="paged",
+        paged_options=paged.PagedOptions(page_size=4, num_slots=4, steps_per_dispatch=2),
+        return_stats=True,
+    )
+    assert np.asarray(out.mask).all()
+    assert stats.peak_pages == 8 + 4
+    assert stats.pages_in_use_at_end == 0
+    # An odd length: the partial last prompt page exists once per sample (7 shared + 4 tails).
+    ids, mask = prompts(seed=5, lengths=(30,))
+    _, stats = rollout.generate(
+        model,
+        ids,
+        mask,
+        rng=jax.random.key(0),
+        max_new_tokens=3,
+        num_samples=4,
+        stop_token_ids=(),
+        engine="paged",
+        paged_options=paged.PagedOptions(page_size=4, num_slots=4, steps_per_dispatch=2),
+        return_stats=True,
+    )
+    assert stats.peak_pages == 7 + 4
+
+
+def test_allocator_reference_counts():
+    alloc = paged.PageAllocator(6)  # page 0 is the trash page: 5 usable
+    assert alloc.reserve(4) and not alloc.reserve(2)
+    shared = alloc.take(2, refs=3)
+    own = alloc.take(1)
+    assert paged.TRASH_PAGE not in shared + own and alloc.in_use == 3
+    alloc.release(shared)
+    alloc.release(shared)
+    assert alloc.in_use == 3  # one reference left
+    alloc.release(shared + own)
+    alloc.unreserve(1)
+    assert alloc.in_use == 0 and alloc.available == 5 and alloc.peak == 3
+
+
+def test_no_recompilation_for_new_prompts_and_keys(tiny_pair):
+    _, model = tiny_pair("llama3")
+    kw = dict(
+        max_new_tokens=T,
+        num_samples=G,
+        temperature=1.0,
+        max_new_tokens_bg=BUDGETS,
+        engine="paged",
+        paged_options=dataclasses.replace(SMALL, steps_per_dispatch=3),  # this test's own
+    )
+    ids, mask = prompts(seed=6, lengths=LENGTHS)
+    with CompileCounter() as first:
+        jax.block_until_ready(rollout.generate(model, ids, mask, rng=jax.random.key(0), **kw))
+    assert first.count > 0  # the decode program is compiled here...
+    ids, mask = prompts(seed=7, lengths=LENGTHS)  # other tokens, same lengths
+    with CompileCounter() as compiles:
+        out = rollout.generate(model, ids, mask, rng=jax.random.key(1), **kw)
+        jax.block_until_ready(out)
+    assert compiles.count == 0  # ...and reused
+
+
+def test_bad_input_is_a_clear_error(tiny_pair):
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=0, lengths=(9, 4))
+    kw = dict(rng=jax.random.key(0), max_new_tokens=8, num_samples=2, engine="paged")
+    with pytest.raises(ValueError, match=r"prompt 0 \(9 tokens.*needs \d+ pages.*raise num_pages"):
+        rollout.generate(
+            model, ids, mask, paged_options=paged.PagedOptions(page_size=4, num_pages=4), **kw
+        )
+    with pytest.raises(ValueError, match="num_pages=1 leaves no page"):
+        rollout.generate(model, ids, mask, paged_options=paged.PagedOptions(num_pages=1), **kw)
+    with pytest.raises(ValueError, match="num_slots=1 is smaller than num_samples=2"):
+        rollout.generate(model, ids, mask, paged_options=paged.PagedOptions(num_slots=1), **kw)
+    with pytest.raises(ValueError, match=r"max_new_tokens_bg\[1, 0\] = 9 is outside \[1, "):
+        rollout.generate(model, ids, mask, max_new_tokens_bg=[[8, 8], [9, 1]], **kw)
+    with pytest.raises(ValueError, match=r"max_new_tokens_bg must have shape \[B, G\]"):
+        rollout.generate(model, ids, mask, max_new_tokens_bg=[8, 8], **kw)
+    with pytest.raises(ValueError, match="longer than the model's context"):
+        rollout.generate(model, ids, mask, **{**kw, "max_new_tokens": 250})
+    with pytest.raises(ValueError, match="engine must be 'static' or 'paged'"):
+        rollout.generate(model, ids, mask, **{**kw, "engine": "vllm"})
+    with pytest.raises(ValueError, match="prefill_chunk must be a power of two"):
+        rollout.generate(model, ids, mask, paged_options=paged.PagedOptions(prefill_chunk=24), **kw)
+
+
+def test_reference_attention_equals_a_dense_softmax():
+    """The two-part softmax (pooled context + new tokens) against one dense masked softmax."""
+    rng = np.random.RandomState(0)
+    b, t, h, k, d, s = 2, 3, 4, 2, 8, 12
+    q = rng.randn(b, t, h, d).astype(np.float32)
+    k_new, v_new = (rng.randn(b, t, k, d).astype(np.float32) for _ in range(2))
+    k_ctx, v_ctx = (rng.randn(b, s, k, d).astype(np.float32) for _ in range(2))
+    ctx_len = np.array([5, 0], np.int32)
+    valid = np.array([[1, 1, 1], [1, 1, 0]], bool)
+    for window in (3, 2**30):
+        got = paged.paged_attention_reference(q, k_new, v_new, k_ctx, v_ctx, ctx_len, valid, window)
+        for i in range(b):
+            keys = np.concatenate([k_ctx[i, : ctx_len[i]], k_new[i]])
+            vals = np.concatenate([v_ctx[i, : ctx_len[i]], v_new[i]])
+            key_ok = np.concatenate([np.ones(ctx_len[i], bool), valid[i]])
+            pos = np.arange(len(keys))
+            for j in range(t):
+                qp = ctx_len[i] + j
+                ok = key_ok & (pos <= qp) & (qp - pos < window)
+                for hh in range(h):
+                    sc = keys[:, hh // 2] @ q[i, j, hh] / np.sqrt(d)
+                    sc = np.where(ok, sc, -np.inf)
+                    p = np.exp(sc - sc.max())
+                    want = (p / p.sum()) @ vals[:, hh // 2]
+                    np.testing.assert_allclose(np.asarray(got)[i, j, hh], want, atol=1e-5)
+
+
+def test_pallas_gpu_paged_attention_wiring_in_interpret_mode():
+    """JAX's Pallas GPU paged-attention kernel on this pool layout equals the reference."""
+    rng = np.random.RandomState(1)
+    n, h, kv, d, ps, pages = 3, 4, 2, 16, 4, 9
+    pool_k, pool_v = (rng.randn(pages, ps, kv, d).astype(np.float32) for _ in range(2))
+    table = np.array([[3, 1, 5, 0], [2, 0, 0, 0], [8, 7, 6, 4]], np.int32)
+    lengths = np.array([10, 3, 16], np.int32)
+    q = rng.randn(n, h, d).astype(np.float32)
+    got = paged.pallas_gpu_decode_attention(q, pool_k, pool_v, table, lengths, interpret=True)
+    # The reference with the last pooled token as the "new" one.
+    k_all = paged.gather_pages(jnp.asarray(pool_k)[None], 0, table)
+    v_all = paged.gather_pages(jnp.asarray(pool_v)[None], 0, table)
+    last = lengths - 1
+    k_new = k_all[np.arange(n), last][:, None]
+    v_new = v_all[np.arange(n), last][:, None]
+    want = paged.paged_attention_reference(
+        q[:, None], k_new, v_new, k_all, v_all, last, np.ones((n, 1), bool), 2**30
+    )
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want)[:, 0], atol=1e-5)
