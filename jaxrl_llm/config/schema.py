@@ -329,6 +329,8 @@ class LoopConfig:
     on_nonfinite: Literal["raise", "skip"] = "raise"
     # Pack sequences (real tokens only) into rows for the forward passes and the update.
     packing: bool = False
+    # Plan the run for its devices before loading weights (jaxrl-llm plan); refuse a misfit.
+    preflight: bool = False
 
 
 @dataclasses.dataclass(**_CONFIG)

@@ -153,6 +153,14 @@ def _train(args: argparse.Namespace) -> int:
     config = _load(args, need_config=True)
     if args.max_steps is not None and args.max_steps < 1:
         raise ConfigError(f"--max-steps {args.max_steps}: expected an integer ≥ 1")
+    if config.train.preflight:  # docs/plan.md: shapes only, before any weight is read
+        from jaxrl_llm.train.plan import PlanError, preflight
+
+        try:
+            preflight(config, log=print if primary else _quiet)
+        except PlanError as e:
+            print(f"jaxrl-llm train: {e}", file=sys.stderr)
+            return 2
     final = train(
         config,
         run_dir=args.run_dir,

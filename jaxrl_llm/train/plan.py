@@ -400,27 +400,112 @@ def _shape_only(tree: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class AbstractRun:
-    """The run as shapes: the :class:`~jaxrl_llm.train.setup.Models` (its reference parameters
-    abstract), the train state and the step's groups, every leaf a sharded ShapeDtypeStruct."""
+    """The run as shapes: the :class:`~jaxrl_llm.train.setup.Models` (its reference and frozen
+    parameters abstract), the train state and the step's groups, every leaf a sharded
+    ShapeDtypeStruct; ``sampler`` is the ``(graphdef, parameters)`` the rollout runs (under
+    LoRA the base joined with its adapters, or their merged copy)."""
 
     models: Any
     state: Any
     groups: Any
     model_config: Any
     prompt_width: int
+    sampler: tuple[Any, Any] | None = None
+    num_parameters: int = 0
+    num_critic_parameters: int = 0
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Split:
+    """A model's abstract parameters split as the trainer splits them."""
+
+    graphdef: Any
+    params: Any
+    sharding: Any
+    base_graphdef: Any = None
+    frozen: Any = None
+    frozen_sharding: Any = None
+    num_parameters: int = 0  # the model's own (float) parameters, adapters not counted
+
+
+def _abstract_split(
+    build: Any, lora_section: Any, mesh: jax.sharding.Mesh, rules: Any, *, seed: int, extra: Any
+) -> _Split:
+    """``build()`` (a model constructor) as shapes, split like the trainer does: all
+    parameters trainable, or under ``lora_section`` (:func:`jaxrl_llm.train.models.adapt`)
+    the base quantised (``quantize``) and frozen, the adapters (``B = 0``, seeded by
+    ``seed + 2``; plus the module ``extra`` of a critic) trainable."""
+    from jaxrl_llm.models import lora
+    from jaxrl_llm.models import sharding as shd
+    from jaxrl_llm.train import models as train_models
+    from jaxrl_llm.train import state as st
+
+    if lora_section is None:
+        model = nnx.eval_shape(build)
+        graphdef, params = st.split_params(model)
+        sharding = shd.param_shardings(nnx.state(model, nnx.Param), mesh, rules)
+        return _Split(graphdef, _shape_only(params), sharding, num_parameters=_count(params))
+    lora_cfg = train_models.lora_config(lora_section)
+
+    def base() -> Any:
+        model = build()
+        if lora_section.quantize != "none":
+            from jaxrl_llm.models import quant
+
+            quant.quantize_model(model, lora_section.quantize)
+        return model
+
+    def adapted() -> Any:  # a PEFT adapter (lora.adapter) has these shapes too (checked)
+        return lora.apply_lora(base(), lora_cfg, rngs=nnx.Rngs(seed + 2))
+
+    base_graphdef = nnx.graphdef(nnx.eval_shape(base))
+    num_parameters = _count(nnx.state(nnx.eval_shape(build), nnx.Param))
+    model = nnx.eval_shape(adapted)
+    trainable = lora.trainable_filter(extra)
+    graphdef, frozen, params = lora.split(model, trainable)
+    frozen_state, trainable_state = lora.split_states(model, trainable)
+    return _Split(
+        graphdef,
+        _shape_only(params),
+        shd.param_shardings(trainable_state, mesh, rules),
+        base_graphdef,
+        _with_sharding(_shape_only(frozen), shd.param_shardings(frozen_state, mesh, rules)),
+        shd.param_shardings(frozen_state, mesh, rules),
+        num_parameters,
+    )
+
+
+def _count(tree: Any) -> int:
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
+
+
+def _merged_for_sampling(models_: Any, adapters: Any) -> Any:
+    """The merged parameters' shapes (``W + s·A B`` folded in, :func:`jaxrl_llm.models.lora.
+    merged_params`), sharded like the frozen base they replace."""
+    from jaxrl_llm.models import lora
+
+    def merged(frozen: Any, adapters: Any) -> Any:
+        module = lora.merge_into_base(nnx.merge(models_.graphdef, lora.combine(frozen, adapters)))
+        return nnx.to_pure_dict(nnx.state(module, nnx.Param))
+
+    shapes = jax.eval_shape(merged, models_.frozen, adapters)
+    return _with_sharding(_shape_only(shapes), models_.frozen_sharding)
 
 
 def abstract_run(config: Any, recipe: Any, mesh: jax.sharding.Mesh, model_cfg: Any) -> AbstractRun:
     """:func:`jaxrl_llm.train.setup.build_models`, with shapes instead of arrays.
 
     The same optimizer, shardings (:func:`jaxrl_llm.train.state.state_shardings`), reference
-    dtype and critic as the trainer builds; the groups are the step's worst case (every prompt
-    ``data.max_prompt_length`` tokens padded to the trainer's multiple, every completion
-    ``rollout.max_new_tokens``).
+    dtype and critic as the trainer builds; under ``model.lora`` the TrainState's parameters
+    are the adapters only (and the optimizer's state theirs), the frozen base (quantised with
+    ``quantize``: codes and block scales) is ``Models.frozen`` and is the reference (no copy).
+    The groups are the step's worst case (every prompt ``data.max_prompt_length`` tokens padded
+    to the trainer's multiple, every completion ``rollout.max_new_tokens``).
     """
     from jaxrl_llm import models
     from jaxrl_llm.models import sharding as shd
     from jaxrl_llm.recipe import REFERENCE_LOGPROBS
+    from jaxrl_llm.train import models as train_models
     from jaxrl_llm.train import setup as su
     from jaxrl_llm.train import state as st
     from jaxrl_llm.train.step import Groups
@@ -428,31 +513,46 @@ def abstract_run(config: Any, recipe: Any, mesh: jax.sharding.Mesh, model_cfg: A
     rules = shd.PRESETS[config.mesh.preset]
     seed = config.train.seed
     n_updates = su.update_shape(config).updates_per_step
-    policy = nnx.eval_shape(lambda: models.CausalLM(model_cfg, rngs=nnx.Rngs(seed)))
-    graphdef, params = st.split_params(policy)
-    params = _shape_only(params)
-    param_sh = shd.param_shardings(nnx.state(policy, nnx.Param), mesh, rules)
+    lora_section = config.model.lora
+    policy = _abstract_split(
+        lambda: models.CausalLM(model_cfg, rngs=nnx.Rngs(seed)),
+        lora_section,
+        mesh,
+        rules,
+        seed=seed,
+        extra=None,
+    )
+    graphdef, params, param_sh = policy.graphdef, policy.params, policy.sharding
     tx, schedule = su.make_optimizer(
         config.optim, max_steps=config.train.max_steps, updates_per_step=n_updates
     )
     ref = None
     if REFERENCE_LOGPROBS in recipe.requires:
-        dtype = jnp.dtype(config.kl.reference_param_dtype)
-        ref = _with_sharding(
-            jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype), params), param_sh
-        )
+        if policy.frozen is not None:  # the frozen base is the reference: no copy
+            ref = policy.frozen
+        else:
+            dtype = jnp.dtype(config.kl.reference_param_dtype)
+            ref = _with_sharding(
+                jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, dtype), params), param_sh
+            )
     critic_graphdef = critic_params = critic_sh = critic_tx = critic_schedule = None
-    if recipe.critic is not None:
+    critic = None
+    if getattr(recipe, "critic", None) is not None:  # preference recipes have none
         critic_cfg = model_cfg
         if config.critic.path is not None:
             critic_model = dataclasses.replace(config.model, path=config.critic.path)
             critic_cfg = model_config(critic_model, accelerator=False).replace(
                 dtype=model_cfg.dtype  # the policy's compute dtype, "auto" resolved for the target
             )
-        critic = nnx.eval_shape(lambda: models.ValueModel(critic_cfg, rngs=nnx.Rngs(seed + 1)))
-        critic_graphdef, critic_params = st.split_params(critic)
-        critic_params = _shape_only(critic_params)
-        critic_sh = shd.param_shardings(nnx.state(critic, nnx.Param), mesh, rules)
+        critic = _abstract_split(
+            lambda: models.ValueModel(critic_cfg, rngs=nnx.Rngs(seed + 1)),
+            config.critic.lora,
+            mesh,
+            rules,
+            seed=seed + 3,
+            extra="score",
+        )
+        critic_graphdef, critic_params, critic_sh = critic.graphdef, critic.params, critic.sharding
         critic_tx, critic_schedule = su.make_critic_optimizer(
             config.critic,
             config.optim,
@@ -486,11 +586,29 @@ def abstract_run(config: Any, recipe: Any, mesh: jax.sharding.Mesh, model_cfg: A
         critic_graphdef=critic_graphdef,
         critic_tx=critic_tx,
         critic_schedule=critic_schedule,
+        ref_graphdef=policy.base_graphdef,
+        frozen=policy.frozen,
+        frozen_sharding=policy.frozen_sharding,
+        critic_frozen=None if critic is None else critic.frozen,
+        critic_frozen_sharding=None if critic is None else critic.frozen_sharding,
+        lora=train_models.lora_config(lora_section),
+        merge_for_sampling=lora_section is not None and lora_section.merge_for_sampling,
     )
+    if run_models.frozen is None:
+        sampler = (graphdef, state.params)
+    elif run_models.merge_for_sampling:
+        sampler = (run_models.ref_graphdef, _merged_for_sampling(run_models, state.params))
+    else:
+        sampler = (graphdef, run_models.full_params(state.params))
+    p = -(-config.data.max_prompt_length // su.PAD_MULTIPLE) * su.PAD_MULTIPLE
+    n_critic = 0 if critic is None else critic.num_parameters
+    if config.rollout is None:  # offline (DPO): the pairs are planned by _plan_offline
+        return AbstractRun(
+            run_models, state, None, model_cfg, p, sampler, policy.num_parameters, n_critic
+        )
     b = config.rollout.prompts_per_step
     g = config.update_batch_size // b  # PODS: the update sees m of the G answers
     t = config.rollout.max_new_tokens
-    p = -(-config.data.max_prompt_length // su.PAD_MULTIPLE) * su.PAD_MULTIPLE
     dp = shd.data_parallel_size(mesh)
     split = b % dp == 0
 
@@ -510,7 +628,9 @@ def abstract_run(config: Any, recipe: Any, mesh: jax.sharding.Mesh, model_cfg: A
         reward_bg=leaf((b, g), jnp.float32),
         member_bg=leaf((b, g), bool),
     )
-    return AbstractRun(run_models, state, groups, model_cfg, p)
+    return AbstractRun(
+        run_models, state, groups, model_cfg, p, sampler, policy.num_parameters, n_critic
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,7 +695,8 @@ class Program:
     """One compiled program's per-device figures (XLA's ``memory_analysis``/``cost_analysis``).
 
     ``bytes = arguments + outputs − aliased + temporaries`` is what it needs on one device while
-    it runs; ``flops`` as XLA counts them (a loop body once).
+    it runs; ``flops`` as XLA counts them (a loop body once). ``resident``: the bytes of its
+    arguments that belong to the resident train state (set for the extra programs).
     """
 
     name: str
@@ -586,13 +707,14 @@ class Program:
     code: int
     flops: float
     compile_s: float
+    resident: int = 0
 
     @property
     def bytes(self) -> int:
         return self.arguments + self.outputs - self.aliased + self.temporaries
 
 
-def _program(name: str, lowered: Any) -> Program:
+def _program(name: str, lowered: Any, resident: int = 0) -> Program:
     t0 = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - t0
@@ -609,45 +731,76 @@ def _program(name: str, lowered: Any) -> Program:
         code=int(getattr(mem, "generated_code_size_in_bytes", 0)),
         flops=float((cost or {}).get("flops", 0.0)),
         compile_s=seconds,
+        resident=resident,
     )
 
 
-def _cache_dtype(sampler: Any, model_cfg: Any, target: Target) -> jnp.dtype:
-    """The sampler's KV-cache dtype on the target (engine._cache_dtype's rule, for the target's
-    backend rather than this machine's)."""
-    if sampler.cache_dtype is not None:
-        return jnp.dtype(sampler.cache_dtype)
+def _cache_dtype(cache_dtype: str, model_cfg: Any, target: Target) -> jnp.dtype:
+    """The sampler's KV-cache dtype (``rollout.cache_dtype``) on the target (engine's rule for
+    ``auto``, for the target's backend rather than this machine's)."""
+    if cache_dtype != "auto":
+        return jnp.dtype(cache_dtype)
     if not target.accelerator:
         return jnp.dtype(jnp.promote_types(model_cfg.dtype, jnp.float32))
     return jnp.dtype(model_cfg.dtype)
 
 
-def lower_rollout(run: AbstractRun, config: Any, target: Target) -> tuple[Any, Bytes]:
+_GREEDY_ROLLOUT = type(
+    "GreedyRollout",
+    (),
+    dict(
+        prompts_per_step=1,
+        num_samples=1,
+        max_new_tokens=1,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        cache_dtype="auto",
+    ),
+)
+
+
+def lower_rollout(
+    run: AbstractRun,
+    config: Any,
+    target: Target,
+    *,
+    prompts: int | None = None,
+    num_samples: int | None = None,
+    max_new_tokens: int | None = None,
+    greedy: bool | None = None,
+) -> tuple[Any, Bytes]:
     """The sampler's program (:func:`jaxrl_llm.rollout.engine.generate`'s jit) lowered for the
-    run's B prompts of width P, G samples, T new tokens; and its KV cache's bytes."""
+    run's B prompts of width P, G samples, T new tokens (``rollout.*``, or the evaluation's
+    ``prompts`` / ``num_samples`` / ``max_new_tokens`` / ``greedy`` given); and its KV cache's
+    bytes."""
     from jaxrl_llm.models import sharding as shd
     from jaxrl_llm.rollout import engine
     from jaxrl_llm.train import state as st
 
-    r = config.rollout
+    # DPO's evaluation sampler: greedy, the cache in the default dtype (setup._eval_plan)
+    r = config.rollout or _GREEDY_ROLLOUT
     mesh, cfg = run.models.mesh, run.model_config
-    b, p = r.prompts_per_step, run.prompt_width
+    b, p = prompts or r.prompts_per_step, run.prompt_width
+    g, t = num_samples or r.num_samples, max_new_tokens or r.max_new_tokens
+    greedy = r.temperature == 0.0 if greedy is None else greedy
     rep = st.replicated(mesh)
     batch = shd.batch_sharding(mesh, 2) if b % shd.data_parallel_size(mesh) == 0 else rep
-    cache_dtype = _cache_dtype(_sampler_of(config), cfg, target)
+    cache_dtype = _cache_dtype(r.cache_dtype, cfg, target)
     pad = cfg.pad_token_id
     static = engine._Static(  # the sampler's own static settings (engine.generate)
-        max_new_tokens=r.max_new_tokens,
-        num_samples=r.num_samples,
-        greedy=r.temperature == 0.0,
-        top_k=0 if r.top_k >= cfg.vocab_size else r.top_k,
-        use_top_p=r.top_p < 1.0,
+        max_new_tokens=t,
+        num_samples=g,
+        greedy=greedy,
+        top_k=0 if greedy or r.top_k >= cfg.vocab_size else r.top_k,
+        use_top_p=not greedy and r.top_p < 1.0,
         pad_token_id=int(pad) if pad is not None and 0 <= pad < cfg.vocab_size else 0,
         cache_dtype=cache_dtype.name,
     )
     key = jax.eval_shape(lambda: jax.random.key(0))
+    graphdef, params = run.sampler
     args = (
-        run.state.params,
+        params,
         jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=batch),
         jax.ShapeDtypeStruct((b, p), bool, sharding=batch),
         jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep),
@@ -656,15 +809,9 @@ def lower_rollout(run: AbstractRun, config: Any, target: Target) -> tuple[Any, B
         jax.ShapeDtypeStruct((8,), jnp.int32, sharding=rep),
     )
     with jax.set_mesh(mesh):
-        lowered = engine._rollout.lower(run.models.graphdef, *args, static=static)
-    kv = kv_cache_bytes(cfg, b * r.num_samples, p + r.max_new_tokens, cache_dtype, mesh)
+        lowered = engine._rollout.lower(graphdef, *args, static=static)
+    kv = kv_cache_bytes(cfg, b * g, p + t, cache_dtype, mesh)
     return lowered, kv
-
-
-def _sampler_of(config: Any) -> Any:
-    from jaxrl_llm.train import setup as su
-
-    return su._sampler(config, ())
 
 
 def lower_step(run: AbstractRun, config: Any, recipe: Any) -> Any:
@@ -706,36 +853,61 @@ class Plan:
     rollout_flops_analytic: float
     update_flops_analytic: float
     seconds: float
+    frozen: Bytes = Bytes()
+    merged_copy: Bytes = Bytes()
+    programs: tuple[Program, ...] = ()
 
     @property
     def state(self) -> int:
-        """Resident between programs: policy + optimizer + critic (+ its optimizer) + reference."""
+        """Resident between programs: policy (+ the frozen base under LoRA) + optimizer +
+        critic (+ its optimizer and frozen trunk) + reference (none under LoRA: the base)."""
         return (
             self.parameters.per_device
+            + self.frozen.per_device
             + self.optimizer.per_device
             + self.critic.per_device
-            + (self.reference.per_device)
+            + self.reference.per_device
         )
 
     @property
     def rollout_peak(self) -> int:
         """The resident state plus the sampler's temporaries and outputs (its parameters are
-        the state's; its other inputs, the prompts, are counted too)."""
+        the state's, unless it samples from a merged copy, which is counted; its other
+        inputs, the prompts, are counted too)."""
         r = self.rollout
-        others = r.arguments - self.parameters.per_device
+        resident = 0 if self.merged_copy.total else self.parameters.per_device
+        resident += 0 if self.merged_copy.total else self.frozen.per_device
+        others = r.arguments - resident
         return self.state + max(others, 0) + r.outputs + r.temporaries
 
     @property
     def update_peak(self) -> int:
         return self.update.bytes
 
+    def program_peak(self, program: Program) -> int:
+        """Another program's footprint on one device while the state stays resident (the
+        evaluation sampler, DPO's reference pass): ``state + program.bytes − resident``, its
+        ``resident`` arguments being the state's own buffers."""
+        return self.state + program.bytes - program.resident
+
+    @property
+    def peaks(self) -> dict[str, int]:
+        """Each program's per-device peak with the resident state (see :meth:`program_peak`)."""
+        out = {"update": self.update_peak}
+        if self.kv_cache.total:  # online: the rollout first (it wins ties)
+            out = {"rollout": self.rollout_peak, **out}
+        for prog in self.programs:
+            out[prog.name] = self.program_peak(prog)
+        return out
+
     @property
     def peak(self) -> int:
-        return max(self.rollout_peak, self.update_peak)
+        return max(self.peaks.values())
 
     @property
     def peak_program(self) -> str:
-        return "rollout" if self.rollout_peak >= self.update_peak else "update"
+        peaks = self.peaks
+        return max(peaks, key=peaks.get)
 
     @property
     def fits(self) -> bool | None:
@@ -766,6 +938,8 @@ class Plan:
             "model": self.model,
             "per_device_bytes": {
                 "parameters": b(self.parameters),
+                "frozen": b(self.frozen),
+                "merged_copy": b(self.merged_copy),
                 "optimizer": b(self.optimizer),
                 "reference": b(self.reference),
                 "critic": b(self.critic),
@@ -774,9 +948,14 @@ class Plan:
                 "state": self.state,
                 "rollout_peak": self.rollout_peak,
                 "update_peak": self.update_peak,
+                "peaks": self.peaks,
                 "peak": self.peak,
             },
-            "programs": {"rollout": prog(self.rollout), "update": prog(self.update)},
+            "programs": {
+                "rollout": prog(self.rollout),
+                "update": prog(self.update),
+                **{p.name: prog(p) for p in self.programs},
+            },
             "peak_program": self.peak_program,
             "flops_per_step": {
                 "update_xla_loop_bodies_once": self.update.flops,
@@ -807,7 +986,13 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"plan for {t.name} ({t.num_devices} devices; {kind})",
         f"model {m['path']}: {m['parameters']:,} parameters, {m['layers']} layers, "
-        f"dtype {m['dtype']}, params {m['param_dtype']}, remat {m['remat']}",
+        f"dtype {m['dtype']}, params {m['param_dtype']}, remat {m['remat']}"
+        + (
+            f"; LoRA rank {m['lora']['rank']} ({m['trainable_parameters']:,} trainable), "
+            f"base {m['lora']['quantize'] if m['lora']['quantize'] != 'none' else 'frozen'}"
+            if m.get("lora")
+            else ""
+        ),
         "mesh " + ", ".join(f"{k}={v}" for k, v in plan.mesh.items()) + f" (preset {plan.preset})",
         "",
         f"{'per device':<34}{'bytes':>14}{'of which replicated':>22}",
@@ -820,18 +1005,37 @@ def format_plan(plan: Plan) -> str:
         else:
             lines.append(f"{label:<34}{_mib(x):>14}")
 
-    row("parameters", plan.parameters)
+    lora_info = m.get("lora")
+    row("adapters (LoRA)" if lora_info else "parameters", plan.parameters)
+    if plan.frozen.total:
+        q = lora_info["quantize"] if lora_info else "none"
+        label = "frozen base" + ("" if q == "none" else f" ({q})")
+        row(label + (" = reference" if lora_info.get("reference_is_base") else ""), plan.frozen)
     row("optimizer state", plan.optimizer)
     if plan.reference.total:
         row("reference model", plan.reference)
     if plan.critic.total:
         row("critic (+ its optimizer)", plan.critic)
-    row("step batch (groups)", plan.batch)
-    row("KV cache (rollout)", plan.kv_cache)
-    row("rollout temporaries (XLA)", plan.rollout.temporaries)
+    if plan.merged_copy.total:
+        row("merged copy (rollout)", plan.merged_copy)
+    row("step batch" + (" (groups)" if plan.kv_cache.total else " (pairs)"), plan.batch)
+    if plan.kv_cache.total:
+        row("KV cache (rollout)", plan.kv_cache)
+    if plan.kv_cache.total:
+        row("rollout temporaries (XLA)", plan.rollout.temporaries)
     row("update temporaries (XLA)", plan.update.temporaries)
-    row("rollout peak (state + rollout)", plan.rollout_peak)
+    for prog in plan.programs:
+        row(f"{prog.name} temporaries (XLA)", prog.temporaries)
+    if plan.kv_cache.total:
+        row("rollout peak (state + rollout)", plan.rollout_peak)
     row("update peak (args+out-alias+temp)", plan.update_peak)
+    for prog in plan.programs:
+        row(f"{prog.name} peak (state + it)", plan.program_peak(prog))
+    compiled = " + ".join(
+        f"{p.compile_s:.1f} s ({p.name})"
+        for p in (plan.rollout, plan.update, *plan.programs)
+        if p.name in plan.peaks
+    )
     lines += [
         "",
         f"peak program: {plan.peak_program}, {_mib(plan.peak)} per device",
@@ -839,8 +1043,7 @@ def format_plan(plan: Plan) -> str:
         f"{plan.update_flops_analytic:.3e} + rollout {plan.rollout_flops_analytic:.3e} "
         f"(6N/2N per token; XLA, counting loop bodies once: {plan.update.flops:.3e} + "
         f"{plan.rollout.flops:.3e})",
-        f"compiled in {plan.rollout.compile_s:.1f} s (rollout) + {plan.update.compile_s:.1f} s "
-        f"(update); plan took {plan.seconds:.1f} s",
+        f"compiled in {compiled}; plan took {plan.seconds:.1f} s",
     ]
     if t.hbm_bytes is None:
         lines.append("no device memory given (--device-memory): no FITS verdict")
@@ -860,12 +1063,13 @@ def format_plan(plan: Plan) -> str:
 
 
 def _update_flops(config: Any, recipe: Any, run: AbstractRun) -> float:
-    """The RL step's FLOPs over the mesh, analytically (see the module docstring)."""
+    """The RL step's FLOPs over the mesh, analytically (see the module docstring). Under LoRA
+    the backward pass computes no gradient of the frozen weights, so a training pass is
+    ``4N`` (``6N`` with remat) rather than ``6N``; the adapters' own FLOPs are left out."""
     from jaxrl_llm.train import setup as su
     from jaxrl_llm.train.step import needs_old_logprob_pass
 
-    count = lambda tree: float(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
-    n, critic = count(run.state.params), count(run.state.critic_params)
+    n, critic = float(run.num_parameters), float(run.num_critic_parameters)
     b, g, t = run.groups.tokens_bgt.shape
     tokens = b * g * (run.prompt_width + t)
     update = su.update_shape(config)
@@ -873,8 +1077,12 @@ def _update_flops(config: Any, recipe: Any, run: AbstractRun) -> float:
     forwards = (
         2 * n * ((run.models.ref_params is not None) + needs_old_logprob_pass(recipe, update, old))
     )
-    train = (8 if run.model_config.remat != "none" else 6) * update.epochs
-    return tokens * (forwards + 2 * critic + train * (n + critic))
+    train = (6 if run.model_config.remat != "none" else 4) * update.epochs
+    train_lora = train
+    train += 2 * update.epochs  # the weights' own gradients (Kaplan's 6N = 2N + 4N)
+    policy = (train_lora if run.models.frozen is not None else train) * n
+    critic_train = (train_lora if run.models.critic_frozen is not None else train) * critic
+    return tokens * (forwards + 2 * critic + policy + critic_train)
 
 
 def plan_run(config: Any, target: Target) -> Plan:
@@ -890,11 +1098,6 @@ def plan_run(config: Any, target: Target) -> Plan:
     from jaxrl_llm.models import sharding as shd
 
     t0 = time.perf_counter()
-    if config.rollout is None:
-        raise PlanError(
-            f"algorithm.name = {config.algorithm.name!r}: plan covers online recipes (a "
-            "rollout and an RL step); offline preference training is not planned yet"
-        )
     try:
         sizes = check_devices(config, target.num_devices)
     except (ConfigError, ValueError) as e:
@@ -903,33 +1106,33 @@ def plan_run(config: Any, target: Target) -> Plan:
     model_cfg = model_config(config.model, accelerator=target.accelerator)
     devices = target_devices(target)
     mesh = shd.make_mesh(**sizes, devices=devices[: math.prod(sizes.values())])
+    if config.rollout is None:
+        return _plan_offline(config, recipe, target, mesh, sizes, model_cfg, t0)
     run = abstract_run(config, recipe, mesh, model_cfg)
     rollout_lowered, kv = lower_rollout(run, config, target)
     rollout = _program("rollout", rollout_lowered)
     update = _program("update", lower_step(run, config, recipe))
     s = run.state
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(s.params))
+    merged = run.models.merge_for_sampling and run.models.frozen is not None
+    resident = 0 if merged else tree_bytes(run.sampler[1]).per_device
+    programs = []
+    evaluation = _eval_shape(config)
+    if evaluation is not None:
+        lowered, _ = lower_rollout(run, config, target, **evaluation)
+        programs.append(_program("eval rollout", lowered, resident=resident))
+    n_params = run.num_parameters
     r = config.rollout
     tokens = r.prompts_per_step * (run.prompt_width + r.num_samples * r.max_new_tokens)
     return Plan(
         target=target,
         mesh=dict(sizes),
         preset=config.mesh.preset,
-        model={
-            "path": config.model.path,
-            "parameters": int(n_params),
-            "layers": model_cfg.num_layers,
-            "hidden_size": model_cfg.hidden_size,
-            "kv_heads": model_cfg.num_kv_heads,
-            "vocab_size": model_cfg.vocab_size,
-            "dtype": model_cfg.dtype,
-            "param_dtype": model_cfg.param_dtype,
-            "remat": model_cfg.remat,
-        },
+        model=_model_info(config, model_cfg, n_params, s.params, run.models.ref_params is not None),
         parameters=tree_bytes(s.params),
         optimizer=tree_bytes(s.opt_state),
-        reference=tree_bytes(run.models.ref_params),
-        critic=tree_bytes((s.critic_params, s.critic_opt_state)),
+        # under LoRA the reference is the frozen base (counted there), not a copy
+        reference=tree_bytes(None if run.models.frozen is not None else run.models.ref_params),
+        critic=tree_bytes((s.critic_params, s.critic_opt_state, run.models.critic_frozen)),
         batch=tree_bytes(run.groups),
         kv_cache=kv,
         rollout=rollout,
@@ -937,7 +1140,176 @@ def plan_run(config: Any, target: Target) -> Plan:
         rollout_flops_analytic=2.0 * n_params * tokens / mesh.size,
         update_flops_analytic=_update_flops(config, recipe, run) / mesh.size,
         seconds=time.perf_counter() - t0,
+        frozen=tree_bytes(run.models.frozen),
+        merged_copy=tree_bytes(run.sampler[1]) if merged else Bytes(),
+        programs=tuple(programs),
     )
+
+
+def _plan_offline(
+    config: Any,
+    recipe: Any,
+    target: Target,
+    mesh: jax.sharding.Mesh,
+    sizes: Mapping[str, int],
+    model_cfg: Any,
+    t0: float,
+) -> Plan:
+    """A preference (DPO-family) run: the reference's log-prob pass over the chosen and the
+    rejected answers (:func:`jaxrl_llm.train.collect.dpo_batch`), the update
+    (:func:`jaxrl_llm.train.update.make_dpo_step`) and, with held-out prompts, the greedy
+    evaluation sampler; ``N = preference.pairs_per_step`` pairs of ``P + T`` tokens, ``T`` the
+    longest answer padded to the trainer's multiple."""
+    from jaxrl_llm.train import forward
+    from jaxrl_llm.train import setup as su
+    from jaxrl_llm.train import state as st
+    from jaxrl_llm.train import update as up
+
+    run = abstract_run(config, recipe, mesh, model_cfg)
+    models_ = run.models
+    n, p = config.preference.pairs_per_step, run.prompt_width
+    t = -(-config.preference.max_response_length // su.PAD_MULTIPLE) * su.PAD_MULTIPLE
+    dp = _dp(mesh)
+    sh = models_.batch_sharding(2) if n % dp == 0 else st.replicated(mesh)
+    sh1 = models_.batch_sharding(1) if n % dp == 0 else st.replicated(mesh)
+    tokens = jax.ShapeDtypeStruct((n, p + t), jnp.int32, sharding=sh)
+    mask = jax.ShapeDtypeStruct((n, p + t), bool, sharding=sh)
+    answer = jax.ShapeDtypeStruct((n, t), bool, sharding=sh)
+    ref = models_.ref_params
+    seq = None if ref is None else jax.ShapeDtypeStruct((n,), jnp.float32, sharding=sh1)
+    batch = up.DPOBatch(tokens, mask, answer, tokens, mask, answer, seq, seq)
+    update = su.update_shape(config)
+    programs = []
+    if ref is not None:
+        logprob = forward.make_logprob_fn(
+            models_.graphdef, micro_batch_size=update.micro_batch_size
+        )
+        fn = jax.jit(
+            lambda r, x, m: logprob(r, x, m, completion_len=t, graphdef=models_.ref_graphdef)
+        )
+        with jax.set_mesh(mesh):
+            lowered = fn.lower(ref, tokens, mask)
+        programs.append(_program("reference pass", lowered, resident=tree_bytes(ref).per_device))
+
+    # make_dpo_step jits through accumulate.jit_step, which runs the program at once; its
+    # traceable step and arguments are taken here and jitted the same way (state donated, the
+    # batch over the batch axes, LoRA's frozen base a non-donated argument) to be lowered.
+    taken: dict[str, Any] = {}
+
+    def take(step_fn: Any, *, consts: tuple = (), **_: Any) -> Any:
+        taken.update(step_fn=step_fn, consts=consts)
+        return step_fn
+
+    from unittest import mock
+
+    from jaxrl_llm.train import accumulate as acc
+
+    with mock.patch.object(acc, "jit_step", take):
+        up.make_dpo_step(
+            recipe,
+            models_.graphdef,
+            models_.tx,
+            schedule=models_.schedule,
+            ppo_epochs=update.epochs,
+            num_minibatches=update.num_minibatches,
+            micro_batch_size=update.micro_batch_size,
+            mesh=mesh,
+            state_sharding=models_.state_sharding,
+            rules=models_.rules,
+            frozen=models_.frozen,
+        )
+    consts = taken["consts"]
+    jitted = jax.jit(
+        taken["step_fn"],
+        in_shardings=(
+            models_.state_sharding,
+            jax.tree.map(lambda x: x.sharding, batch),
+            *jax.tree.map(lambda x: x.sharding, consts),
+        ),
+        out_shardings=(models_.state_sharding, st.replicated(mesh)),
+        donate_argnums=0,
+    )
+    with jax.set_mesh(mesh):
+        update_program = _program("update", jitted.lower(run.state, batch, *consts))
+    evaluation = _eval_shape(config)
+    if evaluation is not None:
+        lowered, _ = lower_rollout(run, config, target, **evaluation)
+        resident = tree_bytes(run.sampler[1]).per_device
+        programs.append(_program("eval rollout", lowered, resident=resident))
+    s = run.state
+    train = 6 if run.model_config.remat != "none" else 4
+    train += 0 if models_.frozen is not None else 2
+    sequences = 2 * n * (p + t)
+    flops = sequences * run.num_parameters * ((2 if ref is not None else 0) + train * update.epochs)
+    none = Program("rollout", 0, 0, 0, 0, 0, 0.0, 0.0)
+    return Plan(
+        target=target,
+        mesh=dict(sizes),
+        preset=config.mesh.preset,
+        model=_model_info(config, model_cfg, run.num_parameters, s.params, ref is not None),
+        parameters=tree_bytes(s.params),
+        optimizer=tree_bytes(s.opt_state),
+        reference=tree_bytes(None if models_.frozen is not None else ref),
+        critic=Bytes(),
+        batch=tree_bytes(batch),
+        kv_cache=Bytes(),
+        rollout=none,
+        update=update_program,
+        rollout_flops_analytic=0.0,
+        update_flops_analytic=flops / mesh.size,
+        seconds=time.perf_counter() - t0,
+        frozen=tree_bytes(models_.frozen),
+        programs=tuple(programs),
+    )
+
+
+def _dp(mesh: jax.sharding.Mesh) -> int:
+    from jaxrl_llm.models import sharding as shd
+
+    return shd.data_parallel_size(mesh)
+
+
+def _model_info(
+    config: Any, model_cfg: Any, n_params: int, trainable: Any, reference: bool
+) -> dict[str, Any]:
+    lora_section = config.model.lora
+    return {
+        "path": config.model.path,
+        "parameters": int(n_params),
+        "trainable_parameters": _count(trainable),
+        "layers": model_cfg.num_layers,
+        "hidden_size": model_cfg.hidden_size,
+        "kv_heads": model_cfg.num_kv_heads,
+        "vocab_size": model_cfg.vocab_size,
+        "dtype": model_cfg.dtype,
+        "param_dtype": model_cfg.param_dtype,
+        "remat": model_cfg.remat,
+        "lora": None
+        if lora_section is None
+        else {
+            "rank": lora_section.rank,
+            "quantize": lora_section.quantize,
+            "reference_is_base": reference,
+        },
+    }
+
+
+def _eval_shape(config: Any) -> dict[str, Any] | None:
+    """The evaluation sampler's shape (:func:`jaxrl_llm.train.evaluation.evaluate`: at most 64
+    prompts, ``64 // K`` with ``K = train.eval_num_samples``; greedy unless K > 1 or
+    ``eval_mode: sampled``), or None when the run has no held-out prompts."""
+    d, t = config.data, config.train
+    if not d.eval_size and not d.eval_path:
+        return None
+    k = t.eval_num_samples
+    prompts = max(1, min(d.eval_size or 64, 64 // max(1, k)))
+    greedy = k == 1 and t.eval_mode == "greedy"
+    max_new = t.eval_max_new_tokens or (
+        config.rollout.max_new_tokens
+        if config.rollout is not None
+        else config.preference.max_response_length
+    )
+    return {"prompts": prompts, "num_samples": k, "max_new_tokens": max_new, "greedy": greedy}
 
 
 def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
@@ -1065,6 +1437,35 @@ def plan_in_subprocess(
     return json.loads(out.stdout) if as_json else (out.returncode, out.stdout)
 
 
+def preflight(config: Any, *, log: Any = print) -> Plan:
+    """``train.preflight``: plans ``config`` for this process's devices (the run's mesh over
+    the first of them; shapes only, no weight read), logs the table and returns the plan.
+
+    Devices that report no memory (CPU) give no verdict, and the run goes on.
+
+    Raises:
+      PlanError: the run's peak exceeds the devices' memory (the message gives the peak, the
+        memory, the program and how to see re-planned suggestions), or its input is bad.
+    """
+    from jaxrl_llm.config import ConfigError, check_devices
+
+    try:
+        sizes = check_devices(config, jax.device_count())
+    except (ConfigError, ValueError) as e:
+        raise PlanError(str(e)) from None
+    plan = plan_run(config, local_target(math.prod(sizes.values())))
+    log(format_plan(plan))
+    if plan.fits is False:
+        raise PlanError(
+            f"train.preflight: the run does not fit its devices: peak {_mib(plan.peak)} per "
+            f"device ({plan.peak_program}) of {_mib(plan.target.hbm_bytes)} "
+            f"({plan.target.hbm_source}), {_mib(-plan.margin)} over; nothing was loaded. "
+            "`jaxrl-llm plan --config ... --devices N --device-memory SIZE` re-plans suggested "
+            "changes (FSDP, remat, micro-batches, LoRA); train.preflight=false skips this check"
+        )
+    return plan
+
+
 # ---------------------------------------------------------------------------------------------
 # Command line (also ``python -m jaxrl_llm.train.plan``, the subprocess of CPU estimates).
 
@@ -1160,6 +1561,7 @@ __all__ = [
     "parse_target",
     "plan_in_subprocess",
     "plan_run",
+    "preflight",
     "quiet_cpu_platform",
     "run_cli",
     "slice_names",

@@ -6,8 +6,10 @@ what can be counted exactly instead: the real state's arrays (parameters, optimi
 reference) and XLA's argument bytes (the state, reference and batch the step takes).
 """
 
+import dataclasses
 import importlib.util
 import json
+import math
 
 import jax
 import numpy as np
@@ -133,6 +135,55 @@ def test_fsdp8_divides_parameters_and_optimizer_by_8():
         assert 0 < b.replicated < b.total / 1000  # only the norms' scales... and counters
     # The batch splits over the 8 data-parallel devices.
     assert P.tree_bytes(run.groups).per_device * 8 == P.tree_bytes(run.groups).total
+
+
+@pytest.mark.parametrize("quantize", ["none", "nf4"])
+def test_abstract_lora_state_equals_the_trainers(quantize):
+    """LoRA: the TrainState's parameters are the adapters, the optimizer holds theirs, the
+    frozen base is Models.frozen (QLoRA: codes + scales, quant.quantized_nbytes) and is the
+    reference: no copy."""
+    from flax import nnx
+
+    from jaxrl_llm import models as M
+    from jaxrl_llm.models import quant
+
+    rank = 4
+    config = load_config(TINY, [f"model.lora.rank={rank}", f"model.lora.quantize={quantize}"])
+    recipe = build_recipe(config)
+    models, state = su.build_models(config, recipe)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    model_cfg = P.model_config(config.model, accelerator=False)
+    run = P.abstract_run(config, recipe, mesh, model_cfg)
+    shapes = lambda tree: jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), tree)
+    assert shapes(run.state) == shapes(state) and shapes(run.models.frozen) == shapes(models.frozen)
+    assert P.tree_bytes(run.models.frozen).total == _nbytes(models.frozen)
+    assert P.tree_bytes(run.state.opt_state).total == _nbytes(state.opt_state)
+    assert run.models.ref_params is run.models.frozen  # the reference is the base itself
+    base = nnx.state(M.CausalLM(model_cfg, rngs=nnx.Rngs(0)), nnx.Param)
+    assert run.num_parameters == sum(x.size for x in jax.tree.leaves(base))
+    # The seven projections as [L, K, N] (q/k/v [L, D, H, Dh]: K = D; o_proj [L, H, Dh, D]).
+    layers = nnx.to_pure_dict(base)["model"]["layers"]
+    kernels = {
+        name: p["kernel"]
+        for part in (layers["self_attn"], layers["mlp"])
+        for name, p in part.items()
+        if isinstance(p, dict) and "kernel" in p
+    }
+    assert sorted(kernels) == sorted(quant.PROJECTIONS)
+    flat = {
+        name: (k.shape[0], k.shape[1], math.prod(k.shape[2:]))
+        if name in ("q_proj", "k_proj", "v_proj")
+        else (k.shape[0], math.prod(k.shape[1:-1]), k.shape[-1])
+        for name, k in kernels.items()
+    }
+    # Adapters: A [L, K, r] and B [L, r, N] in float32 for each projection.
+    adapters = sum(4 * L * rank * (K + N) for L, K, N in flat.values())
+    assert P.tree_bytes(run.state.params).total == _nbytes(state.params) == adapters
+    floats = sum(x.nbytes for x in jax.tree.leaves(base))
+    if quantize == "nf4":  # the projections' stacks are quantised, the rest stays float32
+        floats -= sum(k.nbytes for k in kernels.values())
+        floats += sum(quant.quantized_nbytes(f, "nf4") for f in flat.values())
+    assert P.tree_bytes(run.models.frozen).total == floats
 
 
 def test_kv_cache_bytes():
@@ -342,3 +393,48 @@ def test_bench_accelerator_runs_on_cpu():
     assert result["measured_peak_bytes"] is None and result["within_10_percent"] is None
     assert result["step_finite"] is True and result["rollout_tokens_per_s"] > 0
     json.dumps(result, default=str)
+
+
+# ---------------------------------------------------------------------------------------------
+# train.preflight.
+
+
+def _small_memory(monkeypatch, hbm):
+    """The local devices as if they had ``hbm`` bytes (CPU devices report no memory)."""
+    real = P.local_target
+    monkeypatch.setattr(
+        P,
+        "local_target",
+        lambda n=None: dataclasses.replace(real(n), hbm_bytes=hbm, hbm_source="test limit"),
+    )
+
+
+def test_preflight_refuses_a_run_that_does_not_fit_before_writing(tmp_path, capsys, monkeypatch):
+    _small_memory(monkeypatch, 2**20)
+    run = tmp_path / "run"
+    argv = ["train", "--config", TINY, "--run-dir", str(run), "--no-progress"]
+    code = cli.main([*argv, "data.eval_size=0", "train.preflight=true"])
+    out = capsys.readouterr()
+    assert code == 2 and "Traceback" not in out.err
+    assert out.err.startswith("jaxrl-llm train: train.preflight: the run does not fit")
+    assert "of 1.0 MiB (test limit)" in out.err and "nothing was loaded" in out.err
+    assert "DOES NOT FIT" in out.out and "update peak" in out.out  # the table was printed
+    assert not run.exists()  # as a refused config: nothing written, not even the folder
+
+
+@pytest.mark.slow
+def test_preflight_that_fits_trains(tmp_path, capsys, monkeypatch):
+    _small_memory(monkeypatch, 4 * GiB)
+    run = tmp_path / "run"
+    argv = ["train", "--config", TINY, "--run-dir", str(run), "--no-progress", "--max-steps", "1"]
+    code = cli.main([*argv, "data.eval_size=0", "train.preflight=true"])
+    out = capsys.readouterr().out
+    assert code == 0 and "FITS: peak" in out and "of 4.00 GiB HBM (test limit)" in out
+    assert (run / "metrics.jsonl").exists()
+
+
+def test_preflight_without_device_memory_gives_no_verdict():
+    lines = []
+    plan = P.preflight(load_config(TINY, ["data.eval_size=0"]), log=lines.append)
+    assert plan.fits is None and plan.target.platform == "local"
+    assert "no device memory given" in lines[0]
