@@ -20,6 +20,9 @@ string dispatch, hyperparameters keyword-only, math in float32):
         v
     update          the optimizer step (optax), outside core
 
+Rollout correction (``rollout_correction``) reweights or masks the per-token policy-gradient
+terms when the sampler's log-probs differ from the trainer's (numerics, stale weights).
+
 Beside the chain: the preference (DPO family) losses, token log-probs and entropies from
 logits, masked statistics, and sample selection (PODS, DAPO's group filter).
 
@@ -92,6 +95,23 @@ from jaxrl_llm.core.policy_losses import (
     value_loss,
     entropy_bonus,
     truncated_importance_weight,
+)
+
+# --- x grad log pi: rollout correction (sampler ≠ trainer, stale samples): IS weights, masks ----
+from jaxrl_llm.core.rollout_correction import (
+    importance_log_ratio,
+    token_importance_weights,
+    sequence_importance_weights,
+    sequence_statistic,
+    truncate_weights,
+    within_bounds,
+    rejection_divergence,
+    check_correction_bounds,
+    Correction,
+    correction_weights,
+    correction_metrics,
+    decoupled_ppo_loss,
+    weighted_reinforce_loss,
 )
 
 # --- x grad log pi: aggregation of per-token losses into (sum, denominator) pairs ----------
@@ -204,6 +224,20 @@ __all__ = [  # noqa: RUF022 (chain order, as the imports)
     "value_loss",
     "entropy_bonus",
     "truncated_importance_weight",
+    # x grad log pi: rollout correction
+    "importance_log_ratio",
+    "token_importance_weights",
+    "sequence_importance_weights",
+    "sequence_statistic",
+    "truncate_weights",
+    "within_bounds",
+    "rejection_divergence",
+    "check_correction_bounds",
+    "Correction",
+    "correction_weights",
+    "correction_metrics",
+    "decoupled_ppo_loss",
+    "weighted_reinforce_loss",
     # x grad log pi: aggregation
     "token_mean",
     "token_sum",

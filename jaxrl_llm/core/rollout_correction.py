@@ -82,7 +82,7 @@ def _check_choice(fn: str, name: str, value: str, choices: tuple[str, ...]) -> N
         )
 
 
-def check_bounds(
+def check_correction_bounds(
     fn: str, low: float | None, high: float | None, *, need_one: bool, ratio: bool = True
 ) -> None:
     """Bounds of a band ``[low, high]`` (None: open): finite, ``low < high`` when both are given,
@@ -114,7 +114,7 @@ def _check_clamp(fn: str, log_clamp: float | None) -> None:
 # Log-ratios, sequence reductions, weights.
 
 
-def log_ratio(
+def importance_log_ratio(
     logp_target_bgt: chex.Array, logp_behaviour_bgt: chex.Array, mask_bgt: chex.Array
 ) -> chex.Array:
     """Per-token ``ℓ_t = sg(log π(y_t) − log μ(y_t))``, exactly 0 on padding (f32).
@@ -125,7 +125,7 @@ def log_ratio(
       mask_bgt: bool, same shape; True on completion tokens.
     """
     _check_inputs(
-        "log_ratio",
+        "importance_log_ratio",
         {"logp_target_bgt": logp_target_bgt, "logp_behaviour_bgt": logp_behaviour_bgt},
         mask_bgt,
     )
@@ -173,18 +173,18 @@ def token_importance_weights(
 ) -> chex.Array:
     """Token-level importance weights ``ρ_t = exp(clamp(log π(y_t) − log μ(y_t), ±κ))``.
 
-    No truncation (see :func:`truncate`); a constant of any loss (stop-gradient). κ = 20 is
+    No truncation (see :func:`truncate_weights`); a constant of any loss (stop-gradient). κ = 20 is
     verl's ``SAFETY_BOUND``; TRL and OpenRLHF do not clamp (identical below e^20).
 
     Args:
-      logp_target_bgt, logp_behaviour_bgt, mask_bgt: as in :func:`log_ratio`.
+      logp_target_bgt, logp_behaviour_bgt, mask_bgt: as in :func:`importance_log_ratio`.
       log_clamp: κ > 0, or None for no clamp.
 
     Returns:
       f32 ``[..., T]``, exactly 0 on padding.
     """
     _check_clamp("token_importance_weights", log_clamp)
-    lr = log_ratio(logp_target_bgt, logp_behaviour_bgt, mask_bgt)
+    lr = importance_log_ratio(logp_target_bgt, logp_behaviour_bgt, mask_bgt)
     return jnp.where(mask_bgt, _exp_clamped(lr, log_clamp), 0.0)
 
 
@@ -208,7 +208,7 @@ def sequence_importance_weights(
     ``is_correction_level: seq`` statistic, GSPO's ratio. A constant of any loss.
 
     Args:
-      logp_target_bgt, logp_behaviour_bgt, mask_bgt: as in :func:`log_ratio`.
+      logp_target_bgt, logp_behaviour_bgt, mask_bgt: as in :func:`importance_log_ratio`.
       reduction: ``"mean"`` (geometric mean) or ``"sum"`` (product).
       log_clamp: κ > 0 on the *sequence* log-ratio (verl's), or None.
 
@@ -218,12 +218,12 @@ def sequence_importance_weights(
     fn = "sequence_importance_weights"
     _check_choice(fn, "reduction", reduction, REDUCTIONS)
     _check_clamp(fn, log_clamp)
-    lr = log_ratio(logp_target_bgt, logp_behaviour_bgt, mask_bgt)
+    lr = importance_log_ratio(logp_target_bgt, logp_behaviour_bgt, mask_bgt)
     seq = sequence_statistic(lr, mask_bgt, reduction=reduction)
     return jnp.where(mask_bgt, _exp_clamped(seq, log_clamp), 0.0)
 
 
-def truncate(
+def truncate_weights(
     weight_bgt: chex.Array,
     mask_bgt: chex.Array,
     *,
@@ -240,9 +240,9 @@ def truncate(
     Returns:
       f32, exactly 0 on padding.
     """
-    fn = "truncate"
+    fn = "truncate_weights"
     _check_inputs(fn, {"weight_bgt": weight_bgt}, mask_bgt)
-    check_bounds(fn, low, high, need_one=True)
+    check_correction_bounds(fn, low, high, need_one=True)
     w = jnp.where(mask_bgt, f32(weight_bgt), 0.0)
     w = jnp.clip(w, low, high)
     return _sg(jnp.where(mask_bgt, w, 0.0))
@@ -268,7 +268,7 @@ def within_bounds(
     """
     fn = "within_bounds"
     _check_inputs(fn, {"stat_bgt": stat_bgt}, mask_bgt)
-    check_bounds(fn, low, high, need_one=True, ratio=False)
+    check_correction_bounds(fn, low, high, need_one=True, ratio=False)
     s = jnp.where(mask_bgt, f32(stat_bgt), 0.0)
     keep = mask_bgt
     if low is not None:
@@ -278,7 +278,7 @@ def within_bounds(
     return keep
 
 
-def divergence(
+def rejection_divergence(
     logp_target_bgt: chex.Array,
     logp_behaviour_bgt: chex.Array,
     mask_bgt: chex.Array,
@@ -300,9 +300,9 @@ def divergence(
     Returns:
       f32, 0 on padding.
     """
-    fn = "divergence"
+    fn = "rejection_divergence"
     _check_choice(fn, "estimator", estimator, ESTIMATORS)
-    lr = jnp.clip(log_ratio(logp_target_bgt, logp_behaviour_bgt, mask_bgt), -20.0, 20.0)
+    lr = jnp.clip(importance_log_ratio(logp_target_bgt, logp_behaviour_bgt, mask_bgt), -20.0, 20.0)
     if estimator == "k1":
         d = -lr
     elif estimator == "k2":
@@ -382,7 +382,7 @@ def correction_weights(
         if low is not None or high is not None:
             raise ValueError(f"{fn}: mode 'none' takes no bounds, got low={low!r}, high={high!r}")
     else:
-        check_bounds(fn, low, high, need_one=True)
+        check_correction_bounds(fn, low, high, need_one=True)
     if mode == "icepop" and level != "token":
         raise ValueError(f"{fn}: mode 'icepop' is token-level masking; got level={level!r}")
     if token_weights and not (mode == "mis" and level == "sequence"):
@@ -400,7 +400,7 @@ def correction_weights(
     if mode == "none":
         return Correction(mask_bgt.astype(jnp.float32), mask_bgt, ratio)
     if mode == "tis":
-        return Correction(truncate(rho, mask_bgt, low=low, high=high), mask_bgt, ratio)
+        return Correction(truncate_weights(rho, mask_bgt, low=low, high=high), mask_bgt, ratio)
     keep = within_bounds(rho, mask_bgt, low=low, high=high)
     if mode == "reject":
         return Correction(keep.astype(jnp.float32), keep, ratio)
@@ -557,16 +557,16 @@ __all__ = [
     "REDUCTIONS",
     "SEQUENCE_STATISTICS",
     "Correction",
-    "check_bounds",
+    "check_correction_bounds",
     "correction_metrics",
     "correction_weights",
     "decoupled_ppo_loss",
-    "divergence",
-    "log_ratio",
+    "importance_log_ratio",
+    "rejection_divergence",
     "sequence_importance_weights",
     "sequence_statistic",
     "token_importance_weights",
-    "truncate",
+    "truncate_weights",
     "weighted_reinforce_loss",
     "within_bounds",
 ]
