@@ -84,6 +84,7 @@ def ppo(
     kl_controller: _kl.KLController | None = None,
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
+    rollout_correction: rc.RolloutCorrection | None = None,
     axis_name: str | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
@@ -95,8 +96,12 @@ def ppo(
 
     ``value_clip``: the value loss's clip ε_v; ``None`` takes the preset's (0.2 by default, 0.5
     under ``verl`` and ``openrlhf``), 0 turns the clip off.
+
+    ``rollout_correction``: the sampler correction (:class:`~jaxrl_llm.recipe.RolloutCorrection`:
+    TIS / MIS / icepop / rejection, token or sequence level, bypass or decoupled), or None.
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("ppo", rollout_correction)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
     if value_clip is None:
         value_clip = 0.2 if n.value_clip is None else n.value_clip
@@ -120,6 +125,7 @@ def ppo(
             agg=rc.agg_mode("token-mean", loss_agg_mode, n),
             entropy_coef=entropy_coef,
             label="PPO clip + value loss",
+            rollout_correction=correction,
             text=(
                 f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A) + "
                 + (f"a value loss clipped at ±{value_clip:g}" if value_clip else "a value loss")
@@ -135,6 +141,7 @@ def ppo(
             value_clip=value_clip,
             kl_estimator=kl_estimator,
             entropy_coef=entropy_coef,
+            rollout_correction=correction,
         ),
     )
 
@@ -156,6 +163,7 @@ def grpo(
     kl_in_reward: bool | None = None,
     use_bias_correction_kl: bool = False,
     off_policy_mask_threshold: float | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
@@ -189,8 +197,12 @@ def grpo(
     ``delta`` exclude each other); ``use_bias_correction_kl`` multiplies the KL term by
     ``π_θ/π_old`` (``KLTerm.importance_weighted``); ``off_policy_mask_threshold`` drops
     negative-advantage sequences that drifted from π_old (:func:`rc.off_policy_sequence_mask`).
+
+    ``rollout_correction``: the sampler correction (:class:`~jaxrl_llm.recipe.RolloutCorrection`:
+    TIS / MIS / icepop / rejection, token or sequence level, bypass or decoupled), or None.
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("grpo", rollout_correction)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
     in_reward, kl_estimator = rc.kl_placement("grpo", kl_in_reward, kl_estimator, n)
     if delta is not None:
@@ -260,6 +272,7 @@ def grpo(
             ),
             entropy_coef=entropy_coef,
             off_policy_mask_threshold=off_policy_mask_threshold,
+            rollout_correction=correction,
         ),
         selection=Selection(pods_num_keep=pods_num_keep),
         hparams=dict(
@@ -267,6 +280,7 @@ def grpo(
             kl_in_reward=in_reward,
             use_bias_correction_kl=use_bias_correction_kl,
             off_policy_mask_threshold=off_policy_mask_threshold,
+            rollout_correction=correction,
             delta=delta,
             clip_low=low,
             clip_high=high,
@@ -558,14 +572,19 @@ def dapo(
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """DAPO (Yu et al. 2025, arXiv:2503.14476): GRPO's group-normalised advantage with
     clip-higher (``ε_low = 0.2``, ``ε_high = 0.28``), a token mean over the whole batch,
     dynamic sampling (prompts whose answers all score the same are dropped and refilled), soft
     overlong punishment (when ``max_length`` and ``overlong_buffer`` are given) and no KL.
+
+    ``rollout_correction``: the sampler correction (:class:`~jaxrl_llm.recipe.RolloutCorrection`:
+    TIS / MIS / icepop / rejection, token or sequence level, bypass or decoupled), or None.
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("dapo", rollout_correction)
     if (max_length is None) != (overlong_buffer is None):
         raise ValueError(
             "dapo: give both `max_length` and `overlong_buffer` for overlong shaping, or neither"
@@ -598,6 +617,7 @@ def dapo(
                 f"clip-higher surrogate −min(ρA, clip(ρ, 1−{clip_low:g}, 1+{clip_high:g})A), "
                 "token mean over the batch"
             ),
+            rollout_correction=correction,
         ),
         selection=Selection(pods_num_keep=pods_num_keep, dynamic_sampling=dynamic_sampling),
         hparams=dict(
@@ -610,6 +630,7 @@ def dapo(
             kl_estimator=kl_estimator,
             entropy_coef=entropy_coef,
             pods_num_keep=pods_num_keep,
+            rollout_correction=correction,
         ),
     )
 

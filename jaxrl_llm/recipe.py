@@ -34,7 +34,7 @@ import functools
 import inspect
 import types
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import chex
 import jax
@@ -45,6 +45,7 @@ from jaxrl_llm import numerics as nm
 from jaxrl_llm.core import aggregation as agg
 from jaxrl_llm.core import masked as _masked
 from jaxrl_llm.core import policy_losses as pl
+from jaxrl_llm.core import rollout_correction as rcorr
 from jaxrl_llm.core import selection as sel
 
 Pair = tuple[chex.Array, chex.Array]
@@ -65,6 +66,9 @@ PREFERENCE_PAIRS = "preference_pairs"  # offline (prompt, chosen, rejected) pair
 # WPO: per-answer weights from the policy's own token distribution (log Σ_v π(v)², see
 # core.preference.wpo_weights), in PairLogprobs.weight_chosen_p / weight_rejected_p
 SEQUENCE_WEIGHTS = "sequence_weights"
+# The objective corrects with the sampler's own log-probs (UpdateBatch.logp_sampler_nt): an
+# objective with a RolloutCorrection
+SAMPLER_LOGPROBS = "sampler_logprobs"
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,6 +132,99 @@ class KLTerm(NamedTuple):
     importance_weighted: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class RolloutCorrection:
+    """Rollout correction: how the policy gradient is reweighted or masked when the sampler μ
+    (the rollout engine's log-probs) differs from the policy the loss is written for
+    (:mod:`jaxrl_llm.core.rollout_correction`; docs/numerics.md, "Rollout correction").
+
+    The target π of the weights: with ``old_logprobs.source: sampler`` (no recompute) it is
+    sg(π_θ) — verl's *bypass* mode; with a recomputed π_old it is π_old = π_prox — the
+    *decoupled* three-policy objective (Hilton et al. 2021, AReaL): the recipe's clip relative
+    to π_prox and the weight π_prox/μ. With ρ the token ratio π/μ (``level: token``) or the
+    sequence ratio (``level: sequence``; ``reduction: mean`` = the geometric mean
+    exp(mean_t log ρ_t), ``sum`` = the product Π_t ρ_t, verl's and TRL's):
+
+      ``tis``     A_t ← clip(ρ, low, high)·A_t                    (truncated IS; high = the cap C)
+      ``mis``     A_t ← ρ·A_t inside [low, high], 0 outside       (masked IS)
+      ``icepop``  ``mis`` at the token level
+      ``reject``  A_t ← A_t inside [low, high], 0 outside         (rejection sampling)
+      ``none``    A_t unchanged (the ``rollout_corr/*`` metrics only)
+
+    ``token_weights`` (``mis`` at the sequence level): gate on the sequence statistic, weight
+    the survivors by their token ratios (OpenRLHF's ``is_correction_level: seq``).
+    ``bypass``: ``reinforce`` (the recipe's ratio is 1 and the weights carry the correction:
+    verl's bypass ``loss_type: reinforce``) or ``ppo_clip`` (π_old := μ in the recipe's own
+    ratio, so its clip bounds π_θ/μ, and only the keep-mask is applied: verl's bypass
+    ``ppo_clip``; modes ``reject`` / ``none`` only). A dropped token keeps its place in the
+    aggregation's denominator and its KL / entropy terms (TRL's and OpenRLHF's convention;
+    verl removes it from the response mask). Replaces ``old_logprobs.tis_cap``.
+
+    Attributes: see :func:`jaxrl_llm.core.rollout_correction.correction_weights`.
+    """
+
+    mode: Literal["tis", "mis", "icepop", "reject", "none"] = "tis"
+    level: Literal["token", "sequence"] = "token"
+    reduction: Literal["mean", "sum"] = "mean"
+    low: float | None = None
+    high: float | None = 2.0
+    token_weights: bool = False
+    bypass: Literal["reinforce", "ppo_clip"] = "reinforce"
+
+    def weights(
+        self, logp_target_bgt: chex.Array, logp_behaviour_bgt: chex.Array, mask_bgt: chex.Array
+    ) -> rcorr.Correction:
+        """The weights, keep-mask and raw ratio of ``π_target / μ`` under this scheme."""
+        return rcorr.correction_weights(
+            logp_target_bgt,
+            logp_behaviour_bgt,
+            mask_bgt,
+            mode=self.mode,
+            level=self.level,
+            reduction=self.reduction,
+            low=None if self.mode == "none" else self.low,
+            high=None if self.mode == "none" else self.high,
+            token_weights=self.token_weights,
+        )
+
+
+def rollout_correction(
+    name: str, value: RolloutCorrection | Mapping[str, Any] | None
+) -> RolloutCorrection | None:
+    """``value`` (a mapping is built into a :class:`RolloutCorrection`) checked at build time:
+    the mode, level, reduction and bounds as the core function takes them, and ``bypass:
+    ppo_clip`` only with a mode that applies no weight. Raises ``ValueError`` naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        fields = {f.name for f in dataclasses.fields(RolloutCorrection)}
+        unknown = sorted(set(value) - fields)
+        if unknown:
+            raise ValueError(
+                f"{name}: rollout_correction has no key {unknown[0]!r}; keys: {sorted(fields)}"
+            )
+        value = RolloutCorrection(**value)
+    if not isinstance(value, RolloutCorrection):
+        raise ValueError(f"{name}: rollout_correction must be a mapping or None, got {value!r}")
+    if value.bypass not in ("reinforce", "ppo_clip"):
+        raise ValueError(
+            f"{name}: rollout_correction.bypass must be 'reinforce' or 'ppo_clip', got "
+            f"{value.bypass!r}"
+        )
+    if value.bypass == "ppo_clip" and value.mode not in ("reject", "none"):
+        raise ValueError(
+            f"{name}: rollout_correction.bypass='ppo_clip' puts μ in the recipe's own ratio, so an "
+            f"importance weight (mode {value.mode!r}) would correct twice; use mode 'reject' or "
+            "'none' (verl's bypass ppo_clip applies the rejection mask only)"
+        )
+    t = jnp.zeros((1, 2), jnp.float32)
+    try:  # the core function's own checks (names, bounds), on a dummy token pair
+        value.weights(t, t, jnp.ones((1, 2), bool))
+    except ValueError as e:
+        raise ValueError(f"{name}: rollout_correction: {e}") from None
+    return value
+
+
 class Objective(NamedTuple):
     """The per-token policy objective of an online recipe.
 
@@ -148,6 +245,8 @@ class Objective(NamedTuple):
       label: the loss in a few words (``"PPO clip"``).
       aggregation_label: the aggregation's name (``"seq-mean-token-mean"``).
       text: one sentence on what is optimised.
+      rollout_correction: how the update corrects for the sampler (:class:`RolloutCorrection`),
+        or ``None`` (the trainer's ``old_logprobs.tis_cap`` TIS with ``source: sampler``).
     """
 
     loss: PolicyLoss
@@ -159,6 +258,7 @@ class Objective(NamedTuple):
     label: str = ""
     aggregation_label: str = ""
     text: str = ""
+    rollout_correction: RolloutCorrection | None = None
 
 
 class Critic(NamedTuple):
@@ -381,14 +481,18 @@ def objective(
     on_policy: bool = False,
     label: str,
     text: str,
+    rollout_correction: RolloutCorrection | None = None,
 ) -> Objective:
     """An :class:`Objective` with its requirements: reference log-probs for a KL term, one
-    update per batch for a loss without importance ratio (``on_policy``)."""
+    update per batch for a loss without importance ratio (``on_policy``), the sampler's
+    log-probs for a ``rollout_correction``."""
     requires = set()
     if kl is not None:
         requires.add(REFERENCE_LOGPROBS)
     if on_policy:
         requires.add(ON_POLICY)
+    if rollout_correction is not None:
+        requires.add(SAMPLER_LOGPROBS)
     return Objective(
         loss=loss,
         aggregate=aggregation(agg, norm=agg_norm),
@@ -399,6 +503,7 @@ def objective(
         label=label,
         aggregation_label=agg,
         text=text,
+        rollout_correction=rollout_correction,
     )
 
 
@@ -415,10 +520,12 @@ def ppo_objective(
     label: str = "PPO clip",
     text: str | None = None,
     off_policy_mask_threshold: float | None = None,
+    rollout_correction: RolloutCorrection | None = None,
 ) -> Objective:
     """PPO's clipped surrogate (``pl.ppo_clip_loss``) at ``[1 − ε_low, 1 + ε_high]``; the dual
     clip ``c`` is the preset's unless given (0 turns it off); with
-    ``off_policy_mask_threshold`` the loss goes through :func:`off_policy_sequence_mask`."""
+    ``off_policy_mask_threshold`` the loss goes through :func:`off_policy_sequence_mask`;
+    ``rollout_correction``: see :class:`RolloutCorrection`."""
     kwargs = dict(
         clip_low=float(clip_low),
         clip_high=float(clip_high),
@@ -444,6 +551,7 @@ def ppo_objective(
         entropy_coef=entropy_coef,
         label=label,
         text=text or default_text,
+        rollout_correction=rollout_correction,
     )
 
 
@@ -751,6 +859,7 @@ __all__ = [
     "PREFERENCE_PAIRS",
     "REFERENCE_LOGPROBS",
     "REWARD_COMPONENTS",
+    "SAMPLER_LOGPROBS",
     "SEQUENCE_WEIGHTS",
     "VALUES",
     "AnyRecipe",
@@ -761,11 +870,13 @@ __all__ = [
     "PairLogprobs",
     "PreferenceRecipe",
     "Recipe",
+    "RolloutCorrection",
     "Selection",
     "aggregation",
     "compute_advantages",
     "make_recipe",
     "policy_objective",
+    "rollout_correction",
     "select",
     "value_targets",
 ]

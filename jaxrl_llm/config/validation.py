@@ -398,6 +398,15 @@ def _check_algorithm(config: TrainConfig) -> None:
                     f"1 for {name}: its loss −A·log π has no importance ratio, so every update "
                     "after the first on a batch would be off-policy and biased",
                 )
+    if rc.SAMPLER_LOGPROBS in recipe.requires and config.old_logprobs.source != "sampler":
+        raise _bad(
+            "old_logprobs.source",
+            config.old_logprobs.source,
+            f"'sampler' for {name} with algorithm.hparams.rollout_correction: the correction "
+            "weighs the sampler's log-probs, which the RL step hands to the update with "
+            "source: sampler only (the decoupled form, π_old recomputed, runs in "
+            "jaxrl_llm.train.update but is not wired into the step yet)",
+        )
 
 
 def _check_batch(config: TrainConfig) -> None:

@@ -26,6 +26,15 @@ Old log-probs (π_old of the importance ratio), by the batch's fields:
   so every recipe's policy gradient becomes E_μ[min(π_θ/μ, C)·A·∇log π_θ], the truncated-IS
   estimator. There is no trust region: PPO's clip is inactive, so use ``recompute`` for
   several epochs or minibatches. The KL and entropy terms are not reweighted.
+* The objective's ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`,
+  :mod:`jaxrl_llm.core.rollout_correction`) replaces that TIS: with ``logp_sampler_nt`` alone
+  (verl's *bypass* mode) the weights are those of sg(π_θ)/μ — TIS, MIS / icepop, rejection,
+  token or sequence level — and A ← w·A (``bypass: ppo_clip``: π_old := μ in the recipe's own
+  ratio, the keep-mask only); with ``logp_old_nt`` too (the *decoupled* three-policy objective,
+  Hilton et al. 2021, AReaL) the recipe's clip is relative to π_old = π_prox and the weights
+  are those of π_prox/μ. Metrics ``rollout_corr/{is_weight_mean, is_weight_max,
+  masked_fraction, ratio_mean}`` (the max is the mean of the micro-batch maxima).
+
 
 Packed updates (``packed=True``; see :mod:`jaxrl_llm.train.packing`). The batch is an
 :class:`~jaxrl_llm.train.accumulate.Ragged` built by :func:`packed_batch`: per minibatch the
@@ -65,6 +74,7 @@ from jaxrl_llm import recipe as rc
 from jaxrl_llm.core import kl as _kl
 from jaxrl_llm.core import policy_losses as pl
 from jaxrl_llm.core import preference as pref
+from jaxrl_llm.core import rollout_correction as rcorr
 from jaxrl_llm.models import lora
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.models.logprobs import completion_logprobs, hidden_logprobs
@@ -264,10 +274,36 @@ def _policy_terms(
     mask: jax.Array,
     tis_cap: float | None,
 ) -> tuple[jax.Array, dict[str, Pair]]:
-    """``(Σ loss, metric pairs)`` of the objective on ``[n, T]`` log-probs over ``mask``."""
+    """``(Σ loss, metric pairs)`` of the objective on ``[n, T]`` log-probs over ``mask``.
+
+    With the objective's :class:`~jaxrl_llm.recipe.RolloutCorrection` (see the module
+    docstring): bypass (no recompute) weights ``sg(π_θ)/μ``, decoupled (``logp_old_nt``
+    recomputed = π_prox) weights ``π_prox/μ``; ``A ← w·A``, and the ``rollout_corr/*`` metrics.
+    """
     adv = mb.adv_nt
     aux: dict[str, Pair] = {}
-    if mb.logp_old_nt is not None:
+    correction = obj.rollout_correction
+    if correction is not None:
+        if mb.logp_sampler_nt is None:
+            raise ValueError(
+                "the objective's rollout_correction needs the sampler's log-probs in the batch "
+                "(UpdateBatch.logp_sampler_nt; old_logprobs.source: sampler)"
+            )
+        decoupled = mb.logp_old_nt is not None
+        if decoupled and correction.bypass == "ppo_clip":
+            raise ValueError(
+                "rollout_correction.bypass='ppo_clip' takes μ as π_old; with a recomputed "
+                "π_old (logp_old_nt) the correction is decoupled: use bypass='reinforce'"
+            )
+        logp_old = mb.logp_old_nt if decoupled else _sg(logp)
+        c = correction.weights(logp_old, mb.logp_sampler_nt, mask)
+        w = c.weight_bgt
+        if correction.bypass == "ppo_clip":  # μ in the recipe's ratio; the keep-mask only
+            logp_old, w = mb.logp_sampler_nt, c.keep_bgt.astype(jnp.float32)
+        for key, value in rcorr.correction_metrics(c, mask).items():
+            aux[f"rollout_corr/{key}"] = value
+        adv = jnp.where(mask, adv * w, 0.0)
+    elif mb.logp_old_nt is not None:
         logp_old = mb.logp_old_nt
     else:
         logp_old = _sg(logp)

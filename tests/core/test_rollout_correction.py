@@ -487,3 +487,169 @@ def test_bad_arrays_name_the_argument():
         rc.decoupled_ppo_loss(lt, lt, ls, lt, mask, cap_mode="clip")
     with pytest.raises(ValueError, match="`estimator`"):
         rc.rejection_divergence(lt, ls, mask, estimator="k4")
+
+
+# --------------------------------------------------------------------------------------------
+# Through the trainer: the recipe option in the update step, the config, and `train`'s loop.
+
+
+def _update_setup(correction, seed=0):
+    import optax
+
+    from jaxrl_llm import algorithms
+    from jaxrl_llm.train import forward
+    from tests.train import helpers as H
+
+    capture = optax.GradientTransformation(
+        lambda p: {"g": jax.tree.map(jnp.zeros_like, p)},
+        lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), {"g": g}),
+    )
+    rec = algorithms.grpo(beta=0.0, rollout_correction=correction)
+    graphdef, _, state = H.fresh_state(H.tiny_lm(seed), capture, rec)
+    batch = H.synthetic_batch(seed, ref=False, completion_len=7)
+    logp_fn = forward.make_logprob_fn(graphdef)
+    t = batch.mask_nt.shape[1]
+
+    def model_logp(params):
+        return logp_fn(params, batch.tokens_nl, batch.input_mask_nl, completion_len=t)
+
+    rng = np.random.default_rng(seed + 1)
+    noise = lambda s: jnp.asarray(rng.normal(0.0, s, batch.mask_nt.shape), jnp.float32)
+    return rec, graphdef, state, batch, model_logp, noise, capture
+
+
+def _grpo_loss(per_token, mask):
+    return agg.finalize(*agg.seq_mean_token_mean(per_token, mask))
+
+
+def test_update_step_decoupled_equals_the_three_policy_loss():
+    """logp_old_nt (π_prox) and logp_sampler_nt (μ) given: the step's loss and gradient are
+    those of decoupled_ppo_loss(π_θ, π_prox, μ) under grpo's aggregation."""
+    from jaxrl_llm.train import update as up
+
+    correction = {"mode": "tis", "high": 1.3}
+    rec, gd, state, batch, model_logp, noise, capture = _update_setup(correction)
+    mask = batch.mask_nt
+    logp0 = model_logp(state.params)
+    prox = jnp.where(mask, logp0 + noise(0.1), 0.0)
+    mu = jnp.where(mask, prox + noise(0.4), 0.0)
+    batch = batch._replace(logp_old_nt=prox, logp_sampler_nt=mu)
+    new, metrics = up.make_update_step(rec, gd, capture)(jax.tree.map(jnp.copy, state), batch)
+
+    def reference(params):
+        per_token = rc.decoupled_ppo_loss(
+            model_logp(params),
+            prox,
+            mu,
+            batch.adv_nt,
+            mask,
+            log_ratio_clamp=20.0,  # the default numerics' PPO clamp
+            behaviour_weight_cap=1.3,
+            cap_mode="truncate",
+        )
+        return _grpo_loss(per_token, mask)
+
+    value, grad = jax.value_and_grad(reference)(state.params)
+    np.testing.assert_allclose(float(metrics["actor/pg_loss"]), float(value), rtol=1e-5)
+    scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(grad))
+    for a, b in zip(jax.tree.leaves(new.opt_state["g"]), jax.tree.leaves(grad), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5 * scale)
+    w = np.asarray(rc.token_importance_weights(prox, mu, mask))
+    m = np.asarray(mask)
+    np.testing.assert_allclose(metrics["rollout_corr/ratio_mean"], w[m].mean(), rtol=1e-5)
+    np.testing.assert_allclose(
+        metrics["rollout_corr/is_weight_mean"], np.minimum(w, 1.3)[m].mean(), rtol=1e-5
+    )
+    np.testing.assert_allclose(metrics["rollout_corr/is_weight_max"], 1.3, rtol=1e-6)
+    assert float(metrics["rollout_corr/masked_fraction"]) == 0.0
+
+
+@pytest.mark.parametrize("bypass", ["reinforce", "ppo_clip"])
+def test_update_step_bypass_modes(bypass):
+    """Only the sampler's log-probs: reinforce weighs sg(π_θ)/μ (icepop), ppo_clip puts μ in
+    PPO's ratio and keeps the rejection mask only; staleness 0 gives ratio mean 1."""
+    from jaxrl_llm.train import update as up
+
+    mode = "icepop" if bypass == "reinforce" else "reject"
+    correction = {"mode": mode, "low": 0.7, "high": 1.4, "bypass": bypass}
+    rec, gd, state, batch, model_logp, noise, capture = _update_setup(correction, seed=2)
+    mask = batch.mask_nt
+    logp0 = model_logp(state.params)
+    step = up.make_update_step(rec, gd, capture)
+    # Staleness 0: the sampler is the trainer.
+    _, m0 = step(jax.tree.map(jnp.copy, state), batch._replace(logp_sampler_nt=logp0))
+    np.testing.assert_allclose(m0["rollout_corr/ratio_mean"], 1.0, atol=1e-6)
+    np.testing.assert_allclose(m0["rollout_corr/is_weight_mean"], 1.0, atol=1e-6)
+    assert float(m0["rollout_corr/masked_fraction"]) == 0.0
+    # A sampler that disagrees.
+    mu = jnp.where(mask, logp0 + noise(0.4), 0.0)
+    new, metrics = step(jax.tree.map(jnp.copy, state), batch._replace(logp_sampler_nt=mu))
+    keep = rc.within_bounds(jnp.exp(logp0 - mu), mask, low=0.7, high=1.4)
+    assert 0 < float(metrics["rollout_corr/masked_fraction"]) < 1
+
+    def reference(params):
+        logp = model_logp(params)
+        if bypass == "reinforce":
+            w = jnp.where(keep, jnp.exp(jax.lax.stop_gradient(logp) - mu), 0.0)
+            per_token = rc.weighted_reinforce_loss(logp, w, batch.adv_nt, mask)
+        else:
+            per_token = pl.ppo_clip_loss(logp, mu, batch.adv_nt, keep, log_ratio_clamp=20.0)
+        return _grpo_loss(per_token, mask)  # dropped tokens stay in the denominator
+
+    value, grad = jax.value_and_grad(reference)(state.params)
+    if bypass == "ppo_clip":  # at the start of the update π_θ = sg(π_θ): the loss values agree
+        np.testing.assert_allclose(float(metrics["actor/pg_loss"]), float(value), rtol=1e-5)
+    scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(grad))
+    for a, b in zip(jax.tree.leaves(new.opt_state["g"]), jax.tree.leaves(grad), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5 * scale)
+
+
+def test_update_step_refuses_a_batch_without_sampler_logprobs():
+    from jaxrl_llm.train import update as up
+
+    rec, gd, state, batch, *_, capture = _update_setup({"mode": "tis"})
+    with pytest.raises(ValueError, match="sampler's log-probs"):
+        up.make_update_step(rec, gd, capture)(state, batch)
+
+
+def test_config_checks_the_option():
+    from jaxrl_llm.config.engine import ConfigError
+    from tests.train import helpers as H
+
+    opt = "algorithm.hparams.rollout_correction={mode: mis, low: 0.5, high: 2.0}"
+    cfg = H.config("tiny.yaml", opt, "old_logprobs.source=sampler")
+    assert cfg.algorithm.hparams["rollout_correction"].mode == "mis"
+    with pytest.raises(ConfigError, match=r"old_logprobs\.source"):
+        H.config("tiny.yaml", opt)  # recompute: the step does not hand μ to the update yet
+    with pytest.raises(ConfigError, match=r"rollout_correction\.lvl"):
+        H.config("tiny.yaml", "algorithm.hparams.rollout_correction={lvl: token}")
+    with pytest.raises(ConfigError, match="`low` < `high`"):
+        H.config(
+            "tiny.yaml",
+            "algorithm.hparams.rollout_correction={mode: mis, low: 3.0, high: 2.0}",
+            "old_logprobs.source=sampler",
+        )
+
+
+def test_train_loop_runs_the_option_and_ratio_mean_is_one_at_staleness_0(tmp_path):
+    """`jaxrl-llm train`'s loop on the tiny config: one step with icepop on the sampler's
+    log-probs; the rollout engine and the trainer compute the same policy (staleness 0), so
+    the ratio mean is 1 and nothing is masked."""
+    from jaxrl_llm.train import loop
+    from tests.train import helpers as H
+
+    config = H.config(
+        "tiny.yaml",
+        "data.eval_size=0",
+        "data.arithmetic.train_size=32",
+        "train.max_steps=1",
+        "old_logprobs.source=sampler",
+        "algorithm.hparams.rollout_correction={mode: icepop, low: 0.5, high: 2.0}",
+    )
+    final = loop.train(config, run_dir=tmp_path, progress=False, log=lambda *_: None)
+    for key in ("is_weight_mean", "is_weight_max", "masked_fraction", "ratio_mean"):
+        assert np.isfinite(final[f"rollout_corr/{key}"]), key
+    assert final["rollout_corr/ratio_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert final["rollout_corr/masked_fraction"] == 0.0
+    assert "tis/weight_mean" not in final  # the option replaces old_logprobs.tis_cap
+    assert final["step"] == 1 and final["update/nonfinite"] == 0
