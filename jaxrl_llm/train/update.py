@@ -35,7 +35,6 @@ Old log-probs (π_old of the importance ratio), by the batch's fields:
   are those of π_prox/μ. Metrics ``rollout_corr/{is_weight_mean, is_weight_max,
   masked_fraction, ratio_mean}`` (the max is the mean of the micro-batch maxima).
 
-
 Packed updates (``packed=True``; see :mod:`jaxrl_llm.train.packing`). The batch is an
 :class:`~jaxrl_llm.train.accumulate.Ragged` built by :func:`packed_batch`: per minibatch the
 ``[n, T]`` fields of :class:`UpdateBatch` (masks, advantages, old/reference log-probs, values)
