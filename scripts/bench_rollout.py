@@ -12,6 +12,26 @@ reported with the median, so load from other processes disturbs both sides alike
 
     OMP_WAIT_POLICY=PASSIVE python scripts/bench_rollout.py --batches 32 8 \
         --out bench_results/bench_rollout.json --markdown /tmp/bench_rollout.md
+
+``--paged`` runs the engine comparison of issue 12 instead (:func:`paged_main`): the paged
+engine (continuous batching, ``rollout/paged.py``) against the static engine on
+
+1. **fixed**: ``--fixed-prompts`` chat prompts x ``--new-tokens`` tokens each;
+2. **long-tail**: ``--lt-prompts`` prompts x G=``--lt-samples``, per-sample budgets drawn
+   (seed 0) from a heavy tail: 80% of samples 16-48 tokens, 20% 256-512, no early stop, so
+   every engine produces exactly the same useful tokens (those inside each budget; the static
+   engine runs every row to the longest budget, the paged one stops each at its own).
+
+Each engine is warmed up once on the same shapes (long-tail: all budgets 1, which compiles the
+static engine's program and the paged prefills), then timed once; XLA compile time during the
+timed call (the paged engine's decode programs of new page-table widths) is measured apart
+(``jax.monitoring`` backend-compile events) and subtracted.
+Reports useful tokens/s, compile seconds and the peak KV-cache bytes (static: the dense
+``[L, N, P + T, K, Dh]`` keys and values; paged: the peak pages held x page bytes).
+``--lt-torch`` adds transformers' ``generate`` (static batch to the longest budget).
+
+    OMP_WAIT_POLICY=PASSIVE python scripts/bench_rollout.py --paged \
+        --out bench_results/bench_rollout_paged.json
 """
 
 from __future__ import annotations
@@ -135,6 +155,189 @@ def matmul_peaks(n: int = 2048) -> dict:
     }
 
 
+def long_tail_budgets(num_prompts: int, num_samples: int, seed: int = 0):
+    """int32[B, G]: 80% of samples uniform in [16, 48], 20% uniform in [256, 512] (seeded)."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    long = rng.rand(num_prompts, num_samples) < 0.2
+    short_b = rng.randint(16, 49, (num_prompts, num_samples))
+    long_b = rng.randint(256, 513, (num_prompts, num_samples))
+    return np.where(long, long_b, short_b).astype(np.int32)
+
+
+class _CompileSeconds:
+    """Sums XLA backend compile durations while active."""
+
+    def __init__(self):
+        from jaxrl_llm.train.hostmem import BACKEND_COMPILE_EVENT
+
+        self.event, self.seconds = BACKEND_COMPILE_EVENT, 0.0
+
+    def __call__(self, event: str, duration: float, **kwargs) -> None:
+        if event == self.event:
+            self.seconds += duration
+
+    def __enter__(self):
+        import jax
+
+        jax.monitoring.register_event_duration_secs_listener(self)
+        return self
+
+    def __exit__(self, *exc):
+        import jax
+
+        jax.monitoring.unregister_event_duration_listener(self)
+
+
+def paged_main(args) -> None:
+    """The static vs paged engine comparison (issue 12): fixed and long-tail workloads."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_llm import models, rollout
+
+    path = str(args.model or models.default_model_path())
+    tokenizer = models.load_tokenizer(path)
+    model = models.from_pretrained(path, dtype=jnp.float32)
+    c = model.config
+    result: dict = {
+        "model": os.path.basename(path.rstrip("/")),
+        "dtype": "float32",
+        "sampling": "temperature 1.0, no top-k/top-p, no early stop",
+        **machine_info(),
+        "command": "OMP_WAIT_POLICY=PASSIVE python scripts/bench_rollout.py "
+        + " ".join(sys.argv[1:]),
+        "workloads": {},
+    }
+    kv_token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+
+    def run_engine(engine, ids, mask, g, t, budgets, seed, options=None, per_sample=True):
+        """Warm-up (per-sample budgets: all 1, the same programs; else the same call), then
+        one timed call. Without ``per_sample`` no budgets are passed (today's call)."""
+        kw = dict(
+            max_new_tokens=t,
+            num_samples=g,
+            temperature=1.0,
+            stop_token_ids=(),
+            max_new_tokens_bg=budgets if per_sample else None,
+            engine=engine,
+            return_stats=True,
+        )
+        if engine == "paged":
+            kw["paged_options"] = options
+        warm_kw = {**kw, "max_new_tokens_bg": np.ones_like(budgets)} if per_sample else kw
+        warm = rollout.generate(model, ids, mask, rng=jax.random.key(seed), **warm_kw)
+        jax.block_until_ready(warm)
+        with _CompileSeconds() as compiles:
+            start = time.perf_counter()
+            out, stats = rollout.generate(model, ids, mask, rng=jax.random.key(seed + 1), **kw)
+            jax.block_until_ready(out)
+            seconds = time.perf_counter() - start
+        useful = int(np.asarray(out.mask).sum())
+        assert useful == int(budgets.sum()), (useful, int(budgets.sum()))
+        wall = seconds - compiles.seconds
+        if stats is None:
+            kv = kv_token_bytes * ids.shape[0] * g * (ids.shape[1] + t)
+        else:
+            kv = stats.peak_kv_bytes
+        row = {
+            "engine": engine,
+            "seconds": round(seconds, 2),
+            "compile_s_in_timed_call": round(compiles.seconds, 2),
+            "useful_tokens": useful,
+            "useful_tokens_per_s": round(useful / wall, 1),
+            "peak_kv_mb": round(kv / 2**20, 1),
+        }
+        if stats is not None:
+            row.update(
+                decode_dispatches=stats.decode_dispatches,
+                prefill_calls=stats.prefill_calls,
+                num_slots=options.num_slots if options else None,
+            )
+        print(json.dumps(row), flush=True)
+        return row
+
+    def torch_row(ids, mask, g, t, budgets):
+        import torch
+        import transformers
+
+        torch.set_num_threads(args.torch_threads)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ids_t = torch.tensor(np.repeat(ids, g, axis=0), dtype=torch.long)
+        mask_t = torch.tensor(np.repeat(mask, g, axis=0), dtype=torch.long)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            hf.generate(
+                ids_t,
+                attention_mask=mask_t,
+                do_sample=True,
+                top_k=0,
+                max_new_tokens=t,
+                min_new_tokens=t,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        seconds = time.perf_counter() - start
+        row = {
+            "engine": "transformers_generate",
+            "seconds": round(seconds, 2),
+            "useful_tokens": int(budgets.sum()),
+            "useful_tokens_per_s": round(int(budgets.sum()) / seconds, 1),
+        }
+        print(json.dumps(row), flush=True)
+        return row
+
+    workloads = []
+    if args.fixed_prompts:
+        ids, mask = rollout.encode_prompts(tokenizer, make_prompts(args.fixed_prompts))
+        budgets = np.full((args.fixed_prompts, 1), args.new_tokens, np.int32)
+        workloads.append(("fixed", ids, mask, 1, args.new_tokens, budgets))
+    if args.lt_prompts:
+        ids, mask = rollout.encode_prompts(tokenizer, make_prompts(args.lt_prompts))
+        budgets = long_tail_budgets(args.lt_prompts, args.lt_samples)
+        workloads.append(("long_tail", ids, mask, args.lt_samples, int(budgets.max()), budgets))
+    for name, ids, mask, g, t, budgets in workloads:
+        options = rollout.paged.PagedOptions(
+            num_slots=args.slots or None, steps_per_dispatch=args.steps_per_dispatch
+        )
+        options = rollout.paged.resolve_options(
+            options,
+            num_seqs=ids.shape[0] * g,
+            num_samples=g,
+            longest_prompt=int(mask.sum(1).max()),
+            max_new_tokens=t,
+        )
+        per_sample = name == "long_tail"
+        rows = [
+            run_engine("paged", ids, mask, g, t, budgets, 10, options, per_sample),
+            run_engine("static", ids, mask, g, t, budgets, 20, None, per_sample),
+        ]
+        if name == "long_tail" and args.lt_torch:
+            rows.append(torch_row(ids, mask, g, t, budgets))
+        static = rows[1]["useful_tokens_per_s"]
+        for row in rows:
+            row["vs_static"] = round(row["useful_tokens_per_s"] / static, 2)
+        result["workloads"][name] = {
+            "prompts": int(ids.shape[0]),
+            "samples": g,
+            "max_new_tokens": t,
+            "prompt_width": int(ids.shape[1]),
+            "budget_histogram": {
+                "16-48": int(((budgets >= 16) & (budgets <= 48)).sum()),
+                "256-512": int((budgets >= 256).sum()),
+            }
+            if name == "long_tail"
+            else None,
+            "results": rows,
+        }
+    result["load_avg_after"] = os.getloadavg()
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps(result, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 8])
@@ -146,7 +349,19 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="HF folder (default: the default model)")
     ap.add_argument("--out", default="bench_results/bench_rollout.json")
     ap.add_argument("--markdown", default=None, help="also write a markdown table here")
+    ap.add_argument("--paged", action="store_true", help="static vs paged engine (issue 12)")
+    ap.add_argument("--fixed-prompts", type=int, default=32, help="--paged: 0 skips")
+    ap.add_argument("--lt-prompts", type=int, default=64, help="--paged long-tail; 0 skips")
+    ap.add_argument("--lt-samples", type=int, default=4)
+    ap.add_argument("--lt-torch", action="store_true", help="--paged: add transformers")
+    ap.add_argument("--slots", type=int, default=0, help="--paged: decode slots (0: default)")
+    ap.add_argument("--steps-per-dispatch", type=int, default=8)
     args = ap.parse_args()
+    if args.paged:
+        if args.out == "bench_results/bench_rollout.json":
+            args.out = "bench_results/bench_rollout_paged.json"
+        paged_main(args)
+        return
 
     import jax
     import jax.numpy as jnp
