@@ -421,8 +421,8 @@ def generate(
         ``[1, max_new_tokens]``: sample ``g`` of prompt ``b`` stops after that many tokens
         (``truncated`` when it got there without a stop id). ``None``: ``max_new_tokens``.
       engine: ``"static"`` (one dense batch, ``P + T`` cache slots per row, this module) or
-        ``"paged"`` (continuous batching over a paged KV cache, ``paged.py``; not yet on a
-        sharded mesh or several processes). Greedy tokens agree; sampled tokens use
+        ``"paged"`` (continuous batching over a paged KV cache, ``paged.py``; one process;
+        on a mesh it is correct but not yet data-parallel). Greedy tokens agree; sampled tokens use
         different (per-sequence) keys in the paged engine.
       paged_options: sizes of the paged engine (:class:`paged.PagedOptions`).
       return_stats: also return the paged engine's :class:`paged.PagedStats` (``None`` for
@@ -469,10 +469,9 @@ def generate(
         raise ValueError(f"generate: engine must be 'static' or 'paged', got {engine!r}")
     mesh = _mesh_of(params)
     if engine == "paged":
-        if jax.process_count() > 1 or mesh is not None:
+        if jax.process_count() > 1:
             raise NotImplementedError(
-                "generate(engine='paged') runs on one device for now (parameters on a mesh of "
-                f"{dict(mesh.shape) if mesh is not None else '?'} / {jax.process_count()} "
+                f"generate(engine='paged') runs in one process for now ({jax.process_count()} "
                 "processes); use engine='static' there"
             )
         if budgets_bg is None:
@@ -487,6 +486,7 @@ def generate(
         )
         arrays, stats = paged.run(
             graphdef,
+            mesh,
             _cast_params(params, config.jnp_dtype),
             prompts,
             budgets_bg,

@@ -47,6 +47,7 @@ inside the engine (it needs the current token written to the pool before attenti
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -57,6 +58,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxrl_llm.models.rope import rope_cos_sin, rope_frequencies
 from jaxrl_llm.models.transformer import CausalLM, DecoderLayer, layer_windows, scan_layers
@@ -557,6 +559,7 @@ def resolve_options(
 
 def run(
     graphdef: nnx.GraphDef,
+    mesh: jax.sharding.Mesh | None,
     params: Params,
     prompts: list[np.ndarray],
     budgets_bg: np.ndarray,
@@ -575,9 +578,12 @@ def run(
     """Samples ``budgets_bg[b, g]`` tokens (or up to a stop id) for each prompt and sample.
 
     ``prompts`` are the unpadded token ids of each prompt; ``params`` already in the compute
-    dtype; ``options`` resolved (:func:`resolve_options`). Returns numpy ``(tokens, mask,
-    logprobs, truncated)`` shaped as :class:`~jaxrl_llm.rollout.engine.Generation` and the
-    run's :class:`PagedStats`.
+    dtype; ``options`` resolved (:func:`resolve_options`). With ``mesh`` (sharded
+    parameters) the programs run on it with the pool and the slots' arrays replicated and XLA
+    partitioning the weights' matmuls as the parameters say (one scheduler; correct, not yet
+    data-parallel: per-shard schedulers with per-shard pools are the plan). Returns numpy
+    ``(tokens, mask, logprobs, truncated)`` shaped as
+    :class:`~jaxrl_llm.rollout.engine.Generation` and the run's :class:`PagedStats`.
     """
     b_count, g = budgets_bg.shape
     ps, slots, k = options.page_size, options.num_slots, options.steps_per_dispatch
@@ -585,6 +591,8 @@ def run(
     cfg = _model_config(graphdef, params)
     shape = (cfg.num_layers, options.num_pages, ps, cfg.num_kv_heads, cfg.head_dim)
     pool = PagePool(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype))
+    if mesh is not None:
+        pool = jax.device_put(pool, NamedSharding(mesh, jax.sharding.PartitionSpec()))
     page_bytes = 2 * math.prod(shape) // options.num_pages * jnp.dtype(cache_dtype).itemsize
     alloc = PageAllocator(options.num_pages)
     static = _Static(greedy, top_k, top_p < 1.0, pad_token_id, ps, k)
@@ -700,51 +708,58 @@ def run(
             lens[slot], token[slot], alive[slot] = p, tok_g[i], True
             remaining[slot], gen_pos[slot], seq_id[slot] = seq.budget - 1, 1, sid
 
-    while pending or seqs:
-        while (
-            pending
-            and sum(s < 0 for s in slot_seq) >= g
-            and alloc.available >= group_need(pending[0])
-        ):
-            admit(pending.popleft())
-        if not any(alive):
-            continue
-        # Pages for the next k tokens of every live slot (from its reservation).
-        needed = 1
-        for slot in np.flatnonzero(alive):
-            seq = seqs[slot_seq[slot]]
-            want = _ceil_div(int(lens[slot]) + min(k, int(remaining[slot])), ps)
-            extra = want - len(seq.pages)
-            if extra > 0:
-                seq.pages += alloc.take(extra)
-                seq.reserved -= extra
-            needed = max(needed, len(seq.pages))
-        width = table_width(needed)
-        table = np.full((slots, width), TRASH_PAGE, np.int32)
-        for slot in range(slots):
-            if slot_seq[slot] >= 0:
-                pages = seqs[slot_seq[slot]].pages[:width]
-                table[slot, : len(pages)] = pages
-        state = _SlotState(lens, token, alive, remaining, gen_pos, seq_id)
-        pool, state, tok_kn, logp_kn, valid_kn = _decode(
-            graphdef, params, pool, table, state, rng, temp, topp, stop_ids, static=static
-        )
-        dispatches += 1
-        state = jax.tree.map(lambda x: np.array(x), state)
-        tok_kn, logp_kn, valid_kn = np.asarray(tok_kn), np.asarray(logp_kn), np.asarray(valid_kn)
-        lens, token, alive, remaining, gen_pos, seq_id = state
-        for slot in range(slots):
-            sid = slot_seq[slot]
-            if sid < 0:
+    with contextlib.ExitStack() as stack:
+        if mesh is not None:
+            stack.enter_context(jax.set_mesh(mesh))
+        while pending or seqs:
+            while (
+                pending
+                and sum(s < 0 for s in slot_seq) >= g
+                and alloc.available >= group_need(pending[0])
+            ):
+                admit(pending.popleft())
+            if not any(alive):
                 continue
-            seq = seqs[sid]
-            rows = valid_kn[:, slot]
-            seq.tokens += tok_kn[rows, slot].tolist()
-            seq.logps += logp_kn[rows, slot].tolist()
-            if not alive[slot]:
-                seq.stopped = seq.tokens[-1] in stop_set
-                finish(sid)
-                slot_seq[slot] = -1
+            # Pages for the next k tokens of every live slot (from its reservation).
+            needed = 1
+            for slot in np.flatnonzero(alive):
+                seq = seqs[slot_seq[slot]]
+                want = _ceil_div(int(lens[slot]) + min(k, int(remaining[slot])), ps)
+                extra = want - len(seq.pages)
+                if extra > 0:
+                    seq.pages += alloc.take(extra)
+                    seq.reserved -= extra
+                needed = max(needed, len(seq.pages))
+            width = table_width(needed)
+            table = np.full((slots, width), TRASH_PAGE, np.int32)
+            for slot in range(slots):
+                if slot_seq[slot] >= 0:
+                    pages = seqs[slot_seq[slot]].pages[:width]
+                    table[slot, : len(pages)] = pages
+            state = _SlotState(lens, token, alive, remaining, gen_pos, seq_id)
+            pool, state, tok_kn, logp_kn, valid_kn = _decode(
+                graphdef, params, pool, table, state, rng, temp, topp, stop_ids, static=static
+            )
+            dispatches += 1
+            state = jax.tree.map(lambda x: np.array(x), state)
+            tok_kn, logp_kn, valid_kn = (
+                np.asarray(tok_kn),
+                np.asarray(logp_kn),
+                np.asarray(valid_kn),
+            )
+            lens, token, alive, remaining, gen_pos, seq_id = state
+            for slot in range(slots):
+                sid = slot_seq[slot]
+                if sid < 0:
+                    continue
+                seq = seqs[sid]
+                rows = valid_kn[:, slot]
+                seq.tokens += tok_kn[rows, slot].tolist()
+                seq.logps += logp_kn[rows, slot].tolist()
+                if not alive[slot]:
+                    seq.stopped = seq.tokens[-1] in stop_set
+                    finish(sid)
+                    slot_seq[slot] = -1
 
     t = max_new_tokens
     tokens = np.full((b_count, g, t), pad_token_id, np.int32)

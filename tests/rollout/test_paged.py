@@ -276,3 +276,29 @@ def test_pallas_gpu_paged_attention_wiring_in_interpret_mode():
         q[:, None], k_new, v_new, k_all, v_all, last, np.ones((n, 1), bool), 2**30
     )
     np.testing.assert_allclose(np.asarray(got), np.asarray(want)[:, 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["dp", "fsdp_tp"])
+def test_sharded_parameters_give_the_single_device_tokens(tiny_pair, preset):
+    from flax import nnx
+
+    from jaxrl_llm.models import sharding
+
+    _, model = tiny_pair("llama3")
+    assert len(jax.devices()) == 8
+    ids, mask = prompts(seed=8, lengths=LENGTHS)
+    kw = dict(
+        rng=jax.random.key(5),
+        max_new_tokens=T,
+        num_samples=G,
+        temperature=1.0,
+        max_new_tokens_bg=BUDGETS,
+        engine="paged",
+        paged_options=SMALL,
+    )
+    single = rollout.generate(model, ids, mask, **kw)
+    graphdef, state = nnx.split(model)
+    mesh, rules = sharding.preset(preset)
+    params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh, rules))
+    out = rollout.generate((graphdef, params), ids, mask, **kw)
+    assert_same(single, out)
