@@ -1,45 +1,297 @@
-"""What needs a lent GPU/TPU, as one prepared script: plan's predicted peak against the measured
-one, and the GRPO step and rollout times, written as one JSON.
+"""Everything that needs a lent GPU/TPU, as one prepared script writing one JSON (issue 15).
 
-    python scripts/bench_accelerator.py --out /tmp/bench.json                      # tiny, seconds
-    python scripts/bench_accelerator.py --config configs/quickstart.yaml --out b.json  # SmolLM2
+    python scripts/bench_accelerator.py --out /tmp/bench.json            # the device run
+    python scripts/bench_accelerator.py --tiny --out /tmp/bench.json     # CPU, tiny shapes
 
-For the run of ``--config`` (a config whose model has weights: ``tiny-random``, ``default`` or a
-folder) on this process's devices it
+Four parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
+which cannot be reset, is that part's own peak); all shapes are random weights from a
+``config.json`` (``configs/models/llama-3.2-1b``: Llama-3.2-1B's published shapes, 1.236 B
+parameters), so nothing is downloaded:
 
-1. plans the run for these devices (:func:`jaxrl_llm.train.plan.local_target`: the same
-   programs compiled for the same devices, shapes only) and records the predicted peak;
-2. builds the real state (:func:`jaxrl_llm.train.setup.build_models`), runs the sampler on
-   ``rollout.prompts_per_step`` random prompts of the planned width (no stop token, so every
-   completion is ``rollout.max_new_tokens`` long: the plan's worst case) and the fused RL step
-   on its completions, timing each;
-3. reads ``device.memory_stats()["peak_bytes_in_use"]`` and reports it next to the plan's peak
-   (the issue's check: within 10%). CPU devices report no memory statistics: there the
-   measured figures are ``null`` and the script only shows that it runs.
+``plan``     :func:`jaxrl_llm.train.plan.plan_run` of a GRPO run (``--config``, default the
+             1B model, 8 prompts x 8 samples x 256 tokens, FSDP over ``--devices``) for this
+             process's devices, then the same run's state built for real (random weights, the
+             trainer's optimizer, shardings and reference), one rollout and one fused GRPO step
+             (:func:`jaxrl_llm.train.step.make_rl_step`), timed; the measured peak against the
+             planned one (the issue's check: within 10%). Measured: ``memory_stats()`` on a
+             GPU/TPU; on CPU, which reports none, the process's resident memory (``VmHWM`` of
+             /proc, reset before the step with ``/proc/self/clear_refs``, large allocations
+             forced to mmap so freed memory leaves the count) during the update program, plus the
+             bytes of the arrays it takes.
+``mfu``      bf16 forward + backward of the trainer's log-prob pass (``completion_logprobs_nt``,
+             mean over the tokens) on ``[B, S]`` tokens; model FLOPs per token (PaLM,
+             Chowdhery et al. 2022, app. B): ``6·N + 12·L·H·Dh·S`` with ``N`` the parameters in
+             matmuls; MFU = FLOP/s over the chip's dense bf16 peak (:data:`CHIPS`).
+``decode``   the sampler (:func:`jaxrl_llm.rollout.generate`, bf16 weights and KV cache) at
+             batch 256: decode tokens/s from ``t(T new tokens) − t(1 new token)`` (prefill taken
+             out), and the HBM roofline ``B / (bytes per decode step / HBM bandwidth)``, a step
+             reading the bf16 weights (``2·N``) and the KV cache (``2·L·B·K·Dh·(P + T/2)``
+             bf16 elements on average).
 
-Not covered yet (issue 15): model fwd/bwd MFU of a 1B-class config, decode tokens/s against the
-HBM roofline at batch 256.
+The parts' results are merged into one JSON (``parts``: name → result, or its error). Budget:
+about 10 minutes on one H200 (``--budget-s`` per part is a subprocess timeout).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import jax
-import numpy as np
-from _bench_common import machine_info  # scripts/ is on sys.path when run as a script
+SCRIPTS = Path(__file__).resolve().parent
+ROOT = SCRIPTS.parent
+MODEL_1B = str(ROOT / "configs" / "models" / "llama-3.2-1b")
+TINY_CONFIG = str(ROOT / "configs" / "tiny.yaml")
+
+#: Dense bf16 FLOP/s and HBM bytes/s per chip (one JAX device), from the vendors' data sheets:
+#: NVIDIA H100/H200 SXM (989.4 TFLOP/s dense bf16; 3.35 / 4.8 TB/s), A100 SXM 80 GB (312;
+#: 2.039 TB/s), Google Cloud TPU v5e (197; 819 GB/s), v5p (459; 2765 GB/s), v6e (918; 1640 GB/s).
+CHIPS = {
+    "H200": (989.4e12, 4.8e12),
+    "H100": (989.4e12, 3.35e12),
+    "A100": (312e12, 2.039e12),
+    "TPU v5 lite": (197e12, 819e9),
+    "TPU v5e": (197e12, 819e9),
+    "TPU v5p": (459e12, 2765e9),
+    "TPU v5": (459e12, 2765e9),
+    "TPU v6 lite": (918e12, 1640e9),
+    "TPU v6e": (918e12, 1640e9),
+}
+
+#: The shapes of each part: the device run, and the CPU test's (``--tiny``).
+SHAPES = {
+    "device": {
+        "plan": {
+            "config": TINY_CONFIG,
+            "overrides": [
+                f"model.path={MODEL_1B}",
+                "model.dtype=auto",
+                "model.remat=full",
+                "rollout.prompts_per_step=8",
+                "rollout.num_samples=8",
+                "rollout.max_new_tokens=256",
+                "data.max_prompt_length=128",
+                "data.eval_size=0",
+                "optim.micro_batch_size=8",
+                "kl.reference_param_dtype=bfloat16",
+                "mesh.preset=fsdp",
+                "mesh.data=1",
+                "mesh.fsdp=-1",
+            ],
+        },
+        "mfu": {"model": MODEL_1B, "batch": 8, "seq": 2048, "steps": 5},
+        "decode": {"model": MODEL_1B, "batch": 256, "prompt": 128, "new": 256},
+    },
+    "tiny": {
+        "plan": {"config": TINY_CONFIG, "overrides": ["data.eval_size=0"]},
+        "mfu": {"model": "tiny-random", "batch": 2, "seq": 32, "steps": 1},
+        "decode": {"model": "tiny-random", "batch": 4, "prompt": 16, "new": 4},
+    },
+}
 
 
-def _peak_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats()
-    return None if not stats else int(stats.get("peak_bytes_in_use", 0))
+def chip_peaks(device_kind: str) -> tuple[float | None, float | None]:
+    """``(bf16 FLOP/s, HBM bytes/s)`` of a ``device.device_kind`` (None, None: unknown, CPU)."""
+    for name, peaks in CHIPS.items():
+        if name.lower() in device_kind.lower():
+            return peaks
+    return None, None
 
 
-def run(config_path: str, overrides: list[str], num_devices: int | None) -> dict:
+def _model_config(path: str, *, dtype: str = "bfloat16", remat: str = "none"):
+    from jaxrl_llm.config import load_config
+    from jaxrl_llm.train import plan as P
+
+    overrides = [f"model.path={path}", f"model.dtype={dtype}", f"model.remat={remat}"]
+    return P.model_config(load_config(TINY_CONFIG, overrides).model, accelerator=True)
+
+
+def _random_model(cfg, seed: int = 0):
+    from flax import nnx
+
+    from jaxrl_llm import models
+
+    return models.CausalLM(cfg, rngs=nnx.Rngs(seed))
+
+
+def matmul_parameters(cfg, num_parameters: int) -> int:
+    """Parameters that take part in a matmul per token: all but an untied input embedding."""
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    return num_parameters - (0 if tied else cfg.vocab_size * cfg.hidden_size)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parts.
+
+
+def part_mfu(model: str, batch: int, seq: int, steps: int) -> dict:
+    """bf16 forward + backward of the log-prob pass; see the module docstring."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_llm.train import forward
+    from jaxrl_llm.train import state as st
+
+    cfg = _model_config(model)
+    graphdef, params = st.split_params(_random_model(cfg))
+    n = sum(x.size for x in jax.tree.leaves(params))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch, seq)), jnp.int32)
+    mask = jnp.ones((batch, seq), bool)
+    completion = seq // 2
+
+    def loss(p):
+        logp = forward.completion_logprobs_nt(graphdef, p, tokens, mask, completion_len=completion)
+        return jnp.mean(logp)
+
+    grad = jax.jit(jax.value_and_grad(loss))
+    t0 = time.perf_counter()
+    jax.block_until_ready(grad(params))
+    compile_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        out = grad(params)
+    jax.block_until_ready(out)
+    step_s = (time.perf_counter() - t0) / steps
+    per_token = 6 * matmul_parameters(cfg, n) + 12 * cfg.num_layers * cfg.num_heads * (
+        cfg.head_dim * seq
+    )
+    flops = per_token * batch * seq
+    peak, _ = chip_peaks(jax.devices()[0].device_kind)
+    return {
+        "model": model,
+        "parameters": int(n),
+        "batch": batch,
+        "seq": seq,
+        "compile_s": compile_s,
+        "step_s": step_s,
+        "model_flops_per_step": float(flops),
+        "flops_per_s": flops / step_s,
+        "peak_bf16_flops_per_s": peak,
+        "mfu": None if peak is None else flops / step_s / peak,
+        "loss_finite": bool(np.isfinite(float(out[0]))),
+    }
+
+
+def part_decode(model: str, batch: int, prompt: int, new: int) -> dict:
+    """Decode tokens/s at ``batch`` rows against the HBM roofline; see the module docstring."""
+    import jax
+    import numpy as np
+
+    from jaxrl_llm import rollout
+    from jaxrl_llm.train import state as st
+
+    cfg = _model_config(model)
+    graphdef, params = st.split_params(_random_model(cfg))
+    n = sum(x.size for x in jax.tree.leaves(params))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, cfg.vocab_size, (batch, prompt), dtype=np.int32)
+    mask = np.ones((batch, prompt), bool)
+
+    def sample(t: int) -> float:
+        t0 = time.perf_counter()
+        out = rollout.generate(
+            (graphdef, params),
+            ids,
+            mask,
+            rng=jax.random.key(0),
+            max_new_tokens=t,
+            temperature=1.0,
+            stop_token_ids=(),  # no stop: every row decodes all t tokens
+            cache_dtype="bfloat16",
+        )
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0
+
+    first = {t: sample(t) for t in (1, new)}  # compiles
+    prefill_s = min(sample(1) for _ in range(2))
+    full_s = min(sample(new) for _ in range(2))
+    decode_s = max(full_s - prefill_s, 1e-9)
+    tokens_per_s = batch * (new - 1) / decode_s
+    kv = 2 * cfg.num_layers * batch * cfg.num_kv_heads * cfg.head_dim * (prompt + new / 2) * 2
+    step_bytes = 2 * matmul_parameters(cfg, n) + kv
+    _, bandwidth = chip_peaks(jax.devices()[0].device_kind)
+    roofline = None if bandwidth is None else batch / (step_bytes / bandwidth)
+    return {
+        "model": model,
+        "batch": batch,
+        "prompt": prompt,
+        "new_tokens": new,
+        "compile_s": {str(k): v for k, v in first.items()},
+        "prefill_s": prefill_s,
+        "generate_s": full_s,
+        "decode_tokens_per_s": tokens_per_s,
+        "bytes_per_decode_step": float(step_bytes),
+        "hbm_bytes_per_s": bandwidth,
+        "roofline_tokens_per_s": roofline,
+        "percent_of_roofline": None if roofline is None else 100 * tokens_per_s / roofline,
+    }
+
+
+def _proc_status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak_rss() -> bool:
+    """Linux: ``VmHWM`` restarts from the current RSS (``echo 5 > /proc/PID/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def random_run(config, abstract, recipe):
+    """The planned run's real state: the same Models (mesh, shardings, optimizer, graphdef)
+    as the abstract run, with random weights of the model's config in place of a checkpoint
+    (full fine-tuning; the reference a copy in ``kl.reference_param_dtype``)."""
+    import dataclasses
+
+    import jax
+
+    from jaxrl_llm.models import sharding as shd
+    from jaxrl_llm.train import models as train_models
+    from jaxrl_llm.train import state as st
+
+    if config.model.lora is not None:
+        raise ValueError("bench_accelerator: the measured run is full fine-tuning (no model.lora)")
+    models = abstract.models
+    with jax.set_mesh(models.mesh):
+        lm = shd.shard_model(
+            _random_model(abstract.model_config, config.train.seed), models.mesh, models.rules
+        )
+        _, params = st.split_params(lm)
+        del lm
+        ref = None
+        if models.ref_params is not None:
+            ref = train_models.reference_params(params, config.kl.reference_param_dtype)
+        state = st.init_train_state(
+            params,
+            models.tx,
+            recipe=recipe,
+            seed=config.train.seed,
+            opt_sharding=models.state_sharding.opt_state,
+        )
+        state = jax.device_put(state, models.state_sharding)
+    return dataclasses.replace(models, ref_params=ref), state
+
+
+def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -> dict:
+    """The planned peak of a GRPO run against the measured one; see the module docstring."""
+    import jax
+    import numpy as np
+
     from jaxrl_llm import rollout
     from jaxrl_llm.config import build_recipe, load_config
     from jaxrl_llm.train import plan as P
@@ -47,36 +299,40 @@ def run(config_path: str, overrides: list[str], num_devices: int | None) -> dict
     from jaxrl_llm.train.step import Groups, make_rl_step
 
     config = load_config(config_path, overrides)
-    target = P.local_target(num_devices)
+    n_devices = num_devices or jax.device_count()
+    target = P.local_target(n_devices)
     t0 = time.perf_counter()
     plan = P.plan_run(config, target)
     plan_s = time.perf_counter() - t0
-
     recipe = build_recipe(config)
-    mesh, _ = su.make_mesh(config)
-    models, state = su.build_models(config, recipe, mesh=mesh)
+    sizes = dict(plan.mesh)
+    from jaxrl_llm.models import sharding as shd
+
+    mesh = shd.make_mesh(**sizes, devices=jax.devices()[: math.prod(sizes.values())])
+    model_cfg = P.model_config(config.model, accelerator=target.accelerator)
+    abstract = P.abstract_run(config, recipe, mesh, model_cfg)
+    models, state = random_run(config, abstract, recipe)
+
     r = config.rollout
     b, g, t = r.prompts_per_step, r.num_samples, r.max_new_tokens
-    p = -(-config.data.max_prompt_length // su.PAD_MULTIPLE) * su.PAD_MULTIPLE
-    vocab = models.policy(state.params).config.vocab_size
+    p = abstract.prompt_width
     rng = np.random.default_rng(0)
-    ids = rng.integers(3, vocab, (b, p), dtype=np.int32)
+    ids = rng.integers(3, model_cfg.vocab_size, (b, p), dtype=np.int32)
     mask = np.ones((b, p), bool)
-    sampler = su._sampler(config, ())
 
     def sample():
         out = rollout.generate(
-            (models.graphdef, state.params),
+            models.sampling_policy(state.params),
             ids,
             mask,
             rng=jax.random.key(0),
             max_new_tokens=t,
             num_samples=g,
-            temperature=sampler.temperature,
-            top_k=sampler.top_k,
-            top_p=sampler.top_p,
-            stop_token_ids=(),
-            cache_dtype=sampler.cache_dtype,
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            stop_token_ids=(),  # the plan's worst case: every completion T tokens
+            cache_dtype=None if r.cache_dtype == "auto" else r.cache_dtype,
         )
         return jax.block_until_ready(out)
 
@@ -99,27 +355,59 @@ def run(config_path: str, overrides: list[str], num_devices: int | None) -> dict
         recipe,
         models,
         su.update_shape(config),
-        temperature=sampler.temperature or 1.0,
+        temperature=r.temperature or 1.0,
         old_logprobs=su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
     )
     t0 = time.perf_counter()
-    state, _ = step(state, groups)
+    state, _ = step(state, groups)  # compiles
     step_first_s = time.perf_counter() - t0
+    stats = jax.devices()[0].memory_stats()
+    device0 = jax.devices()[0]
+
+    def device0_bytes(tree) -> int:  # the real arguments' bytes on device 0
+        total = 0
+        for x in jax.tree.leaves(tree):
+            if isinstance(x, jax.Array):
+                total += sum(s.data.nbytes for s in x.addressable_shards if s.device == device0)
+            elif hasattr(x, "nbytes"):
+                total += x.nbytes
+        return total
+
+    live = device0_bytes((state, models.ref_params, groups))
+    rss_before = _proc_status("VmRSS")
+    reset = stats is None and _reset_peak_rss()
     t0 = time.perf_counter()
     state, metrics = step(state, groups)
     step_s = time.perf_counter() - t0
-    measured = _peak_bytes()
-    predicted = plan.peak
+    u = plan.update
+    if stats is not None:  # GPU / TPU: the allocator's peak over the whole part
+        stats = jax.devices()[0].memory_stats()
+        measured = int(stats.get("peak_bytes_in_use", 0)) or None
+        method = "device.memory_stats()['peak_bytes_in_use'] (whole process: state, rollout, step)"
+        predicted = plan.peak
+    elif reset:  # CPU: the update program's arguments, plus what the process grew by
+        measured = live + _proc_status("VmHWM") - rss_before
+        method = (
+            "CPU: the step's argument arrays + growth of the process's peak RSS (VmHWM) "
+            "during one update step"
+        )
+        predicted = plan.update_peak
+    else:
+        measured, method, predicted = None, "not measurable here", plan.peak
+    ratio = None if measured is None else measured / predicted
     return {
-        "machine": machine_info(),
         "config": config_path,
         "overrides": overrides,
         "plan": plan.to_dict(),
         "plan_s": plan_s,
-        "predicted_peak_bytes": predicted,
-        "measured_peak_bytes": measured,
-        "measured_over_predicted": None if measured is None else measured / predicted,
-        "within_10_percent": None if measured is None else abs(measured / predicted - 1) <= 0.1,
+        "predicted_bytes": predicted,
+        "measured_bytes": measured,
+        "measured_method": method,
+        "measured_over_predicted": ratio,
+        "within_10_percent": None if ratio is None else abs(ratio - 1) <= 0.1,
+        "update_predicted_dynamic_bytes": u.outputs - u.aliased + u.temporaries,
+        "update_measured_dynamic_bytes": None if measured is None or stats else measured - live,
+        "argument_bytes": live,
         "rollout_s": {"first (compile)": rollout_first_s, "steady": rollout_s},
         "rollout_tokens_per_s": b * g * t / rollout_s,
         "step_s": {"first (compile)": step_first_s, "steady": step_s},
@@ -129,19 +417,66 @@ def run(config_path: str, overrides: list[str], num_devices: int | None) -> dict
     }
 
 
+PARTS = ("plan", "mfu", "decode")
+
+
+def run_part(name: str, shapes: dict, num_devices: int | None) -> dict:
+    """One part in this process."""
+    s = shapes[name]
+    if name == "plan":
+        return part_plan(s["config"], list(s["overrides"]), num_devices)
+    if name == "mfu":
+        return part_mfu(**s)
+    return part_decode(**s)
+
+
+def run_in_subprocess(name: str, tiny: bool, num_devices: int | None, timeout: float) -> dict:
+    """One part in a fresh Python (its own peak), large allocations forced to mmap (so the CPU
+    RSS measurement sees freed memory leave)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    args = [sys.executable, str(Path(__file__).resolve()), "--part", name]
+    args += ["--tiny"] if tiny else []
+    args += [] if num_devices is None else ["--devices", str(num_devices)]
+    t0 = time.perf_counter()
+    try:
+        out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    if out.returncode != 0:
+        return {"error": out.stderr.strip().splitlines()[-5:], "returncode": out.returncode}
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result["part_wall_s"] = time.perf_counter() - t0
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--config", default="configs/tiny.yaml")
-    parser.add_argument("--devices", type=int, default=None, help="first N devices (default 1)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (the CPU test)")
+    parser.add_argument("--devices", type=int, default=None, help="first N devices (plan part)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}")
+    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # one, in this process
+    parser.add_argument("--budget-s", type=float, default=240.0, help="timeout of each part")
     parser.add_argument("--out", default=None, help="write the JSON here (also printed)")
-    parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
-    result = run(args.config, list(args.overrides), args.devices or 1)
+    shapes = SHAPES["tiny" if args.tiny else "device"]
+    if args.part is not None:  # the subprocess: one line of JSON on stdout
+        print(json.dumps(run_part(args.part, shapes, args.devices), default=str))
+        return 0
+    parts = [p for p in args.parts.split(",") if p]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        parser.error(f"--parts: unknown {unknown}; expected some of {list(PARTS)}")
+    sys.path.insert(0, str(SCRIPTS))
+    from _bench_common import machine_info
+
+    result = {"machine": machine_info(), "tiny": args.tiny, "parts": {}}
+    for name in parts:
+        result["parts"][name] = run_in_subprocess(name, args.tiny, args.devices, args.budget_s)
     text = json.dumps(result, indent=2, default=str)
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)
-    return 0
+    return 0 if all("error" not in r for r in result["parts"].values()) else 1
 
 
 if __name__ == "__main__":

@@ -1312,11 +1312,17 @@ def _eval_shape(config: Any) -> dict[str, Any] | None:
     return {"prompts": prompts, "num_samples": k, "max_new_tokens": max_new, "greedy": greedy}
 
 
+LORA_RANK = 16
+"""The adapters' rank :func:`candidates` suggests (PEFT's and TRL's examples use 8-64)."""
+
+
 def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
     """Changes that lower a run's peak, as ``(what, overrides)``: FSDP over every device, full
     remat, a bfloat16 reference, half the micro-batch (down to one row per data-parallel
     device), and all of those together. None changes the recipe's math (a bf16 reference
-    rounds π_ref's parameters; remat and micro-batches are exact)."""
+    rounds π_ref's parameters; remat and micro-batches are exact). Then, for a full
+    fine-tuning run, LoRA and QLoRA (nf4) of rank :data:`LORA_RANK` on every projection, which
+    do change what is trained (Hu et al. 2021; Dettmers et al. 2023)."""
     found: list[tuple[str, list[str]]] = []
     sizes, devices = plan.mesh, plan.target.num_devices
     if sizes["fsdp"] * sizes["tensor"] < devices:
@@ -1356,6 +1362,19 @@ def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
         for _, overrides in found:
             merged.update(o.split("=", 1) for o in overrides)
         found.append(("all of the above", [f"{k}={v}" for k, v in merged.items()]))
+    if config.model.lora is None:  # changes what is trained: offered apart, last
+        critic = bool(plan.critic.total)
+        for quantize, what in (("none", "LoRA"), ("nf4", "QLoRA (nf4 base)")):
+            lora = [f"model.lora.rank={LORA_RANK}", f"model.lora.quantize={quantize}"]
+            if critic:
+                lora += [f"critic.lora.rank={LORA_RANK}", f"critic.lora.quantize={quantize}"]
+            found.append(
+                (
+                    f"{what} rank {LORA_RANK} on every projection (trains adapters, not the "
+                    "model; the frozen base is the reference)",
+                    lora,
+                )
+            )
     return found
 
 
@@ -1387,8 +1406,8 @@ def format_suggestions(found: Sequence[Mapping[str, Any]]) -> str:
     """The suggestions as lines under the plan."""
     if not found:
         return (
-            "\nno suggestion: FSDP over every device, remat, a bf16 reference and the smallest "
-            "micro-batch are already set; consider more devices, a smaller batch or LoRA"
+            "\nno suggestion: FSDP over every device, remat, a bf16 reference, the smallest "
+            "micro-batch and LoRA are already set; consider more devices or a smaller batch"
         )
     lines = ["", "suggestions (each re-planned for the same target):"]
     for s in found:

@@ -242,6 +242,8 @@ def test_tiny_plan_on_one_cpu_device_agrees_with_xla_and_the_state():
         ["kl.reference_param_dtype=bfloat16"],
         ["optim.micro_batch_size=2"],
         ["model.remat=full", "kl.reference_param_dtype=bfloat16", "optim.micro_batch_size=2"],
+        ["model.lora.rank=16", "model.lora.quantize=none"],
+        ["model.lora.rank=16", "model.lora.quantize=nf4"],
     ]
 
 
@@ -370,29 +372,6 @@ def test_cli_plans_more_devices_than_this_process_in_a_subprocess(capsys):
     assert code == 0 and d["fits"] is True and d["target"]["num_devices"] == 16
     assert d["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1} and d["target"]["estimate"]
     assert d["target"]["name"] == "16x GPU (CPU estimate)"
-
-
-@pytest.mark.slow
-def test_bench_accelerator_runs_on_cpu():
-    """The prepared device script (scripts/bench_accelerator.py) on the tiny config: CPU devices
-    report no memory statistics, so the measured side is None here."""
-    import importlib.util as iu
-    import pathlib
-    import sys
-
-    scripts = pathlib.Path(__file__).resolve().parents[2] / "scripts"
-    sys.path.insert(0, str(scripts))
-    try:
-        spec = iu.spec_from_file_location("bench_accelerator", scripts / "bench_accelerator.py")
-        bench = iu.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-        result = bench.run(TINY, [], 1)
-    finally:
-        sys.path.remove(str(scripts))
-    assert result["predicted_peak_bytes"] == result["plan"]["per_device_bytes"]["peak"] > 0
-    assert result["measured_peak_bytes"] is None and result["within_10_percent"] is None
-    assert result["step_finite"] is True and result["rollout_tokens_per_s"] > 0
-    json.dumps(result, default=str)
 
 
 # ---------------------------------------------------------------------------------------------

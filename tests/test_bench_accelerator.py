@@ -1,0 +1,102 @@
+"""scripts/bench_accelerator.py, the prepared device script, on CPU with tiny shapes.
+
+On CPU there is no chip peak (MFU and the roofline are None) and no ``memory_stats()``; the
+numbers that are formulas are checked against hand counts, and the plan part (slow) measures
+the update program's peak resident memory against the plan's update peak.
+"""
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_accelerator", SCRIPTS / "bench_accelerator.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def test_chip_peaks(bench):
+    assert bench.chip_peaks("NVIDIA H200") == (989.4e12, 4.8e12)
+    assert bench.chip_peaks("NVIDIA H100 80GB HBM3") == (989.4e12, 3.35e12)
+    assert bench.chip_peaks("TPU v5 lite") == (197e12, 819e9)
+    assert bench.chip_peaks("TPU v5") == (459e12, 2765e9)
+    assert bench.chip_peaks("TPU v6 lite") == (918e12, 1640e9)
+    assert bench.chip_peaks("cpu") == (None, None)
+
+
+def test_1b_model_config_is_llama_3_2_1b(bench):
+    """The 1B-class shapes the device run uses: Llama-3.2-1B's published 1.236 B parameters
+    (tied embeddings: every parameter is in a matmul)."""
+    import jax
+    from flax import nnx
+
+    from jaxrl_llm import models
+
+    cfg = bench._model_config(bench.MODEL_1B)
+    abstract = nnx.eval_shape(lambda: models.CausalLM(cfg, rngs=nnx.Rngs(0)))
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+    assert n == 1_235_814_400 and bench.matmul_parameters(cfg, n) == n
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim) == (16, 2048, 8, 64)
+
+
+def test_mfu_and_decode_parts_on_tiny_shapes(bench):
+    mfu = bench.part_mfu("tiny-random", batch=2, seq=16, steps=1)
+    cfg = bench._model_config("tiny-random")
+    n = mfu["parameters"]
+    untied = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    per_token = 6 * (n - untied) + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 16
+    assert mfu["model_flops_per_step"] == per_token * 2 * 16
+    assert mfu["loss_finite"] and mfu["step_s"] > 0 and mfu["mfu"] is None  # CPU: no peak
+    dec = bench.part_decode("tiny-random", batch=4, prompt=16, new=4)
+    kv = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * (16 + 2) * 2
+    assert dec["bytes_per_decode_step"] == 2 * (n - untied) + kv
+    assert dec["decode_tokens_per_s"] > 0 and dec["percent_of_roofline"] is None
+    json.dumps({"mfu": mfu, "decode": dec})
+
+
+def test_bad_parts_are_refused(bench, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--parts", "mfu,speed"])
+    assert "--parts: unknown ['speed']" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_plan_part_measures_the_update_peak_on_cpu(bench, tmp_path, monkeypatch):
+    """The whole script's plan part in its own process (as on a device): the tiny GRPO run
+    planned, built with random weights, sampled and stepped; CPU devices report no memory, so
+    the measured side is the step's argument bytes + the process's peak-RSS growth during one
+    update step, against the plan's update peak.
+
+    XLA:CPU's resident growth exceeds its buffer assignment's ``outputs − aliased +
+    temporaries``: observed 1.1-1.3x on this machine (the issue's 10% is for an accelerator's
+    ``memory_stats()``; the device run reports it). Checked here: the measurement is real
+    (nonzero growth), not below the plan by more than 10%, and not above by more than 50%.
+
+    The part runs with XLA:CPU's default flags: under the suite's
+    ``--xla_backend_optimization_level=0`` the step's RSS grew by 8 MiB for XLA's 36 MiB of
+    temporaries (not investigated further), which measures nothing useful."""
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device, default optimisation
+    out = tmp_path / "bench.json"
+    code = bench.main(["--tiny", "--parts", "plan", "--out", str(out)])
+    d = json.loads(out.read_text())["parts"]["plan"]
+    assert code == 0, d
+    assert d["step_finite"] is True and d["measured_method"].startswith("CPU:")
+    assert d["predicted_bytes"] == d["plan"]["per_device_bytes"]["update_peak"]
+    assert d["argument_bytes"] > 0 and d["update_measured_dynamic_bytes"] > 0
+    assert 0.9 <= d["measured_over_predicted"] <= 1.5, d["measured_over_predicted"]
+    assert d["update_measured_dynamic_bytes"] >= 0.9 * d["update_predicted_dynamic_bytes"]
