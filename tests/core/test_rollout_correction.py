@@ -631,6 +631,7 @@ def test_config_checks_the_option():
         )
 
 
+@pytest.mark.slow
 def test_train_loop_runs_the_option_and_ratio_mean_is_one_at_staleness_0(tmp_path):
     """`jaxrl-llm train`'s loop on the tiny config: one step with icepop on the sampler's
     log-probs; the rollout engine and the trainer compute the same policy (staleness 0), so
