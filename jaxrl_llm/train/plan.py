@@ -697,6 +697,8 @@ class Program:
     ``bytes = arguments + outputs − aliased + temporaries`` is what it needs on one device while
     it runs; ``flops`` as XLA counts them (a loop body once). ``resident``: the bytes of its
     arguments that belong to the resident train state (set for the extra programs).
+    ``shared``: argument bytes XLA counts twice that are one buffer at run time (LoRA's frozen
+    base, passed to the RL step as the reference and as the base), left out of ``bytes``.
     """
 
     name: str
@@ -708,13 +710,14 @@ class Program:
     flops: float
     compile_s: float
     resident: int = 0
+    shared: int = 0
 
     @property
     def bytes(self) -> int:
-        return self.arguments + self.outputs - self.aliased + self.temporaries
+        return self.arguments - self.shared + self.outputs - self.aliased + self.temporaries
 
 
-def _program(name: str, lowered: Any, resident: int = 0) -> Program:
+def _program(name: str, lowered: Any, resident: int = 0, shared: int = 0) -> Program:
     t0 = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - t0
@@ -732,6 +735,7 @@ def _program(name: str, lowered: Any, resident: int = 0) -> Program:
         flops=float((cost or {}).get("flops", 0.0)),
         compile_s=seconds,
         resident=resident,
+        shared=shared,
     )
 
 
@@ -1111,7 +1115,10 @@ def plan_run(config: Any, target: Target) -> Plan:
     run = abstract_run(config, recipe, mesh, model_cfg)
     rollout_lowered, kv = lower_rollout(run, config, target)
     rollout = _program("rollout", rollout_lowered)
-    update = _program("update", lower_step(run, config, recipe))
+    # LoRA: the frozen base is both the reference and the base argument, one buffer at run time
+    lora_ref = run.models.frozen is not None and run.models.ref_params is run.models.frozen
+    shared = tree_bytes(run.models.frozen).per_device if lora_ref else 0
+    update = _program("update", lower_step(run, config, recipe), shared=shared)
     s = run.state
     merged = run.models.merge_for_sampling and run.models.frozen is not None
     resident = 0 if merged else tree_bytes(run.sampler[1]).per_device

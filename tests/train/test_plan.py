@@ -248,6 +248,70 @@ def test_tiny_plan_on_one_cpu_device_agrees_with_xla_and_the_state():
 
 
 @pytest.mark.slow
+def test_tiny_lora_plan_compiles_the_lora_step_with_the_frozen_base():
+    """LoRA: the update takes the adapters' state, the frozen base (a non-donated argument,
+    also the reference: counted once) and the groups; the base is not in the state."""
+    config = load_config(TINY, ["model.lora.rank=4"])
+    recipe = build_recipe(config)
+    models, state = su.build_models(config, recipe)
+    plan = P.plan_run(config, P.parse_target(devices=1, device_memory="1GiB"))
+    assert plan.reference.total == 0 and plan.frozen.per_device == _nbytes(models.frozen)
+    assert plan.parameters.per_device == _nbytes(state.params)
+    assert plan.state == _nbytes(state.params) + _nbytes(state.opt_state) + _nbytes(models.frozen)
+    unused = 2 * 2 * 8 * 4  # the sampler's log-probs (π_old is recomputed)
+    # The base is passed twice (as the reference and as the frozen base; one buffer at run
+    # time): XLA counts it twice, the plan once.
+    assert plan.update.arguments == (
+        _nbytes(state) + 2 * _nbytes(models.frozen) + plan.batch.per_device - unused
+    )
+    assert plan.update.shared == _nbytes(models.frozen)
+    assert plan.update_peak == (
+        plan.update.arguments
+        - plan.update.shared
+        + plan.update.outputs
+        - plan.update.aliased
+        + plan.update.temporaries
+    )
+    assert plan.update.aliased >= _nbytes(state.params) + _nbytes(state.opt_state)
+    # The sampler runs the base joined with the adapters: both resident, not counted twice.
+    assert plan.rollout.arguments >= _nbytes(models.frozen) + _nbytes(state.params)
+    assert (
+        plan.rollout_peak
+        == plan.state
+        + (plan.rollout.arguments - _nbytes(models.frozen) - _nbytes(state.params))
+        + plan.rollout.outputs
+        + plan.rollout.temporaries
+    )
+    n = plan.model["parameters"]
+    assert plan.update_flops_analytic == (2 + 4) * n * 2 * 2 * (128 + 8)  # no weight gradients
+    assert "frozen base = reference" in P.format_plan(plan)
+    assert plan.model["lora"] == {"rank": 4, "quantize": "none", "reference_is_base": True}
+    # The evaluation sampler (8 held-out prompts, greedy) is planned as a third program.
+    (ev,) = plan.programs
+    assert ev.name == "eval rollout" and plan.peaks["eval rollout"] == plan.program_peak(ev)
+
+
+@pytest.mark.slow
+def test_dpo_plan_has_the_reference_pass_and_the_update():
+    overrides = ["model.path=tiny-random", "model.dtype=float32", "data.eval_size=0"]
+    config = load_config("configs/algorithms/dpo.yaml", overrides)
+    recipe = build_recipe(config)
+    models, state = su.build_models(config, recipe)
+    plan = P.plan_run(config, P.parse_target(devices=1, device_memory="1GiB"))
+    (ref_pass,) = plan.programs
+    n, width = config.preference.pairs_per_step, 128 + 32  # prompts 128, answers 32
+    assert ref_pass.name == "reference pass"
+    assert ref_pass.arguments == _nbytes(models.ref_params) + n * width * (4 + 1)
+    assert ref_pass.resident == _nbytes(models.ref_params)
+    assert plan.reference.per_device == _nbytes(models.ref_params)
+    assert plan.batch.total == 2 * n * (width * 5 + 32) + 2 * n * 4  # + the ref log-probs
+    assert plan.update.aliased >= _nbytes(state.params) + _nbytes(state.opt_state)
+    assert set(plan.peaks) == {"update", "reference pass"} and plan.fits
+    assert plan.update_flops_analytic == 2 * n * width * plan.model["parameters"] * (2 + 6)
+    assert "KV cache" not in P.format_plan(plan)
+
+
+@pytest.mark.slow
 def test_suggestions_are_replanned(monkeypatch, capsys):
     """A run that does not fit: exit 1, and each suggestion carries its re-planned peak."""
     bf16 = ("bfloat16 reference model", ["kl.reference_param_dtype=bfloat16"])
@@ -412,6 +476,7 @@ def test_preflight_that_fits_trains(tmp_path, capsys, monkeypatch):
     assert (run / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_preflight_without_device_memory_gives_no_verdict():
     lines = []
     plan = P.preflight(load_config(TINY, ["data.eval_size=0"]), log=lines.append)
