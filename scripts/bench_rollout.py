@@ -25,7 +25,7 @@ engine (continuous batching, ``rollout/paged.py``) against the static engine on
 Each engine is warmed up once on the same shapes (long-tail: all budgets 1, which compiles the
 static engine's program and the paged prefills), then timed once; XLA compile time during the
 timed call (the paged engine's decode programs of new page-table widths) is measured apart
-(``jax.monitoring`` backend-compile events) and subtracted.
+(``jax.monitoring`` trace + lowering + backend-compile events) and subtracted.
 Reports useful tokens/s, compile seconds and the peak KV-cache bytes (static: the dense
 ``[L, N, P + T, K, Dh]`` keys and values; paged: the peak pages held x page bytes).
 ``--lt-torch`` adds transformers' ``generate`` (static batch to the longest budget).
@@ -167,15 +167,13 @@ def long_tail_budgets(num_prompts: int, num_samples: int, seed: int = 0):
 
 
 class _CompileSeconds:
-    """Sums XLA backend compile durations while active."""
+    """Sums JAX's compile-path durations (trace, lowering, XLA compile) while active."""
 
     def __init__(self):
-        from jaxrl_llm.train.hostmem import BACKEND_COMPILE_EVENT
-
-        self.event, self.seconds = BACKEND_COMPILE_EVENT, 0.0
+        self.seconds = 0.0
 
     def __call__(self, event: str, duration: float, **kwargs) -> None:
-        if event == self.event:
+        if event.startswith("/jax/core/compile/"):
             self.seconds += duration
 
     def __enter__(self):
@@ -298,8 +296,9 @@ def paged_main(args) -> None:
         budgets = long_tail_budgets(args.lt_prompts, args.lt_samples)
         workloads.append(("long_tail", ids, mask, args.lt_samples, int(budgets.max()), budgets))
     for name, ids, mask, g, t, budgets in workloads:
+        slots = args.lt_slots if name == "long_tail" else 0
         options = rollout.paged.PagedOptions(
-            num_slots=args.slots or None, steps_per_dispatch=args.steps_per_dispatch
+            num_slots=slots or None, steps_per_dispatch=args.steps_per_dispatch
         )
         options = rollout.paged.resolve_options(
             options,
@@ -354,7 +353,7 @@ def main() -> None:
     ap.add_argument("--lt-prompts", type=int, default=64, help="--paged long-tail; 0 skips")
     ap.add_argument("--lt-samples", type=int, default=4)
     ap.add_argument("--lt-torch", action="store_true", help="--paged: add transformers")
-    ap.add_argument("--slots", type=int, default=0, help="--paged: decode slots (0: default)")
+    ap.add_argument("--lt-slots", type=int, default=0, help="long-tail decode slots (0: default)")
     ap.add_argument("--steps-per-dispatch", type=int, default=8)
     args = ap.parse_args()
     if args.paged:

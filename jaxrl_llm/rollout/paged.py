@@ -20,11 +20,13 @@ sample's budget; the reservation is counted, pages are taken lazily), so no admi
 ever waits for a page and nothing is preempted. Its prefill runs in chunks of at most
 ``prefill_chunk`` tokens (chunked prefill, Agrawal et al. 2023, "Sarathi"), between decode
 dispatches; each decode dispatch is a ``lax.fori_loop`` of ``steps_per_dispatch`` one-token
-steps over all slots, so the host is visited once per k tokens. A slot whose sequence stops
-(a stop id, or its own budget ``max_new_tokens_bg[b, g]``) idles until the dispatch ends and
-is then refilled. Compiled shapes are bucketed (slots fixed; page-table width and prefill
-chunk width in powers of two), so a run compiles a handful of programs and a second run with
-the same buckets compiles none.
+steps over the live slots, packed into the smallest power-of-two row bucket that holds them
+(at least 8, at most ``num_slots``: the batch's long tail decodes at the width of what is
+left), so the host is visited once per k tokens. A slot whose sequence stops (a stop id, or
+its own budget ``max_new_tokens_bg[b, g]``) idles until the dispatch ends and is then
+refilled. Compiled shapes are bucketed (rows, page-table width and prefill chunk width in
+powers of two), so a run compiles a handful of programs and a second run with the same
+buckets compiles none.
 
 Model. No second model definition: both programs run the model's own stacked
 :class:`~jaxrl_llm.models.transformer.DecoderLayer` through ``scan_layers`` with an ``attend``
@@ -71,6 +73,9 @@ TRASH_PAGE = 0
 
 _MIN_TABLE_TOKENS = 128
 """Page tables are at least this many tokens wide: fewer compiled widths for short contexts."""
+
+_MIN_SLOT_BUCKET = 8
+"""Decode dispatches run at least this many rows (or ``num_slots``): fewer compiled shapes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -731,31 +736,35 @@ def run(
                     seq.reserved -= extra
                 needed = max(needed, len(seq.pages))
             width = table_width(needed)
-            table = np.full((slots, width), TRASH_PAGE, np.int32)
-            for slot in range(slots):
-                if slot_seq[slot] >= 0:
-                    pages = seqs[slot_seq[slot]].pages[:width]
-                    table[slot, : len(pages)] = pages
-            state = _SlotState(lens, token, alive, remaining, gen_pos, seq_id)
+            # The live slots, packed into the smallest slot bucket that holds them (a
+            # sequence's tokens do not depend on its row): the long tail of a batch decodes
+            # at the width of what is left, not of num_slots.
+            live = np.flatnonzero(alive)
+            bucket = min(slots, max(_next_pow2(len(live)), _MIN_SLOT_BUCKET))
+            rows_j = np.concatenate([live, np.flatnonzero(~alive)[: bucket - len(live)]])
+            table = np.full((bucket, width), TRASH_PAGE, np.int32)
+            for j, slot in enumerate(rows_j[: len(live)]):
+                pages = seqs[slot_seq[slot]].pages[:width]
+                table[j, : len(pages)] = pages
+            arrays = (lens, token, alive, remaining, gen_pos, seq_id)
+            state = _SlotState(*(x[rows_j] for x in arrays))
             pool, state, tok_kn, logp_kn, valid_kn = _decode(
                 graphdef, params, pool, table, state, rng, temp, topp, stop_ids, static=static
             )
             dispatches += 1
-            state = jax.tree.map(lambda x: np.array(x), state)
+            for x, new in zip(arrays, state, strict=True):
+                x[rows_j] = np.asarray(new)
             tok_kn, logp_kn, valid_kn = (
                 np.asarray(tok_kn),
                 np.asarray(logp_kn),
                 np.asarray(valid_kn),
             )
-            lens, token, alive, remaining, gen_pos, seq_id = state
-            for slot in range(slots):
+            for j, slot in enumerate(rows_j[: len(live)]):
                 sid = slot_seq[slot]
-                if sid < 0:
-                    continue
                 seq = seqs[sid]
-                rows = valid_kn[:, slot]
-                seq.tokens += tok_kn[rows, slot].tolist()
-                seq.logps += logp_kn[rows, slot].tolist()
+                rows = valid_kn[:, j]
+                seq.tokens += tok_kn[rows, j].tolist()
+                seq.logps += logp_kn[rows, j].tolist()
                 if not alive[slot]:
                     seq.stopped = seq.tokens[-1] in stop_set
                     finish(sid)

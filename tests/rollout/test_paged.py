@@ -95,7 +95,9 @@ def test_sampled_tokens_do_not_depend_on_slots_order_or_neighbours(tiny_pair):
     )
     one_group = dataclasses.replace(SMALL, num_slots=2)  # admits one prompt at a time
     one_group = rollout.generate(model, ids, mask, paged_options=one_group, **kw)
-    wide = rollout.generate(model, ids, mask, paged_options=SMALL, **kw)
+    # 16 slots for 10 sequences: rows 16, then 8 as they finish (the live slots repacked).
+    wide = dataclasses.replace(SMALL, num_slots=16)
+    wide = rollout.generate(model, ids, mask, paged_options=wide, **kw)
     assert_same(one_group, wide)
     # The first two prompts alone (other neighbours, other admission times) sample the same.
     kw["max_new_tokens_bg"] = BUDGETS[:2]
