@@ -53,7 +53,7 @@ class LoRASection:
     rank: int = _field(16, ge=1)
     # α: the adapter update is scaled by α / r (α / √r with use_rslora).
     alpha: float = _field(32.0, gt=0)
-    # Dropout on the adapter branch's input (PEFT's lora_dropout); only 0 is supported so far.
+    # Dropout on the adapter branch's input in the update (PEFT's lora_dropout); policy only.
     dropout: float = _field(0.0, ge=0)
     # The projections adapted in every layer (HF names).
     targets: tuple[str, ...] = (
@@ -69,11 +69,9 @@ class LoRASection:
     use_rslora: bool = False
     # QLoRA: the frozen base stored quantised (int8, nf4, int4), dequantised in each matmul.
     quantize: Literal["none", "int8", "nf4", "int4"] = "none"
-    # A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from;
-    # its rank, alpha and targets must match these.
+    # A PEFT adapter folder to start from; its rank, alpha and targets must match these.
     adapter: str | None = None
-    # Rollouts sample from W + (α/r)·AB merged once per step (a float copy of the adapted
-    # kernels for the rollout's duration) instead of running the adapters unmerged.
+    # Rollouts sample from W + (α/r)·AB merged once per step, not from the adapters unmerged.
     merge_for_sampling: bool = False
 
 
@@ -133,6 +131,8 @@ class RolloutConfig:
     stop_token_ids: tuple[int, ...] | None = None
     # KV-cache dtype; auto is the compute dtype.
     cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    # Sampler: static (one dense batch) or paged (continuous batching, paged KV; one device).
+    engine: Literal["static", "paged"] = "static"
 
 
 @dataclasses.dataclass(**_CONFIG)

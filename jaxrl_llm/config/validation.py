@@ -604,11 +604,13 @@ def _check_lora(config: TrainConfig) -> None:
                 f"false with quantize = {section.quantize} (merging would dequantise the "
                 "whole base into a float copy: sample with the adapters unmerged)",
             )
-        if section.dropout != 0:
+        if not 0 <= section.dropout < 1:
+            raise _bad(f"{key}.dropout", section.dropout, "a rate in [0, 1)")
+        if key == "critic.lora" and section.dropout != 0:
             raise _bad(
                 f"{key}.dropout",
                 section.dropout,
-                "0 (adapter dropout is not implemented by the trainer yet)",
+                "0 (dropout is implemented for the policy's adapters, not the critic's)",
             )
     recipe = build_recipe(config) if not config.is_offline else None
     has_critic = recipe is not None and getattr(recipe, "critic", None) is not None

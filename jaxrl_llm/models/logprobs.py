@@ -93,16 +93,18 @@ def completion_logprobs(
     with_entropy: bool = False,
     with_log_sum_sq: bool = False,
     positions_bt: jax.Array | None = None,
+    lora_keys_bt: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """``log π(tokens[:, t] | tokens[:, <t])`` for ``t`` in ``[start, T)``: f32 ``[B, T − start]``.
 
     With a prompt of ``P`` (left-padded) slots followed by completions, ``start=P`` scores
     exactly the completion tokens and forms logits only for them. Padding positions hold
     finite garbage; mask them downstream. ``temperature`` must be the sampling temperature.
+    ``lora_keys_bt``: per-token keys of the LoRA adapters' dropout (the update's forward only).
     """
     if not 1 <= start < tokens_bt.shape[1]:
         raise ValueError(f"start must be in [1, T={tokens_bt.shape[1]}), got {start}")
-    h_btd, _ = lm.model(tokens_bt, mask_bt, positions_bt=positions_bt)
+    h_btd, _ = lm.model(tokens_bt, mask_bt, positions_bt=positions_bt, lora_keys_bt=lora_keys_bt)
     return hidden_logprobs(
         lm,
         h_btd[:, start - 1 : -1],

@@ -50,8 +50,10 @@ class LoRAConfig:
     Attributes:
       rank: r ≥ 1.
       alpha: α > 0; the update is scaled by ``α / r`` (``α / √r`` with ``use_rslora``).
-      dropout: dropout on the adapter branch's input during the update (PEFT applies it
-        before ``A``). Only 0 is supported by the trainer so far.
+      dropout: inverted dropout on the adapter branch's input ``x`` in the update's forward
+        pass (PEFT's ``lora_dropout``, applied before ``A``); the π_old / π_ref passes and the
+        sampler run without it. Each token's mask comes from its own key (see
+        ``transformer.lora_dropout``), so micro-batching and packing do not change it.
       targets: the projections adapted in every layer (a subset of :data:`TARGETS`).
       use_rslora: rank-stabilised scaling (Kalajdzievski 2023, "A Rank Stabilization Scaling
         Factor for Fine-Tuning with LoRA").
@@ -138,6 +140,8 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.
         proj.lora_a = nnx.LoRAParam(a, logical_axes=(*axes[:n_in], RANK_AXIS))
         proj.lora_b = nnx.LoRAParam(b, logical_axes=(*axes[:n_lead], RANK_AXIS, *axes[n_in:]))
         proj.lora_scale = float(config.scale)
+        proj.lora_dropout = float(config.dropout)
+        proj.lora_salt = TARGETS.index(name)
     return model
 
 
@@ -211,6 +215,7 @@ def merge_into_base(model: nnx.Module) -> nnx.Module:
         proj.lora_a = nnx.data(None)
         proj.lora_b = nnx.data(None)
         proj.lora_scale = 1.0
+        proj.lora_dropout = 0.0
     return model
 
 

@@ -164,11 +164,13 @@ class Attention(nnx.Module):
         attend: Attend,
         kv: tuple[jax.Array, jax.Array] | None = None,
         index: jax.Array | None = None,
+        lora_keys_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """``attend(q_bthd, k_bskd, v_bskd) -> [B, T, H, Dh]`` applies this layer's masks."""
-        q_bthd = self.q_proj(x_btd)
-        k_btkd = self.k_proj(x_btd)
-        v_btkd = self.v_proj(x_btd)
+        """``attend(q_bthd, k_bskd, v_bskd) -> [B, T, H, Dh]`` applies this layer's masks;
+        ``lora_keys_bt``: per-token PRNG keys of the adapters' dropout (see ``_Proj``)."""
+        q_bthd = self.q_proj(x_btd, lora_keys_bt)
+        k_btkd = self.k_proj(x_btd, lora_keys_bt)
+        v_btkd = self.v_proj(x_btd, lora_keys_bt)
         if self.q_norm is not None:
             q_bthd, k_btkd = self.q_norm(q_bthd), self.k_norm(k_btkd)
         q_bthd = apply_rope(q_bthd, cos_btd, sin_btd)
@@ -184,7 +186,7 @@ class Attention(nnx.Module):
             )
             new_kv = (k_btkd, v_btkd)
         out_bthd = attend(q_bthd, k_btkd.astype(q_bthd.dtype), v_btkd.astype(q_bthd.dtype))
-        return self.o_proj(out_bthd), new_kv
+        return self.o_proj(out_bthd, lora_keys_bt), new_kv
 
 
 def dot_product_attention(
@@ -207,6 +209,24 @@ def matmul_2d(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
     lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
     y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(*lead, *out)
+
+
+def lora_dropout(x: jax.Array, keys_bt: jax.Array, rate: float, salt: int) -> jax.Array:
+    """Inverted dropout ``x · m / (1 − p)``, ``m ~ Bernoulli(1 − p)`` drawn per token from its
+    own key ``fold_in(keys_bt[b, t], salt)`` (``x: [B, T, ...]``, ``keys_bt``: typed keys)."""
+
+    def keep(key: jax.Array) -> jax.Array:
+        return jax.random.bernoulli(jax.random.fold_in(key, salt), 1.0 - rate, x.shape[2:])
+
+    keep_bt = jax.vmap(jax.vmap(keep))(keys_bt)
+    return jnp.where(keep_bt, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def fold_keys(keys_bt: jax.Array | None, data: jax.Array | int) -> jax.Array | None:
+    """``fold_in(keys_bt[b, t], data)`` for every token (None stays None)."""
+    if keys_bt is None:
+        return None
+    return jax.vmap(jax.vmap(lambda k: jax.random.fold_in(k, data)))(keys_bt)
 
 
 class _Proj(nnx.Module):
@@ -234,6 +254,8 @@ class _Proj(nnx.Module):
         self.lora_a: nnx.LoRAParam | None = nnx.data(None)
         self.lora_b: nnx.LoRAParam | None = nnx.data(None)
         self.lora_scale = 1.0
+        self.lora_dropout = 0.0
+        self.lora_salt = 0  # distinct dropout masks per projection
         self.quant: tuple[str, int] | None = None
         self.kernel_scales: nnx.Param | None = nnx.data(None)
 
@@ -269,10 +291,18 @@ class _Proj(nnx.Module):
         delta = jnp.matmul(a.reshape(*lead, k, r), b.reshape(*lead, r, -1))
         return (w + self.lora_scale * delta.reshape(w.shape)).astype(dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_keys_bt: jax.Array | None = None) -> jax.Array:
+        """``x [B, T, *in] -> [B, T, *out]``. With adapters and ``lora_keys_bt`` (PRNG keys
+        ``[B, T]``, one per token; training only) the adapter branch sees ``x`` through
+        inverted dropout of rate ``lora_dropout`` (PEFT's ``lora_dropout``): token (b, t)'s
+        mask is drawn from ``fold_in(lora_keys_bt[b, t], lora_salt)`` alone, so it does not
+        depend on the batch, micro-batch or packed row the token sits in."""
         y = matmul_2d(x, self.dense_kernel(x.dtype), self.n_in)
         if self.lora_a is not None:
-            xa = matmul_2d(x, self.lora_a[...].astype(x.dtype), self.n_in)
+            x_in = x
+            if lora_keys_bt is not None and self.lora_dropout > 0:
+                x_in = lora_dropout(x, lora_keys_bt, self.lora_dropout, self.lora_salt)
+            xa = matmul_2d(x_in, self.lora_a[...].astype(x.dtype), self.n_in)
             y = y + self.lora_scale * matmul_2d(xa, self.lora_b[...].astype(x.dtype), 1)
         if self.bias is not None:
             bias = self.bias[...].astype(x.dtype)
@@ -291,10 +321,10 @@ class MLP(nnx.Module):
         self.up_proj = _Proj(rngs, (d, f), ("embed", "mlp"), c.mlp_bias, pd)
         self.down_proj = _Proj(rngs, (f, d), ("mlp", "embed"), c.mlp_bias, pd)
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
-        gate = self.gate_proj(x_btd)
-        up = self.up_proj(x_btd)
-        return self.down_proj(self.act(gate) * up)
+    def __call__(self, x_btd: jax.Array, lora_keys_bt: jax.Array | None = None) -> jax.Array:
+        gate = self.gate_proj(x_btd, lora_keys_bt)
+        up = self.up_proj(x_btd, lora_keys_bt)
+        return self.down_proj(self.act(gate) * up, lora_keys_bt)
 
 
 class DecoderLayer(nnx.Module):
@@ -313,12 +343,13 @@ class DecoderLayer(nnx.Module):
         attend: Attend,
         kv: tuple[jax.Array, jax.Array] | None = None,
         index: jax.Array | None = None,
+        lora_keys_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
         attn, new_kv = self.self_attn(
-            self.input_layernorm(x_btd), cos_btd, sin_btd, attend, kv, index
+            self.input_layernorm(x_btd), cos_btd, sin_btd, attend, kv, index, lora_keys_bt
         )
         x_btd = x_btd + attn
-        x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd))
+        x_btd = x_btd + self.mlp(self.post_attention_layernorm(x_btd), lora_keys_bt)
         return x_btd, new_kv
 
 
@@ -429,8 +460,13 @@ class Decoder(nnx.Module):
         segment_ids_bt: jax.Array | None = None,
         cache: KVCache | None = None,
         attention_impl: str | None = None,
+        lora_keys_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Hidden states after the final norm, and the updated cache (``None`` without one).
+
+        ``lora_keys_bt`` (typed PRNG keys ``[B, T]``, one per token): apply the LoRA adapters'
+        dropout (training forward passes only; layer ``l`` folds ``l`` into each key). Not with
+        ``cache``.
 
         ``segment_ids_bt`` (int32 ``[B, T]``, 0 = padding) packs several sequences into a row:
         a token attends to earlier tokens of its own segment only (same nonzero id, causal,
@@ -447,6 +483,11 @@ class Decoder(nnx.Module):
             mask_bt = jnp.ones((b, t), bool)
         if mask_bt.dtype != jnp.bool_:
             raise TypeError(f"mask_bt must be a boolean mask, got dtype {mask_bt.dtype}")
+        if lora_keys_bt is not None and (cache is not None or lora_keys_bt.shape != (b, t)):
+            raise ValueError(
+                f"lora_keys_bt must be [B, T] = {(b, t)} keys (got {lora_keys_bt.shape}) and is "
+                "for cache-free training passes only"
+            )
         if segment_ids_bt is not None:
             if cache is not None:
                 raise ValueError(
@@ -487,12 +528,15 @@ class Decoder(nnx.Module):
             return sharding.constrain(x_btd, ("batch", "seq", "act_embed"))
 
         windows_l = layer_windows(c)
+        layer_ids_l = jnp.arange(c.num_layers, dtype=jnp.int32)
         if cache is None:
             requested = attention_impl or c.attention_impl
             impl = self._attention_impl(requested, b, t)
             if impl != "reference":
                 impl = "auto" if requested == "auto" else impl  # keeps auto's cuDNN fallback
-                return self._kernel_forward(x_btd, cos, sin, mask_bt, segment_ids_bt, impl)
+                return self._kernel_forward(
+                    x_btd, cos, sin, mask_bt, segment_ids_bt, impl, lora_keys_bt
+                )
 
         q_slot_t = jnp.arange(t, dtype=jnp.int32)
         if cache is None:
@@ -513,12 +557,15 @@ class Decoder(nnx.Module):
         if cache is None:
 
             def body(
-                layer: DecoderLayer, x_btd: jax.Array, window: jax.Array
+                layer: DecoderLayer, x_btd: jax.Array, per_layer: tuple[jax.Array, jax.Array]
             ) -> tuple[jax.Array, None]:
-                x_btd, _ = layer(x_btd, cos, sin, reference(window))
+                window, layer_id = per_layer
+                keys = fold_keys(lora_keys_bt, layer_id)
+                x_btd, _ = layer(x_btd, cos, sin, reference(window), lora_keys_bt=keys)
                 return constrain(x_btd), None
 
-            x_btd, _ = scan_layers(self.layers, body, x_btd, windows_l, remat=c.remat)
+            xs = (windows_l, layer_ids_l)
+            x_btd, _ = scan_layers(self.layers, body, x_btd, xs, remat=c.remat)
             return self.norm(x_btd), None
 
         def cached_body(
@@ -554,6 +601,7 @@ class Decoder(nnx.Module):
         mask_bt: jax.Array,
         segment_ids_bt: jax.Array | None,
         impl: str,
+        lora_keys_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, None]:
         """The cache-free layer scan with a kernel (``splash``, ``cudnn`` or ``auto``) as attention.
 
@@ -588,12 +636,15 @@ class Decoder(nnx.Module):
             return lambda q, k, v: jax.lax.switch(branch, branches, q, k, v, mask)
 
         def body(
-            layer: DecoderLayer, x_btd: jax.Array, branch: jax.Array
+            layer: DecoderLayer, x_btd: jax.Array, per_layer: tuple[jax.Array, jax.Array]
         ) -> tuple[jax.Array, None]:
-            x_btd, _ = layer(x_btd, cos, sin, attend(branch))
+            branch, layer_id = per_layer
+            keys = fold_keys(lora_keys_bt, layer_id)
+            x_btd, _ = layer(x_btd, cos, sin, attend(branch), lora_keys_bt=keys)
             return sharding.constrain(x_btd, ("batch", "seq", "act_embed")), None
 
-        x_btd, _ = scan_layers(self.layers, body, x_btd, branch_l, remat=c.remat)
+        xs = (branch_l, jnp.arange(c.num_layers, dtype=jnp.int32))
+        x_btd, _ = scan_layers(self.layers, body, x_btd, xs, remat=c.remat)
         return self.norm(x_btd), None
 
 
@@ -685,6 +736,7 @@ class CausalLM(nnx.Module):
         segment_ids_bt: jax.Array | None = None,
         cache: KVCache | None = None,
         attention_impl: str | None = None,
+        lora_keys_bt: jax.Array | None = None,
     ) -> jax.Array | tuple[jax.Array, KVCache]:
         """Logits ``[B, T, V]`` (and the new cache with ``cache=``); arguments as ``Decoder``."""
         h_btd, new_cache = self.model(
@@ -694,6 +746,7 @@ class CausalLM(nnx.Module):
             segment_ids_bt=segment_ids_bt,
             cache=cache,
             attention_impl=attention_impl,
+            lora_keys_bt=lora_keys_bt,
         )
         logits_btv = self.logits(h_btd)
         return logits_btv if cache is None else (logits_btv, new_cache)

@@ -67,6 +67,9 @@ from jaxrl_llm.train.setup import Models, OldLogprobs, UpdateShape
 Metrics = dict[str, jax.Array]
 
 
+_DROPOUT_SALT = 0x4C6F5241  # folds the step key into the LoRA dropout's own stream
+
+
 class Frozen(NamedTuple):
     """The frozen bases of LoRA models (None without LoRA): arguments of the jitted step, not
     part of the (donated) state; the policy is ``combine(policy, state.params)``."""
@@ -205,6 +208,7 @@ def make_rl_step(
         packed=packing,
     )
     lora = models.frozen is not None or models.critic_frozen is not None
+    lora_dropout = models.lora is not None and models.lora.dropout > 0
     update_fn = None if lora else make_update()
 
     def constrain(x: jax.Array) -> jax.Array:
@@ -305,6 +309,12 @@ def make_rl_step(
         if beta is not None:
             metrics["kl/beta"] = beta
         nt = lambda x_bgt: None if x_bgt is None else x_bgt.reshape(n, t)
+        dropout_key_n = row_n = None
+        if lora_dropout:  # one key per step for the adapters' dropout (update/UpdateBatch)
+            step_key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+            key_data = jax.random.key_data(jax.random.fold_in(step_key, _DROPOUT_SALT))
+            dropout_key_n = jnp.broadcast_to(key_data, (n, *key_data.shape))
+            row_n = jnp.arange(n, dtype=jnp.int32)
         batch = up.UpdateBatch(
             tokens_nl=tokens_nl,
             input_mask_nl=input_mask_nl,
@@ -315,6 +325,8 @@ def make_rl_step(
             logp_ref_nt=nt(logp_ref),
             value_old_nt=nt(values),
             return_nt=nt(returns),
+            dropout_key_n=dropout_key_n,
+            row_n=row_n,
         )
         if packing:
             batch = up.packed_batch(batch, plan, shape)

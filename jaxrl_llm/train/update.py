@@ -100,6 +100,11 @@ class UpdateBatch(NamedTuple):
       logp_ref_nt: ``f32[N, T]`` reference log-probs (KL in the loss, metrics), or None.
       value_old_nt: ``f32[N, T]`` critic values at rollout time (PPO), or None.
       return_nt: ``f32[N, T]`` the critic's regression targets (PPO), or None.
+      dropout_key_n: ``uint32[N, 2]`` key data of LoRA adapter dropout (the same step key in
+        every row), or None: no dropout. Token j of sequence ``row_n`` draws its masks from
+        ``fold_in(fold_in(key, row_n), j)`` (j = its real-token position), so micro-batching
+        and packing do not change them.
+      row_n: ``int32[N]`` each sequence's index in the step's batch (with ``dropout_key_n``).
     """
 
     tokens_nl: jax.Array
@@ -111,6 +116,31 @@ class UpdateBatch(NamedTuple):
     logp_ref_nt: jax.Array | None = None
     value_old_nt: jax.Array | None = None
     return_nt: jax.Array | None = None
+    dropout_key_n: jax.Array | None = None
+    row_n: jax.Array | None = None
+
+
+def token_keys(key_data: jax.Array, ids_bt: jax.Array, positions_bt: jax.Array) -> jax.Array:
+    """Typed PRNG keys ``[B, T]``: ``fold_in(fold_in(key, ids_bt), positions_bt)`` per token
+    (the LoRA dropout keys of :class:`UpdateBatch`)."""
+    base = jax.random.wrap_key_data(key_data)
+    fold = lambda i, p: jax.random.fold_in(jax.random.fold_in(base, i), p)
+    return jax.vmap(jax.vmap(fold))(ids_bt, positions_bt)
+
+
+def _unpacked_keys(mb: UpdateBatch) -> jax.Array | None:
+    if mb.dropout_key_n is None:
+        return None
+    counts = jnp.cumsum(mb.input_mask_nl.astype(jnp.int32), axis=1)
+    positions = jnp.maximum(counts - 1, 0)  # the model's own position ids
+    ids = jnp.broadcast_to(mb.row_n[:, None], positions.shape)
+    return token_keys(mb.dropout_key_n[0], ids, positions)
+
+
+def _packed_keys(fields: UpdateBatch, micro: PackedMicro) -> jax.Array | None:
+    if fields.dropout_key_n is None:
+        return None  # segment id = row_n + 1 (train.packing.pack_rows), 0 on padding
+    return token_keys(fields.dropout_key_n[0], micro.segment_ids_rw - 1, micro.positions_rw)
 
 
 class DPOBatch(NamedTuple):
@@ -185,14 +215,17 @@ def packed_batch(batch: UpdateBatch, plan: pk.PlanArrays, shape: pk.PackShape) -
     return acc.Ragged(shared, micro_batches, jnp.asarray(plan.count_m, jnp.int32))
 
 
-def packed_hidden(decoder: nnx.Module, micro: PackedMicro) -> jax.Array:
+def packed_hidden(
+    decoder: nnx.Module, micro: PackedMicro, lora_keys_bt: jax.Array | None = None
+) -> jax.Array:
     """``[rows, W, D]`` hidden states of packed rows (segments attend only within themselves,
-    positions restart in each)."""
+    positions restart in each); ``lora_keys_bt``: LoRA dropout keys of the packed tokens."""
     h, _ = decoder(
         micro.tokens_rw,
         micro.segment_ids_rw != 0,
         positions_bt=micro.positions_rw,
         segment_ids_bt=micro.segment_ids_rw,
+        lora_keys_bt=lora_keys_bt,
     )
     return h
 
@@ -366,6 +399,7 @@ def policy_sums_fn(
             temperature=temperature,
             chunk_size=chunk_size,
             with_entropy=with_entropy,
+            lora_keys_bt=_unpacked_keys(mb),
         )
         logp, entropy = out if with_entropy else (out, None)
         return _policy_terms(obj, mb, logp, entropy, mask, tis_cap)
@@ -375,7 +409,7 @@ def policy_sums_fn(
     ) -> tuple[jax.Array, dict[str, Pair]]:
         shared, micro = mb
         model = model_of(params)
-        h_rwd = packed_hidden(model.model, micro)
+        h_rwd = packed_hidden(model.model, micro, _packed_keys(shared.fields, micro))
         out = hidden_logprobs(
             model,
             h_rwd[:, :-1],

@@ -222,7 +222,11 @@ def test_lora_run_resumes_bit_identically_and_exports(tmp_path, monkeypatch):
         (["model.lora={alpha: -1}"], r"model\.lora\.alpha"),
         (["model.lora={rank: 4}", "algorithm.name=ppo"], r"critic\.lora is null"),
         (["critic.lora={rank: 4}"], r"critic\.lora is set but grpo has no critic"),
-        (["model.lora={dropout: 0.1}"], r"model\.lora\.dropout"),
+        (["model.lora={dropout: 1.0}"], r"model\.lora\.dropout"),
+        (
+            ["algorithm.name=ppo", "model.lora={rank: 4}", "critic.lora={dropout: 0.1}"],
+            r"critic\.lora\.dropout",
+        ),
     ],
 )
 def test_bad_lora_configs_are_clear_errors(overrides, match):
@@ -270,8 +274,10 @@ def test_qlora_quantised_base_trains_its_adapters(mode):
     from jaxrl_llm.train.step import make_rl_step
     from tests.train import test_step as T
 
+    dropout = 0.1 if mode == "int8" else 0.0  # and the adapters' dropout in the RL step
     s = T.resolve(
-        f"model.lora={{rank: 4, alpha: 8, quantize: {mode}}}", "algorithm.hparams.beta=0.04"
+        f"model.lora={{rank: 4, alpha: 8, quantize: {mode}, dropout: {dropout}}}",
+        "algorithm.hparams.beta=0.04",
     )
     q = s.models.frozen["model"]["layers"]["mlp"]["gate_proj"]
     assert q["kernel"].dtype == (jnp.int8 if mode == "int8" else jnp.uint8)
@@ -343,3 +349,58 @@ def test_bf16_base_with_f32_adapters():
     assert {x.dtype for x in jax.tree.leaves(s.state.params)} == {jnp.dtype(jnp.float32)}
     moments = [x for x in jax.tree.leaves(s.state.opt_state) if np.ndim(x) > 0]
     assert sum(x.size for x in moments) == 2 * sum(x.size for x in jax.tree.leaves(s.state.params))
+
+
+# ---------------------------------------------------------------------------------------------
+# Adapter dropout (model.lora.dropout): per-token masks, independent of batching and packing.
+
+
+def test_lora_dropout_is_inverted_bernoulli_per_token():
+    from jaxrl_llm.models.transformer import lora_dropout
+
+    keys = jax.random.split(jax.random.key(0), (4, 64))
+    x = jnp.ones((4, 64, 128))
+    y = np.asarray(lora_dropout(x, keys, 0.25, salt=3))
+    assert set(np.unique(y).tolist()) <= {0.0, float(np.float32(1 / 0.75))}
+    assert abs((y == 0).mean() - 0.25) < 0.01 and abs(y.mean() - 1.0) < 0.02
+    # token (1, 5)'s mask depends on its own key only
+    alone = lora_dropout(x[1:2, 5:6], keys[1:2, 5:6], 0.25, salt=3)
+    np.testing.assert_array_equal(np.asarray(alone)[0, 0], y[1, 5])
+    other = np.asarray(lora_dropout(x, keys, 0.25, salt=4))  # another projection: other masks
+    assert (other != y).any()
+
+
+def _dropout_batch():
+    batch = H.synthetic_batch(n=8, completion_len=5, prompt_len=6)
+    key = jax.random.key_data(jax.random.key(11))
+    return batch._replace(
+        dropout_key_n=jnp.broadcast_to(key, (8, *key.shape)), row_n=jnp.arange(8, dtype=jnp.int32)
+    )
+
+
+def test_lora_dropout_update_is_micro_batch_and_packing_invariant():
+    from tests.train.test_update import packed_of
+
+    _, model = _adapted(dropout=0.5)
+    _randomise_b(model)
+    graphdef, frozen, adapters = lora.split(model)
+    rec = H.recipe("grpo", beta=0.04)
+    tx = optax.sgd(0.1)
+    batch = _dropout_batch()
+
+    def run(b, **kw):
+        state = st.init_train_state(jax.tree.map(jnp.copy, adapters), tx, recipe=rec, seed=0)
+        return up.make_update_step(rec, graphdef, tx, frozen=frozen, **kw)(state, b)
+
+    whole, m_whole = run(batch)
+    # packed into rows of other sequences, in token-budget micro-batches (>= 2 per minibatch)
+    plan, packed_batch = packed_of(batch, budget=16)
+    assert int(np.max(plan.device_arrays().count_m)) >= 2
+    packed, m_packed = run(packed_batch, packed=True)
+    assert H.tree_max_diff(packed.params, whole.params) < 1e-5
+    assert abs(m_packed["actor/loss"] - m_whole["actor/loss"]) < 1e-5
+    # The masks act: the adapted model's logits move with per-token keys, not without.
+    keys = up.token_keys(batch.dropout_key_n[0], batch.tokens_nl * 0, batch.tokens_nl * 0 + 1)
+    tokens, mask = batch.tokens_nl, batch.input_mask_nl
+    plain = model(tokens, mask)
+    assert float(jnp.max(jnp.abs(model(tokens, mask, lora_keys_bt=keys) - plain))) > 1e-3
