@@ -83,6 +83,7 @@ def sample_completions(
         top_p=sampler.top_p,
         stop_token_ids=sampler.stop_ids,
         cache_dtype=sampler.cache_dtype,
+        engine=sampler.engine,
     )
     return jax.tree.map(np.asarray, jax.device_get(out))
 

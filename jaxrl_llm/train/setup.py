@@ -74,6 +74,7 @@ class Sampler:
       top_p: nucleus mass (1: all).
       stop_ids: token ids that end a completion.
       cache_dtype: the KV cache's dtype (None: the model's).
+      engine: the rollout engine, ``"static"`` or ``"paged"`` (``rollout.generate``).
     """
 
     num_samples: int
@@ -83,6 +84,7 @@ class Sampler:
     top_p: float = 1.0
     stop_ids: tuple[int, ...] = ()
     cache_dtype: Any = None
+    engine: str = "static"
 
     def greedy(self, max_new_tokens: int | None = None) -> Sampler:
         """One greedy completion per prompt (evaluation)."""
@@ -650,6 +652,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         top_p=r.top_p,
         stop_ids=tuple(stop_ids),
         cache_dtype=None if r.cache_dtype == "auto" else jnp.dtype(r.cache_dtype),
+        engine=r.engine,
     )
 
 

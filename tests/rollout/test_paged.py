@@ -304,3 +304,16 @@ def test_sharded_parameters_give_the_single_device_tokens(tiny_pair, preset):
     params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh, rules))
     out = rollout.generate((graphdef, params), ids, mask, **kw)
     assert_same(single, out)
+
+
+def test_rollout_engine_config_reaches_the_sampler():
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.train import setup as S
+    from tests.train import helpers as H
+
+    small = ("rollout.prompts_per_step=2", "rollout.num_samples=2", "data.eval_size=4")
+    assert S.resolve(H.config("tiny.yaml", *small)).sampler.engine == "static"
+    setup = S.resolve(H.config("tiny.yaml", *small, "rollout.engine=paged"))
+    assert setup.sampler.engine == "paged" and setup.sampler.greedy().engine == "paged"
+    with pytest.raises(ConfigError, match="engine"):
+        H.config("tiny.yaml", "rollout.engine=vllm")
