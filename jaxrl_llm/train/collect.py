@@ -186,11 +186,14 @@ def _generate_round(setup: Setup, params: dict, batch: Any, key: jax.Array):
         local["baseline"] = baseline_b1[:, 0]
     t3 = time.perf_counter()
     local, reward_out = dist.gather(local), _gather_reward_output(reward_out)
+    mask_bgt = local["mask"]
+    if setup.sampler.mask_truncated:  # no loss on cut completions (TRL's option)
+        mask_bgt = mask_bgt & ~local["truncated"][..., None]
     groups = Groups(
         prompt_ids_bp=np.asarray(batch.prompt_ids_bt, np.int32),
         prompt_mask_bp=np.asarray(batch.prompt_mask_bt, bool),
         tokens_bgt=local["tokens"],
-        mask_bgt=local["mask"],
+        mask_bgt=mask_bgt,
         logp_sampler_bgt=local["logp"],
         reward_bg=local["reward"],
         member_bg=np.ones(local["reward"].shape, bool),
@@ -228,7 +231,8 @@ def collect(
         for k, v in t.items():
             times[k] += v
         if rounds == 0:
-            lengths = groups.mask_bgt.sum(-1)
+            # a cut completion has the full budget's length (also when its loss is masked)
+            lengths = np.where(truncated, groups.mask_bgt.shape[-1], groups.mask_bgt.sum(-1))
             metrics.update(reward_out.metrics())
             metrics["groups/zero_std_fraction"] = float(
                 np.mean(np.all(groups.reward_bg == groups.reward_bg[:, :1], axis=1))
@@ -236,7 +240,7 @@ def collect(
             metrics["response_length/mean"] = float(lengths.mean())
             metrics["response_length/max"] = float(lengths.max())
             metrics["response_length/truncated_fraction"] = float(truncated.mean())
-            metrics["perf/generated_tokens"] = float(groups.mask_bgt.sum())
+            metrics["perf/generated_tokens"] = float(lengths.sum())
             if groups.baseline_b is not None:
                 metrics["reward/greedy_baseline_mean"] = float(np.mean(groups.baseline_b))
         member = _select(recipe, groups)

@@ -75,6 +75,8 @@ class Sampler:
       stop_ids: token ids that end a completion.
       cache_dtype: the KV cache's dtype (None: the model's).
       engine: the rollout engine, ``"static"`` or ``"paged"`` (``rollout.generate``).
+      mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
+        tokens (their rewards still enter the group statistics).
     """
 
     num_samples: int
@@ -85,6 +87,7 @@ class Sampler:
     stop_ids: tuple[int, ...] = ()
     cache_dtype: Any = None
     engine: str = "static"
+    mask_truncated: bool = False
 
     def greedy(self, max_new_tokens: int | None = None) -> Sampler:
         """One greedy completion per prompt (evaluation)."""
@@ -653,6 +656,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         stop_ids=tuple(stop_ids),
         cache_dtype=None if r.cache_dtype == "auto" else jnp.dtype(r.cache_dtype),
         engine=r.engine,
+        mask_truncated=r.mask_truncated_completions,
     )
 
 

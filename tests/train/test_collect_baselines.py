@@ -75,3 +75,14 @@ def test_gdpo_weights_must_match_the_reward_terms():
     with pytest.raises(ConfigError, match=r"reward_weights.*one weight per rewards\.terms"):
         H.config("tiny.yaml", TERMS, gdpo, "algorithm.hparams.reward_weights=[1.0, 2.0, 3.0]")
     H.config("tiny.yaml", TERMS, gdpo, "algorithm.hparams.reward_weights=[1.0, 2.0]")
+
+
+def test_mask_truncated_completions_drops_their_loss_tokens_only():
+    cut = ("rollout.max_new_tokens=4", "rollout.stop_token_ids=[]")  # every completion is cut
+    _, _, kept, m_kept = _collect(*cut)
+    _, _, masked, m_masked = _collect(*cut, "rollout.mask_truncated_completions=true")
+    assert kept.mask_bgt.all() and not masked.mask_bgt.any()
+    np.testing.assert_array_equal(masked.reward_bg, kept.reward_bg)  # rewards still count
+    np.testing.assert_array_equal(masked.tokens_bgt, kept.tokens_bgt)
+    assert m_masked["response_length/mean"] == m_kept["response_length/mean"] == 4
+    assert m_masked["response_length/truncated_fraction"] == 1.0
