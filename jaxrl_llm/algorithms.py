@@ -308,6 +308,7 @@ def dr_grpo(
     kl_in_reward: bool | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", arXiv:2503.20783):
@@ -317,8 +318,12 @@ def dr_grpo(
     ``kl_in_reward`` / ``kl_estimator`` as in :func:`grpo` (for ``beta > 0``). Under
     ``numerics="openrlhf"`` the loss is a token mean: OpenRLHF's ``dr_grpo`` changes the
     advantage only, its ``--actor.loss_agg_mode`` stays token-mean.
+
+    ``rollout_correction``: the sampler correction (:class:`~jaxrl_llm.recipe.RolloutCorrection`:
+    TIS / MIS / icepop / rejection, token or sequence level, bypass or decoupled), or None.
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("dr_grpo", rollout_correction)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
     in_reward, kl_estimator = rc.kl_placement("dr_grpo", kl_in_reward, kl_estimator, n)
     # OpenRLHF's `dr_grpo` is an advantage estimator only: its loss keeps the actor's token-mean
@@ -341,6 +346,7 @@ def dr_grpo(
             agg_norm=max_completion_length if agg == "seq-mean-token-sum-norm" else None,
             kl=None if in_reward else rc.kl_term(beta, kl_estimator, n),
             entropy_coef=entropy_coef,
+            rollout_correction=correction,
             text=(
                 f"clipped surrogate −min(ρA, clip(ρ, 1−{low:g}, 1+{high:g})A), token sums ÷ a "
                 "constant length"
@@ -356,6 +362,7 @@ def dr_grpo(
             pods_num_keep=pods_num_keep,
             kl_estimator=kl_estimator,
             entropy_coef=entropy_coef,
+            rollout_correction=correction,
         ),
     )
 
@@ -464,13 +471,18 @@ def reinforce_pp(
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     axis_name: str | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """REINFORCE++ (Hu et al. 2025, arXiv:2501.03262): token rewards ``r_t − β·KL_t``,
     reward-to-go, then whitening over every valid token of the global batch (not per prompt);
     PPO's clipped surrogate with a token mean.
+
+    ``rollout_correction``: the sampler correction (:class:`~jaxrl_llm.recipe.RolloutCorrection`:
+    TIS / MIS / icepop / rejection, token or sequence level, bypass or decoupled), or None.
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("reinforce_pp", rollout_correction)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
     return rc.make_recipe(
         "reinforce_pp",
@@ -488,6 +500,7 @@ def reinforce_pp(
             numerics=n,
             agg=rc.agg_mode("token-mean", loss_agg_mode, n),
             entropy_coef=entropy_coef,
+            rollout_correction=correction,
         ),
         hparams=dict(
             beta=beta,
@@ -496,6 +509,7 @@ def reinforce_pp(
             clip_high=high,
             kl_estimator=kl_estimator,
             entropy_coef=entropy_coef,
+            rollout_correction=correction,
         ),
     )
 
@@ -513,14 +527,19 @@ def reinforce_pp_baseline(
     entropy_coef: float = 0.0,
     axis_name: str | None = None,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """REINFORCE++-baseline (Hu et al. 2025, arXiv:2501.03262): ``r_i − mean(group)`` (no
     per-group std), then global batch whitening; ``β·k3`` as a loss term; clipped surrogate.
     ``kl_in_reward`` / ``kl_estimator`` as in :func:`grpo` (OpenRLHF's ``reinforce_baseline``
     puts a k1 KL in the reward, after the baseline, before the whitening).
+
+    ``rollout_correction``: the sampler correction (:class:`~jaxrl_llm.recipe.RolloutCorrection`:
+    TIS / MIS / icepop / rejection, token or sequence level, bypass or decoupled), or None.
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("reinforce_pp_baseline", rollout_correction)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
     name = "reinforce_pp_baseline"
     in_reward, kl_estimator = rc.kl_placement(name, kl_in_reward, kl_estimator, n)
@@ -544,6 +563,7 @@ def reinforce_pp_baseline(
             agg=rc.agg_mode("token-mean", loss_agg_mode, n),
             kl=None if in_reward else rc.kl_term(beta, kl_estimator, n),
             entropy_coef=entropy_coef,
+            rollout_correction=correction,
         ),
         selection=Selection(pods_num_keep=pods_num_keep),
         hparams=dict(
@@ -554,6 +574,7 @@ def reinforce_pp_baseline(
             pods_num_keep=pods_num_keep,
             kl_estimator=kl_estimator,
             entropy_coef=entropy_coef,
+            rollout_correction=correction,
         ),
     )
 

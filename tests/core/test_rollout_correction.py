@@ -701,3 +701,26 @@ def test_packed_update_equals_unpacked_with_the_correction(correction, decoupled
     scale = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(g_flat))
     for a, b in zip(jax.tree.leaves(g_pack), jax.tree.leaves(g_flat), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5 * max(scale, 1.0))
+
+
+def test_every_recipe_that_takes_the_option_puts_it_on_its_objective():
+    import inspect
+
+    from jaxrl_llm import algorithms
+    from jaxrl_llm import recipe as recipe_lib
+
+    takers = [
+        name
+        for name, fn in algorithms.RECIPES.items()
+        if "rollout_correction" in inspect.signature(fn).parameters
+    ]
+    assert {"grpo", "ppo", "dapo", "dr_grpo", "reinforce_pp", "reinforce_pp_baseline"} <= set(
+        takers
+    )
+    for name in takers:
+        rec = algorithms.get(name, rollout_correction={"mode": "mis", "low": 0.5, "high": 2.0})
+        assert rec.objective.rollout_correction == recipe_lib.RolloutCorrection(
+            mode="mis", low=0.5, high=2.0
+        ), name
+        assert recipe_lib.SAMPLER_LOGPROBS in rec.requires, name
+        assert recipe_lib.SAMPLER_LOGPROBS not in algorithms.get(name).requires, name
