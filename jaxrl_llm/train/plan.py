@@ -3,14 +3,21 @@
 The run's models and state are built as abstract shapes only (``nnx.eval_shape`` /
 ``jax.eval_shape``, :class:`jax.ShapeDtypeStruct` leaves carrying the mesh's
 ``NamedSharding``): the model's shapes come from its ``config.json`` or GGUF metadata, no weight
-is read and no buffer allocated, so a 70B config plans on a laptop. The two programs a training
-step runs are then lowered and compiled for the target's devices:
+is read and no buffer allocated, so a 70B config plans on a laptop. The programs a run
+executes are then lowered and compiled for the target's devices:
 
-    rollout   the sampler's one jit (prefill + ``T - 1`` decode steps over a KV cache of
-              ``P + T`` slots for ``B·G`` rows; :mod:`jaxrl_llm.rollout.engine`)
-    update    the fused RL step (π_old / π_ref / V forward passes, the advantage chain, the
-              epochs × minibatches × micro-batches update; :func:`~jaxrl_llm.train.step.
-              make_rl_step`)
+    rollout       the sampler's one jit (prefill + ``T - 1`` decode steps over a KV cache of
+                  ``P + T`` slots for ``B·G`` rows; :mod:`jaxrl_llm.rollout.engine`)
+    update        the fused RL step (π_old / π_ref / V forward passes, the advantage chain, the
+                  epochs × minibatches × micro-batches update; :func:`~jaxrl_llm.train.step.
+                  make_rl_step`)
+    eval rollout  the held-out evaluation's sampler, when the run has held-out prompts
+    DPO           offline recipes: the reference's log-prob pass over the pairs and
+                  :func:`~jaxrl_llm.train.update.make_dpo_step`'s update (no rollout)
+
+Under ``model.lora`` the run is split as :func:`jaxrl_llm.train.models.adapt` splits it: the
+train state holds the adapters (and their optimizer state), the frozen base (quantised with
+``quantize``) is ``Models.frozen`` and is the reference.
 
 and XLA's own figures are read back: ``compiled.memory_analysis()`` (per-device argument,
 output, alias and temporary bytes) and ``compiled.cost_analysis()["flops"]``. A program's
@@ -20,7 +27,7 @@ footprint on one device is
 
 and, since the train state and the reference stay resident while the sampler runs,
 
-    peak = max(update program, resident state + rollout temporaries + rollout outputs)
+    peak = max(update program, resident state + rollout temporaries + rollout outputs, ...)
 
 compared with the chip's HBM: FITS when ``peak ≤ HBM``, with the margin ``HBM − peak``.
 
@@ -34,7 +41,8 @@ as MaxText's ``train_compile.py``). GPUs have no deviceless compiler: ``--device
 the figures are an *estimate* (XLA:CPU's buffer assignment and fusion differ from XLA:GPU's).
 
 What is not measured here: the figures are XLA's static buffer assignment, not a measured
-``device.memory_stats()`` peak (CPU devices report none). XLA's cost analysis counts a loop body
+``device.memory_stats()`` peak (CPU devices report none; ``scripts/bench_accelerator.py``
+measures one on a device, docs/plan.md). XLA's cost analysis counts a loop body
 once (the layers' scan, the micro-batch loop, the sampler's decode ``while_loop``), so FLOPs per
 step are computed analytically as well, with Kaplan et al. (2020, eq. 2.1; the attention term
 left out) per token of ``N`` parameters: a forward pass ``2N``, a training pass ``6N`` (``8N``
@@ -42,6 +50,8 @@ with remat: the forward runs twice):
 
     rollout = 2N · B · (P + G·T)
     update  = (P + T) · B·G · (2N · forward passes (π_ref, π_old, V) + (6N or 8N) · epochs)
+
+(LoRA: ``4N`` / ``6N`` per training pass, no gradient of the frozen weights.)
 """
 
 from __future__ import annotations
@@ -57,6 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -749,18 +760,14 @@ def _cache_dtype(cache_dtype: str, model_cfg: Any, target: Target) -> jnp.dtype:
     return jnp.dtype(model_cfg.dtype)
 
 
-_GREEDY_ROLLOUT = type(
-    "GreedyRollout",
-    (),
-    dict(
-        prompts_per_step=1,
-        num_samples=1,
-        max_new_tokens=1,
-        temperature=0.0,
-        top_k=0,
-        top_p=1.0,
-        cache_dtype="auto",
-    ),
+_GREEDY_ROLLOUT = types.SimpleNamespace(  # DPO's evaluation sampler (setup._eval_plan)
+    prompts_per_step=1,
+    num_samples=1,
+    max_new_tokens=1,
+    temperature=0.0,
+    top_k=0,
+    top_p=1.0,
+    cache_dtype="auto",
 )
 
 
@@ -782,8 +789,7 @@ def lower_rollout(
     from jaxrl_llm.rollout import engine
     from jaxrl_llm.train import state as st
 
-    # DPO's evaluation sampler: greedy, the cache in the default dtype (setup._eval_plan)
-    r = config.rollout or _GREEDY_ROLLOUT
+    r = config.rollout or _GREEDY_ROLLOUT  # DPO: greedy, the cache in the default dtype
     mesh, cfg = run.models.mesh, run.model_config
     b, p = prompts or r.prompts_per_step, run.prompt_width
     g, t = num_samples or r.num_samples, max_new_tokens or r.max_new_tokens
