@@ -186,6 +186,31 @@ def test_abstract_lora_state_equals_the_trainers(quantize):
     assert P.tree_bytes(run.models.frozen).total == floats
 
 
+def test_lora_sampler_arguments_unmerged_and_merged():
+    """The rollout runs the base joined with the adapters (both resident), or with
+    ``merge_for_sampling`` the base's graph on a merged copy shaped like the frozen base."""
+    from jaxrl_llm.models import lora
+
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    runs = {}
+    for merge in (False, True):
+        config = load_config(TINY, ["model.lora.rank=4", f"model.lora.merge_for_sampling={merge}"])
+        recipe = build_recipe(config)
+        cfg = P.model_config(config.model, accelerator=False)
+        runs[merge] = P.abstract_run(config, recipe, mesh, cfg)
+    unmerged, merged = runs[False], runs[True]
+    graphdef, params = unmerged.sampler
+    assert graphdef is unmerged.models.graphdef
+    assert P.tree_bytes(params).total == (
+        P.tree_bytes(unmerged.models.frozen).total + P.tree_bytes(unmerged.state.params).total
+    )
+    assert params == lora.combine(unmerged.models.frozen, unmerged.state.params)
+    graphdef, params = merged.sampler
+    assert graphdef is merged.models.ref_graphdef
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+    assert shapes(params) == shapes(merged.models.frozen)
+
+
 def test_kv_cache_bytes():
     cfg = P.model_config(load_config(TINY).model, accelerator=True)
     mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
