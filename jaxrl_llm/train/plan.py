@@ -1096,13 +1096,13 @@ def _update_flops(config: Any, recipe: Any, run: AbstractRun) -> float:
 
 
 def plan_run(config: Any, target: Target) -> Plan:
-    """Plans ``config`` (a :class:`~jaxrl_llm.config.TrainConfig` of an online recipe) for
-    ``target`` in this process (which must have the target's devices; see
-    :func:`plan_in_subprocess` for CPU estimates).
+    """Plans ``config`` (a :class:`~jaxrl_llm.config.TrainConfig`; an online recipe, or an
+    offline one, :func:`_plan_offline`) for ``target`` in this process (which must have the
+    target's devices; see :func:`plan_in_subprocess` for CPU estimates).
 
     Raises:
       PlanError / ConfigError: a bad target, a mesh that does not divide the devices or the
-        batch, a missing model path, an offline recipe.
+        batch, a missing model path.
     """
     from jaxrl_llm.config import ConfigError, build_recipe, check_devices
     from jaxrl_llm.models import sharding as shd
