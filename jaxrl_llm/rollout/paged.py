@@ -17,16 +17,17 @@ written G times by the prefill itself (copy-on-write done eagerly for that one p
 Scheduling (continuous batching, Yu et al. 2022, "Orca"): ``num_slots`` decode slots. A prompt
 is admitted when G slots are free and the pool can hold its worst case (prompt plus each
 sample's budget; the reservation is counted, pages are taken lazily), so no admitted sequence
-ever waits for a page and nothing is preempted. Its prefill runs in chunks of at most
+ever waits for a page and nothing is preempted. Up to 8 admitted prompts are prefilled
+together, in chunks of at most
 ``prefill_chunk`` tokens (chunked prefill, Agrawal et al. 2023, "Sarathi"), between decode
 dispatches; each decode dispatch is a ``lax.fori_loop`` of ``steps_per_dispatch`` one-token
 steps over the live slots, packed into the smallest power-of-two row bucket that holds them
 (at least 8, at most ``num_slots``: the batch's long tail decodes at the width of what is
 left), so the host is visited once per k tokens. A slot whose sequence stops (a stop id, or
 its own budget ``max_new_tokens_bg[b, g]``) idles until the dispatch ends and is then
-refilled. Compiled shapes are bucketed (rows, page-table width and prefill chunk width in
-powers of two), so a run compiles a handful of programs and a second run with the same
-buckets compiles none.
+refilled. Compiled shapes are bucketed (rows and prefill chunk width in powers of two,
+page-table width in multiples of 128 tokens), so a run compiles a handful of programs and a
+second run with the same buckets compiles none.
 
 Model. No second model definition: both programs run the model's own stacked
 :class:`~jaxrl_llm.models.transformer.DecoderLayer` through ``scan_layers`` with an ``attend``
@@ -72,7 +73,10 @@ TRASH_PAGE = 0
 """The page that takes every write nobody reads (padding, idle slots, unused table entries)."""
 
 _MIN_TABLE_TOKENS = 128
-"""Page tables are at least this many tokens wide: fewer compiled widths for short contexts."""
+"""Page tables are a multiple of this many tokens wide: a few compiled widths per run."""
+
+_PREFILL_ROWS = 8
+"""At most this many prompts are prefilled in one call (rows bucketed to powers of two)."""
 
 _MIN_SLOT_BUCKET = 8
 """Decode dispatches run at least this many rows (or ``num_slots``): fewer compiled shapes."""
@@ -397,39 +401,42 @@ def _prefill(
     graphdef: nnx.GraphDef,
     params: Params,
     pool: PagePool,
-    tokens_1c: jax.Array,
-    valid_1c: jax.Array,
-    ctx_len_1: jax.Array,
-    table_1w: jax.Array,
-    write_page_cg: jax.Array,
-    write_off_c: jax.Array,
-    last_index: jax.Array,
-    seq_id_g: jax.Array,
+    tokens_rc: jax.Array,
+    valid_rc: jax.Array,
+    ctx_len_r: jax.Array,
+    table_rw: jax.Array,
+    write_page_rcg: jax.Array,
+    write_off_rc: jax.Array,
+    last_index_r: jax.Array,
+    seq_id_rg: jax.Array,
     rng: jax.Array,
     temperature: jax.Array,
     top_p: jax.Array,
     *,
     static: _Static,
 ) -> tuple[PagePool, jax.Array, jax.Array]:
-    """One prefill chunk of one prompt; writes it for its G samples; samples their token 0."""
+    """One prefill chunk of R prompts: writes it for each prompt's G samples and samples their
+    token 0 from the logits at ``last_index_r`` (used by the caller where the prompt ends)."""
     lm: CausalLM = nnx.merge(graphdef, params)
-    h_1cd, k_l1ckd, v_l1ckd = forward_paged(lm, pool, tokens_1c, valid_1c, ctx_len_1, table_1w)
-    g = write_page_cg.shape[1]
-    off_cg = jnp.broadcast_to(write_off_c[:, None], write_page_cg.shape)
+    h_rcd, k_lrckd, v_lrckd = forward_paged(lm, pool, tokens_rc, valid_rc, ctx_len_r, table_rw)
+    r, g = seq_id_rg.shape
+    off_rcg = jnp.broadcast_to(write_off_rc[:, :, None], write_page_rcg.shape)
 
-    def spread(x_l1ckd: jax.Array) -> jax.Array:  # [L, C, G, K, Dh]
-        x_lckd = x_l1ckd[:, 0]
-        return jnp.broadcast_to(x_lckd[:, :, None], (*x_lckd.shape[:2], g, *x_lckd.shape[2:]))
+    def spread(x_lrckd: jax.Array) -> jax.Array:  # [L, R, C, G, K, Dh]
+        l_, r_, c_, k_, d_ = x_lrckd.shape
+        return jnp.broadcast_to(x_lrckd[:, :, :, None], (l_, r_, c_, g, k_, d_))
 
     pool = PagePool(
-        write_pages(pool.k, write_page_cg, off_cg, spread(k_l1ckd)),
-        write_pages(pool.v, write_page_cg, off_cg, spread(v_l1ckd)),
+        write_pages(pool.k, write_page_rcg, off_rcg, spread(k_lrckd)),
+        write_pages(pool.v, write_page_rcg, off_rcg, spread(v_lrckd)),
     )
-    logits_1v = lm.logits(jax.lax.dynamic_index_in_dim(h_1cd[0], last_index, 0))
-    logits_gv = jnp.broadcast_to(logits_1v, (g, logits_1v.shape[-1]))
-    keys_g = _row_keys(rng, seq_id_g, jnp.zeros_like(seq_id_g))
-    token_g, logp_g = _pick(logits_gv, keys_g, temperature, top_p, static)
-    return pool, token_g, logp_g
+    h_rd = jnp.take_along_axis(h_rcd, last_index_r[:, None, None], axis=1)[:, 0]
+    logits_rv = lm.logits(h_rd)
+    logits_nv = jnp.broadcast_to(logits_rv[:, None], (r, g, logits_rv.shape[-1])).reshape(r * g, -1)
+    seq_id_n = seq_id_rg.reshape(-1)
+    keys_n = _row_keys(rng, seq_id_n, jnp.zeros_like(seq_id_n))
+    token_n, logp_n = _pick(logits_nv, keys_n, temperature, top_p, static)
+    return pool, token_n.reshape(r, g), logp_n.reshape(r, g)
 
 
 class _SlotState(NamedTuple):
@@ -628,12 +635,16 @@ def run(
     remaining = np.zeros((slots,), np.int32)
     gen_pos = np.zeros((slots,), np.int32)
     seq_id = np.zeros((slots,), np.int32)
-    max_width = _next_pow2(_ceil_div(max(len(p) for p in prompts) + max_new_tokens, ps))
-    min_width = min(max_width, _next_pow2(_ceil_div(_MIN_TABLE_TOKENS, ps)))
+    step_width = _ceil_div(_MIN_TABLE_TOKENS, ps)
+    max_pages = _ceil_div(max(len(p) for p in prompts) + max_new_tokens, ps)
+    max_width = _ceil_div(max_pages, step_width) * step_width
 
     def table_width(pages: int) -> int:
-        """Page-table width bucket: a power of two in [min_width, max_width]."""
-        return min(max(_next_pow2(pages), min_width), max_width)
+        """Page-table width bucket: the next multiple of 128 tokens' pages (<= max_width).
+
+        Multiples rather than powers of two: attention reads the whole width, and a 550-token
+        context would otherwise read 1024 slots."""
+        return min(max(_ceil_div(pages, step_width), 1) * step_width, max_width)
 
     pending = deque(range(b_count))
     finished: dict[int, _Seq] = {}
@@ -645,84 +656,108 @@ def run(
         alloc.unreserve(seq.reserved)
         finished[s] = seq
 
-    def admit(b: int) -> None:
-        nonlocal pool, prefills
-        prompt = prompts[b]
-        p = len(prompt)
-        need = group_need(b)
-        assert alloc.reserve(need)
+    def reserve_group(b: int) -> np.ndarray:
+        """Reserves prompt ``b``'s worst case, takes its prompt pages, registers its G
+        sequences; returns the page of each prompt token for each sample, ``[P_b, G]``: the
+        shared full pages, then sample ``i``'s own copy of the partial last page."""
+        p = len(prompts[b])
+        assert alloc.reserve(group_need(b))
         n_full, tail = p // ps, p % ps
         shared = alloc.take(n_full, refs=g)
         tails = [alloc.take(1) for _ in range(g)] if tail else [[] for _ in range(g)]
-        free_slots = [i for i, s in enumerate(slot_seq) if s < 0][:g]
-        ids = [b * g + i for i in range(g)]
-        for i, sid in enumerate(ids):
+        for i in range(g):
             total = max(_ceil_div(p + int(budgets_bg[b, i]) - 1, ps), n_full)
             owned = n_full + len(tails[i])
-            seqs[sid] = _Seq(b, i, p, int(budgets_bg[b, i]), shared + tails[i], total - owned)
-        # The page of prompt token j for sample i: shared full pages, then sample i's tail.
+            budget = int(budgets_bg[b, i])
+            seqs[b * g + i] = _Seq(b, i, p, budget, shared + tails[i], total - owned)
         page_of_jg = np.empty((p, g), np.int32)
         page_of_jg[: n_full * ps] = np.repeat(np.asarray(shared, np.int32), ps)[:, None]
         if tail:
             page_of_jg[n_full * ps :] = np.asarray([t[0] for t in tails], np.int32)[None]
+        return page_of_jg
+
+    def admit(group: list[int]) -> None:
+        """Prefills the prompts ``group`` together (chunk by chunk, the rows of a chunk the
+        prompts that still have tokens), then seats their samples in free slots."""
+        nonlocal pool, prefills
+        page_of = {b: reserve_group(b) for b in group}
+        first: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         start = 0
-        while start < p:
-            length = min(chunk, p - start)
-            width_c = min(chunk, max(_next_pow2(length), 16))
-            tok = np.zeros((1, width_c), np.int32)
-            tok[0, :length] = prompt[start : start + length]
-            valid = np.zeros((1, width_c), bool)
-            valid[0, :length] = True
-            wpage = np.full((width_c, g), TRASH_PAGE, np.int32)
-            wpage[:length] = page_of_jg[start : start + length]
-            woff = np.zeros((width_c,), np.int32)
-            woff[:length] = np.arange(start, start + length) % ps
+        while len(first) < len(group):
+            rows_b = [b for b in group if len(prompts[b]) > start]
+            rows = min(_next_pow2(len(rows_b)), _PREFILL_ROWS)
+            length_r = [min(chunk, len(prompts[b]) - start) for b in rows_b]
+            width_c = min(chunk, max(_next_pow2(max(length_r)), 16))
             ctx_pages = _ceil_div(start, ps)
-            table = np.full((1, table_width(ctx_pages)), TRASH_PAGE, np.int32)
-            table[0, :ctx_pages] = page_of_jg[: ctx_pages * ps : ps, 0]
-            pool, tok_g, logp_g = _prefill(
+            tok = np.zeros((rows, width_c), np.int32)
+            valid = np.zeros((rows, width_c), bool)
+            wpage = np.full((rows, width_c, g), TRASH_PAGE, np.int32)
+            woff = np.zeros((rows, width_c), np.int32)
+            table = np.full((rows, table_width(ctx_pages)), TRASH_PAGE, np.int32)
+            last = np.zeros((rows,), np.int32)
+            ids = np.zeros((rows, g), np.int32)
+            for r, (b, n) in enumerate(zip(rows_b, length_r, strict=True)):
+                tok[r, :n] = prompts[b][start : start + n]
+                valid[r, :n] = True
+                wpage[r, :n] = page_of[b][start : start + n]
+                woff[r, :n] = np.arange(start, start + n) % ps
+                table[r, :ctx_pages] = page_of[b][: ctx_pages * ps : ps, 0]
+                last[r] = n - 1
+                ids[r] = b * g + np.arange(g)
+            pool, tok_rg, logp_rg = _prefill(
                 graphdef,
                 params,
                 pool,
                 tok,
                 valid,
-                np.asarray([start], np.int32),
+                np.full((rows,), start, np.int32),
                 table,
                 wpage,
                 woff,
-                np.int32(length - 1),
-                np.asarray(ids, np.int32),
+                last,
+                ids,
                 rng,
                 temp,
                 topp,
                 static=static,
             )
             prefills += 1
-            start += length
-        tok_g, logp_g = np.asarray(tok_g), np.asarray(logp_g)
-        for i, sid in enumerate(ids):
-            seq = seqs[sid]
-            seq.tokens.append(int(tok_g[i]))
-            seq.logps.append(float(logp_g[i]))
-            seq.stopped = int(tok_g[i]) in stop_set
-            if seq.stopped or seq.budget == 1:
-                finish(sid)
-                continue
-            slot = free_slots[i]
-            slot_seq[slot] = sid
-            lens[slot], token[slot], alive[slot] = p, tok_g[i], True
-            remaining[slot], gen_pos[slot], seq_id[slot] = seq.budget - 1, 1, sid
+            ends = [r for r, b in enumerate(rows_b) if len(prompts[b]) <= start + chunk]
+            if ends:
+                tok_rg, logp_rg = np.asarray(tok_rg), np.asarray(logp_rg)
+                for r in ends:
+                    first[rows_b[r]] = (tok_rg[r], logp_rg[r])
+            start += chunk
+        free_slots = [i for i, s in enumerate(slot_seq) if s < 0]
+        for b in group:
+            tok_g, logp_g = first[b]
+            for i in range(g):
+                sid = b * g + i
+                seq = seqs[sid]
+                seq.tokens.append(int(tok_g[i]))
+                seq.logps.append(float(logp_g[i]))
+                seq.stopped = int(tok_g[i]) in stop_set
+                if seq.stopped or seq.budget == 1:
+                    finish(sid)
+                    continue
+                slot = free_slots.pop(0)
+                slot_seq[slot] = sid
+                lens[slot], token[slot], alive[slot] = len(prompts[b]), tok_g[i], True
+                remaining[slot], gen_pos[slot], seq_id[slot] = seq.budget - 1, 1, sid
 
     with contextlib.ExitStack() as stack:
         if mesh is not None:
             stack.enter_context(jax.set_mesh(mesh))
         while pending or seqs:
-            while (
-                pending
-                and sum(s < 0 for s in slot_seq) >= g
-                and alloc.available >= group_need(pending[0])
-            ):
-                admit(pending.popleft())
+            group, free, available = [], sum(s < 0 for s in slot_seq), alloc.available
+            while pending and len(group) < _PREFILL_ROWS and free >= g:
+                if available < group_need(pending[0]):
+                    break
+                available -= group_need(pending[0])
+                free -= g
+                group.append(pending.popleft())
+            if group:
+                admit(group)
             if not any(alive):
                 continue
             # Pages for the next k tokens of every live slot (from its reservation).
