@@ -186,6 +186,20 @@ def test_abstract_lora_state_equals_the_trainers(quantize):
     assert P.tree_bytes(run.models.frozen).total == floats
 
 
+def test_abstract_ppo_lora_critic_equals_the_trainers():
+    """PPO under LoRA: the critic's trunk frozen too (its adapters and value head trained)."""
+    overrides = ["algorithm.name=ppo", "model.lora.rank=4", "critic.lora.rank=4"]
+    config = load_config(TINY, overrides)
+    recipe = build_recipe(config)
+    models, state = su.build_models(config, recipe)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    run = P.abstract_run(config, recipe, mesh, P.model_config(config.model, accelerator=False))
+    shapes = lambda tree: jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), tree)
+    assert shapes(run.state) == shapes(state)
+    assert shapes(run.models.critic_frozen) == shapes(models.critic_frozen)
+    assert P.tree_bytes(run.models.critic_frozen).total == _nbytes(models.critic_frozen)
+
+
 def test_lora_sampler_arguments_unmerged_and_merged():
     """The rollout runs the base joined with the adapters (both resident), or with
     ``merge_for_sampling`` the base's graph on a merged copy shaped like the frozen base."""
