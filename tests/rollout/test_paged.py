@@ -318,3 +318,36 @@ def test_rollout_engine_config_reaches_the_sampler():
     assert setup.sampler.engine == "paged" and setup.sampler.greedy().engine == "paged"
     with pytest.raises(ConfigError, match="engine"):
         H.config("tiny.yaml", "rollout.engine=vllm")
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_equals_transformers_generate(smollm2, smollm2_hf, smollm2_tokenizer):
+    """The real default model (fp32): paged greedy tokens = transformers' greedy tokens."""
+    import torch
+
+    from tests.rollout.test_smollm2 import PROMPTS
+
+    tok = smollm2_tokenizer
+    ids, mask = rollout.encode_prompts(tok, PROMPTS)
+    out = rollout.generate(
+        smollm2,
+        ids,
+        mask,
+        rng=jax.random.key(0),
+        max_new_tokens=24,
+        temperature=0.0,
+        engine="paged",
+        paged_options=paged.PagedOptions(num_slots=2, steps_per_dispatch=8, prefill_chunk=16),
+    )
+    tokens, valid = np.asarray(out.tokens[:, 0]), np.asarray(out.mask[:, 0])
+    for i in range(len(PROMPTS)):
+        prompt = ids[i][mask[i]]
+        assert len(prompt) > 16  # a chunked prefill
+        with torch.no_grad():
+            ref = smollm2_hf.generate(
+                torch.tensor(prompt[None], dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=24,
+                pad_token_id=tok.pad_token_id,
+            )[0, len(prompt) :].tolist()
+        assert tokens[i][valid[i]].tolist() == ref, f"prompt {i}"
