@@ -29,7 +29,7 @@ parameters), so nothing is downloaded:
              bf16 elements on average).
 
 The parts' results are merged into one JSON (``parts``: name → result, or its error). Budget:
-about 10 minutes on one H200 (``--budget-s`` per part is a subprocess timeout).
+at most 10 minutes (:data:`BUDGETS`, each part's subprocess timeout; ``--budget-s`` sets all).
 """
 
 from __future__ import annotations
@@ -418,6 +418,9 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
 
 
 PARTS = ("plan", "mfu", "decode")
+#: Each part's subprocess timeout, seconds: 10 minutes in all (the plan part compiles its two
+#: programs twice, planned and real).
+BUDGETS = {"plan": 300.0, "mfu": 150.0, "decode": 150.0}
 
 
 def run_part(name: str, shapes: dict, num_devices: int | None) -> dict:
@@ -455,7 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=None, help="first N devices (plan part)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)}")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)  # one, in this process
-    parser.add_argument("--budget-s", type=float, default=240.0, help="timeout of each part")
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help=f"timeout of each part (default {BUDGETS})"
+    )
     parser.add_argument("--out", default=None, help="write the JSON here (also printed)")
     args = parser.parse_args(argv)
     shapes = SHAPES["tiny" if args.tiny else "device"]
@@ -471,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {"machine": machine_info(), "tiny": args.tiny, "parts": {}}
     for name in parts:
-        result["parts"][name] = run_in_subprocess(name, args.tiny, args.devices, args.budget_s)
+        budget = args.budget_s or BUDGETS[name]
+        result["parts"][name] = run_in_subprocess(name, args.tiny, args.devices, budget)
     text = json.dumps(result, indent=2, default=str)
     if args.out:
         Path(args.out).write_text(text + "\n")
