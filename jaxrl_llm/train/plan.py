@@ -1332,7 +1332,8 @@ LORA_RANK = 16
 def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
     """Changes that lower a run's peak, as ``(what, overrides)``: FSDP over every device, full
     remat, a bfloat16 reference, half the micro-batch (down to one row per data-parallel
-    device), and all of those together. None changes the recipe's math (a bf16 reference
+    device; with packing, half ``micro_batch_tokens`` down to the longest sequence), and all of
+    those together. None changes the recipe's math (a bf16 reference
     rounds π_ref's parameters; remat and micro-batches are exact). Then, for a full
     fine-tuning run, LoRA and QLoRA (nf4) of rank :data:`LORA_RANK` on every projection, which
     do change what is trained (Hu et al. 2021; Dettmers et al. 2023)."""
@@ -1369,6 +1370,15 @@ def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
     if not config.train.packing and half >= dp and minibatch % half == 0:
         found.append(
             (f"micro-batches of {half} rows (was {micro})", [f"optim.micro_batch_size={half}"])
+        )
+    tokens = config.optim.micro_batch_tokens
+    packed = config.train.packing and config.rollout is not None and tokens is not None
+    if packed and tokens // 2 >= config.data.max_prompt_length + config.rollout.max_new_tokens:
+        found.append(
+            (
+                f"packed micro-batches of {tokens // 2} tokens per device (was {tokens})",
+                [f"optim.micro_batch_tokens={tokens // 2}"],
+            )
         )
     if len(found) > 1:
         merged = {}

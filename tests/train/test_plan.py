@@ -350,6 +350,55 @@ def test_dpo_plan_has_the_reference_pass_and_the_update():
     assert "KV cache" not in P.format_plan(plan)
 
 
+def _fake_plan(reference=1, critic=0):
+    """A Plan that does not fit 1 MB, with no compile (for candidates)."""
+    prog = P.Program("x", 0, 0, 0, 0, 0, 0.0, 0.0)
+    return P.Plan(
+        target=P.parse_target(devices=1, device_memory="1MB"),
+        mesh={"data": 1, "fsdp": 1, "tensor": 1},
+        preset="dp",
+        model={"kv_heads": 2},
+        parameters=P.Bytes(),
+        optimizer=P.Bytes(),
+        reference=P.Bytes(reference, reference, 0),
+        critic=P.Bytes(critic, critic, 0),
+        batch=P.Bytes(),
+        kv_cache=P.Bytes(),
+        rollout=prog,
+        update=prog,
+        rollout_flops_analytic=0.0,
+        update_flops_analytic=0.0,
+        seconds=0.0,
+    )
+
+
+def test_candidates_packing_lora_and_offline():
+    packed = load_config(TINY, ["train.packing=true", "optim.micro_batch_tokens=600"])
+    found = dict((w.split(" (")[0], o) for w, o in P.candidates(packed, _fake_plan()))
+    # half the tokens per device, still above the longest sequence (128 + 8)
+    assert found["packed micro-batches of 300 tokens per device"] == [
+        "optim.micro_batch_tokens=300"
+    ]
+    short = load_config(TINY, ["train.packing=true", "optim.micro_batch_tokens=200"])
+    assert not any("packed" in w for w, _ in P.candidates(short, _fake_plan()))
+    # LoRA is offered for full fine-tuning (a critic gets one too), not for a LoRA run
+    ppo = load_config(TINY, ["algorithm.name=ppo"])
+    lora = [o for w, o in P.candidates(ppo, _fake_plan(critic=1)) if "LoRA" in w]
+    assert lora[1] == [
+        "model.lora.rank=16",
+        "model.lora.quantize=nf4",
+        "critic.lora.rank=16",
+        "critic.lora.quantize=nf4",
+    ]
+    adapted = load_config(TINY, ["model.lora.rank=4"])
+    assert not any("LoRA" in w for w, _ in P.candidates(adapted, _fake_plan(reference=0)))
+    dpo = load_config("configs/algorithms/dpo.yaml", ["model.path=tiny-random"])
+    assert [o for _, o in P.candidates(dpo, _fake_plan())][-1] == [
+        "model.lora.rank=16",
+        "model.lora.quantize=nf4",
+    ]
+
+
 @pytest.mark.slow
 def test_suggestions_are_replanned(monkeypatch, capsys):
     """A run that does not fit: exit 1, and each suggestion carries its re-planned peak."""
