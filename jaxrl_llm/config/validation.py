@@ -398,14 +398,18 @@ def _check_algorithm(config: TrainConfig) -> None:
                     f"1 for {name}: its loss −A·log π has no importance ratio, so every update "
                     "after the first on a batch would be off-policy and biased",
                 )
-    if rc.SAMPLER_LOGPROBS in recipe.requires and config.old_logprobs.source != "sampler":
+    correction = getattr(getattr(recipe, "objective", None), "rollout_correction", None)
+    if (
+        correction is not None
+        and correction.bypass == "ppo_clip"
+        and config.old_logprobs.source != "sampler"
+    ):
         raise _bad(
             "old_logprobs.source",
             config.old_logprobs.source,
-            f"'sampler' for {name} with algorithm.hparams.rollout_correction: the correction "
-            "weighs the sampler's log-probs, which the RL step hands to the update with "
-            "source: sampler only (the decoupled form, π_old recomputed, runs in "
-            "jaxrl_llm.train.update but is not wired into the step yet)",
+            f"'sampler' for {name} with rollout_correction.bypass = ppo_clip (the sampler's "
+            "log-probs are π_old there); with π_old recomputed use bypass: reinforce, the "
+            "decoupled correction",
         )
 
 

@@ -181,6 +181,9 @@ def make_rl_step(
     recompute = needs_old_logprob_pass(recipe, update, old_logprobs)
     use_sampler = old_logprobs.source == "sampler"
     reads_old = rc.BEHAVIOUR_LOGPROBS in recipe.requires
+    # A rollout correction weighs μ (the sampler) against π_old: bypass when π_old is not
+    # recomputed, decoupled (π_prox = the recomputed π_old) when it is.
+    reads_sampler = rc.SAMPLER_LOGPROBS in recipe.requires
     with_critic = recipe.critic is not None
     packing = update.packing
     micro = None if packing else update.micro_batch_size
@@ -321,7 +324,7 @@ def make_rl_step(
             mask_nt=nt(mask_bgt),
             adv_nt=nt(adv_bgt),
             logp_old_nt=nt(logp_old),
-            logp_sampler_nt=nt(sampler_bgt) if use_sampler else None,
+            logp_sampler_nt=nt(sampler_bgt) if use_sampler or reads_sampler else None,
             logp_ref_nt=nt(logp_ref),
             value_old_nt=nt(values),
             return_nt=nt(returns),

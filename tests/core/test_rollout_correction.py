@@ -619,8 +619,12 @@ def test_config_checks_the_option():
     opt = "algorithm.hparams.rollout_correction={mode: mis, low: 0.5, high: 2.0}"
     cfg = H.config("tiny.yaml", opt, "old_logprobs.source=sampler")
     assert cfg.algorithm.hparams["rollout_correction"].mode == "mis"
-    with pytest.raises(ConfigError, match=r"old_logprobs\.source"):
-        H.config("tiny.yaml", opt)  # recompute: the step does not hand μ to the update yet
+    H.config("tiny.yaml", opt)  # recompute: the decoupled correction (π_prox = π_old)
+    ppo_clip = (
+        "algorithm.hparams.rollout_correction={mode: reject, low: 0.5, high: 2.0, bypass: ppo_clip}"
+    )
+    with pytest.raises(ConfigError, match=r"old_logprobs\.source.*bypass = ppo_clip"):
+        H.config("tiny.yaml", ppo_clip)  # μ is π_old there: source sampler only
     with pytest.raises(ConfigError, match=r"rollout_correction\.lvl"):
         H.config("tiny.yaml", "algorithm.hparams.rollout_correction={lvl: token}")
     with pytest.raises(ConfigError, match="`low` < `high`"):
@@ -724,3 +728,19 @@ def test_every_recipe_that_takes_the_option_puts_it_on_its_objective():
         ), name
         assert recipe_lib.SAMPLER_LOGPROBS in rec.requires, name
         assert recipe_lib.SAMPLER_LOGPROBS not in algorithms.get(name).requires, name
+
+
+def test_rl_step_runs_the_decoupled_correction_with_a_recomputed_pi_old():
+    """source: recompute with two updates per batch: π_old is recomputed (π_prox) and the
+    sampler's μ reaches the update: the decoupled correction, its metrics in the step's."""
+    from jaxrl_llm.train.step import make_rl_step, needs_old_logprob_pass
+    from tests.train import test_step as T
+
+    s = T.resolve(
+        "algorithm.hparams.rollout_correction={mode: tis, high: 2.0}", "optim.ppo_epochs=2"
+    )
+    assert needs_old_logprob_pass(s.recipe, s.update, s.old_logprobs)
+    groups = T.make_groups(s, 4, near=-2.0)
+    _, metrics = make_rl_step(s.recipe, s.models, s.update)(T.moved_state(s), groups)
+    assert 0 < metrics["rollout_corr/is_weight_mean"] < 2.0 + 1e-6
+    assert metrics["actor/grad_norm"] > 0
