@@ -20,12 +20,13 @@ sample's budget; the reservation is counted, pages are taken lazily), so no admi
 ever waits for a page and nothing is preempted. Up to 8 admitted prompts are prefilled
 together, in chunks of at most
 ``prefill_chunk`` tokens (chunked prefill, Agrawal et al. 2023, "Sarathi"), between decode
-dispatches; each decode dispatch is a ``lax.fori_loop`` of ``steps_per_dispatch`` one-token
+dispatches; each decode dispatch is a ``lax.while_loop`` of ``steps_per_dispatch`` one-token
 steps over the live slots, packed into the smallest power-of-two row bucket that holds them
 (at least 8, at most ``num_slots``: the batch's long tail decodes at the width of what is
 left), so the host is visited once per k tokens. A slot whose sequence stops (a stop id, or
-its own budget ``max_new_tokens_bg[b, g]``) idles until the dispatch ends and is then
-refilled. Compiled shapes are bucketed (rows and prefill chunk width in powers of two,
+its own budget ``max_new_tokens_bg[b, g]``) idles until the dispatch ends; with prompts
+waiting, a dispatch ends early (a ``while_loop``) as soon as G slots are free, and the slots
+are refilled. Compiled shapes are bucketed (rows and prefill chunk width in powers of two,
 page-table width in multiples of 128 tokens), so a run compiles a handful of programs and a
 second run with the same buckets compiles none.
 
@@ -459,18 +460,21 @@ def _decode(
     temperature: jax.Array,
     top_p: jax.Array,
     stop_ids_s: jax.Array,
+    refill_at: jax.Array,
     *,
     static: _Static,
 ) -> tuple[PagePool, _SlotState, jax.Array, jax.Array, jax.Array]:
-    """``static.steps`` decode steps of every slot: ``(pool, state, tokens, logps, valid)``,
-    the last three ``[k, N]``."""
+    """Up to ``static.steps`` decode steps of every slot: ``(pool, state, tokens, logps,
+    valid)``, the last three ``[k, N]``. Returns early, after the step in which
+    ``refill_at`` of the slots have finished (the host has prompts waiting for that many
+    slots; a large value: never)."""
     lm: CausalLM = nnx.merge(graphdef, params)
     k, n = static.steps, table_nw.shape[0]
     ps = static.page_size
     rows = jnp.arange(n)
 
-    def step(i: jax.Array, carry: tuple) -> tuple:
-        pool, st, tok_kn, logp_kn, valid_kn = carry
+    def step(carry: tuple) -> tuple:
+        i, pool, st, tok_kn, logp_kn, valid_kn = carry
         h_n1d, k_ln1kd, v_ln1kd = forward_paged(
             lm, pool, st.token_n[:, None], st.alive_n[:, None], st.lens_n, table_nw
         )
@@ -499,16 +503,22 @@ def _decode(
             gen_pos_n=st.gen_pos_n + step_n,
             seq_id_n=st.seq_id_n,
         )
-        return pool, st, tok_kn, logp_kn, valid_kn
+        return i + 1, pool, st, tok_kn, logp_kn, valid_kn
+
+    def cond(carry: tuple) -> jax.Array:
+        i, _, st, *_ = carry
+        finished = jnp.sum(state.alive_n & ~st.alive_n)
+        return (i < k) & (finished < refill_at) & jnp.any(st.alive_n)
 
     carry = (
+        jnp.int32(0),
         pool,
         state,
         jnp.full((k, n), static.pad_token_id, jnp.int32),
         jnp.zeros((k, n), jnp.float32),
         jnp.zeros((k, n), bool),
     )
-    return jax.lax.fori_loop(0, k, step, carry)
+    return jax.lax.while_loop(cond, step, carry)[1:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -783,8 +793,22 @@ def run(
                 table[j, : len(pages)] = pages
             arrays = (lens, token, alive, remaining, gen_pos, seq_id)
             state = _SlotState(*(x[rows_j] for x in arrays))
+            # With prompts waiting, return as soon as enough slots free up to admit one.
+            waiting = bool(pending)
+            free_now = sum(s < 0 for s in slot_seq)
+            refill_at = np.int32(max(g - free_now, 1) if waiting else 2**30)
             pool, state, tok_kn, logp_kn, valid_kn = _decode(
-                graphdef, params, pool, table, state, rng, temp, topp, stop_ids, static=static
+                graphdef,
+                params,
+                pool,
+                table,
+                state,
+                rng,
+                temp,
+                topp,
+                stop_ids,
+                refill_at,
+                static=static,
             )
             dispatches += 1
             for x, new in zip(arrays, state, strict=True):
