@@ -108,6 +108,7 @@ def ppo(
     if value_clip < 0:
         raise ValueError(f"ppo: `value_clip` must be >= 0 (0: no clip), got {value_clip!r}")
     value_clip = float(value_clip) or None
+    agg = rc.agg_mode("token-mean", loss_agg_mode, n)
     returns = ch.chain(
         *rc.reward_stages(n),
         *rc.kl_reward_stages(beta, kl_estimator, n, kl_controller),
@@ -122,7 +123,7 @@ def ppo(
             clip_high=high,
             dual_clip=dual_clip,
             numerics=n,
-            agg=rc.agg_mode("token-mean", loss_agg_mode, n),
+            agg=agg,
             entropy_coef=entropy_coef,
             label="PPO clip + value loss",
             rollout_correction=correction,
@@ -131,7 +132,11 @@ def ppo(
                 + (f"a value loss clipped at ±{value_clip:g}" if value_clip else "a value loss")
             ),
         ),
-        critic=rc.gae_critic(returns, value_clip=value_clip),
+        critic=rc.gae_critic(
+            returns,
+            value_clip=value_clip,
+            agg=agg if n.critic_follows_actor_agg else "token-mean",
+        ),
         hparams=dict(
             beta=beta,
             gamma=gamma,

@@ -58,6 +58,9 @@ class Numerics:
         sequence loss, ``seq-mean-token-sum``) and Dr. GRPO (OpenRLHF's ``dr_grpo`` estimator
         keeps the actor's token-mean loss).
       value_clip: the default value-loss clip of ``ppo`` (``None``: the recipe's 0.2).
+      critic_follows_actor_agg: the critic's value loss is aggregated with the actor's
+        ``loss_agg_mode`` (verl: ``critic.loss_agg_mode`` interpolates the actor's;
+        ``compute_value_loss`` passes it to ``agg_loss``) instead of a token mean.
     """
 
     name: str = "jaxrl_llm"
@@ -83,6 +86,7 @@ class Numerics:
     ipo_length_normalize: bool = True
     recipe_loss_agg_modes: tuple[tuple[str, str], ...] = ()
     value_clip: float | None = None
+    critic_follows_actor_agg: bool = False
 
     def kl_kwargs(self, estimator: str) -> dict:
         """Clamp keywords for a KL estimator under these conventions."""
@@ -122,6 +126,7 @@ VERL = Numerics(
     loss_agg_mode="token-mean",
     recipe_loss_agg_modes=(("gspo", "token-mean"),),
     value_clip=0.5,
+    critic_follows_actor_agg=True,
 )
 
 TRL = Numerics(

@@ -268,10 +268,16 @@ class Critic(NamedTuple):
       targets: ``(rollout, advantage_state) -> return_bgt``, the value loss's regression targets
         computed with the same chain state as the advantages (e.g. the same adaptive β).
       value_clip: clip range of the value loss around the rollout-time values, or ``None``.
+      aggregate: how the per-token value loss becomes the critic's loss (a ``(sum,
+        denominator)`` aggregation, as the policy's); token-mean by default, the actor's mode
+        under verl (its critic's ``loss_agg_mode`` follows the actor's).
+      agg: the aggregation's name, for ``explain``.
     """
 
     targets: Callable[[ch.Rollout, Any], chex.Array]
     value_clip: float | None
+    aggregate: Aggregation = AGGREGATIONS["token-mean"]
+    agg: str = "token-mean"
 
 
 class Selection(NamedTuple):
@@ -700,17 +706,20 @@ def group_norm_stages(
     return tuple(stages)
 
 
-def gae_critic(returns: ch.AdvantageTransform, *, value_clip: float | None) -> Critic:
+def gae_critic(
+    returns: ch.AdvantageTransform, *, value_clip: float | None, agg: str = "token-mean"
+) -> Critic:
     """A critic regressed on ``R_t = A_t + V_t``, the unnormalised output of ``returns`` (the
     advantage chain up to and including GAE), run with the advantage chain's state for those
-    stages: the recipe's advantage must be ``chain(returns, *normalisation)``."""
+    stages: the recipe's advantage must be ``chain(returns, *normalisation)``; its value loss
+    aggregated with ``agg``."""
 
     def targets(rollout: ch.Rollout, advantage_state: Any) -> chex.Array:
         adv_bgt, _ = ch.apply(returns, rollout, advantage_state[0])
         value_bgt = ch.require(rollout, "value_bgt", "value targets")
         return jnp.where(ch.token_mask(rollout), adv_bgt + value_bgt, 0.0)
 
-    return Critic(targets=targets, value_clip=value_clip)
+    return Critic(targets=targets, value_clip=value_clip, aggregate=aggregation(agg), agg=agg)
 
 
 def check_hparams(name: str, **values: float | None) -> None:

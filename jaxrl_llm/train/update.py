@@ -447,7 +447,8 @@ def critic_sums_fn(
     packed: bool = False,
     frozen: dict | None = None,
 ) -> Callable[[Any, Any], tuple[jax.Array, dict[str, Pair]]]:
-    """``(critic_params, micro_batch) -> (Σ value loss, metric pairs)``; token-mean loss
+    """``(critic_params, micro_batch) -> (Σ value loss, metric pairs)``; aggregated with the
+    critic's ``aggregate`` (token-mean by default)
     (``packed``: the micro-batch is ``(PackedShared, PackedMicro)``; ``frozen``: a LoRA
     critic's frozen trunk)."""
     model_of = _model_of(critic_graphdef, frozen)
@@ -465,9 +466,9 @@ def critic_sums_fn(
             mask = mb.mask_nt
         clip = recipe.critic.value_clip
         loss = pl.value_loss(value, mb.value_old_nt, mb.return_nt, mask, clip_eps=clip)
-        total = jnp.sum(jnp.where(mask, loss, 0.0))
+        total, denominator = recipe.critic.aggregate(jnp.where(mask, loss, 0.0), mask)
         aux = {
-            "critic/loss": (total, _pair(loss, mask)[1]),
+            "critic/loss": (total, denominator),
             "critic/value_mean": _pair(value, mask),
         }
         if clip is not None:
@@ -566,7 +567,7 @@ def make_update_step(
                     "critic",
                     critic_tx,
                     critic_sums_fn(recipe, critic_graphdef, packed=packed, frozen=critic_frozen),
-                    lambda mb: jnp.sum(_mask(mb), dtype=jnp.int32).astype(jnp.float32),
+                    lambda mb: recipe.critic.aggregate(_zeros(_mask(mb)), _mask(mb))[1],
                     param_sharding=_param_sharding(state_sharding, "critic_params"),
                     schedule=critic_schedule,
                 )
