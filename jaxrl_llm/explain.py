@@ -70,6 +70,8 @@ def explain(recipe: AnyRecipe | str) -> Explanation:
         )
         if obj.kl.importance_weighted:
             kl += ", times the ratio π_θ/π_old (bias-corrected off-policy)"
+        if obj.mixed_aggregation and obj.token_mean_kl:
+            kl += f"; a token mean, not {obj.aggregation_label}"
     else:
         kl = "nowhere (β = 0): no reference model is needed"
     returns = by_kind.get("return", [])
@@ -80,6 +82,8 @@ def explain(recipe: AnyRecipe | str) -> Explanation:
     objective = f"{obj.text}; aggregated {obj.aggregation_label}"
     if obj.entropy_coef > 0:
         objective += f"; entropy bonus {obj.entropy_coef:g}"
+        if obj.mixed_aggregation and obj.token_mean_entropy:
+            objective += " (a token mean)"
     if recipe.selection.dynamic_sampling:
         objective += "; all-equal groups dropped (dynamic sampling)"
     if recipe.selection.pods_num_keep is not None:

@@ -58,6 +58,11 @@ class Numerics:
         sequence loss, ``seq-mean-token-sum``) and Dr. GRPO (OpenRLHF's ``dr_grpo`` estimator
         keeps the actor's token-mean loss).
       value_clip: the default value-loss clip of ``ppo`` (``None``: the recipe's 0.2).
+      token_mean_kl: the KL loss term is a token mean over the minibatch whatever the loss's
+        aggregation (OpenRLHF's ``kl_loss = masked_mean(kl, action_mask)`` in
+        ``PPOActor``); False: it follows the loss's mode (verl, TRL).
+      token_mean_entropy: the same for the entropy bonus (OpenRLHF's ``masked_mean(entropy)``,
+        TRL's ``Σ m H / Σ m`` for every ``loss_type``); False: it follows the loss's mode (verl).
       critic_follows_actor_agg: the critic's value loss is aggregated with the actor's
         ``loss_agg_mode`` (verl: ``critic.loss_agg_mode`` interpolates the actor's;
         ``compute_value_loss`` passes it to ``agg_loss``) instead of a token mean.
@@ -87,6 +92,8 @@ class Numerics:
     recipe_loss_agg_modes: tuple[tuple[str, str], ...] = ()
     value_clip: float | None = None
     critic_follows_actor_agg: bool = False
+    token_mean_kl: bool = False
+    token_mean_entropy: bool = False
 
     def kl_kwargs(self, estimator: str) -> dict:
         """Clamp keywords for a KL estimator under these conventions."""
@@ -147,6 +154,7 @@ TRL = Numerics(
     reward_clip=None,
     loss_agg_mode="token-mean",
     recipe_loss_agg_modes=(("gspo", "token-mean"), ("rloo", "seq-mean-token-sum")),
+    token_mean_entropy=True,
 )
 
 OPENRLHF = Numerics(
@@ -173,6 +181,8 @@ OPENRLHF = Numerics(
     ipo_length_normalize=False,
     recipe_loss_agg_modes=(("gspo", "seq-mean-token-mean"), ("dr_grpo", "token-mean")),
     value_clip=0.5,
+    token_mean_kl=True,
+    token_mean_entropy=True,
 )
 
 PRESETS: dict[str, Numerics] = {

@@ -247,6 +247,10 @@ class Objective(NamedTuple):
       text: one sentence on what is optimised.
       rollout_correction: how the update corrects for the sampler (:class:`RolloutCorrection`),
         or ``None`` (the trainer's ``old_logprobs.tis_cap`` TIS with ``source: sampler``).
+      token_mean_kl, token_mean_entropy: the KL term / the entropy bonus is a token mean over
+        the minibatch whatever ``aggregate`` is (OpenRLHF: both; TRL: the entropy), instead of
+        following the loss's aggregation. See :func:`policy_objective` and
+        :func:`term_scales`.
     """
 
     loss: PolicyLoss
@@ -259,6 +263,36 @@ class Objective(NamedTuple):
     aggregation_label: str = ""
     text: str = ""
     rollout_correction: RolloutCorrection | None = None
+    token_mean_kl: bool = False
+    token_mean_entropy: bool = False
+
+    @property
+    def mixed_aggregation(self) -> bool:
+        """Whether a term is a token mean while the loss is aggregated otherwise."""
+        token_mean = self.aggregation_label == "token-mean"
+        kl = self.token_mean_kl and self.kl is not None
+        return not token_mean and (kl or (self.token_mean_entropy and self.entropy_coef > 0))
+
+
+class TermScales(NamedTuple):
+    """``D_loss / D_tokens`` of a minibatch, as f32 scalars: what turns a token-mean term's
+    token sum into the loss's own units (``None``: the term follows the loss's aggregation)."""
+
+    kl: chex.Array | None = None
+    entropy: chex.Array | None = None
+
+
+def term_scales(objective: Objective, mask_bgt: chex.Array) -> TermScales:
+    """The :class:`TermScales` of the batch (or minibatch) ``mask_bgt`` (any leading axes:
+    ``[K, m, T]`` stacked micro-batches too): ``D_loss / max(#tokens, 1)`` for each token-mean
+    term, from the masks alone."""
+    den_loss = objective.aggregate(jnp.zeros(mask_bgt.shape, jnp.float32), mask_bgt)[1]
+    tokens = jnp.maximum(jnp.sum(mask_bgt, dtype=jnp.int32).astype(jnp.float32), 1.0)
+    ratio = jnp.maximum(den_loss, 1.0) / tokens
+    return TermScales(
+        kl=ratio if objective.token_mean_kl and objective.kl is not None else None,
+        entropy=ratio if objective.token_mean_entropy and objective.entropy_coef > 0 else None,
+    )
 
 
 class Critic(NamedTuple):
@@ -393,6 +427,9 @@ def make_recipe(
         **{k: hparams.get(k) for k in ("beta", "entropy_coef", "gamma", "lam")},
         **{k: hparams.get(k) for k in ("clip_low", "clip_high")},
         pods_num_keep=selection.pods_num_keep,
+    )
+    objective = objective._replace(
+        token_mean_kl=numerics.token_mean_kl, token_mean_entropy=numerics.token_mean_entropy
     )
     requires = ch.requirements(advantage) | objective.requires
     if critic is not None:
@@ -808,6 +845,7 @@ def policy_objective(
     logp_old_bgt: chex.Array | None = None,
     logp_ref_bgt: chex.Array | None = None,
     entropy_bgt: chex.Array | None = None,
+    scales: TermScales | None = None,
 ) -> LossTerms:
     """The policy objective as ``(sum, denominator)`` pairs, differentiable in ``logp_bgt``.
 
@@ -815,11 +853,21 @@ def policy_objective(
     objective has one), aggregated with the objective's mode. Because sums and denominators
     add, micro-batches and shards combine to exactly the whole-batch loss. Without
     ``logp_old_bgt`` the rollout is taken as on-policy: ``logp_old = stop_gradient(logp)``.
+
+    With ``token_mean_kl`` / ``token_mean_entropy`` (OpenRLHF, TRL) a term is a token mean
+    whatever the loss's mode: ``L = agg(loss) + β·Σ KL/N_tok − c_H·Σ H/N_tok``. Its token sum
+    enters the loss's sum times ``scales`` (``D_loss / N_tok`` of the *minibatch*, which the
+    update computes once per minibatch so that micro-batches still add up exactly); without
+    ``scales`` they are this batch's own (:func:`term_scales`).
     """
     obj = recipe.objective if isinstance(recipe, Recipe) else recipe
     where = recipe.name if isinstance(recipe, Recipe) else obj.label
     if logp_old_bgt is None:
         logp_old_bgt = jax.lax.stop_gradient(logp_bgt)
+    if scales is None:
+        scales = term_scales(obj, mask_bgt) if obj.mixed_aggregation else TermScales()
+    token_mean = AGGREGATIONS["token-mean"]
+    extra_sum = jnp.zeros((), jnp.float32)  # token-mean terms, in the loss's units
     zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     policy_bgt = obj.loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt)
     total_bgt = policy_bgt
@@ -834,18 +882,29 @@ def policy_objective(
         if obj.kl.importance_weighted:
             kl_bgt = kl_bgt * jnp.exp(jnp.clip(logp_bgt - logp_old_bgt, -20.0, 20.0))
         kl_bgt = jnp.where(mask_bgt, kl_bgt, 0.0)
-        total_bgt = total_bgt + obj.kl.beta * kl_bgt
-        kl_terms = obj.aggregate(kl_bgt, mask_bgt)
+        if scales.kl is None:
+            total_bgt = total_bgt + obj.kl.beta * kl_bgt
+            kl_terms = obj.aggregate(kl_bgt, mask_bgt)
+        else:
+            kl_terms = token_mean(kl_bgt, mask_bgt)
+            extra_sum = extra_sum + obj.kl.beta * scales.kl * kl_terms[0]
     if obj.entropy_coef > 0:
         if entropy_bgt is None:
             raise ValueError(
                 f"policy_objective({where}): entropy_coef={obj.entropy_coef} needs `entropy_bgt`"
             )
         bonus_bgt = pl.entropy_bonus(entropy_bgt, mask_bgt, coef=obj.entropy_coef)
-        total_bgt = total_bgt + bonus_bgt
-        entropy_terms = obj.aggregate(jnp.where(mask_bgt, entropy_bgt, 0.0), mask_bgt)
+        entropy_masked = jnp.where(mask_bgt, entropy_bgt, 0.0)
+        if scales.entropy is None:
+            total_bgt = total_bgt + bonus_bgt
+            entropy_terms = obj.aggregate(entropy_masked, mask_bgt)
+        else:
+            entropy_terms = token_mean(entropy_masked, mask_bgt)
+            bonus_sum = jnp.sum(jnp.where(mask_bgt, bonus_bgt, 0.0))
+            extra_sum = extra_sum + scales.entropy * bonus_sum
+    total_sum, total_den = obj.aggregate(total_bgt, mask_bgt)
     return LossTerms(
-        total=obj.aggregate(total_bgt, mask_bgt),
+        total=(total_sum + extra_sum, total_den),
         policy=obj.aggregate(policy_bgt, mask_bgt),
         kl=kl_terms,
         entropy=entropy_terms,

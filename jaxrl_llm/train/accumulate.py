@@ -106,6 +106,10 @@ class Trainee(NamedTuple):
       param_sharding: a pytree of shardings like the parameters; lays out the gradient
         accumulators like the parameters (None: left to the compiler).
       schedule: ``step -> lr``, reported as ``{name}/lr`` by :func:`make_step` (None: no metric).
+      context: ``minibatch -> pytree`` computed, like ``denominator``, once per minibatch from
+        its masks and passed to every micro-batch as ``sums(params, micro_batch, context)``
+        (minibatch-level statistics a loss term needs, e.g. a second denominator); None:
+        ``sums(params, micro_batch)``.
     """
 
     name: str
@@ -114,6 +118,7 @@ class Trainee(NamedTuple):
     denominator: DenominatorFn
     param_sharding: Any = None
     schedule: Schedule | None = None
+    context: Callable[[Any], Any] | None = None
 
 
 class Ragged(NamedTuple):
@@ -205,11 +210,17 @@ def _first(tree: Any) -> Any:
     return jax.tree.map(lambda x: x[0], tree)
 
 
+def _sums(trainee: Trainee, context: Any) -> SumsFn:
+    if trainee.context is None:
+        return trainee.sums
+    return lambda params, micro: trainee.sums(params, micro, context)
+
+
 def _accumulate(
-    trainee: Trainee, params: Any, mb: Any, constrain: Callable[[Any], Any]
+    trainee: Trainee, params: Any, mb: Any, constrain: Callable[[Any], Any], context: Any = None
 ) -> tuple[jax.Array, dict[str, Pair], Any]:
     """Σ over the K micro-batches of ``mb`` of (loss_sum, metric pairs, ∇ loss_sum)."""
-    grad_fn = jax.value_and_grad(trainee.sums, has_aux=True)
+    grad_fn = jax.value_and_grad(_sums(trainee, context), has_aux=True)
     num_micro = jax.tree.leaves(mb)[0].shape[0]
     if num_micro == 1:
         (loss, aux), grads = grad_fn(params, constrain(_first(mb)))
@@ -232,11 +243,15 @@ def _accumulate(
 
 
 def _accumulate_ragged(
-    trainee: Trainee, params: Any, mb: Ragged, constrain: Callable[[Any], Any]
+    trainee: Trainee,
+    params: Any,
+    mb: Ragged,
+    constrain: Callable[[Any], Any],
+    context: Any = None,
 ) -> tuple[jax.Array, dict[str, Pair], Any]:
     """Σ over the first ``mb.count`` micro-batch slots of (loss_sum, metric pairs, ∇ loss_sum):
     a loop with a traced trip count (the slots beyond it are not computed)."""
-    grad_fn = jax.value_and_grad(trainee.sums, has_aux=True)
+    grad_fn = jax.value_and_grad(_sums(trainee, context), has_aux=True)
     micro_at = lambda k: constrain(jax.tree.map(lambda x: x[k], mb.micro))
     (loss_shape, aux_shape), grad_shape = jax.eval_shape(grad_fn, params, (mb.shared, micro_at(0)))
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
@@ -338,8 +353,9 @@ def optimize(
         params, opt_states = carry
         new_params, new_opts, metrics = [], [], {}
         for trainee, p, o in zip(trainees, params, opt_states, strict=True):
-            loss_sum, aux, grads = accumulate(trainee, p, mb, constrain)
             den_input = (mb.shared, mb.micro) if isinstance(mb, Ragged) else mb
+            context = None if trainee.context is None else trainee.context(den_input)
+            loss_sum, aux, grads = accumulate(trainee, p, mb, constrain, context)
             p, o, grad_norm, finite = _apply(
                 trainee.tx, p, o, grads, trainee.denominator(den_input), loss_sum
             )

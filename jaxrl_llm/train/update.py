@@ -305,6 +305,7 @@ def _policy_terms(
     entropy: jax.Array | None,
     mask: jax.Array,
     tis_cap: float | None,
+    scales: rc.TermScales | None = None,
 ) -> tuple[jax.Array, dict[str, Pair]]:
     """``(Σ loss, metric pairs)`` of the objective on ``[n, T]`` log-probs over ``mask``.
 
@@ -355,6 +356,7 @@ def _policy_terms(
         logp_old_bgt=logp_old,
         logp_ref_bgt=mb.logp_ref_nt,
         entropy_bgt=entropy if obj.entropy_coef > 0 else None,
+        scales=scales if scales is not None else rc.TermScales(),
     )
     aux["actor/loss"] = terms.total
     aux["actor/pg_loss"] = terms.policy
@@ -388,7 +390,9 @@ def policy_sums_fn(
     with_entropy = entropy_metrics or obj.entropy_coef > 0
     model_of = _model_of(graphdef, frozen)
 
-    def sums(params: dict, mb: UpdateBatch) -> tuple[jax.Array, dict[str, Pair]]:
+    def sums(
+        params: dict, mb: UpdateBatch, scales: rc.TermScales | None = None
+    ) -> tuple[jax.Array, dict[str, Pair]]:
         model = model_of(params)
         mask = mb.mask_nt
         out = completion_logprobs(
@@ -402,10 +406,10 @@ def policy_sums_fn(
             lora_keys_bt=_unpacked_keys(mb),
         )
         logp, entropy = out if with_entropy else (out, None)
-        return _policy_terms(obj, mb, logp, entropy, mask, tis_cap)
+        return _policy_terms(obj, mb, logp, entropy, mask, tis_cap, scales)
 
     def packed_sums(
-        params: dict, mb: tuple[PackedShared, PackedMicro]
+        params: dict, mb: tuple[PackedShared, PackedMicro], scales: rc.TermScales | None = None
     ) -> tuple[jax.Array, dict[str, Pair]]:
         shared, micro = mb
         model = model_of(params)
@@ -427,7 +431,7 @@ def policy_sums_fn(
         if with_entropy:
             entropy = _unpack_micro(shared, micro, pk.predictions_to_targets(outs[1]))
         mask = fields.mask_nt & (shared.slot_n == micro.slot)[:, None]
-        return _policy_terms(obj, fields, logp, entropy, mask, tis_cap)
+        return _policy_terms(obj, fields, logp, entropy, mask, tis_cap, scales)
 
     return packed_sums if packed else sums
 
@@ -559,6 +563,12 @@ def make_update_step(
                 lambda mb: recipe.objective.aggregate(_zeros(_mask(mb)), _mask(mb))[1],
                 param_sharding=_param_sharding(state_sharding, "params"),
                 schedule=schedule,
+                # token-mean KL / entropy under another loss mode: D_loss / N_tok per minibatch
+                context=(
+                    (lambda mb: rc.term_scales(recipe.objective, _mask(mb)))
+                    if recipe.objective.mixed_aggregation
+                    else None
+                ),
             )
         ]
         if recipe.critic is not None:
