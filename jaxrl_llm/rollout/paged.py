@@ -759,14 +759,16 @@ def run(
         if mesh is not None:
             stack.enter_context(jax.set_mesh(mesh))
         while pending or seqs:
-            group, free, available = [], sum(s < 0 for s in slot_seq), alloc.available
-            while pending and len(group) < _PREFILL_ROWS and free >= g:
-                if available < group_need(pending[0]):
+            while True:  # admit groups of up to 8 prompts while slots and pages allow
+                group, free, available = [], sum(s < 0 for s in slot_seq), alloc.available
+                while pending and len(group) < _PREFILL_ROWS and free >= g:
+                    if available < group_need(pending[0]):
+                        break
+                    available -= group_need(pending[0])
+                    free -= g
+                    group.append(pending.popleft())
+                if not group:
                     break
-                available -= group_need(pending[0])
-                free -= g
-                group.append(pending.popleft())
-            if group:
                 admit(group)
             if not any(alive):
                 continue
