@@ -171,6 +171,7 @@ def grpo(
     rollout_correction: rc.RolloutCorrection | None = None,
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
+    top_entropy_quantile: float = 1.0,
     pods_num_keep: int | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
@@ -201,7 +202,10 @@ def grpo(
     A < 0 both cap the loss at ``δ·|A|``, the same piecewise function (so ``dual_clip`` and
     ``delta`` exclude each other); ``use_bias_correction_kl`` multiplies the KL term by
     ``π_θ/π_old`` (``KLTerm.importance_weighted``); ``off_policy_mask_threshold`` drops
-    negative-advantage sequences that drifted from π_old (:func:`rc.off_policy_sequence_mask`).
+    negative-advantage sequences that drifted from π_old (:func:`rc.off_policy_sequence_mask`);
+    ``top_entropy_quantile`` ρ < 1 keeps the policy loss on the tokens whose entropy is in the
+    top ρ of the micro-batch's (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv:2506.01939;
+    TRL's option; :func:`rc.high_entropy_mask`).
 
     ``rollout_correction``: the sampler correction (:class:`~jaxrl_llm.recipe.RolloutCorrection`:
     TIS / MIS / icepop / rejection, token or sequence level, bypass or decoupled), or None.
@@ -278,7 +282,7 @@ def grpo(
             entropy_coef=entropy_coef,
             off_policy_mask_threshold=off_policy_mask_threshold,
             rollout_correction=correction,
-        ),
+        )._replace(top_entropy_quantile=rc.check_entropy_quantile("grpo", top_entropy_quantile)),
         selection=Selection(pods_num_keep=pods_num_keep),
         hparams=dict(
             beta=beta,
@@ -297,6 +301,7 @@ def grpo(
             pods_num_keep=pods_num_keep,
             kl_estimator=kl_estimator,
             entropy_coef=entropy_coef,
+            top_entropy_quantile=top_entropy_quantile,
         ),
     )
 

@@ -247,6 +247,9 @@ class Objective(NamedTuple):
       text: one sentence on what is optimised.
       rollout_correction: how the update corrects for the sampler (:class:`RolloutCorrection`),
         or ``None`` (the trainer's ``old_logprobs.tis_cap`` TIS with ``source: sampler``).
+      top_entropy_quantile: ρ; below 1 the policy loss (not the KL or entropy terms) counts only
+        on the tokens whose entropy is at least the micro-batch's (1 − ρ)-quantile
+        (:func:`high_entropy_mask`; the denominator keeps every token, as TRL's).
       token_mean_kl, token_mean_entropy: the KL term / the entropy bonus is a token mean over
         the minibatch whatever ``aggregate`` is (OpenRLHF: both; TRL: the entropy), instead of
         following the loss's aggregation. See :func:`policy_objective` and
@@ -265,6 +268,12 @@ class Objective(NamedTuple):
     rollout_correction: RolloutCorrection | None = None
     token_mean_kl: bool = False
     token_mean_entropy: bool = False
+    top_entropy_quantile: float = 1.0
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the loss reads the per-token entropy (a bonus, or the entropy mask)."""
+        return self.entropy_coef > 0 or self.top_entropy_quantile < 1.0
 
     @property
     def mixed_aggregation(self) -> bool:
@@ -272,6 +281,26 @@ class Objective(NamedTuple):
         token_mean = self.aggregation_label == "token-mean"
         kl = self.token_mean_kl and self.kl is not None
         return not token_mean and (kl or (self.token_mean_entropy and self.entropy_coef > 0))
+
+
+def check_entropy_quantile(name: str, rho: float) -> float:
+    """``rho`` as a float in (0, 1], or a ValueError naming the recipe and the option."""
+    if isinstance(rho, bool) or not isinstance(rho, int | float) or not 0.0 < rho <= 1.0:
+        raise ValueError(f"{name}: `top_entropy_quantile` must be in (0, 1], got {rho!r}")
+    return float(rho)
+
+
+def high_entropy_mask(entropy_bgt: chex.Array, mask_bgt: chex.Array, quantile: float) -> chex.Array:
+    """``bool[B, G, T]``: valid tokens whose entropy is ≥ the ``(1 − quantile)``-quantile of
+    the valid tokens' entropies (linear interpolation, as ``torch.quantile``; TRL's
+    ``GRPOTrainer.get_high_entropy_mask``), computed without gradient. Wang et al. 2025,
+    "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective RL for LLM
+    Reasoning", arXiv:2506.01939 (ρ = 0.2 there). Statistics of the tokens given, so under
+    micro-batching (as in TRL, per micro-batch) the mask depends on the split."""
+    h_bgt = jax.lax.stop_gradient(entropy_bgt.astype(jnp.float32))
+    valid = jnp.where(mask_bgt, h_bgt, jnp.nan)
+    threshold = jnp.nanquantile(valid.reshape(-1), 1.0 - quantile)
+    return mask_bgt & (h_bgt >= threshold)
 
 
 class TermScales(NamedTuple):
@@ -870,6 +899,14 @@ def policy_objective(
     extra_sum = jnp.zeros((), jnp.float32)  # token-mean terms, in the loss's units
     zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
     policy_bgt = obj.loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt)
+    if obj.top_entropy_quantile < 1.0:
+        if entropy_bgt is None:
+            raise ValueError(
+                f"policy_objective({where}): top_entropy_quantile={obj.top_entropy_quantile} "
+                "needs `entropy_bgt`"
+            )
+        keep_bgt = high_entropy_mask(entropy_bgt, mask_bgt, obj.top_entropy_quantile)
+        policy_bgt = jnp.where(keep_bgt, policy_bgt, 0.0)
     total_bgt = policy_bgt
     kl_terms = entropy_terms = zero
     if obj.kl is not None:
@@ -940,11 +977,15 @@ __all__ = [
     "Recipe",
     "RolloutCorrection",
     "Selection",
+    "TermScales",
     "aggregation",
+    "check_entropy_quantile",
     "compute_advantages",
+    "high_entropy_mask",
     "make_recipe",
     "policy_objective",
     "rollout_correction",
     "select",
+    "term_scales",
     "value_targets",
 ]

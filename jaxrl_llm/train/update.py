@@ -355,7 +355,7 @@ def _policy_terms(
         mask,
         logp_old_bgt=logp_old,
         logp_ref_bgt=mb.logp_ref_nt,
-        entropy_bgt=entropy if obj.entropy_coef > 0 else None,
+        entropy_bgt=entropy if obj.needs_entropy else None,
         scales=scales if scales is not None else rc.TermScales(),
     )
     aux["actor/loss"] = terms.total
@@ -387,7 +387,7 @@ def policy_sums_fn(
     (``packed``: the micro-batch is ``(PackedShared, PackedMicro)``; ``frozen``: LoRA's frozen
     base, joined with ``params``, the adapters, which alone are differentiated)."""
     obj = recipe.objective
-    with_entropy = entropy_metrics or obj.entropy_coef > 0
+    with_entropy = entropy_metrics or obj.needs_entropy
     model_of = _model_of(graphdef, frozen)
 
     def sums(

@@ -3,6 +3,8 @@ entropy), exact under micro-batching and packing."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -126,3 +128,49 @@ def test_explain_says_the_terms_are_token_means():
     assert "entropy bonus 0.01 (a token mean)" in e.objective
     plain = explain(algorithms.grpo(beta=BETA, entropy_coef=COEF))
     assert "token mean" not in plain.kl and "(a token mean)" not in plain.objective
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL's top_entropy_quantile (grpo(top_entropy_quantile=ρ)).
+
+ENT = np.load(Path(__file__).resolve().parents[1] / "fixtures" / "trl_entropy_mask.npz")
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "rho", "beta"), [("grpo", 0.2, 0.0), ("grpo", 0.5, 0.04), ("dapo", 0.2, 0.04)]
+)
+def test_top_entropy_quantile_matches_trl(loss_type, rho, beta):
+    agg = "seq-mean-token-mean" if loss_type == "grpo" else "token-mean"
+    rec = algorithms.grpo(numerics="trl", beta=beta, top_entropy_quantile=rho, loss_agg_mode=agg)
+    f = {k[3:]: ENT[k] for k in ENT.files if k.startswith("in_")}
+    mask = jnp.asarray(f["mask"])
+    adv = jnp.where(mask, jnp.asarray(f["adv_n"])[:, None], 0.0).astype(jnp.float32)
+
+    def loss(logp):
+        terms = rc.policy_objective(
+            rec,
+            logp,
+            adv,
+            mask,
+            logp_old_bgt=jnp.asarray(f["logp_old"], jnp.float32),
+            logp_ref_bgt=jnp.asarray(f["logp_ref"], jnp.float32) if beta else None,
+            entropy_bgt=jnp.asarray(f["entropy"], jnp.float32),
+        )
+        return terms.total[0] / terms.total[1]
+
+    value, grad = jax.value_and_grad(loss)(jnp.asarray(f["logp"], jnp.float32))
+    key = f"{loss_type}/{rho:g}/{beta:g}"
+    np.testing.assert_allclose(float(value), ENT[f"{key}/loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), ENT[f"{key}/grad"], rtol=1e-4, atol=1e-6)
+
+
+def test_high_entropy_mask_keeps_the_top_quantile_of_valid_tokens():
+    h = jnp.asarray([[0.1, 0.5, 0.9, 5.0], [0.3, 0.7, 9.0, 9.0]])
+    mask = jnp.asarray([[True, True, True, False], [True, True, False, False]])
+    keep = np.asarray(rc.high_entropy_mask(h, mask, 0.4))  # 5 valid: threshold = q(0.6)
+    valid = np.asarray(h)[np.asarray(mask)]
+    thr = np.quantile(valid, 0.6)
+    np.testing.assert_array_equal(keep, np.asarray(mask) & (np.asarray(h) >= thr))
+    assert not keep[0, 3] and not keep[1, 2]  # padding never kept, however high
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        algorithms.grpo(top_entropy_quantile=0.0)
