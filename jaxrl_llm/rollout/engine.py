@@ -57,8 +57,8 @@ class Generation(NamedTuple):
         sampled from (``log softmax(logits / τ)`` restricted to the top-k/top-p set; with no
         filter exactly the trainer's ``token_logprobs`` at temperature τ; greedy: τ = 1);
         0 where ``mask`` is False.
-      truncated: ``bool[B, G]`` True when the sequence hit ``max_new_tokens`` without a stop
-        token.
+      truncated: ``bool[B, G]`` True when the sequence hit its budget (``max_new_tokens``, or
+        its ``max_new_tokens_bg`` entry) without a stop token.
     """
 
     tokens: jax.Array

@@ -65,6 +65,13 @@ def test_greedy_equals_static_engine_with_ragged_prompts_and_budgets(tiny_pair, 
     assert stats.pages_in_use_at_end == 0
     if family != "llama3":
         return
+    # No stop ids: every sample makes exactly its budget, truncated, in both engines.
+    static, out, _ = both(
+        model, ids, mask, temperature=0.0, max_new_tokens_bg=BUDGETS, stop_token_ids=()
+    )
+    assert_same(static, out)
+    np.testing.assert_array_equal(np.asarray(out.mask).sum(-1), BUDGETS)
+    assert np.asarray(out.truncated).all()
     # Without budgets: every row runs to T or its stop id, as in the static engine.
     static, out, stats = both(model, ids, mask, temperature=0.0)
     assert_same(static, out)
