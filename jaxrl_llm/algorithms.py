@@ -1224,12 +1224,18 @@ def remax(
 
 
 def _reference_losses(
-    beta: float, label_smoothing: float, discopop_tau: float, ipo_length_normalize: bool = True
+    beta: float,
+    label_smoothing: float,
+    discopop_tau: float,
+    ipo_length_normalize: bool = True,
+    sigmoid_label_smoothing: bool = True,
 ) -> dict[str, Callable]:
     """``loss_type -> PairLogprobs -> f32[P]`` for the losses against a reference.
 
     ``ipo_length_normalize=False`` gives IPO lengths of 1: OpenRLHF's raw token-summed margin
-    (``DPOLoss(ipo=True)``, ``openrlhf/models/loss.py``) instead of TRL's length average."""
+    (``DPOLoss(ipo=True)``, ``openrlhf/models/loss.py``) instead of TRL's length average.
+    ``sigmoid_label_smoothing=False`` is TRL 1.16's sigmoid, which ignores ``label_smoothing``
+    (``DPOTrainer._compute_loss``: ``-logsigmoid(β·Δ)``)."""
 
     def with_ref(fn: Callable, *, lengths: bool = False, **kw) -> Callable:
         def loss(pairs: rc.PairLogprobs):
@@ -1247,8 +1253,9 @@ def _reference_losses(
         return loss
 
     smoothed = dict(label_smoothing=label_smoothing)
+    sigmoid_smoothing = dict(label_smoothing=label_smoothing if sigmoid_label_smoothing else 0.0)
     return {
-        "sigmoid": with_ref(pref.dpo_sigmoid_loss, **smoothed),
+        "sigmoid": with_ref(pref.dpo_sigmoid_loss, **sigmoid_smoothing),
         "ipo": with_ref(pref.ipo_loss, lengths=True if ipo_length_normalize else "raw"),
         "hinge": with_ref(pref.hinge_loss),
         "robust": with_ref(pref.robust_dpo_loss, **smoothed),
@@ -1321,7 +1328,9 @@ def dpo(
     branch: no reward model, no rollouts, no advantage; :func:`jaxrl_llm.compute_advantages`
     does not apply to it.
     """
-    n = nm.resolve(numerics)  # the preset changes IPO's margin only (ipo_length_normalize)
+    # the preset changes IPO's margin (ipo_length_normalize) and whether the sigmoid applies
+    # label_smoothing (dpo_sigmoid_label_smoothing: not in TRL 1.16)
+    n = nm.resolve(numerics)
     loss_type = _PREFERENCE_ALIASES.get(loss_type, loss_type)
     if loss_type not in _PREFERENCE_TEXT:
         raise ValueError(f"dpo: loss_type={loss_type!r}; expected one of {tuple(_PREFERENCE_TEXT)}")
@@ -1345,7 +1354,13 @@ def dpo(
 
         requires = {rc.PREFERENCE_PAIRS}
     else:
-        losses = _reference_losses(beta, label_smoothing, discopop_tau, n.ipo_length_normalize)
+        losses = _reference_losses(
+            beta,
+            label_smoothing,
+            discopop_tau,
+            n.ipo_length_normalize,
+            n.dpo_sigmoid_label_smoothing,
+        )
         loss = losses[loss_type]
         requires = {rc.PREFERENCE_PAIRS, rc.REFERENCE_LOGPROBS}
     label, text = f"DPO {loss_type}", _PREFERENCE_TEXT[loss_type]

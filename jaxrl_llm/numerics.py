@@ -63,6 +63,8 @@ class Numerics:
         ``PPOActor``); False: it follows the loss's mode (verl, TRL).
       token_mean_entropy: the same for the entropy bonus (OpenRLHF's ``masked_mean(entropy)``,
         TRL's ``Σ m H / Σ m`` for every ``loss_type``); False: it follows the loss's mode (verl).
+      dpo_sigmoid_label_smoothing: DPO's sigmoid loss applies ``label_smoothing`` (cDPO,
+        Mitchell 2023; OpenRLHF, ours); False: TRL 1.16's sigmoid, which ignores it.
       critic_follows_actor_agg: the critic's value loss is aggregated with the actor's
         ``loss_agg_mode`` (verl: ``critic.loss_agg_mode`` interpolates the actor's;
         ``compute_value_loss`` passes it to ``agg_loss``) instead of a token mean.
@@ -94,6 +96,7 @@ class Numerics:
     critic_follows_actor_agg: bool = False
     token_mean_kl: bool = False
     token_mean_entropy: bool = False
+    dpo_sigmoid_label_smoothing: bool = True
 
     def kl_kwargs(self, estimator: str) -> dict:
         """Clamp keywords for a KL estimator under these conventions."""
@@ -155,6 +158,7 @@ TRL = Numerics(
     loss_agg_mode="token-mean",
     recipe_loss_agg_modes=(("gspo", "token-mean"), ("rloo", "seq-mean-token-sum")),
     token_mean_entropy=True,
+    dpo_sigmoid_label_smoothing=False,
 )
 
 OPENRLHF = Numerics(

@@ -46,7 +46,7 @@ def _pairs(chosen_p, rejected_p) -> recipe.PairLogprobs:
     )
 
 
-def _ours(case: str):
+def _ours(case: str, numerics: str | None = None):
     beta, eps, tau = (float(v) for v in FIXTURE[f"{case}/setting"])
     r = algorithms.dpo(
         beta=beta,
@@ -54,6 +54,7 @@ def _ours(case: str):
         label_smoothing=eps,
         discopop_tau=tau,
         use_weighting=bool(FIXTURE[f"{case}/wpo"]),
+        numerics=numerics,
     )
     seq = jnp.asarray(FIXTURE["input_logp"].sum(1), jnp.float32)
     p = seq.shape[0] // 2
@@ -82,6 +83,11 @@ def test_trl_sigmoid_ignores_label_smoothing_and_ours_is_cdpo():
     z = beta * ((seq[:p] - ref[:p]) - (seq[p:] - ref[p:]))
     cdpo = np.mean((1 - eps) * np.log1p(np.exp(-z)) + eps * np.log1p(np.exp(z)))
     np.testing.assert_allclose(ours, cdpo, rtol=1e-5)
+    # the trl preset reproduces TRL's sigmoid, label_smoothing ignored
+    _, trl, g_w, g_l = _ours("sigmoid_ls", numerics="trl")
+    np.testing.assert_allclose(trl, FIXTURE["sigmoid_ls/loss"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g_w, FIXTURE["sigmoid_ls/grad_chosen"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(g_l, FIXTURE["sigmoid_ls/grad_rejected"], rtol=1e-5, atol=1e-6)
 
 
 def test_every_trl_pair_loss_type_is_a_recipe_option_and_explained():
