@@ -93,7 +93,8 @@ class PagedOptions:
         and at least G. Must be >= G (a prompt's G samples are admitted together).
       num_pages: pages in the pool, the trash page included; default enough for every slot
         to hold a longest prompt plus ``max_new_tokens`` (the static engine's memory for
-        ``num_slots`` rows), plus the trash page.
+        ``num_slots`` rows), plus the trash page. The pool is allocated at this size; a
+        smaller value caps KV memory (admission then waits until a prompt's worst case fits).
       steps_per_dispatch: decode steps per compiled dispatch (host visits once per k tokens).
       prefill_chunk: longest prefill chunk in tokens (a power of two); longer prompts are
         prefilled in several chunks.

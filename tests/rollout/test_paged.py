@@ -107,6 +107,12 @@ def test_sampled_tokens_do_not_depend_on_slots_order_or_neighbours(tiny_pair):
     # All 5 prompts prefilled together: chunk 1 of every prompt, then chunk 2 of the 23-token one.
     assert stats.prefill_calls == 2
     assert_same(one_group, wide)
+    # A pool just big enough for the largest prompt's worst case (9 pages): admission waits
+    # for pages, the samples are the same.
+    tight = dataclasses.replace(SMALL, num_pages=10)
+    tight, stats = rollout.generate(model, ids, mask, paged_options=tight, return_stats=True, **kw)
+    assert_same(tight, wide)
+    assert stats.peak_pages <= 9 and stats.pages_in_use_at_end == 0
     # The first two prompts alone (other neighbours, other admission times) sample the same.
     kw["max_new_tokens_bg"] = BUDGETS[:2]
     alone = rollout.generate(model, ids[:2], mask[:2], paged_options=SMALL, **kw)
