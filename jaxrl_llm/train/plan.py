@@ -866,6 +866,7 @@ class Plan:
     frozen: Bytes = Bytes()
     merged_copy: Bytes = Bytes()
     programs: tuple[Program, ...] = ()
+    notes: tuple[str, ...] = ()
 
     @property
     def state(self) -> int:
@@ -978,6 +979,7 @@ class Plan:
             "fits": self.fits,
             "margin_bytes": self.margin,
             "seconds": self.seconds,
+            "notes": list(self.notes),
         }
 
 
@@ -1069,6 +1071,7 @@ def format_plan(plan: Plan) -> str:
             "(an estimate: XLA:CPU's buffer assignment stands in for the GPU's; no deviceless "
             "GPU compiler exists)"
         )
+    lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
 
@@ -1156,7 +1159,18 @@ def plan_run(config: Any, target: Target) -> Plan:
         frozen=tree_bytes(run.models.frozen),
         merged_copy=tree_bytes(run.sampler[1]) if merged else Bytes(),
         programs=tuple(programs),
+        notes=_notes(config),
     )
+
+
+def _notes(config: Any) -> tuple[str, ...]:
+    """What the plan does not cover for this config."""
+    if getattr(config.rollout, "engine", "static") == "paged":
+        return (
+            "rollout.engine = paged: the rollout planned is the static engine's (the paged "
+            "engine's page pool and programs are not planned)",
+        )
+    return ()
 
 
 def _plan_offline(

@@ -357,7 +357,17 @@ def _fake_plan(reference=1, critic=0):
         target=P.parse_target(devices=1, device_memory="1MB"),
         mesh={"data": 1, "fsdp": 1, "tensor": 1},
         preset="dp",
-        model={"kv_heads": 2},
+        model={
+            "path": "tiny-random",
+            "parameters": 1,
+            "trainable_parameters": 1,
+            "layers": 2,
+            "kv_heads": 2,
+            "dtype": "float32",
+            "param_dtype": "float32",
+            "remat": "none",
+            "lora": None,
+        },
         parameters=P.Bytes(),
         optimizer=P.Bytes(),
         reference=P.Bytes(reference, reference, 0),
@@ -370,6 +380,14 @@ def _fake_plan(reference=1, critic=0):
         update_flops_analytic=0.0,
         seconds=0.0,
     )
+
+
+def test_a_paged_rollout_is_noted_as_not_planned():
+    assert P._notes(load_config(TINY)) == ()
+    (note,) = P._notes(load_config(TINY, ["rollout.engine=paged"]))
+    assert "paged engine's page pool and programs are not planned" in note
+    text = P.format_plan(dataclasses.replace(_fake_plan(), notes=(note,)))
+    assert text.endswith("note: " + note)
 
 
 def test_candidates_packing_lora_and_offline():
