@@ -1,6 +1,7 @@
-"""The paged engine (rollout/paged.py) on tiny random models: the static engine's greedy tokens
-and log-probs for ragged prompts and budgets, per-sequence randomness, the trainer's log-probs,
-page accounting, bad input, compile reuse and the Pallas GPU kernel's wiring."""
+"""The paged engine (rollout/paged.py, rollout/pages.py) on tiny random models: the static
+engine's greedy tokens and log-probs for ragged prompts and budgets, per-sequence randomness,
+the trainer's log-probs, page accounting, bad input, compile reuse, sharded parameters and the
+Pallas GPU kernel's wiring."""
 
 import dataclasses
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxrl_llm import rollout
-from jaxrl_llm.rollout import paged
+from jaxrl_llm.rollout import paged, pages
 from jaxrl_llm.train.hostmem import BACKEND_COMPILE_EVENT
 from tests.rollout.test_generate import prompts, training_logprobs
 
@@ -188,11 +189,11 @@ def test_samples_share_the_prompt_pages(tiny_pair):
 
 
 def test_allocator_reference_counts():
-    alloc = paged.PageAllocator(6)  # page 0 is the trash page: 5 usable
+    alloc = pages.PageAllocator(6)  # page 0 is the trash page: 5 usable
     assert alloc.reserve(4) and not alloc.reserve(2)
     shared = alloc.take(2, refs=3)
     own = alloc.take(1)
-    assert paged.TRASH_PAGE not in shared + own and alloc.in_use == 3
+    assert pages.TRASH_PAGE not in shared + own and alloc.in_use == 3
     alloc.release(shared)
     alloc.release(shared)
     assert alloc.in_use == 3  # one reference left
@@ -256,7 +257,7 @@ def test_reference_attention_equals_a_dense_softmax():
     ctx_len = np.array([5, 0], np.int32)
     valid = np.array([[1, 1, 1], [1, 1, 0]], bool)
     for window in (3, 2**30):
-        got = paged.paged_attention_reference(q, k_new, v_new, k_ctx, v_ctx, ctx_len, valid, window)
+        got = pages.paged_attention_reference(q, k_new, v_new, k_ctx, v_ctx, ctx_len, valid, window)
         for i in range(b):
             keys = np.concatenate([k_ctx[i, : ctx_len[i]], k_new[i]])
             vals = np.concatenate([v_ctx[i, : ctx_len[i]], v_new[i]])
@@ -276,19 +277,19 @@ def test_reference_attention_equals_a_dense_softmax():
 def test_pallas_gpu_paged_attention_wiring_in_interpret_mode():
     """JAX's Pallas GPU paged-attention kernel on this pool layout equals the reference."""
     rng = np.random.RandomState(1)
-    n, h, kv, d, ps, pages = 3, 4, 2, 16, 4, 9
-    pool_k, pool_v = (rng.randn(pages, ps, kv, d).astype(np.float32) for _ in range(2))
+    n, h, kv, d, ps, num_pages = 3, 4, 2, 16, 4, 9
+    pool_k, pool_v = (rng.randn(num_pages, ps, kv, d).astype(np.float32) for _ in range(2))
     table = np.array([[3, 1, 5, 0], [2, 0, 0, 0], [8, 7, 6, 4]], np.int32)
     lengths = np.array([10, 3, 16], np.int32)
     q = rng.randn(n, h, d).astype(np.float32)
-    got = paged.pallas_gpu_decode_attention(q, pool_k, pool_v, table, lengths, interpret=True)
+    got = pages.pallas_gpu_decode_attention(q, pool_k, pool_v, table, lengths, interpret=True)
     # The reference with the last pooled token as the "new" one.
-    k_all = paged.gather_pages(jnp.asarray(pool_k)[None], 0, table)
-    v_all = paged.gather_pages(jnp.asarray(pool_v)[None], 0, table)
+    k_all = pages.gather_pages(jnp.asarray(pool_k)[None], 0, table)
+    v_all = pages.gather_pages(jnp.asarray(pool_v)[None], 0, table)
     last = lengths - 1
     k_new = k_all[np.arange(n), last][:, None]
     v_new = v_all[np.arange(n), last][:, None]
-    want = paged.paged_attention_reference(
+    want = pages.paged_attention_reference(
         q[:, None], k_new, v_new, k_all, v_all, last, np.ones((n, 1), bool), 2**30
     )
     np.testing.assert_allclose(np.asarray(got), np.asarray(want)[:, 0], atol=1e-5)
