@@ -440,24 +440,3 @@ def test_cov_losses_depend_on_the_micro_batch():
     whole = total(pl.ppo_clip_loss, (None,), **ppo)
     parts = total(pl.ppo_clip_loss, (0, half), **ppo) + total(pl.ppo_clip_loss, (half, None), **ppo)
     assert abs(whole - parts) < 1e-5
-
-
-def test_the_trainer_refuses_remax_before_loading(tmp_path):
-    """``train`` on the tiny model with algorithm.name=remax: a ConfigError naming the greedy
-    baseline, before any model loads (the recipe itself is complete; the trainer lacks the
-    greedy rollout), leaving no config.yaml behind."""
-    from jaxrl_llm.config import ConfigError
-    from jaxrl_llm.train import loop
-    from tests.train import helpers as H
-
-    config = H.config(
-        "tiny.yaml",
-        "algorithm.name=remax",
-        "algorithm.hparams={}",
-        "data.eval_size=0",
-        "optim.ppo_epochs=1",
-        "optim.num_minibatches=1",
-    )
-    with pytest.raises(ConfigError, match="greedy completion"):
-        loop.train(config, run_dir=tmp_path / "run", progress=False, log=lambda *_: None)
-    assert not (tmp_path / "run" / "config.yaml").exists()
