@@ -187,16 +187,6 @@ def combine(frozen: dict, adapters: dict) -> dict:
     return out
 
 
-def merged_kernels(model: nnx.Module) -> dict[str, jax.Array]:
-    """``{target: W + s·A B}`` in the kernel's layout and dtype, for every adapted projection
-    (the merged model's weights; the base kernels are not changed)."""
-    out = {}
-    for name, proj in _projections(model, TARGETS):
-        if proj.lora_a is not None:
-            out[name] = proj.merged_kernel()
-    return out
-
-
 def merge_into_base(model: nnx.Module) -> nnx.Module:
     """Folds every adapter into its base kernel and removes the adapters, in place: the result
     is a plain float model with the adapted model's function (for export and for sampling
@@ -250,7 +240,6 @@ __all__ = [
     "combine",
     "has_lora",
     "merge_into_base",
-    "merged_kernels",
     "merged_params",
     "num_adapter_params",
     "split",

@@ -228,11 +228,6 @@ class Models:
         the frozen base; ``params`` itself without LoRA."""
         return params if self.frozen is None else train_models.combine(self.frozen, params)
 
-    def full_critic_params(self, params: dict) -> dict:
-        if self.critic_frozen is None:
-            return params
-        return train_models.combine(self.critic_frozen, params)
-
     def sampling_policy(self, params: dict) -> tuple[nnx.GraphDef, dict]:
         """``(graphdef, parameters)`` the sampler runs: the policy's, or under LoRA with
         ``merge_for_sampling`` the base's graph with ``W + s·A B`` merged in (jitted)."""
