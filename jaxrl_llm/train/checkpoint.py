@@ -8,7 +8,10 @@ A checkpoint of step ``s`` is the folder ``RUN_DIR/checkpoints/s`` with two item
   ``PyTreeCheckpointHandler`` without compression (see below);
 * ``meta``: JSON with the shape, dtype and checksum of every array, the data iterator's state
   (epoch, index, seed, number of examples), the resolved config as YAML, and any extra host
-  values.
+  values;
+* ``host`` (optional): named host arrays saved with the step, e.g. the async loop's buffered
+  rollouts (:mod:`jaxrl_llm.train.asynchronous`); ``meta`` holds their shapes, dtypes and
+  sha256, checked on restore.
 
 Checksums, not compression. Each array's checksum is two uint32 sums over its bits, a plain one
 and one weighted by position, computed on device and the same for any sharding and mesh
@@ -95,6 +98,8 @@ class CheckpointFallbackWarning(UserWarning):
 
 TRASH_DIR = "to_delete"  # orbax's todelete_subdir: old steps are renamed here, then removed
 UNREADABLE_DIR = "unreadable"  # corrupt steps are moved here by restore()
+HOST_ITEM = "host"  # the orbax item of save(host=...): named host arrays (buffered rollouts)
+HOST_ARRAYS = "host_arrays"  # meta key: their description on disk, the arrays after restore
 # Orbax's barriers are named PREFIX_NAME (the prefix set here: orbax's default differs between
 # its sync and async checkpointers). Orbax 0.12 ends every restore with the barrier
 # "Checkpointer:restore" on every process; a process whose read raised never reached it.
@@ -213,6 +218,12 @@ def _by_name(flat: Mapping[tuple[str, ...], Any]) -> dict[str, Any]:
     return {"/".join(path): x for path, x in flat.items()}
 
 
+def _sha256(x: np.ndarray) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
+
+
 def _verify(state: Any, meta: Mapping[str, Any], step: int, where: str) -> None:
     saved = meta.get("checksums")
     if saved is None:  # written before checksums existed
@@ -297,6 +308,9 @@ class Checkpointer:
                     use_compression=False, multiprocessing_options=processes
                 ),
                 "meta": ocp.JsonCheckpointHandler(multiprocessing_options=processes),
+                HOST_ITEM: ocp.PyTreeCheckpointHandler(
+                    use_compression=False, multiprocessing_options=processes
+                ),
             },
         )
 
@@ -312,8 +326,20 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 
-    def save(self, step: int, state: TrainState, *, meta: Mapping[str, Any] | None = None) -> None:
-        """Starts saving ``state`` as step ``step`` (returns before the files are written)."""
+    def save(
+        self,
+        step: int,
+        state: TrainState,
+        *,
+        meta: Mapping[str, Any] | None = None,
+        host: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        """Starts saving ``state`` as step ``step`` (returns before the files are written).
+
+        ``host``: named host arrays saved with the step in their own item (the async loop's
+        buffered rollouts); their shapes, dtypes and sha256 go in ``meta`` and are checked on
+        restore, which returns them as ``meta[HOST_ARRAYS]``. Every process passes the same
+        values."""
         self.wait()  # raises a CheckpointSaveError for a failed previous save
         if jax.process_index() == 0:
             shutil.rmtree(self.directory / TRASH_DIR, ignore_errors=True)
@@ -324,14 +350,17 @@ class Checkpointer:
             "checksums": checksums.compute_checksums(_by_name(flat)),
             **dict(meta or {}),
         }
+        items = {"state": ocp.args.PyTreeSave(_nest(flat)), "meta": None}
+        if host:
+            host = {name: np.ascontiguousarray(x) for name, x in host.items()}
+            body[HOST_ARRAYS] = {
+                name: [list(x.shape), str(x.dtype), _sha256(x)] for name, x in host.items()
+            }
+            items[HOST_ITEM] = ocp.args.PyTreeSave(dict(host))
+        items["meta"] = ocp.args.JsonSave(body)
         self._pending = int(step)
         try:
-            self._manager.save(
-                int(step),
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeSave(_nest(flat)), meta=ocp.args.JsonSave(body)
-                ),
-            )
+            self._manager.save(int(step), args=ocp.args.Composite(**items))
         except OSError as e:
             raise self._save_error(e) from e
 
@@ -498,15 +527,41 @@ class Checkpointer:
         state_args = ocp.args.PyTreeRestore(
             item=nested, restore_args=ocp.checkpoint_utils.construct_restore_args(nested)
         )
-        out = self._orbax_restore(
-            step,
-            ocp.args.Composite(state=state_args, meta=ocp.args.JsonRestore()),
-            barriers=1,
-        )
+        items = {"state": state_args, "meta": ocp.args.JsonRestore()}
+        described = meta.get(HOST_ARRAYS) or {}
+        if described:
+            host_targets = {
+                name: np.zeros(shape, np.dtype(dtype))
+                for name, (shape, dtype, _) in described.items()
+            }
+            items[HOST_ITEM] = ocp.args.PyTreeRestore(
+                item=host_targets,
+                restore_args={
+                    name: ocp.RestoreArgs(restore_type=np.ndarray) for name in host_targets
+                },
+            )
+        out = self._orbax_restore(step, ocp.args.Composite(**items), barriers=1)
         restored = _unnest(out["state"])
         leaves = [restored[path] for path in flat]
         treedef = jax.tree.structure(template)
-        return jax.tree.unflatten(treedef, leaves), dict(out["meta"])
+        meta = dict(out["meta"])
+        if described:
+            host = {name: np.asarray(x) for name, x in dict(out[HOST_ITEM]).items()}
+            bad = [
+                name
+                for name, (shape, dtype, digest) in described.items()
+                if name not in host
+                or list(host[name].shape) != list(shape)
+                or str(host[name].dtype) != dtype
+                or _sha256(host[name]) != digest
+            ]
+            if bad:
+                raise CheckpointCorruptError(
+                    f"checkpoint step {step} in {self.directory}: {len(bad)} buffered host "
+                    f"arrays do not match their saved sha256, e.g. {bad[:3]}"
+                )
+            meta[HOST_ARRAYS] = host
+        return jax.tree.unflatten(treedef, leaves), meta
 
     def wait(self) -> None:
         """Blocks until pending saves are on disk.
@@ -538,6 +593,7 @@ class Checkpointer:
 
 
 __all__ = [
+    "HOST_ARRAYS",
     "CheckpointCorruptError",
     "CheckpointFallbackWarning",
     "CheckpointMismatchError",

@@ -144,6 +144,10 @@ class LoopPlan:
       on_nonfinite: ``"skip"`` or ``"raise"`` on a non-finite update.
       max_refill_batches: DAPO: extra batches of prompts drawn to refill dropped groups.
       data_seed, shuffle: the prompt stream's order.
+      max_staleness: async RL: policy versions a batch may lag its update (0: synchronous;
+        :mod:`~jaxrl_llm.train.asynchronous`).
+      partial_rollout_tokens: async RL: a rollout continues under newer weights every this
+        many new tokens (0: off).
     """
 
     max_steps: int
@@ -153,6 +157,8 @@ class LoopPlan:
     max_refill_batches: int = 0
     data_seed: int = 0
     shuffle: bool = True
+    max_staleness: int = 0
+    partial_rollout_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -710,6 +716,8 @@ def resolve(
             max_refill_batches=t.max_refill_batches,
             data_seed=config.data.seed,
             shuffle=config.data.shuffle,
+            max_staleness=getattr(t, "max_staleness", 0),
+            partial_rollout_tokens=getattr(t, "partial_rollout_tokens", 0),
         ),
         update=update_shape(config, shd.data_parallel_size(models.mesh)),
         old_logprobs=OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
