@@ -333,6 +333,8 @@ class LoopConfig:
     packing: bool = False
     # Plan the run for its devices before loading weights (jaxrl-llm plan); refuse a misfit.
     preflight: bool = False
+    # Async RL: policy versions a sample may lag the update it trains (0 = synchronous).
+    max_staleness: int = _field(0, ge=0)
 
 
 @dataclasses.dataclass(**_CONFIG)
@@ -347,6 +349,18 @@ class MeshConfig:
     fsdp: int = 1
     # Tensor-parallel axis size (≥ 2 with fsdp_tp).
     tensor: int = 1
+
+
+@dataclasses.dataclass(**_CONFIG)
+class PlacementConfig:
+    """Where the rollout and the update run: one mesh, or two carved from the devices."""
+
+    # colocated (rollout and update on the one mesh) or split (a rollout and a train mesh).
+    mode: Literal["colocated", "split"] = "colocated"
+    # split: the share of each process's devices given to the rollout (its first ones).
+    rollout_fraction: float = _field(0.25, gt=0, lt=1)
+    # split: the rollout mesh over the rollout devices (mesh: the train mesh over the rest).
+    rollout_mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
 
 @dataclasses.dataclass(**_CONFIG)
@@ -425,6 +439,8 @@ class TrainConfig:
     train: LoopConfig = dataclasses.field(default_factory=LoopConfig)
     # Device mesh.
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    # Rollout and update placement: colocated, or split onto two meshes.
+    placement: PlacementConfig = dataclasses.field(default_factory=PlacementConfig)
     # Experiment trackers: TensorBoard, W&B, trackio.
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     # Run directory (metrics, checkpoints, resolved config); None = set by --run-dir.
@@ -463,6 +479,7 @@ __all__ = [
     "NumericsName",
     "OldLogprobsConfig",
     "OptimConfig",
+    "PlacementConfig",
     "PreferenceConfig",
     "RecipeName",
     "RewardTermConfig",

@@ -307,10 +307,29 @@ def recipe_hparams(config: TrainConfig) -> dict[str, Any]:
     return out
 
 
+# The rollout correction an async run (train.max_staleness > 0) gets when its recipe takes one
+# and the config sets none: token-level truncated IS, w = min(π_old / μ, 2) with π_old the
+# recomputed proximal policy (the decoupled loss of Hilton et al. 2021 / AReaL; Yao et al. 2025's
+# TIS cap). ``rollout_correction: {mode: none}`` opts out (the rollout_corr/* metrics stay).
+ASYNC_ROLLOUT_CORRECTION = {"mode": "tis", "level": "token", "high": 2.0}
+
+
+def async_default_correction(config: TrainConfig) -> bool:
+    """Whether :data:`ASYNC_ROLLOUT_CORRECTION` is added to the recipe: an async run
+    (``train.max_staleness > 0``) of a recipe with a ``rollout_correction`` option unset."""
+    if int(getattr(config.train, "max_staleness", 0) or 0) <= 0:
+        return False
+    if "rollout_correction" in config.algorithm.hparams:
+        return False
+    return "rollout_correction" in inspect.signature(_recipe_fn(config.algorithm.name)).parameters
+
+
 def build_recipe(config: TrainConfig, **extra: Any) -> rc.AnyRecipe:
     """The :class:`~jaxrl_llm.recipe.Recipe` the config names (``extra``: e.g. ``axis_name``)."""
     name = config.algorithm.name
     kwargs = dict(config.algorithm.hparams, numerics=config.algorithm.numerics, **extra)
+    if async_default_correction(config):
+        kwargs["rollout_correction"] = dict(ASYNC_ROLLOUT_CORRECTION)
     if config.kl.controller == "adaptive":
         kwargs["kl_controller"] = _kl.adaptive_kl_controller(
             float(recipe_hparams(config)["beta"]),
@@ -538,21 +557,39 @@ def _check_rewards(config: TrainConfig) -> None:
         names.add(term.metric_name)
 
 
-def _check_mesh(mesh: MeshConfig) -> None:
+def _check_mesh(mesh: MeshConfig, where: str = "mesh") -> None:
+    """``where``: the mesh's key (``mesh``, or ``placement.rollout_mesh``)."""
     sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
     for axis, size in sizes.items():
         if size != -1 and size < 1:
-            raise _bad(f"mesh.{axis}", size, "a size ≥ 1, or -1 for all remaining devices")
+            raise _bad(f"{where}.{axis}", size, "a size ≥ 1, or -1 for all remaining devices")
     if list(sizes.values()).count(-1) > 1:
         raise ConfigError(
-            f"mesh = {sizes}: at most one axis may be -1 (all remaining devices)", "mesh"
+            f"{where} = {sizes}: at most one axis may be -1 (all remaining devices)", where
         )
     if mesh.preset == "dp" and (mesh.fsdp != 1 or mesh.tensor != 1):
-        raise _bad("mesh.preset", "dp", "'fsdp' or 'fsdp_tp' for a mesh with fsdp or tensor > 1")
+        raise _bad(
+            f"{where}.preset", "dp", "'fsdp' or 'fsdp_tp' for a mesh with fsdp or tensor > 1"
+        )
     if mesh.preset == "fsdp" and mesh.tensor != 1:
-        raise _bad("mesh.tensor", mesh.tensor, "1 with mesh.preset=fsdp (use fsdp_tp)")
+        raise _bad(f"{where}.tensor", mesh.tensor, f"1 with {where}.preset=fsdp (use fsdp_tp)")
     if mesh.preset == "fsdp_tp" and mesh.tensor == 1:
-        raise _bad("mesh.tensor", 1, "≥ 2 (or -1) with mesh.preset=fsdp_tp")
+        raise _bad(f"{where}.tensor", 1, f"≥ 2 (or -1) with {where}.preset=fsdp_tp")
+
+
+def _check_placement(config: TrainConfig) -> None:
+    """``placement``: split needs a rollout (not dpo) and a valid rollout mesh; the device
+    counts are checked in :func:`check_devices`."""
+    if config.placement.mode != "split":
+        return
+    if config.is_offline:
+        raise ConfigError(
+            f"placement.mode = 'split': {config.algorithm.name} trains offline on preference "
+            "pairs and generates nothing, so there is no rollout to place; expected "
+            "placement.mode = 'colocated'",
+            "placement.mode",
+        )
+    _check_mesh(config.placement.rollout_mesh, "placement.rollout_mesh")
 
 
 #: Seeds are integers in ``[0, MAX_SEED)``: JAX keys take an int64 and the trainer seeds
@@ -647,6 +684,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check_data(config)
     _check_rewards(config)
     _check_mesh(config.mesh)
+    _check_placement(config)
     _check_seeds(config)
     _check_lora(config)
     _check_reward_components(config)
@@ -728,21 +766,25 @@ def check_evaluation(config: TrainConfig) -> None:
         )
 
 
-def mesh_axis_sizes(mesh: MeshConfig, device_count: int) -> dict[str, int]:
+def mesh_axis_sizes(
+    mesh: MeshConfig, device_count: int, *, where: str = "mesh", devices: str = "devices"
+) -> dict[str, int]:
     """``{"data", "fsdp", "tensor"}`` sizes on a machine with ``device_count`` devices.
 
     A -1 axis takes every device the others leave. The product must divide ``device_count``; a
     mesh smaller than the machine runs on its first ``data × fsdp × tensor`` devices.
+    ``where`` names the mesh's key and ``devices`` the devices in errors (split placement:
+    ``placement.rollout_mesh`` and "rollout devices", or "train devices").
     """
-    _check_mesh(mesh)
+    _check_mesh(mesh, where)
     sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
     fixed = math.prod(s for s in sizes.values() if s != -1)
     if device_count % fixed:
         shown = ", ".join(f"{a}={s}" for a, s in sizes.items())
         raise ConfigError(
-            f"mesh = ({shown}): the product of the axis sizes, {fixed}, does not divide the "
-            f"{device_count} devices",
-            "mesh",
+            f"{where} = ({shown}): the product of the axis sizes, {fixed}, does not divide the "
+            f"{device_count} {devices}",
+            where,
         )
     if -1 in sizes.values():
         auto = next(a for a, s in sizes.items() if s == -1)
@@ -750,15 +792,78 @@ def mesh_axis_sizes(mesh: MeshConfig, device_count: int) -> dict[str, int]:
     return sizes
 
 
-def check_devices(config: TrainConfig, device_count: int) -> dict[str, int]:
+def placement_device_counts(
+    config: TrainConfig, device_count: int, process_count: int = 1
+) -> tuple[int, int]:
+    """``(rollout, train)`` device counts of the run: with ``placement.mode = split`` each of
+    the ``process_count`` processes gives the first ``k = rollout_fraction × local`` of its
+    ``local = device_count / process_count`` devices to the rollout and the rest to training
+    (``jaxrl_llm.train.placement.carve_devices``); colocated: ``(device_count,
+    device_count)``, one mesh for both.
+
+    Raises:
+      ConfigError: too few devices per process (split needs one on each side), or ``k`` not
+        a whole number of devices in ``[1, local - 1]``, naming ``placement.rollout_fraction``.
+    """
+    p = config.placement
+    if p.mode != "split":
+        return device_count, device_count
+    if process_count < 1 or device_count % process_count:
+        raise ConfigError(
+            f"{device_count} devices over {process_count} processes: expected the same number "
+            "of devices on every process",
+            "placement",
+        )
+    local = device_count // process_count
+    where = (
+        f"{local} devices of each of the {process_count} processes"
+        if process_count > 1
+        else (f"{local} devices")
+    )
+    if local < 2:
+        raise ConfigError(
+            f"placement.mode = 'split' on {where}: expected at least 2 devices per process "
+            "(one for the rollout, one for training); use placement.mode = 'colocated'",
+            "placement.mode",
+        )
+    share = p.rollout_fraction * local
+    k = round(share)
+    if abs(share - k) > 1e-6 or not 1 <= k <= local - 1:
+        whole = ", ".join(f"{i}/{local}" for i in range(1, min(local, 5)))
+        raise ConfigError(
+            f"placement.rollout_fraction = {p.rollout_fraction!r}: {share:g} of the {where}; "
+            f"expected a whole number of rollout devices in [1, {local - 1}] per process "
+            f"(e.g. {whole}{', ...' if local > 5 else ''})",
+            "placement.rollout_fraction",
+        )
+    return k * process_count, (local - k) * process_count
+
+
+def check_devices(
+    config: TrainConfig, device_count: int, *, process_count: int = 1
+) -> dict[str, int]:
     """Checks the mesh and the batch split for ``device_count`` devices; returns the axis sizes.
 
     The batch is split over the data-parallel axes ``data × fsdp``: the batch, the update batch
-    (B·m with PODS), each minibatch and each micro-batch must be a multiple of that size.
+    (B·m with PODS), each minibatch and each micro-batch must be a multiple of that size. With
+    ``placement.mode = split`` the devices are first carved (:func:`placement_device_counts`,
+    over ``process_count`` processes): ``mesh`` is then the train mesh over the train devices
+    and ``placement.rollout_mesh`` must fit the rollout devices; the sizes returned are the
+    train mesh's.
     """
     if device_count < 1:
         raise ConfigError(f"device_count = {device_count}: expected ≥ 1")
-    sizes = mesh_axis_sizes(config.mesh, device_count)
+    n_rollout, n_train = placement_device_counts(config, device_count, process_count)
+    devices = "devices"
+    if config.placement.mode == "split":
+        devices = f"train devices (of {device_count}; {n_rollout} go to the rollout)"
+        mesh_axis_sizes(
+            config.placement.rollout_mesh,
+            n_rollout,
+            where="placement.rollout_mesh",
+            devices=f"rollout devices (of {device_count})",
+        )
+    sizes = mesh_axis_sizes(config.mesh, n_train, devices=devices)
     dp = sizes["data"] * sizes["fsdp"]
     batch, update = config.batch_size, config.update_batch_size
     minibatch = update // config.optim.num_minibatches
@@ -777,8 +882,8 @@ def check_devices(config: TrainConfig, device_count: int) -> dict[str, int]:
         if size % dp:
             raise ConfigError(
                 f"{what} of {size} ({formula}) is not a multiple of the data-parallel size "
-                f"{dp} (mesh data={sizes['data']} × fsdp={sizes['fsdp']} on {device_count} "
-                "devices)",
+                f"{dp} (mesh data={sizes['data']} × fsdp={sizes['fsdp']} on {n_train} "
+                f"{devices})",
                 "mesh",
             )
     return sizes
@@ -800,6 +905,7 @@ __all__ = [
     "merge_overrides",
     "mesh_axis_sizes",
     "needs_reference_model",
+    "placement_device_counts",
     "recipe_hparams",
     "resolve_config",
     "save_config",
