@@ -24,6 +24,7 @@ from jaxrl_llm import distributed as dist
 from jaxrl_llm import recipe as rc
 from jaxrl_llm import rewards as R
 from jaxrl_llm.data import BatchIterator
+from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.train.setup import Models, Sampler, Setup
 from jaxrl_llm.train.step import Groups
 from jaxrl_llm.train.update import DPOBatch
@@ -65,14 +66,20 @@ def sample_completions(
     prompt_ids: np.ndarray,
     prompt_mask: np.ndarray,
     key: jax.Array,
+    *,
+    policy: tuple[Any, dict] | None = None,
 ) -> Any:
     """``sampler``'s completions of the prompts with the policy ``params``, as host arrays
-    (the fields of :func:`jaxrl_llm.rollout.generate`'s result)."""
+    (the fields of :func:`jaxrl_llm.rollout.generate`'s result). ``policy``: a ``(graphdef,
+    params)`` to sample from instead of ``models.sampling_policy(params)`` (the rollout
+    weights of :mod:`jaxrl_llm.train.placement`, on their own mesh)."""
     from jaxrl_llm import rollout
 
+    if policy is None:
+        policy = models.sampling_policy(params)  # LoRA: the adapters on the base, or merged
     # generate() runs on the parameters' mesh by itself (batch over the data axes).
     out = rollout.generate(
-        models.sampling_policy(params),  # LoRA: the adapters on the base, or merged
+        policy,
         prompt_ids,
         prompt_mask,
         rng=key,
@@ -127,14 +134,40 @@ def _gather_reward_output(out: R.RewardOutput) -> R.RewardOutput:
     )
 
 
-def _generate_round(setup: Setup, params: dict, batch: Any, key: jax.Array):
+def policy_rows(policy: tuple[Any, dict], num_rows: int) -> slice:
+    """This process's rows of a batch that ``policy``'s mesh generates (every row in a
+    single-process run): the rows its devices hold under the batch sharding of the mesh the
+    parameters lie on (``generate`` splits the batch over that mesh's data axes)."""
+    if not dist.is_multiprocess():
+        return slice(0, int(num_rows))
+    for leaf in jax.tree.leaves(policy[1]):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return dist.process_rows(shd.batch_sharding(sharding.mesh, 1), (int(num_rows),))
+    raise ValueError(
+        "collect: in a multi-process run the sampling policy's parameters must lie on a mesh "
+        "over every process's devices (a NamedSharding)"
+    )
+
+
+def _generate_round(
+    setup: Setup,
+    params: dict,
+    batch: Any,
+    key: jax.Array,
+    policy: tuple[Any, dict] | None = None,
+):
     """Samples and scores one global batch of prompts; every process returns all its groups.
 
     In a multi-process run each process generates for and scores only its own rows of the
-    batch (:func:`~jaxrl_llm.distributed.process_rows`), then the groups are gathered so that
-    selection and metrics see the global batch in the order of a single-process run.
+    batch (:func:`~jaxrl_llm.distributed.process_rows`: of the train mesh, or of ``policy``'s
+    mesh when given), then the groups are gathered so that selection and metrics see the
+    global batch in the order of a single-process run.
     """
-    rows = setup.models.process_rows(len(batch.prompts))
+    if policy is None:
+        rows = setup.models.process_rows(len(batch.prompts))
+    else:
+        rows = policy_rows(policy, len(batch.prompts))
     t0 = time.perf_counter()
     out = sample_completions(
         setup.models,
@@ -143,6 +176,7 @@ def _generate_round(setup: Setup, params: dict, batch: Any, key: jax.Array):
         batch.prompt_ids_bt[rows],
         batch.prompt_mask_bt[rows],
         key,
+        policy=policy,
     )
     t1 = time.perf_counter()
     reward_bg, reward_out, _ = score_completions(
@@ -174,6 +208,7 @@ def _generate_round(setup: Setup, params: dict, batch: Any, key: jax.Array):
             batch.prompt_ids_bt[rows],
             batch.prompt_mask_bt[rows],
             key,
+            policy=policy,
         )
         baseline_b1, _, _ = score_completions(
             setup.tokenizer,
@@ -212,9 +247,19 @@ def _select(recipe: rc.Recipe, groups: Groups) -> np.ndarray:
 
 
 def collect(
-    setup: Setup, params: dict, it: BatchIterator, key: jax.Array
+    setup: Setup,
+    params: dict,
+    it: BatchIterator,
+    key: jax.Array,
+    *,
+    policy: tuple[Any, dict] | None = None,
 ) -> tuple[Groups, dict[str, float]]:
-    """Generates, scores and selects this step's groups (see the module docstring)."""
+    """Generates, scores and selects this step's groups (see the module docstring).
+
+    ``policy``: the ``(graphdef, params)`` to sample from instead of
+    ``setup.models.sampling_policy(params)``, e.g. ``RolloutWeights.sampling_policy()`` on the
+    rollout mesh (:mod:`jaxrl_llm.train.placement`); each process then generates the rows of
+    that mesh, and the groups come back as host arrays as always."""
     recipe = setup.recipe
     b = setup.loop.batch_size
     dynamic = recipe.selection.dynamic_sampling
@@ -226,7 +271,7 @@ def collect(
     rounds = 0
     while True:
         groups, reward_out, truncated, t = _generate_round(
-            setup, params, it.next_batch(), jax.random.fold_in(key, rounds)
+            setup, params, it.next_batch(), jax.random.fold_in(key, rounds), policy
         )
         for k, v in t.items():
             times[k] += v
@@ -333,6 +378,7 @@ def dpo_batch(
 __all__ = [
     "collect",
     "dpo_batch",
+    "policy_rows",
     "sample_completions",
     "score_completions",
     "to_global",

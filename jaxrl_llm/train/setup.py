@@ -42,12 +42,14 @@ from jaxrl_llm.config import (
     build_recipe,
     check_devices,
     data_format,
+    mesh_axis_sizes,
     to_dict,
 )
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.recipe import REFERENCE_LOGPROBS, AnyRecipe, PreferenceRecipe, Recipe
 from jaxrl_llm.train import data as run_data
 from jaxrl_llm.train import models as train_models
+from jaxrl_llm.train import placement as pl
 from jaxrl_llm.train import state as st
 from jaxrl_llm.train.tracking import TrackingPlan, TrackioSettings, WandbSettings
 
@@ -307,6 +309,12 @@ class Setup:
     data: run_data.RunData
     reward: R.WeightedSum | None
     tracking: TrackingPlan = dataclasses.field(default_factory=TrackingPlan)
+    placement: pl.Placement | None = None  # None: colocated on models.mesh
+
+    def __post_init__(self) -> None:
+        if self.placement is None:
+            colocated = pl.Placement.colocated(self.models.mesh, self.models.rules)
+            object.__setattr__(self, "placement", colocated)
 
     @property
     def offline(self) -> bool:
@@ -383,11 +391,50 @@ def update_shape(config: TrainConfig, data_parallel: int = 1) -> UpdateShape:
     )
 
 
+def _carve(config: TrainConfig) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """Split placement: ``(rollout, train)`` devices (:func:`~jaxrl_llm.train.placement.
+    carve_devices` of ``jax.devices()`` by ``placement.rollout_fraction``)."""
+    return pl.carve_devices(jax.devices(), config.placement.rollout_fraction)
+
+
 def make_mesh(config: TrainConfig) -> tuple[jax.sharding.Mesh, shd.Rules]:
     """The run's ``(data, fsdp, tensor)`` mesh over the first devices (sizes from
-    ``config.mesh``, checked against the devices and the batch split), and its rules."""
-    sizes = check_devices(config, jax.device_count())
-    return train_models.make_mesh(sizes, config.mesh.preset)
+    ``config.mesh``, checked against the devices and the batch split), and its rules. With
+    ``placement.mode = split`` it is the train mesh, over the first of the train devices."""
+    sizes = check_devices(config, jax.device_count(), process_count=jax.process_count())
+    if config.placement.mode != "split":
+        return train_models.make_mesh(sizes, config.mesh.preset)
+    _, train = _carve(config)
+    n = int(np.prod(list(sizes.values())))
+    return shd.make_mesh(**sizes, devices=train[:n]), shd.PRESETS[config.mesh.preset]
+
+
+def make_placement(config: TrainConfig, mesh: jax.sharding.Mesh, rules: shd.Rules) -> pl.Placement:
+    """Where the rollout runs: colocated on ``mesh`` (the train mesh), or split: the rollout
+    mesh of ``placement.rollout_mesh`` over the rollout devices.
+
+    Raises:
+      ConfigError: split, and ``mesh`` holds a rollout device.
+    """
+    if config.placement.mode != "split":
+        return pl.Placement.colocated(mesh, rules)
+    check_devices(config, jax.device_count(), process_count=jax.process_count())
+    rollout, train = _carve(config)
+    clash = sorted(d.id for d in set(mesh.devices.flat) - set(train))
+    if clash:
+        raise ConfigError(
+            f"placement.mode = 'split': the train mesh holds devices {clash}, which are the "
+            "rollout's (each process's first devices); build it over the train devices",
+            "placement.mode",
+        )
+    r = config.placement.rollout_mesh
+    sizes = mesh_axis_sizes(r, len(rollout), where="placement.rollout_mesh")
+    return pl.split_placement(
+        jax.devices(),
+        fraction=config.placement.rollout_fraction,
+        rollout_sizes=sizes,
+        rollout_rules=shd.PRESETS[r.preset],
+    )
 
 
 def _load_options(model: ModelLoadConfig) -> dict[str, Any]:
@@ -609,9 +656,13 @@ def _stop_ids(config: TrainConfig, tokenizer: Any, model_config: Any) -> tuple[i
     return tuple(sorted(i for i in ids if 0 <= i < model_config.vocab_size))
 
 
-def check_processes(config: TrainConfig, mesh: jax.sharding.Mesh) -> None:
+def check_processes(
+    config: TrainConfig, mesh: jax.sharding.Mesh, placement: pl.Placement | None = None
+) -> None:
     """With several processes: the mesh spans every process's devices, each process owns whole
-    data-parallel shards, and the prompts of a step split evenly over those shards.
+    data-parallel shards, and the prompts of a step split evenly over those shards. With a
+    split ``placement`` the same holds of the train mesh over the train devices and of the
+    rollout mesh over the rollout devices (each process generates for its rows of the latter).
 
     Raises:
       ConfigError: naming the mesh or batch key and the sizes that do not fit.
@@ -619,29 +670,42 @@ def check_processes(config: TrainConfig, mesh: jax.sharding.Mesh) -> None:
     procs = jax.process_count()
     if procs == 1:
         return
-    sizes = dict(mesh.shape)
-    where = f"mesh (data={sizes['data']}, fsdp={sizes['fsdp']}, tensor={sizes['tensor']})"
-    if mesh.size != jax.device_count():
-        raise ConfigError(
-            f"{where} uses {mesh.size} of the {jax.device_count()} devices of this {procs}-process "
-            "run: a multi-process mesh must hold every process's devices (e.g. mesh.data=-1)",
-            "mesh",
-        )
-    dp = shd.data_parallel_size(mesh)
-    if dp % procs:
-        raise ConfigError(
-            f"{where}: the data-parallel size data × fsdp = {dp} is not a multiple of the "
-            f"{procs} processes; keep mesh.tensor within one process's "
-            f"{jax.local_device_count()} devices and split data/fsdp across processes",
-            "mesh",
-        )
-    if config.rollout is not None and config.rollout.prompts_per_step % dp:
-        raise ConfigError(
-            f"rollout.prompts_per_step = {config.rollout.prompts_per_step}: expected a multiple "
-            f"of the data-parallel size {dp} ({where} over {procs} processes), so that each "
-            "process samples whole groups for its own prompts",
-            "rollout.prompts_per_step",
-        )
+    meshes = [("mesh", mesh, jax.device_count(), "")]
+    if placement is not None and placement.split:
+        meshes = [
+            ("mesh", mesh, len(placement.train_devices), " train"),
+            (
+                "placement.rollout_mesh",
+                placement.rollout_mesh,
+                len(placement.rollout_devices),
+                " rollout",
+            ),
+        ]
+    for key, m, count, side in meshes:
+        sizes = dict(m.shape)
+        where = f"{key} (data={sizes['data']}, fsdp={sizes['fsdp']}, tensor={sizes['tensor']})"
+        if m.size != count:
+            raise ConfigError(
+                f"{where} uses {m.size} of the {count}{side} devices of this {procs}-process "
+                f"run: a multi-process mesh must hold every process's{side} devices (e.g. "
+                f"{key}.data=-1)",
+                key,
+            )
+        dp = shd.data_parallel_size(m)
+        if dp % procs:
+            raise ConfigError(
+                f"{where}: the data-parallel size data × fsdp = {dp} is not a multiple of the "
+                f"{procs} processes; keep {key}.tensor within one process's "
+                f"{count // procs}{side} devices and split data/fsdp across processes",
+                key,
+            )
+        if config.rollout is not None and config.rollout.prompts_per_step % dp:
+            raise ConfigError(
+                f"rollout.prompts_per_step = {config.rollout.prompts_per_step}: expected a "
+                f"multiple of the data-parallel size {dp} ({where} over {procs} processes), "
+                "so that each process samples whole groups for its own prompts",
+                "rollout.prompts_per_step",
+            )
 
 
 def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
@@ -689,7 +753,8 @@ def resolve(
     tokenizer, data, reward, recipe, optimizers, a fresh state, and the plans (not restored)."""
     recipe = build_recipe(config)
     models, state = build_models(config, recipe, mesh=mesh)
-    check_processes(config, models.mesh)
+    placement = make_placement(config, models.mesh, models.rules)
+    check_processes(config, models.mesh, placement)
     model_config = models.policy(state.params).config
     tokenizer = load_tokenizer(config.model, vocab_size=model_config.vocab_size)
     data = build_data(config, tokenizer)
@@ -728,6 +793,7 @@ def resolve(
         data=data,
         reward=reward,
         tracking=tracking_plan(config),
+        placement=placement,
     )
 
 
@@ -753,6 +819,7 @@ __all__ = [
     "make_critic_optimizer",
     "make_mesh",
     "make_optimizer",
+    "make_placement",
     "resolve",
     "tracking_plan",
     "update_shape",
