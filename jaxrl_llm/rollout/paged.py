@@ -232,6 +232,7 @@ def _prefill(
     write_off_rc: jax.Array,
     last_index_r: jax.Array,
     seq_id_rg: jax.Array,
+    pos_rg: jax.Array,
     rng: jax.Array,
     temperature: jax.Array,
     top_p: jax.Array,
@@ -239,7 +240,9 @@ def _prefill(
     static: _Static,
 ) -> tuple[PagePool, jax.Array, jax.Array]:
     """One prefill chunk of R prompts: writes it for each prompt's G samples and samples their
-    token 0 from the logits at ``last_index_r`` (used by the caller where the prompt ends)."""
+    first token from the logits at ``last_index_r`` (used by the caller where the prompt ends),
+    with the keys of sequence ``seq_id_rg`` at completion index ``pos_rg`` (0 but in partial
+    rollouts)."""
     lm: CausalLM = nnx.merge(graphdef, params)
     h_rcd, k_lrckd, v_lrckd = forward_paged(lm, pool, tokens_rc, valid_rc, ctx_len_r, table_rw)
     r, g = seq_id_rg.shape
@@ -257,7 +260,7 @@ def _prefill(
     logits_rv = lm.logits(h_rd)
     logits_nv = jnp.broadcast_to(logits_rv[:, None], (r, g, logits_rv.shape[-1])).reshape(r * g, -1)
     seq_id_n = seq_id_rg.reshape(-1)
-    keys_n = _row_keys(rng, seq_id_n, jnp.zeros_like(seq_id_n))
+    keys_n = _row_keys(rng, seq_id_n, pos_rg.reshape(-1))
     token_n, logp_n = _pick(logits_nv, keys_n, temperature, top_p, static)
     return pool, token_n.reshape(r, g), logp_n.reshape(r, g)
 
@@ -418,6 +421,8 @@ def run(
     cache_dtype: jnp.dtype,
     max_new_tokens: int,
     options: PagedOptions,
+    seq_ids_bg: np.ndarray | None = None,
+    token_offsets_bg: np.ndarray | None = None,
 ) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], PagedStats]:
     """Samples ``budgets_bg[b, g]`` tokens (or up to a stop id) for each prompt and sample.
 
@@ -428,6 +433,11 @@ def run(
     data-parallel: per-shard schedulers with per-shard pools are the plan). Returns numpy
     ``(tokens, mask, logprobs, truncated)`` shaped as
     :class:`~jaxrl_llm.rollout.engine.Generation` and the run's :class:`PagedStats`.
+
+    Token ``t`` of sample ``(b, g)`` is drawn with ``fold_in(fold_in(rng, id), offset + t)``,
+    ``id = seq_ids_bg[b, g]`` (default ``b·G + g``) and ``offset = token_offsets_bg[b, g]``
+    (default 0): a partial rollout (``partial.py``) continues a sequence from its token
+    ``offset`` with the keys a one-shot run would have used there.
     """
     b_count, g = budgets_bg.shape
     ps, slots, k = options.page_size, options.num_slots, options.steps_per_dispatch
@@ -443,6 +453,10 @@ def run(
     temp, topp = np.float32(temperature or 1.0), np.float32(top_p)
     stop_ids = np.asarray(stop_ids, np.int32)
     stop_set = {int(s) for s in stop_ids if s >= 0}
+    if seq_ids_bg is None:
+        seq_ids_bg = np.arange(b_count * g, dtype=np.int32).reshape(b_count, g)
+    if token_offsets_bg is None:
+        token_offsets_bg = np.zeros((b_count, g), np.int32)
 
     def group_need(b: int) -> int:
         n_full = len(prompts[b]) // ps
@@ -528,6 +542,7 @@ def run(
             table = np.full((rows, table_width(ctx_pages)), TRASH_PAGE, np.int32)
             last = np.zeros((rows,), np.int32)
             ids = np.zeros((rows, g), np.int32)
+            pos = np.zeros((rows, g), np.int32)
             for r, (b, n) in enumerate(zip(rows_b, length_r, strict=True)):
                 tok[r, :n] = prompts[b][start : start + n]
                 valid[r, :n] = True
@@ -535,7 +550,8 @@ def run(
                 woff[r, :n] = np.arange(start, start + n) % ps
                 table[r, :ctx_pages] = page_of[b][: ctx_pages * ps : ps, 0]
                 last[r] = n - 1
-                ids[r] = b * g + np.arange(g)
+                ids[r] = seq_ids_bg[b]
+                pos[r] = token_offsets_bg[b]
             pool, tok_rg, logp_rg = _prefill(
                 graphdef,
                 params,
@@ -548,6 +564,7 @@ def run(
                 woff,
                 last,
                 ids,
+                pos,
                 rng,
                 temp,
                 topp,
@@ -575,7 +592,8 @@ def run(
                 slot = free_slots.pop(0)
                 slot_seq[slot] = sid
                 lens[slot], token[slot], alive[slot] = len(prompts[b]), tok_g[i], True
-                remaining[slot], gen_pos[slot], seq_id[slot] = seq.budget - 1, 1, sid
+                remaining[slot], gen_pos[slot] = seq.budget - 1, token_offsets_bg[b, i] + 1
+                seq_id[slot] = seq_ids_bg[b, i]
 
     with contextlib.ExitStack() as stack:
         if mesh is not None:

@@ -1,0 +1,433 @@
+"""Partial rollouts: a batch generated in segments that continue under new weights.
+
+An asynchronous RL loop (``train.max_staleness``) may update the policy while a long completion
+is still being sampled. Partial rollouts let that completion continue under the newest weights
+instead of finishing under stale ones or being thrown away: the rollout of a batch proceeds in
+*segments* of at most ``segment_tokens`` new tokens per sample, the weights may change between
+segments, and every token is tagged with the policy version that sampled it. This is AReaL's
+interruptible generation (Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement
+Learning System for Language Reasoning", §4) and PipelineRL's in-flight weight updates (Piché et
+al. 2025, "PipelineRL").
+
+    state = partial.start(B, G, T)                       # nothing sampled yet
+    state = partial.advance(model_v0, ids, mask, state, rng=key, version=0, segment_tokens=64)
+    state = partial.advance(model_v1, ids, mask, state, rng=key, version=1, segment_tokens=64)
+    ...                                                   # until state.done_bg.all()
+    out = partial.finish(state)                           # tokens, mask, logprobs, truncated,
+                                                          # version  ([B, G, T] / [B, G])
+
+The :class:`InFlight` state is plain host numpy (checkpointable as is). Each token's log-prob is
+the sampler's, under the version that drew it, so ``logp_bgt`` is π_behaviour of the decoupled
+PPO loss (Hilton et al. 2021) token by token even when a completion spans versions.
+
+**Context re-prefilled.** A continuing sample's context is its prompt followed by its tokens so
+far, prefilled again under the current weights; the KV cache of the previous weights is not
+kept or reused (AReaL's choice: the continuation is then exactly what the new policy computes
+for that prefix, and no KV cache outlives a segment). The cost is one prefill of
+``P_b + n_bg`` tokens per continuing sample per segment.
+
+**Randomness independent of segmentation.** Token ``t`` of sample ``g`` of prompt ``b`` is
+drawn with the key ``fold_in(fold_in(rng, b·G + g), t)`` whatever the segmentation (the paged
+engine's keys, ``paged.run(seq_ids_bg=, token_offsets_bg=)``), so with the same weights in every
+segment a segmented rollout samples the tokens of one ``generate(engine="paged")`` call with the
+same ``rng`` (tested for segment sizes 1, 3 and >= T; log-probs agree to float rounding, since a
+token's logits come from a prefill instead of a decode step). Pass the same ``rng`` to every
+``advance`` of a batch (checked). Sampling runs on the paged engine only: the static engine's
+keys are per batch step (``fold_in(rng, t)``), which a segment cannot continue.
+
+**Compiled programs.** Done samples are not recomputed: a segment runs the paged engine on the
+continuing samples only, each as its own sequence (``G = 1``). Every shape depends only on
+``(B, G, T)`` and the prompts' padded width ``P``: the pool has ``1 + S·⌈(P + T)/page⌉`` pages
+(``S = min(next_pow2(B·G), 64)`` slots unless ``paged_options`` says otherwise), prefill chunks are
+powers of two in ``[16, prefill_chunk]`` of at most 8 rows (1, 2, 4, 8), decode rows powers of two
+in ``[8, S]``, page tables multiples of 128 tokens up to ``P + T``. So a batch compiles at most
+``4·c·w + d·w`` programs, ``c = log2(prefill_chunk/16) + 1`` chunk widths, ``d = log2(S/8) + 1``
+decode widths (1 when ``S <= 8``), ``w = ⌈(P + T)/128⌉`` table widths (prefill chunks
+after the first need ``w`` too); in practice a handful (those the segments reach), and a second
+batch of the same shapes compiles none (tested with a compile counter). New weights of the same
+structure never recompile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrl_llm.rollout import engine as eng
+from jaxrl_llm.rollout import paged
+
+
+class InFlight(NamedTuple):
+    """The state of a batch's partial rollout: host numpy arrays (checkpointable as is).
+
+    Attributes:
+      tokens_bgt: ``int32[B, G, T]`` tokens so far (the pad id where ``mask_bgt`` is False).
+      mask_bgt: ``bool[B, G, T]`` True on sampled tokens (a prefix of each row).
+      logp_bgt: ``float32[B, G, T]`` the sampler's log-prob of each token under the version that
+        sampled it (as :class:`~jaxrl_llm.rollout.engine.Generation.logprobs`); 0 elsewhere.
+      version_bgt: ``int32[B, G, T]`` the policy version that sampled each token; -1 where none.
+      done_bg: ``bool[B, G]`` the sample stopped (a stop id, or its budget reached).
+      truncated_bg: ``bool[B, G]`` done by its budget without a stop id.
+      num_new_bg: ``int32[B, G]`` tokens sampled so far.
+      budget_bg: ``int32[B, G]`` each sample's budget (``max_new_tokens_bg``, or T).
+      last_version: the version of the latest :func:`advance` (-1 before the first).
+      segments: how many :func:`advance` calls computed something.
+      rng_key_data: ``uint32[...]`` the key data of the batch's ``rng`` (empty before the first
+        :func:`advance`): every segment must use the same key.
+    """
+
+    tokens_bgt: np.ndarray
+    mask_bgt: np.ndarray
+    logp_bgt: np.ndarray
+    version_bgt: np.ndarray
+    done_bg: np.ndarray
+    truncated_bg: np.ndarray
+    num_new_bg: np.ndarray
+    budget_bg: np.ndarray
+    last_version: int = -1
+    segments: int = 0
+    rng_key_data: np.ndarray = np.zeros((0,), np.uint32)
+
+
+class PartialGeneration(NamedTuple):
+    """:class:`~jaxrl_llm.rollout.engine.Generation`'s fields plus each token's version.
+
+    Attributes:
+      tokens, mask, logprobs: ``[B, G, T]`` as in ``Generation`` (the pad id, False, 0 after a
+        sequence's end).
+      truncated: ``bool[B, G]`` the sample hit its budget without a stop id.
+      version: ``int32[B, G, T]`` the policy version that sampled each token; -1 where ``mask``
+        is False.
+    """
+
+    tokens: jax.Array
+    mask: jax.Array
+    logprobs: jax.Array
+    truncated: jax.Array
+    version: jax.Array
+
+
+def _int(fn: str, name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"partial.{fn}: {name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"partial.{fn}: {name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def start(
+    num_prompts: int,
+    num_samples: int,
+    max_new_tokens: int,
+    max_new_tokens_bg: jax.typing.ArrayLike | None = None,
+) -> InFlight:
+    """An empty :class:`InFlight` for ``num_prompts × num_samples`` samples of at most
+    ``max_new_tokens`` tokens (``max_new_tokens_bg``: per-sample budgets ``int[B, G]`` in
+    ``[1, max_new_tokens]``, as in :func:`~jaxrl_llm.rollout.engine.generate`)."""
+    b = _int("start", "num_prompts", num_prompts, 1)
+    g = _int("start", "num_samples", num_samples, 1)
+    t = _int("start", "max_new_tokens", max_new_tokens, 1)
+    try:
+        budget_bg = eng._check_budgets(max_new_tokens_bg, b, g, t)
+    except (ValueError, TypeError) as e:
+        raise type(e)(str(e).replace("generate:", "partial.start:", 1)) from None
+    if budget_bg is None:
+        budget_bg = np.full((b, g), t, np.int32)
+    return InFlight(
+        tokens_bgt=np.zeros((b, g, t), np.int32),
+        mask_bgt=np.zeros((b, g, t), bool),
+        logp_bgt=np.zeros((b, g, t), np.float32),
+        version_bgt=np.full((b, g, t), -1, np.int32),
+        done_bg=np.zeros((b, g), bool),
+        truncated_bg=np.zeros((b, g), bool),
+        num_new_bg=np.zeros((b, g), np.int32),
+        budget_bg=budget_bg,
+    )
+
+
+def _check_inflight(inflight: object) -> InFlight:
+    if not isinstance(inflight, InFlight):
+        raise TypeError(
+            f"partial.advance: inflight must be a partial.InFlight (from partial.start), got "
+            f"{type(inflight).__name__}"
+        )
+    b, g, t = inflight.tokens_bgt.shape
+    for name in ("mask_bgt", "logp_bgt", "version_bgt"):
+        if getattr(inflight, name).shape != (b, g, t):
+            raise ValueError(
+                f"partial.advance: inflight.{name} has shape {getattr(inflight, name).shape}, "
+                f"tokens_bgt has {(b, g, t)}"
+            )
+    for name in ("done_bg", "truncated_bg", "num_new_bg", "budget_bg"):
+        if getattr(inflight, name).shape != (b, g):
+            raise ValueError(
+                f"partial.advance: inflight.{name} has shape {getattr(inflight, name).shape}, "
+                f"expected [B, G] = {(b, g)}"
+            )
+    return inflight
+
+
+def advance(
+    model: eng.ModelLike,
+    prompt_ids_bp: jax.typing.ArrayLike,
+    prompt_mask_bp: jax.typing.ArrayLike,
+    inflight: InFlight,
+    *,
+    rng: jax.Array,
+    version: int,
+    segment_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_token_ids: int | Sequence[int] | None = None,
+    cache_dtype: jax.typing.DTypeLike | None = None,
+    engine: str = "paged",
+    paged_options: paged.PagedOptions | None = None,
+) -> InFlight:
+    """Continues every sample not yet done by at most ``segment_tokens`` tokens under ``model``.
+
+        y_t ~ π_version(· | x_b, y_<t),   n_bg <= t < min(n_bg + segment_tokens, budget_bg)
+
+    stopping a sample after a stop id. The context of sample ``(b, g)`` is its prompt followed
+    by its ``n_bg`` tokens so far, *re-prefilled under the current weights*: the KV cache of the
+    weights that sampled the earlier tokens is not reused (AReaL). Samples already done are not
+    run at all. The new tokens are tagged ``version``; token ``t`` of sample ``(b, g)`` uses
+    the key ``fold_in(fold_in(rng, b·G + g), t)``, so the segmentation does not change what is
+    sampled (module docstring).
+
+    Args:
+      model: a :class:`~jaxrl_llm.models.CausalLM` or its ``(graphdef, params)``, as
+        :func:`~jaxrl_llm.rollout.engine.generate` takes; the same graph in every segment of a
+        batch (else each segment compiles its own programs).
+      prompt_ids_bp, prompt_mask_bp: the batch's ``[B, P]`` left-padded prompts (the same in every
+        segment), B as in :func:`start`.
+      inflight: the batch's state (:func:`start`, or the previous ``advance``); not modified.
+      rng: the batch's PRNG key, the same in every segment.
+      version: the policy version of ``model``; never below the previous segment's.
+      segment_tokens: at most this many new tokens per sample in this call, >= 1.
+      temperature, top_k, top_p, stop_token_ids, cache_dtype: as in ``generate`` (keep them
+        fixed within a batch).
+      engine: ``"paged"`` (the only one that can continue a sample's keys; see the module
+        docstring).
+      paged_options: the paged engine's sizes; ``num_slots`` and ``num_pages`` default from
+        ``(B, G, T, P)`` only, so every segment of a batch shares one pool shape.
+
+    Returns:
+      The new :class:`InFlight` (fresh arrays).
+    """
+    inflight = _check_inflight(inflight)
+    b, g, t = inflight.tokens_bgt.shape
+    segment_tokens = _int("advance", "segment_tokens", segment_tokens, 1)
+    version = _int("advance", "version", version, 0)
+    if version < inflight.last_version:
+        raise ValueError(
+            f"partial.advance: version {version} goes backwards: this batch's previous segment "
+            f"was sampled by version {inflight.last_version}; versions must not decrease"
+        )
+    if engine != "paged":
+        raise ValueError(
+            f"partial.advance: engine must be 'paged' (the static engine's per-step batch keys "
+            f"cannot continue a sample across segments), got {engine!r}"
+        )
+    graphdef, params, module = eng._split_model(model)
+    config = eng._config_of(graphdef, params, module)
+    ids_bp, mask_bp = eng._check_prompts(prompt_ids_bp, prompt_mask_bp, config, t)
+    if ids_bp.shape[0] != b:
+        raise ValueError(
+            f"partial.advance: prompt_ids_bp has {ids_bp.shape[0]} prompts, but this in-flight "
+            f"batch has B = {b} (partial.start(num_prompts={b}, ...))"
+        )
+    if not isinstance(rng, jax.Array):
+        raise TypeError(f"partial.advance: rng must be a jax PRNG key, got {type(rng).__name__}")
+    if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.wrap_key_data(rng)
+    if rng.shape != ():
+        raise ValueError(f"partial.advance: rng must be a single PRNG key, got shape {rng.shape}")
+    key_data = np.asarray(jax.random.key_data(rng), np.uint32).reshape(-1)
+    if inflight.rng_key_data.size and not np.array_equal(key_data, inflight.rng_key_data):
+        raise ValueError(
+            "partial.advance: rng differs from the key of this batch's earlier segments; pass "
+            "the same key to every advance of a batch (its tokens' keys fold in the token index)"
+        )
+    temperature = eng._as_float("temperature", temperature)
+    top_p = eng._as_float("top_p", top_p)
+    top_k = eng._as_int("top_k", top_k, 0)
+    if temperature < 0:
+        raise ValueError(
+            f"partial.advance: temperature must be >= 0 (0 is greedy), got {temperature}"
+        )
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"partial.advance: top_p must be in (0, 1], got {top_p}")
+
+    active = np.argwhere(~inflight.done_bg)  # [M, 2] (b, g), row-major
+    out = inflight._replace(last_version=version, rng_key_data=key_data)
+    if not active.size:
+        return out
+    pad = config.pad_token_id
+    pad = int(pad) if pad is not None and 0 <= pad < config.vocab_size else 0
+    n_m = inflight.num_new_bg[active[:, 0], active[:, 1]].astype(np.int64)
+    left_m = inflight.budget_bg[active[:, 0], active[:, 1]] - n_m
+    seg = min(segment_tokens, t)
+    budget_m1 = np.minimum(left_m, seg).astype(np.int32)[:, None]
+    contexts = [
+        np.concatenate([ids_bp[bi][mask_bp[bi]], inflight.tokens_bgt[bi, gi, :n]]).astype(np.int32)
+        for (bi, gi), n in zip(active, n_m, strict=True)
+    ]
+    options = paged.resolve_options(
+        paged_options,
+        num_seqs=b * g,
+        num_samples=1,
+        longest_prompt=ids_bp.shape[1],
+        max_new_tokens=t,
+    )
+    greedy = temperature == 0.0
+    (tok_m1s, mask_m1s, logp_m1s, trunc_m1), _ = paged.run(
+        graphdef,
+        eng._mesh_of(params),
+        eng._cast_params(params, config.jnp_dtype),
+        contexts,
+        budget_m1,
+        rng=rng,
+        temperature=temperature,
+        top_p=top_p,
+        greedy=greedy,
+        top_k=0 if top_k >= config.vocab_size else top_k,
+        stop_ids=eng._stop_ids(stop_token_ids, config),
+        pad_token_id=pad,
+        cache_dtype=eng._cache_dtype(cache_dtype, config),
+        max_new_tokens=seg,
+        options=options,
+        seq_ids_bg=(active[:, 0] * g + active[:, 1]).astype(np.int32)[:, None],
+        token_offsets_bg=n_m.astype(np.int32)[:, None],
+    )
+    tokens, mask, logp, version_bgt = (
+        inflight.tokens_bgt.copy(),
+        inflight.mask_bgt.copy(),
+        inflight.logp_bgt.copy(),
+        inflight.version_bgt.copy(),
+    )
+    num_new, done, truncated = (
+        inflight.num_new_bg.copy(),
+        inflight.done_bg.copy(),
+        inflight.truncated_bg.copy(),
+    )
+    for m, ((bi, gi), n) in enumerate(zip(active, n_m, strict=True)):
+        k = int(mask_m1s[m, 0].sum())
+        tokens[bi, gi, n : n + k] = tok_m1s[m, 0, :k]
+        mask[bi, gi, n : n + k] = True
+        logp[bi, gi, n : n + k] = logp_m1s[m, 0, :k]
+        version_bgt[bi, gi, n : n + k] = version
+        num_new[bi, gi] = n + k
+        stopped = not bool(trunc_m1[m, 0])  # the segment ended in a stop id
+        done[bi, gi] = stopped or n + k >= inflight.budget_bg[bi, gi]
+        truncated[bi, gi] = done[bi, gi] and not stopped
+    tokens = np.where(mask, tokens, pad).astype(np.int32)
+    return out._replace(
+        tokens_bgt=tokens,
+        mask_bgt=mask,
+        logp_bgt=logp,
+        version_bgt=version_bgt,
+        done_bg=done,
+        truncated_bg=truncated,
+        num_new_bg=num_new,
+        segments=inflight.segments + 1,
+    )
+
+
+def finish(inflight: InFlight, *, allow_unfinished: bool = False) -> PartialGeneration:
+    """The batch's completions as :class:`PartialGeneration` (``Generation``'s fields + version).
+
+    Every sample must be done (``inflight.done_bg.all()``) unless ``allow_unfinished``: then an
+    unfinished sample is returned as it stands, ``truncated`` True.
+    """
+    if not isinstance(inflight, InFlight):
+        raise TypeError(
+            f"partial.finish: expected a partial.InFlight, got {type(inflight).__name__}"
+        )
+    open_bg = ~inflight.done_bg
+    if open_bg.any() and not allow_unfinished:
+        b, g = (int(i) for i in np.argwhere(open_bg)[0])
+        raise ValueError(
+            f"partial.finish: {int(open_bg.sum())} samples are not done (the first: prompt {b}, "
+            f"sample {g}, {int(inflight.num_new_bg[b, g])} of {int(inflight.budget_bg[b, g])} "
+            f"tokens); advance further, or pass allow_unfinished=True"
+        )
+    return PartialGeneration(
+        tokens=jnp.asarray(inflight.tokens_bgt),
+        mask=jnp.asarray(inflight.mask_bgt),
+        logprobs=jnp.asarray(inflight.logp_bgt),
+        truncated=jnp.asarray(inflight.truncated_bg | open_bg),
+        version=jnp.asarray(inflight.version_bgt),
+    )
+
+
+def generate_partial(
+    weights: Sequence[eng.ModelLike] | Callable[[int], tuple[eng.ModelLike, int]],
+    prompt_ids_bp: jax.typing.ArrayLike,
+    prompt_mask_bp: jax.typing.ArrayLike,
+    *,
+    rng: jax.Array,
+    max_new_tokens: int,
+    segment_tokens: int,
+    num_samples: int = 1,
+    versions: Sequence[int] | None = None,
+    max_new_tokens_bg: jax.typing.ArrayLike | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_token_ids: int | Sequence[int] | None = None,
+    cache_dtype: jax.typing.DTypeLike | None = None,
+    paged_options: paged.PagedOptions | None = None,
+) -> PartialGeneration:
+    """:func:`start`, then :func:`advance` segment by segment until every sample is done.
+
+    ``weights`` is either a sequence of models, segment ``i`` sampled by ``weights[i]`` with
+    version ``versions[i]`` (default ``i``; the last model and version serve any later
+    segments), or a callable ``i -> (model, version)``. At most ``⌈T / segment_tokens⌉``
+    segments run. Other arguments as in :func:`advance` and ``generate``.
+    """
+    b = np.asarray(prompt_ids_bp).shape[0] if np.ndim(prompt_ids_bp) else 0
+    state = start(b, num_samples, max_new_tokens, max_new_tokens_bg)
+    if callable(weights):
+        pick = weights
+    else:
+        weights = list(weights)
+        if not weights:
+            raise ValueError("generate_partial: weights is empty; give at least one model")
+        vs = list(range(len(weights))) if versions is None else [int(v) for v in versions]
+        if len(vs) != len(weights):
+            raise ValueError(
+                f"generate_partial: {len(vs)} versions for {len(weights)} models; give one each"
+            )
+
+        def pick(i: int) -> tuple[eng.ModelLike, int]:
+            j = min(i, len(weights) - 1)
+            return weights[j], vs[j]
+
+    segment = 0
+    while not state.done_bg.all():
+        model, version = pick(segment)
+        state = advance(
+            model,
+            prompt_ids_bp,
+            prompt_mask_bp,
+            state,
+            rng=rng,
+            version=version,
+            segment_tokens=segment_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_token_ids=stop_token_ids,
+            cache_dtype=cache_dtype,
+            paged_options=paged_options,
+        )
+        segment += 1
+    return finish(state)
+
+
+__all__ = ["InFlight", "PartialGeneration", "advance", "finish", "generate_partial", "start"]

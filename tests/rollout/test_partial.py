@@ -1,0 +1,179 @@
+"""Partial rollouts (rollout/partial.py) on tiny random models: segmented generation equals one
+``generate(engine="paged")`` call when the weights do not change, the version tags and
+log-probs when they do, done samples left alone, bounded compiles, bad input."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_llm import rollout
+from jaxrl_llm.models.transformer import CausalLM
+from jaxrl_llm.rollout import paged, partial
+from tests.rollout.test_generate import prompts, training_logprobs
+from tests.rollout.test_paged import CompileCounter
+
+LENGTHS = (9, 4, 1, 6, 23)  # ragged; 23 > prefill_chunk: chunked (re-)prefills
+T, G = 12, 2
+BUDGETS = np.array([[12, 3], [1, 12], [7, 8], [12, 5], [2, 9]], np.int32)
+SMALL = paged.PagedOptions(page_size=4, num_slots=4, steps_per_dispatch=4, prefill_chunk=16)
+KW = dict(max_new_tokens=T, num_samples=G, max_new_tokens_bg=BUDGETS, paged_options=SMALL)
+
+
+def one_shot(model, ids, mask, **kw):
+    return rollout.generate(model, ids, mask, engine="paged", **{**KW, **kw})
+
+
+def stop_ids(model, ids, mask, **kw) -> tuple[int, ...]:
+    """The 3 tokens most sampled mid-sequence here, so that stop ids really end samples."""
+    out = one_shot(model, ids, mask, stop_token_ids=(), **kw)
+    tokens = np.asarray(out.tokens)[:, :, 2:8][np.asarray(out.mask)[:, :, 2:8]]
+    values, counts = np.unique(tokens, return_counts=True)
+    return tuple(int(v) for v in values[np.argsort(-counts, kind="stable")[:3]])
+
+
+def other_weights(model):
+    """A second initialisation of the same tiny architecture (same graph: no recompiles)."""
+    return nnx.split(CausalLM(model.config, rngs=nnx.Rngs(1)))
+
+
+@pytest.mark.parametrize(
+    "sampling", [dict(temperature=0.0), dict(temperature=1.0, top_k=20)], ids=["greedy", "sampled"]
+)
+def test_segmented_equals_one_shot_with_the_same_weights(tiny_pair, sampling):
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=2, lengths=LENGTHS)
+    rng = jax.random.key(5)
+    stop = stop_ids(model, ids, mask, rng=rng, **sampling)
+    ref = one_shot(model, ids, mask, rng=rng, stop_token_ids=stop, **sampling)
+    stopped = (np.asarray(ref.mask).sum(-1) < BUDGETS) & ~np.asarray(ref.truncated)
+    assert stopped.sum() >= 2  # the stop id ends some samples before their budget
+    assert np.asarray(ref.truncated).sum() >= 2  # and budgets end others
+    for segment in (1, 3, T + 4):
+        out = partial.generate_partial(
+            [model], ids, mask, rng=rng, segment_tokens=segment, stop_token_ids=stop,
+            **KW, **sampling,
+        )  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(ref.mask))
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+        np.testing.assert_array_equal(np.asarray(out.truncated), np.asarray(ref.truncated))
+        np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+        assert (np.asarray(out.version) == np.where(np.asarray(ref.mask), 0, -1)).all()
+
+
+def test_weights_switch_between_segments(tiny_pair):
+    _, model_a = tiny_pair("llama3")
+    model_b = other_weights(model_a)
+    ids, mask = prompts(seed=3, lengths=LENGTHS)
+    kw = dict(rng=jax.random.key(9), temperature=1.0, stop_token_ids=())
+    first = 4
+    state = partial.start(len(LENGTHS), G, T, BUDGETS)
+    state = partial.advance(
+        model_a, ids, mask, state, version=0, segment_tokens=first, paged_options=SMALL, **kw
+    )
+    np.testing.assert_array_equal(state.num_new_bg, np.minimum(BUDGETS, first))
+    while not state.done_bg.all():
+        state = partial.advance(
+            model_b, ids, mask, state, version=1, segment_tokens=3, paged_options=SMALL, **kw
+        )
+    out = partial.finish(state)
+    tokens, valid, version = (np.asarray(x) for x in (out.tokens, out.mask, out.version))
+    position = np.arange(T)[None, None]
+    np.testing.assert_array_equal(version, np.where(valid, (position >= first).astype(int), -1))
+    # Segment 1 is version 0 and A's one-shot prefix.
+    only_a = one_shot(model_a, ids, mask, **kw)
+    head = valid & (position < first)
+    np.testing.assert_array_equal(tokens[head], np.asarray(only_a.tokens)[head])
+    # Each token's log-prob is the trainer's under the version that sampled it.
+    for v, m in ((0, model_a), (1, nnx.merge(*model_b))):
+        ref = training_logprobs(m, ids, mask, out, temperature=1.0)
+        tagged = version == v
+        assert tagged.sum() > 10
+        np.testing.assert_allclose(np.asarray(out.logprobs)[tagged], ref[tagged], atol=1e-4)
+    # The switch happened: after it the tokens are not A's.
+    tail = valid & (position >= first)
+    assert (tokens[tail] != np.asarray(only_a.tokens)[tail]).mean() > 0.5
+
+
+def test_done_samples_are_not_continued(tiny_pair, monkeypatch):
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=4, lengths=LENGTHS)
+    rows = []
+    run = paged.run
+
+    def counting_run(graphdef, mesh, params, contexts, budgets, **kw):
+        rows.append(len(contexts))
+        return run(graphdef, mesh, params, contexts, budgets, **kw)
+
+    monkeypatch.setattr(partial.paged, "run", counting_run)
+    kw = dict(rng=jax.random.key(1), segment_tokens=3, paged_options=SMALL, stop_token_ids=())
+    state = partial.start(len(LENGTHS), G, T, BUDGETS)
+    state = partial.advance(model, ids, mask, state, version=0, **kw)
+    done = state.done_bg.copy()
+    np.testing.assert_array_equal(done, BUDGETS <= 3)
+    before = state
+    state = partial.advance(model, ids, mask, state, version=2, **kw)
+    assert rows == [len(LENGTHS) * G, int((~done).sum())]
+    for name in ("tokens_bgt", "mask_bgt", "logp_bgt", "version_bgt", "num_new_bg"):
+        np.testing.assert_array_equal(getattr(state, name)[done], getattr(before, name)[done])
+    fresh = state.mask_bgt & ~before.mask_bgt
+    assert fresh.sum() == (np.minimum(BUDGETS, 6) - 3)[~done].sum()
+    assert (state.version_bgt[fresh] == 2).all()
+    while not state.done_bg.all():
+        state = partial.advance(model, ids, mask, state, version=2, **kw)
+    calls = len(rows)
+    again = partial.advance(model, ids, mask, state, version=3, **kw)
+    assert len(rows) == calls  # all done: nothing runs
+    np.testing.assert_array_equal(again.tokens_bgt, state.tokens_bgt)
+    assert again.segments == state.segments and again.last_version == 3
+
+
+def test_a_second_batch_compiles_nothing(tiny_pair):
+    """Every segment's shapes come from (B, G, T, P): a second batch of the same shapes, with
+    other prompts, weights and key, reuses the first one's programs."""
+    _, model = tiny_pair("llama3")
+    own = dataclasses.replace(SMALL, steps_per_dispatch=5)  # this test's own programs
+    kw = dict(segment_tokens=5, temperature=1.0, stop_token_ids=(), **{**KW, "paged_options": own})
+    ids, mask = prompts(seed=5, lengths=LENGTHS)
+    with CompileCounter() as first:
+        partial.generate_partial([model], ids, mask, rng=jax.random.key(0), **kw)
+    ids, mask = prompts(seed=6, lengths=LENGTHS)
+    with CompileCounter() as second:
+        out = partial.generate_partial(
+            [model, other_weights(model)], ids, mask, rng=jax.random.key(1), **kw
+        )
+        jax.block_until_ready(out)
+    assert first.count > 0 and second.count == 0
+    assert set(np.unique(np.asarray(out.version))) == {-1, 0, 1}  # the last model serves segment 3
+
+
+def test_bad_input_is_a_clear_error(tiny_pair):
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=0, lengths=(9, 4))
+    state = partial.start(2, G, 6)
+    kw = dict(rng=jax.random.key(0), paged_options=SMALL, stop_token_ids=())
+    with pytest.raises(ValueError, match="segment_tokens must be >= 1, got 0"):
+        partial.advance(model, ids, mask, state, version=0, segment_tokens=0, **kw)
+    later = partial.advance(model, ids, mask, state, version=3, segment_tokens=2, **kw)
+    with pytest.raises(ValueError, match=r"version 2 goes backwards.*by version 3"):
+        partial.advance(model, ids, mask, later, version=2, segment_tokens=2, **kw)
+    with pytest.raises(ValueError, match="3 prompts, but this in-flight batch has B = 2"):
+        partial.advance(
+            model, *prompts(seed=0, lengths=(9, 4, 2)), state, version=0, segment_tokens=2, **kw
+        )
+    with pytest.raises(ValueError, match="rng differs from the key of this batch's earlier"):
+        partial.advance(
+            model, ids, mask, later, version=3, segment_tokens=2, rng=jax.random.key(1)
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="engine must be 'paged'"):
+        partial.advance(model, ids, mask, state, version=0, segment_tokens=2, engine="static", **kw)
+    with pytest.raises(TypeError, match=r"inflight must be a partial\.InFlight"):
+        partial.advance(model, ids, mask, {}, version=0, segment_tokens=2, **kw)
+    with pytest.raises(ValueError, match=r"max_new_tokens_bg\[0, 1\] = 7 is outside"):
+        partial.start(2, G, 6, [[1, 7], [2, 2]])
+    with pytest.raises(ValueError, match=r"4 samples are not done.*prompt 0, sample 0, 2 of 6"):
+        partial.finish(later)
+    out = partial.finish(later, allow_unfinished=True)
+    assert np.asarray(out.truncated).all() and (np.asarray(out.version)[..., :2] == 3).all()
