@@ -281,11 +281,15 @@ def transfer(tree: Any, shardings: Any) -> Any:
     return jax.tree.unflatten(treedef, out)
 
 
-@jax.jit
-def _copy(tree: Any) -> Any:
-    """A copy of every array on its own sharding, in new buffers (a jitted ``jnp.copy``:
-    ``device_put`` onto the same sharding may return the very same buffers)."""
+def _copy_tree(tree: Any) -> Any:
     return jax.tree.map(jnp.copy, tree)
+
+
+def _copy(tree: Any) -> Any:
+    """A copy of every array on its own sharding (exactly), in new buffers: a jitted
+    ``jnp.copy`` (``device_put`` onto the same sharding may return the very same buffers)."""
+    shardings = jax.tree.map(lambda x: x.sharding, tree)
+    return jax.jit(_copy_tree, out_shardings=shardings)(tree)
 
 
 # ---------------------------------------------------------------------------------------------
