@@ -102,6 +102,8 @@ def _rollout(
     top_p: jax.Array,
     stop_ids_s: jax.Array,
     budget_n: jax.Array | None = None,
+    seq_id_n: jax.Array | None = None,
+    pos0_n: jax.Array | None = None,
     *,
     static: _Static,
 ) -> Generation:
@@ -123,10 +125,18 @@ def _rollout(
     cache = decode.constrain(cache)
     logits_nv = sharding.constrain(logits_nv, ("batch", "vocab"))
 
+    def key(step: jax.Array | int) -> jax.Array:
+        if seq_id_n is None:  # one key per step for the whole batch
+            return jax.random.fold_in(rng, step)
+        # Per-row keys, the paged engine's: fold_in(fold_in(rng, sequence id), token index).
+        return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.fold_in(rng, s), i))(
+            seq_id_n, pos0_n + step
+        )
+
     def pick(logits_nv: jax.Array, step: jax.Array | int) -> tuple[jax.Array, jax.Array]:
         return sampling.sample(
             logits_nv,
-            jax.random.fold_in(rng, step),
+            key(step),
             temperature=temperature,
             top_k=static.top_k,
             top_p=top_p if static.use_top_p else None,
@@ -544,7 +554,12 @@ def _generate_static(
     budgets_bg: np.ndarray | None,
     static: _Static,
     mesh: jax.sharding.Mesh | None,
+    row_keys: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Generation:
+    """The static engine's call. ``row_keys = (seq_id_n, pos0_n)`` (``int32[N]`` each, with
+    ``budgets_bg``; one process) draws token ``t`` of row ``n`` with the paged engine's key
+    ``fold_in(fold_in(rng, seq_id_n[n]), pos0_n[n] + t)`` instead of the batch's
+    ``fold_in(rng, t)`` (partial rollouts, ``partial.py``)."""
     args = (params, ids, mask, rng, np.float32(temperature or 1.0), np.float32(top_p), stop)
     if budgets_bg is not None:
         if jax.process_count() > 1:
@@ -552,6 +567,10 @@ def _generate_static(
                 "generate: max_new_tokens_bg is not supported in a multi-process run yet"
             )
         args = (*args, budgets_bg.reshape(-1))
+    if row_keys is not None:
+        if budgets_bg is None or jax.process_count() > 1:
+            raise NotImplementedError("generate: per-row keys need budgets and one process")
+        args = (*args, *(np.asarray(x, np.int32) for x in row_keys))
     if jax.process_count() > 1:
         return _rollout_multiprocess(graphdef, args, static, mesh)
     if mesh is None or not jax.sharding.get_abstract_mesh().empty:

@@ -56,7 +56,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout import engine as eng
 from jaxrl_llm.rollout import paged
 
@@ -171,6 +173,130 @@ def _check_inflight(inflight: object) -> InFlight:
     return inflight
 
 
+class _Sampler(NamedTuple):
+    """The sampling settings of a segment, checked and resolved."""
+
+    rng: jax.Array
+    temperature: float
+    top_p: float
+    greedy: bool
+    top_k: int
+    stop_ids: np.ndarray
+    pad_token_id: int
+    cache_dtype: jnp.dtype
+
+
+class _Rows(NamedTuple):
+    """What a segment samples: R contexts (unpadded), each with ``k`` samples (G in the first
+    segment, else 1), their ``int32[R, k]`` budgets, sequence ids and token offsets."""
+
+    contexts: list[np.ndarray]
+    budgets: np.ndarray
+    seq_ids: np.ndarray
+    offsets: np.ndarray
+
+
+Segment = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""``(tokens int32[M, S], valid bool[M, S], logp f32[M, S], truncated bool[M])``, M = R·k."""
+
+
+def _paged_segment(
+    graphdef: nnx.GraphDef,
+    params: eng.Params,
+    config: ModelConfig,
+    rows: _Rows,
+    seg: int,
+    sizes: tuple[int, int, int, int],
+    sampler: _Sampler,
+    paged_options: paged.PagedOptions | None,
+) -> Segment:
+    """One segment on the paged engine; its pool shape from ``sizes = (B, G, T, P)`` only."""
+    b, g, t, p = sizes
+    options = paged.resolve_options(
+        paged_options, num_seqs=b * g, num_samples=g, longest_prompt=p, max_new_tokens=t
+    )
+    (tok, valid, logp, trunc), _ = paged.run(
+        graphdef,
+        eng._mesh_of(params),
+        eng._cast_params(params, config.jnp_dtype),
+        rows.contexts,
+        rows.budgets,
+        rng=sampler.rng,
+        temperature=sampler.temperature,
+        top_p=sampler.top_p,
+        greedy=sampler.greedy,
+        top_k=sampler.top_k,
+        stop_ids=sampler.stop_ids,
+        pad_token_id=sampler.pad_token_id,
+        cache_dtype=sampler.cache_dtype,
+        max_new_tokens=seg,
+        options=options,
+        seq_ids_bg=rows.seq_ids,
+        token_offsets_bg=rows.offsets,
+    )
+    return tok.reshape(-1, seg), valid.reshape(-1, seg), logp.reshape(-1, seg), trunc.reshape(-1)
+
+
+_STATIC_WIDTH = 128
+"""The static engine's context widths are multiples of this (capped at ``P + T``)."""
+
+
+def _static_segment(
+    graphdef: nnx.GraphDef,
+    params: eng.Params,
+    config: ModelConfig,
+    rows: _Rows,
+    seg: int,
+    sizes: tuple[int, int, int, int],
+    sampler: _Sampler,
+    paged_options: paged.PagedOptions | None,
+) -> Segment:
+    """One segment on the static engine with per-row keys: the R contexts left-padded to a
+    width bucket, in a row bucket (a power of two, at most B·G; filler rows sample 1 token)."""
+    del paged_options
+    b, g, t, p = sizes
+    r, k = rows.budgets.shape
+    cap = -(-(p + t) // 16) * 16
+    longest = max(len(c) for c in rows.contexts)
+    width = min(-(-longest // _STATIC_WIDTH) * _STATIC_WIDTH, cap)
+    bucket = r if k > 1 else min(paged._next_pow2(r), b * g)
+    ids = np.zeros((bucket, width), np.int32)
+    mask = np.zeros((bucket, width), bool)
+    mask[r:, -1] = True  # filler rows: one token (id 0), budget 1
+    for i, c in enumerate(rows.contexts):
+        ids[i, width - len(c) :] = c
+        mask[i, width - len(c) :] = True
+
+    def filled(x_rk: np.ndarray, value: int) -> np.ndarray:
+        return np.concatenate([x_rk, np.full((bucket - r, k), value, np.int32)])
+
+    static = eng._Static(
+        max_new_tokens=seg,
+        num_samples=k,
+        greedy=sampler.greedy,
+        top_k=sampler.top_k,
+        use_top_p=sampler.top_p < 1.0,
+        pad_token_id=sampler.pad_token_id,
+        cache_dtype=jnp.dtype(sampler.cache_dtype).name,
+    )
+    out = eng._generate_static(
+        graphdef,
+        params,
+        ids,
+        mask,
+        sampler.rng,
+        sampler.temperature,
+        sampler.top_p,
+        sampler.stop_ids,
+        filled(rows.budgets, 1),
+        static,
+        eng._mesh_of(params),
+        row_keys=(filled(rows.seq_ids, 0).reshape(-1), filled(rows.offsets, 0).reshape(-1)),
+    )
+    tok, valid, logp, trunc = (np.asarray(x)[:r] for x in out)
+    return tok.reshape(-1, seg), valid.reshape(-1, seg), logp.reshape(-1, seg), trunc.reshape(-1)
+
+
 def advance(
     model: eng.ModelLike,
     prompt_ids_bp: jax.typing.ArrayLike,
@@ -228,11 +354,8 @@ def advance(
             f"partial.advance: version {version} goes backwards: this batch's previous segment "
             f"was sampled by version {inflight.last_version}; versions must not decrease"
         )
-    if engine != "paged":
-        raise ValueError(
-            f"partial.advance: engine must be 'paged' (the static engine's per-step batch keys "
-            f"cannot continue a sample across segments), got {engine!r}"
-        )
+    if engine not in ("paged", "static"):
+        raise ValueError(f"partial.advance: engine must be 'paged' or 'static', got {engine!r}")
     graphdef, params, module = eng._split_model(model)
     config = eng._config_of(graphdef, params, module)
     ids_bp, mask_bp = eng._check_prompts(prompt_ids_bp, prompt_mask_bp, config, t)
@@ -268,41 +391,43 @@ def advance(
     if not active.size:
         return out
     pad = config.pad_token_id
-    pad = int(pad) if pad is not None and 0 <= pad < config.vocab_size else 0
-    n_m = inflight.num_new_bg[active[:, 0], active[:, 1]].astype(np.int64)
-    left_m = inflight.budget_bg[active[:, 0], active[:, 1]] - n_m
-    seg = min(segment_tokens, t)
-    budget_m1 = np.minimum(left_m, seg).astype(np.int32)[:, None]
-    contexts = [
-        np.concatenate([ids_bp[bi][mask_bp[bi]], inflight.tokens_bgt[bi, gi, :n]]).astype(np.int32)
-        for (bi, gi), n in zip(active, n_m, strict=True)
-    ]
-    options = paged.resolve_options(
-        paged_options,
-        num_seqs=b * g,
-        num_samples=1,
-        longest_prompt=ids_bp.shape[1],
-        max_new_tokens=t,
-    )
-    greedy = temperature == 0.0
-    (tok_m1s, mask_m1s, logp_m1s, trunc_m1), _ = paged.run(
-        graphdef,
-        eng._mesh_of(params),
-        eng._cast_params(params, config.jnp_dtype),
-        contexts,
-        budget_m1,
+    sampler = _Sampler(
         rng=rng,
         temperature=temperature,
         top_p=top_p,
-        greedy=greedy,
+        greedy=temperature == 0.0,
         top_k=0 if top_k >= config.vocab_size else top_k,
         stop_ids=eng._stop_ids(stop_token_ids, config),
-        pad_token_id=pad,
+        pad_token_id=int(pad) if pad is not None and 0 <= pad < config.vocab_size else 0,
         cache_dtype=eng._cache_dtype(cache_dtype, config),
-        max_new_tokens=seg,
-        options=options,
-        seq_ids_bg=(active[:, 0] * g + active[:, 1]).astype(np.int32)[:, None],
-        token_offsets_bg=n_m.astype(np.int32)[:, None],
+    )
+    n_m = inflight.num_new_bg[active[:, 0], active[:, 1]].astype(np.int64)
+    seg = min(segment_tokens, t)
+    prompts_b = [ids_bp[i][mask_bp[i]].astype(np.int32) for i in range(b)]
+    if not inflight.num_new_bg.any():
+        # First segment: every sample starts from its prompt (and none is done, budgets being
+        # >= 1), so the G samples of a prompt share its prefill, as in one generate call.
+        run = _Rows(
+            contexts=prompts_b,
+            budgets=np.minimum(inflight.budget_bg, seg).astype(np.int32),
+            seq_ids=np.arange(b * g, dtype=np.int32).reshape(b, g),
+            offsets=np.zeros((b, g), np.int32),
+        )
+    else:
+        left_m = inflight.budget_bg[active[:, 0], active[:, 1]] - n_m
+        run = _Rows(
+            contexts=[
+                np.concatenate([prompts_b[bi], inflight.tokens_bgt[bi, gi, :n]])
+                for (bi, gi), n in zip(active, n_m, strict=True)
+            ],
+            budgets=np.minimum(left_m, seg).astype(np.int32)[:, None],
+            seq_ids=(active[:, 0] * g + active[:, 1]).astype(np.int32)[:, None],
+            offsets=n_m.astype(np.int32)[:, None],
+        )
+    sizes = (b, g, t, ids_bp.shape[1])
+    segment = _paged_segment if engine == "paged" else _static_segment
+    tok_ms, valid_ms, logp_ms, trunc_m = segment(
+        graphdef, params, config, run, seg, sizes, sampler, paged_options
     )
     tokens, mask, logp, version_bgt = (
         inflight.tokens_bgt.copy(),
@@ -316,16 +441,16 @@ def advance(
         inflight.truncated_bg.copy(),
     )
     for m, ((bi, gi), n) in enumerate(zip(active, n_m, strict=True)):
-        k = int(mask_m1s[m, 0].sum())
-        tokens[bi, gi, n : n + k] = tok_m1s[m, 0, :k]
+        k = int(valid_ms[m].sum())
+        tokens[bi, gi, n : n + k] = tok_ms[m, :k]
         mask[bi, gi, n : n + k] = True
-        logp[bi, gi, n : n + k] = logp_m1s[m, 0, :k]
+        logp[bi, gi, n : n + k] = logp_ms[m, :k]
         version_bgt[bi, gi, n : n + k] = version
         num_new[bi, gi] = n + k
-        stopped = not bool(trunc_m1[m, 0])  # the segment ended in a stop id
+        stopped = not bool(trunc_m[m])  # the segment ended in a stop id
         done[bi, gi] = stopped or n + k >= inflight.budget_bg[bi, gi]
         truncated[bi, gi] = done[bi, gi] and not stopped
-    tokens = np.where(mask, tokens, pad).astype(np.int32)
+    tokens = np.where(mask, tokens, sampler.pad_token_id).astype(np.int32)
     return out._replace(
         tokens_bgt=tokens,
         mask_bgt=mask,
@@ -381,6 +506,7 @@ def generate_partial(
     top_p: float = 1.0,
     stop_token_ids: int | Sequence[int] | None = None,
     cache_dtype: jax.typing.DTypeLike | None = None,
+    engine: str = "paged",
     paged_options: paged.PagedOptions | None = None,
 ) -> PartialGeneration:
     """:func:`start`, then :func:`advance` segment by segment until every sample is done.
@@ -424,6 +550,7 @@ def generate_partial(
             top_p=top_p,
             stop_token_ids=stop_token_ids,
             cache_dtype=cache_dtype,
+            engine=engine,
             paged_options=paged_options,
         )
         segment += 1

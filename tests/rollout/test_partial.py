@@ -63,6 +63,23 @@ def test_segmented_equals_one_shot_with_the_same_weights(tiny_pair, sampling):
         assert (np.asarray(out.version) == np.where(np.asarray(ref.mask), 0, -1)).all()
 
 
+def test_static_engine_draws_the_paged_engines_tokens(tiny_pair):
+    """The static engine with per-row keys: segmented static == one-shot paged (same keys;
+    top-p and the model's EOS as stop id), whatever the segmentation."""
+    _, model = tiny_pair("qwen2")
+    ids, mask = prompts(seed=7, lengths=LENGTHS)
+    kw = dict(rng=jax.random.key(3), temperature=1.0, top_p=0.9)
+    ref = one_shot(model, ids, mask, **kw)
+    for segment in (3, T + 4):
+        out = partial.generate_partial(
+            [model], ids, mask, segment_tokens=segment, engine="static", **KW, **kw
+        )
+        np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(ref.mask))
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+        np.testing.assert_array_equal(np.asarray(out.truncated), np.asarray(ref.truncated))
+        np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
 def test_weights_switch_between_segments(tiny_pair):
     _, model_a = tiny_pair("llama3")
     model_b = other_weights(model_a)
@@ -104,7 +121,7 @@ def test_done_samples_are_not_continued(tiny_pair, monkeypatch):
     run = paged.run
 
     def counting_run(graphdef, mesh, params, contexts, budgets, **kw):
-        rows.append(len(contexts))
+        rows.append((len(contexts), budgets.size))  # (contexts prefilled, samples)
         return run(graphdef, mesh, params, contexts, budgets, **kw)
 
     monkeypatch.setattr(partial.paged, "run", counting_run)
@@ -115,7 +132,8 @@ def test_done_samples_are_not_continued(tiny_pair, monkeypatch):
     np.testing.assert_array_equal(done, BUDGETS <= 3)
     before = state
     state = partial.advance(model, ids, mask, state, version=2, **kw)
-    assert rows == [len(LENGTHS) * G, int((~done).sum())]
+    # Segment 1 prefills each prompt once for its G samples; segment 2 runs the live ones only.
+    assert rows == [(len(LENGTHS), len(LENGTHS) * G), (int((~done).sum()),) * 2]
     for name in ("tokens_bgt", "mask_bgt", "logp_bgt", "version_bgt", "num_new_bg"):
         np.testing.assert_array_equal(getattr(state, name)[done], getattr(before, name)[done])
     fresh = state.mask_bgt & ~before.mask_bgt
@@ -167,8 +185,8 @@ def test_bad_input_is_a_clear_error(tiny_pair):
         partial.advance(
             model, ids, mask, later, version=3, segment_tokens=2, rng=jax.random.key(1)
         )  # fmt: skip
-    with pytest.raises(ValueError, match="engine must be 'paged'"):
-        partial.advance(model, ids, mask, state, version=0, segment_tokens=2, engine="static", **kw)
+    with pytest.raises(ValueError, match="engine must be 'paged' or 'static', got 'vllm'"):
+        partial.advance(model, ids, mask, state, version=0, segment_tokens=2, engine="vllm", **kw)
     with pytest.raises(TypeError, match=r"inflight must be a partial\.InFlight"):
         partial.advance(model, ids, mask, {}, version=0, segment_tokens=2, **kw)
     with pytest.raises(ValueError, match=r"max_new_tokens_bg\[0, 1\] = 7 is outside"):
