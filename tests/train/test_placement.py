@@ -459,7 +459,16 @@ try:
 except pl.WeightSyncError as e:
     print("corruption caught:", str(e)[:80])
 pl.transfer = real
-weights.sync(s.state.params, 2)
+report = weights.sync(s.state.params, 2)
+print(f"sync again {report.seconds:.3f} s")
+# Reshards between other layouts of the two meshes (staged on the train mesh when needed).
+from jax.sharding import NamedSharding, PartitionSpec as P
+x = np.arange(48, dtype=np.float32).reshape(4, 12)
+for src, dst in ((P("data"), P()), (P(), P("data")), (P("data"), P(None, "data"))):
+    a = jax.make_array_from_callback(x.shape, NamedSharding(s.models.mesh, src), lambda i: x[i])
+    target = {"a": NamedSharding(p.rollout_mesh, dst)}
+    pl.verify_copy({"a": a}, pl.transfer({"a": a}, target), target, what=f"{src} -> {dst}")
+print("reshards ok")
 tokens = {}
 for name, key in (("sampled", 7), ("greedy", 8)):
     it = BatchIterator(s.data.train, 2, seed=0, shuffle=False, pad_multiple=8)
@@ -532,6 +541,7 @@ def test_two_processes_sync_verify_and_sample_the_tokens_of_one(tmp_path):
         # Global device ids: process 0 has 0, 1; process 1 has 2048, 2049 (CPU).
         assert "train [1, 2049] rollout [0, 2048]" in text, text
         assert "sync 11 arrays" in text and "corruption caught: weight sync to version 1" in text
+        assert "reshards ok" in text
         assert text.rstrip().endswith("done"), text
     got = np.load(out)
     for name in ("sampled", "greedy"):
