@@ -9,7 +9,7 @@ out = rollout.generate(model, ids, mask, rng=jax.random.key(0), max_new_tokens=3
 rollout.decode_completions(tokenizer, out.tokens, out.mask)   # [B][G] strings
 """
 
-from jaxrl_llm.rollout import paged
+from jaxrl_llm.rollout import paged, partial
 from jaxrl_llm.rollout.engine import Generation, generate
 from jaxrl_llm.rollout.sampling import sample
 from jaxrl_llm.rollout.text import completion_ids, decode_completions, encode_prompts
@@ -21,5 +21,6 @@ __all__ = [
     "encode_prompts",
     "generate",
     "paged",
+    "partial",
     "sample",
 ]

@@ -33,7 +33,9 @@ trainer's.
 
 Randomness. Token ``t`` of sample ``g`` of prompt ``b`` is drawn with the key
 ``fold_in(fold_in(rng, b·G + g), t)`` (one uniform per row, ``sampling.sample`` with per-row
-keys), so a sequence's tokens do not depend on its slot, admission order or neighbours. (The
+keys), so a sequence's tokens do not depend on its slot, admission order or neighbours;
+``run(seq_ids_bg=, token_offsets_bg=)`` replaces ``b·G + g`` and starts ``t`` at an offset, so a
+partial rollout (``partial.py``) continues a sequence with the keys it would have had. (The
 static engine draws from ``fold_in(rng, t)`` per batch: sampled tokens differ between the two
 engines for the same key; greedy tokens agree.)
 

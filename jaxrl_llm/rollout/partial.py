@@ -27,25 +27,37 @@ for that prefix, and no KV cache outlives a segment). The cost is one prefill of
 ``P_b + n_bg`` tokens per continuing sample per segment.
 
 **Randomness independent of segmentation.** Token ``t`` of sample ``g`` of prompt ``b`` is
-drawn with the key ``fold_in(fold_in(rng, b·G + g), t)`` whatever the segmentation (the paged
-engine's keys, ``paged.run(seq_ids_bg=, token_offsets_bg=)``), so with the same weights in every
-segment a segmented rollout samples the tokens of one ``generate(engine="paged")`` call with the
-same ``rng`` (tested for segment sizes 1, 3 and >= T; log-probs agree to float rounding, since a
-token's logits come from a prefill instead of a decode step). Pass the same ``rng`` to every
-``advance`` of a batch (checked). Sampling runs on the paged engine only: the static engine's
-keys are per batch step (``fold_in(rng, t)``), which a segment cannot continue.
+drawn with the key ``fold_in(fold_in(rng, b·G + g), t)`` whatever the segmentation: the paged
+engine's keys, continued at the sample's token offset (``paged.run(seq_ids_bg=,
+token_offsets_bg=)``). So with the same weights in every segment a segmented rollout samples
+the tokens of one ``generate(engine="paged")`` call with the same ``rng`` (tested for segment
+sizes 1, 3 and >= T; log-probs agree to float rounding, since a continuing token's logits come
+from a prefill instead of a decode step). Pass the same ``rng`` to every ``advance`` of a batch
+(checked). ``engine="static"`` draws with the same per-row keys (``engine._generate_static(
+row_keys=)``; ``generate(engine="static")`` itself keeps its per-step batch key
+``fold_in(rng, t)``), so both engines sample the same tokens here (tested).
 
-**Compiled programs.** Done samples are not recomputed: a segment runs the paged engine on the
-continuing samples only, each as its own sequence (``G = 1``). Every shape depends only on
-``(B, G, T)`` and the prompts' padded width ``P``: the pool has ``1 + S·⌈(P + T)/page⌉`` pages
-(``S = min(next_pow2(B·G), 64)`` slots unless ``paged_options`` says otherwise), prefill chunks are
-powers of two in ``[16, prefill_chunk]`` of at most 8 rows (1, 2, 4, 8), decode rows powers of two
-in ``[8, S]``, page tables multiples of 128 tokens up to ``P + T``. So a batch compiles at most
-``4·c·w + d·w`` programs, ``c = log2(prefill_chunk/16) + 1`` chunk widths, ``d = log2(S/8) + 1``
-decode widths (1 when ``S <= 8``), ``w = ⌈(P + T)/128⌉`` table widths (prefill chunks
-after the first need ``w`` too); in practice a handful (those the segments reach), and a second
-batch of the same shapes compiles none (tested with a compile counter). New weights of the same
-structure never recompile.
+**Work and compiled programs.** Done samples are not run at all. The first segment runs
+``generate``'s layout (each prompt prefilled once for its G samples); later segments run each
+continuing sample as its own sequence (``G = 1``, context ``P_b + n_bg`` tokens). Every shape
+depends only on ``(B, G, T)`` and the prompts' padded width ``P``, never on how far the
+samples got:
+
+- paged: the pool has ``1 + S·⌈(P + T)/page⌉`` pages (``S = max(min(next_pow2(B·G), 64),
+  next_pow2(G))`` slots unless ``paged_options`` says otherwise); prefill chunks of 1, 2, 4 or 8
+  rows and a power-of-two width in ``[16, prefill_chunk]``, with ``G`` or 1 samples per row;
+  decode dispatches of a power-of-two number of rows in ``[min(8, S), S]``; page tables a
+  multiple of 128 tokens wide, at most ``w = ⌈(P + T)/128⌉`` widths. At most
+  ``2·4·c·w + d·w`` programs per batch shape, ``c = log2(prefill_chunk/16) + 1``,
+  ``d = log2(S/8) + 1`` (1 when ``S <= 8``); ``segment_tokens`` changes no shape.
+- static: one program for the first segment (``[B, P]``, G samples), then one per (row bucket,
+  context width): rows a power of two below ``B·G``, or ``B·G`` (filler rows sample one token),
+  widths multiples of 128 up to ``P + T``; ``segment_tokens`` is a static size (keep it fixed).
+  At most ``1 + (⌈log2(B·G)⌉ + 1)·(w + 1)`` programs per batch shape.
+
+In practice a segment loop reaches a handful of them, and a second batch of the same shapes
+compiles none (tested with a compile counter: other prompts, other key, other weights). New
+weights of the same structure never recompile.
 """
 
 from __future__ import annotations
@@ -148,6 +160,7 @@ def start(
         truncated_bg=np.zeros((b, g), bool),
         num_new_bg=np.zeros((b, g), np.int32),
         budget_bg=budget_bg,
+        rng_key_data=np.zeros((0,), np.uint32),
     )
 
 
@@ -337,8 +350,8 @@ def advance(
       segment_tokens: at most this many new tokens per sample in this call, >= 1.
       temperature, top_k, top_p, stop_token_ids, cache_dtype: as in ``generate`` (keep them
         fixed within a batch).
-      engine: ``"paged"`` (the only one that can continue a sample's keys; see the module
-        docstring).
+      engine: ``"paged"`` or ``"static"``: either samples the same tokens (same per-row keys;
+        module docstring); the static engine runs one process only.
       paged_options: the paged engine's sizes; ``num_slots`` and ``num_pages`` default from
         ``(B, G, T, P)`` only, so every segment of a batch shares one pool shape.
 
@@ -356,6 +369,10 @@ def advance(
         )
     if engine not in ("paged", "static"):
         raise ValueError(f"partial.advance: engine must be 'paged' or 'static', got {engine!r}")
+    if jax.process_count() > 1:
+        raise NotImplementedError(
+            f"partial.advance runs in one process for now ({jax.process_count()} processes)"
+        )
     graphdef, params, module = eng._split_model(model)
     config = eng._config_of(graphdef, params, module)
     ids_bp, mask_bp = eng._check_prompts(prompt_ids_bp, prompt_mask_bp, config, t)
