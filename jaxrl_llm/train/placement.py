@@ -36,6 +36,7 @@ copy on the same shardings, so the rollout's copy survives the update's donated 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -220,20 +221,22 @@ def _staging(x: jax.Array, dst: NamedSharding) -> jax.sharding.Sharding:
     shape = tuple(x.shape)
     if _local_plan(x.sharding, dst, shape):
         return x.sharding
-    mesh = x.sharding.mesh if isinstance(x.sharding, NamedSharding) else None
-    if mesh is not None:
-        try:
-            same_spec = NamedSharding(mesh, dst.spec)
-            same_spec.shard_shape(shape)
-            if _local_plan(same_spec, dst, shape):
-                return same_spec
-        except (ValueError, KeyError):
-            pass
-        return NamedSharding(mesh, PartitionSpec())
-    return jax.sharding.SingleDeviceSharding(next(iter(x.sharding.device_set)))
+    if not isinstance(x.sharding, NamedSharding):
+        raise TypeError(
+            f"transfer: a multi-process array of shape {shape} must have a NamedSharding, got "
+            f"{type(x.sharding).__name__}"
+        )
+    mesh = x.sharding.mesh
+    try:
+        same_spec = NamedSharding(mesh, dst.spec)
+        same_spec.shard_shape(shape)
+        if _local_plan(same_spec, dst, shape):
+            return same_spec
+    except (ValueError, KeyError):  # the spec names an axis the mesh lacks, or does not divide
+        pass
+    return NamedSharding(mesh, PartitionSpec())
 
 
-@jax.jit
 def _identity(x: jax.Array) -> jax.Array:
     return x
 
@@ -251,7 +254,11 @@ def _local_copy(x: jax.Array, dst: NamedSharding) -> jax.Array:
                     for s, i, n in zip(shard.index, idx, shape, strict=True)
                 )
                 full = all(r == slice(0, m) for r, m in zip(rel, shard.data.shape, strict=True))
-                piece = shard.data if full else shard.data[rel]
+                if full:
+                    piece = shard.data
+                else:  # sliced where the shard lies (its own one-device mesh as context)
+                    with jax.set_mesh(Mesh(np.asarray([shard.device]), ("shard",))):
+                        piece = shard.data[rel]
                 pieces.append(jax.device_put(piece, device))
                 break
         else:  # _staging guarantees a shard; this is a bug, not bad input
@@ -262,8 +269,10 @@ def _local_copy(x: jax.Array, dst: NamedSharding) -> jax.Array:
 def transfer(tree: Any, shardings: Any) -> Any:
     """``tree``'s arrays on ``shardings`` (a matching tree of NamedShardings), copied.
 
-    One process: ``jax.device_put`` (device to device). Several processes, where that refuses
-    disjoint device sets: per array a jitted reshard on its own devices to a
+    The source and target device sets are disjoint (split placement; on one device set
+    use a jitted copy). One process: ``jax.device_put`` (device to device). Several
+    processes, where that refuses disjoint device sets: per array a jitted reshard on its own
+    devices to a
     :func:`_staging` layout (often none is needed: a replicated or same-spec source), then
     per-process local copies (:func:`_local_copy`). No array is gathered on one device or on
     the host unless the target itself replicates it.
@@ -276,7 +285,8 @@ def transfer(tree: Any, shardings: Any) -> Any:
     for x, dst in zip(leaves, targets, strict=True):
         stage = _staging(x, dst)
         if stage != x.sharding:
-            x = jax.jit(_identity.__wrapped__, out_shardings=stage)(x)
+            with jax.set_mesh(stage.mesh):
+                x = jax.jit(_identity, out_shardings=stage)(x)
         out.append(_local_copy(x, dst))
     return jax.tree.unflatten(treedef, out)
 
@@ -311,12 +321,23 @@ def _tree_checksums(tree: dict[str, jax.Array]) -> dict[str, jax.Array]:
     return {name: checksums.array_checksum(x) for name, x in tree.items()}
 
 
+def _own_mesh(tree: Any) -> Any:
+    """``jax.set_mesh`` of the mesh ``tree``'s arrays lie on (so that a caller's context mesh,
+    e.g. the train mesh's, does not clash with the rollout's arrays); a no-op without one."""
+    for leaf in jax.tree.leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return jax.set_mesh(sharding.mesh)
+    return contextlib.nullcontext()
+
+
 def tree_checksums(tree: Any) -> dict[str, tuple[int, int]]:
     """``{name: (plain, weighted)}`` of every array of ``tree`` (names: the leaf paths joined
-    by ``/``), computed on the arrays' own devices; one host read. A collective under several
-    processes (every process passes the same global arrays)."""
+    by ``/``), computed on the arrays' own devices (under their own mesh); one host read. A
+    collective under several processes (every process passes the same global arrays)."""
     named = _named(tree)
-    sums = jax.device_get(_tree_checksums(named))
+    with _own_mesh(named):
+        sums = jax.device_get(_tree_checksums(named))
     return {name: (int(s[0]), int(s[1])) for name, s in sums.items()}
 
 
@@ -350,11 +371,7 @@ def verify_copy(
         if not isinstance(x, jax.Array) or x.sharding.device_set != targets[n].device_set
     ]
     if not misplaced:
-        misplaced = [
-            n
-            for n, x in dst.items()
-            if x is src[n] or (x.is_fully_addressable and _pointers(x) & _pointers(src[n]))
-        ]
+        misplaced = [n for n, x in dst.items() if x is src[n] or _pointers(x) & _pointers(src[n])]
     if misplaced:
         raise WeightSyncError(
             f"{what}: {len(misplaced)} of {len(dst)} arrays are not copies on the rollout's "
@@ -521,7 +538,11 @@ class RolloutWeights:
             self._place(params)
         t0 = time.perf_counter()
         expected = tree_checksums(params)  # on the train mesh
-        copy = transfer(params, self.shardings) if self.placement.split else _copy(params)
+        if self.placement.split:
+            copy = transfer(params, self.shardings)
+        else:
+            with _own_mesh(params):
+                copy = _copy(params)
         copy = jax.block_until_ready(copy)
         verify_copy(
             params,
@@ -556,7 +577,9 @@ class RolloutWeights:
         if not m.merge_for_sampling:
             return m.graphdef, lora.combine(self.frozen, self.params)
         if self._merged is None or self._merged[0] != self.version:
-            self._merged = (self.version, lora.merged_params(m.graphdef, self.frozen, self.params))
+            with _own_mesh(self.params):
+                merged = lora.merged_params(m.graphdef, self.frozen, self.params)
+            self._merged = (self.version, merged)
         return m.ref_graphdef, self._merged[1]
 
 

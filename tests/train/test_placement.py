@@ -242,7 +242,8 @@ def test_sync_copies_the_params_bit_for_bit_onto_the_rollout_devices(split_setup
     _assert_bitwise_equal(weights.params, params)
     for x in jax.tree.leaves(weights.params):
         assert _ids(x.sharding.device_set) == [0, 1]  # the rollout's devices only
-    assert weights.sync(params, 3).version == 3  # versions may skip, never repeat
+    with jax.set_mesh(models.mesh):  # also from inside the train mesh's context
+        assert weights.sync(params, 3).version == 3  # versions may skip, never repeat
     graphdef, policy_params = weights.sampling_policy()
     assert graphdef is models.graphdef and policy_params is weights.params
 
