@@ -35,10 +35,10 @@ import numpy as np
 from jaxrl_llm import distributed as dist
 from jaxrl_llm.config import TrainConfig, save_config, to_dict, to_yaml
 from jaxrl_llm.data import BatchIterator
-from jaxrl_llm.train import forward, hostmem, rundir
+from jaxrl_llm.train import asynchronous, forward, hostmem, rundir
 from jaxrl_llm.train import state as st
 from jaxrl_llm.train import update as up
-from jaxrl_llm.train.checkpoint import Checkpointer
+from jaxrl_llm.train.checkpoint import HOST_ARRAYS, Checkpointer
 from jaxrl_llm.train.collect import collect, dpo_batch, to_global
 from jaxrl_llm.train.evaluation import run_evaluation
 from jaxrl_llm.train.faults import (
@@ -110,13 +110,7 @@ def make_train_step(setup: Setup, logprob: Callable[..., jax.Array]) -> StepFn:
 
         return offline
 
-    rl_step = make_rl_step(
-        setup.recipe,
-        models,
-        update,
-        temperature=setup.sampler.temperature,
-        old_logprobs=setup.old_logprobs,
-    )
+    rl_step = _rl_step(setup)
 
     def online(
         state: st.TrainState, iterator: BatchIterator, key: jax.Array
@@ -127,6 +121,46 @@ def make_train_step(setup: Setup, logprob: Callable[..., jax.Array]) -> StepFn:
         return state, {**metrics, **device_metrics}
 
     return online
+
+
+def _rl_step(setup: Setup) -> Callable:
+    return make_rl_step(
+        setup.recipe,
+        setup.models,
+        setup.update,
+        temperature=setup.sampler.temperature,
+        old_logprobs=setup.old_logprobs,
+    )
+
+
+def is_async(setup: Setup) -> bool:
+    """Whether the run's online steps go through the async driver: a split placement, or
+    ``train.max_staleness > 0`` (:mod:`~jaxrl_llm.train.asynchronous`)."""
+    if setup.offline:
+        return False
+    return setup.placement.split or setup.loop.max_staleness > 0
+
+
+def make_async_driver(setup: Setup, *, timeline: Path | None = None) -> asynchronous.AsyncDriver:
+    """The async driver of an online run (its rollout weights on the placement's rollout mesh,
+    or a colocated copy)."""
+    from jaxrl_llm.train import placement
+
+    models = setup.models
+    weights = placement.RolloutWeights.build(models, setup.placement)
+
+    def collect_with(policy: Any, iterator: BatchIterator, key: jax.Array) -> tuple:
+        return collect(setup, None, iterator, key, policy=policy)
+
+    return asynchronous.AsyncDriver(
+        collect=collect_with,
+        rl_step=_rl_step(setup),
+        to_global=lambda groups: to_global(models, groups),
+        weights=weights,
+        max_staleness=setup.loop.max_staleness,
+        max_steps=setup.loop.max_steps,
+        timeline=timeline,
+    )
 
 
 def _positioned(state: st.TrainState, iterator: BatchIterator) -> st.TrainState:
@@ -170,6 +204,21 @@ def _print_header(setup: Setup, log: Callable) -> None:
     log(format_explanation(explain(setup.recipe)))
     for note in setup.data.notes:
         log(note)
+    if not setup.offline and setup.loop.max_staleness > 0:
+        s = setup.loop.max_staleness
+        correction = getattr(setup.recipe.objective, "rollout_correction", None)
+        if correction is None:
+            log(
+                f"async (train.max_staleness={s}): samples are up to {s} policy versions old "
+                f"and {setup.recipe.name} has no rollout correction: the update treats them as "
+                "on-policy (docs/async.md)"
+            )
+        else:
+            log(
+                f"async (train.max_staleness={s}): samples are up to {s} policy versions old, "
+                f"corrected by rollout_correction mode={correction.mode} "
+                f"level={correction.level} (docs/async.md)"
+            )
 
 
 def _resolve_run(
@@ -250,7 +299,20 @@ def _train_locked(
         shuffle=plan.shuffle,
         pad_multiple=PAD_MULTIPLE,
     )
-    state, start, skipped = _resume(ckpt, setup, iterator, config, log)
+    state, start, skipped, meta = _resume(ckpt, setup, iterator, config, log)
+    driver = None
+    if is_async(setup):
+        timeline = setup.run_dir / asynchronous.TIMELINE_FILE if primary else None
+        driver = make_async_driver(setup, timeline=timeline)
+        try:
+            driver.restore(meta, meta.get(HOST_ARRAYS))
+        except ValueError as e:
+            raise rundir.RunDirError(f"cannot resume {setup.run_dir}: {e}") from e
+
+    def save(step: int, state: st.TrainState) -> None:
+        host, extra = driver.checkpoint() if driver is not None else (None, {})
+        ckpt.save(step, state, meta=_meta(config, iterator, skipped) | extra, host=host)
+
     # A resumed run rewrites config.yaml only once its first step has succeeded, so a launch that
     # fails (a bad override, a reward that raises) leaves the run's previous config in place.
     config_pending = primary
@@ -261,7 +323,7 @@ def _train_locked(
     hostmem.release_after_compiles()
     _print_header(setup, log)
     logprob = reference_logprob_fn(setup)
-    train_step = make_train_step(setup, logprob)
+    train_step = driver.step if driver is not None else make_train_step(setup, logprob)
     evaluating = bool(setup.data.eval_prompts or setup.data.eval_pairs)
     evaluate_every = setup.evaluation.every
 
@@ -289,7 +351,7 @@ def _train_locked(
                 evaluate_at(0, state.params, logger)
             while step < plan.max_steps:
                 if _stop_requested(stop):
-                    _stop(stop, step, state, ckpt, setup, config, iterator, skipped, primary)
+                    _stop(stop, step, state, ckpt, setup, primary, save)
                 t_step = time.perf_counter()
                 hostmem.release_free_heap()  # see hostmem: lowers the host peak on CPU
                 mark_phase("rollout", step + 1)
@@ -315,7 +377,7 @@ def _train_locked(
                     config_pending = False
                 if ckpt.should_save(step, final=step == plan.max_steps):
                     hostmem.release_free_heap()  # on CPU the save copies the state to host
-                    ckpt.save(step, state, meta=_meta(config, iterator, skipped))
+                    save(step, state)
                     mark_phase("save", step)
                     saved = True
                     if primary:  # the steps before this one are on disk now
@@ -324,7 +386,7 @@ def _train_locked(
                 if evaluating and (last or (evaluate_every and step % evaluate_every == 0)):
                     final = {**final, **evaluate_at(step, state.params, logger)}
             if ckpt.should_save(step, final=True):
-                ckpt.save(step, state, meta=_meta(config, iterator, skipped))
+                save(step, state)
                 saved = True
     finally:
         stop.uninstall()
@@ -357,17 +419,15 @@ def _stop(
     state: st.TrainState,
     ckpt: Checkpointer,
     setup: Setup,
-    config: TrainConfig,
-    iterator: BatchIterator,
-    skipped: int,
     primary: bool,
+    save: Callable[[int, st.TrainState], None],
 ) -> None:
     """Saves the checkpoint of ``step`` (unless saved already), waits until it is on disk and
     raises :class:`TrainingInterrupted`."""
     import signal
 
     if ckpt.should_save(step, final=True) and step > 0:
-        ckpt.save(step, state, meta=_meta(config, iterator, skipped))
+        save(step, state)
         mark_phase("save", step)
     ckpt.wait()
     if primary:
@@ -410,11 +470,11 @@ def _nonfinite_message(step: int, metrics: dict[str, float], run_dir: Path) -> s
 
 def _resume(
     ckpt: Checkpointer, setup: Setup, iterator: BatchIterator, config: TrainConfig, log: Callable
-) -> tuple[st.TrainState, int, int]:
-    """``(state, start step, skipped steps)``: the latest checkpoint's, with the data stream
-    moved to its position, or the fresh state."""
+) -> tuple[st.TrainState, int, int, dict[str, Any]]:
+    """``(state, start step, skipped steps, meta)``: the latest checkpoint's, with the data
+    stream moved to its position, or the fresh state (and an empty meta)."""
     if ckpt.latest_step() is None:
-        return setup.state, 0, 0
+        return setup.state, 0, 0, {}
     try:
         state, meta = ckpt.restore(setup.state, setup.state_sharding)
     except FileNotFoundError as e:  # every step unreadable: moved aside, none left
@@ -439,7 +499,7 @@ def _resume(
     changes = config_changes(meta.get("config"), config)
     if changes:
         log("config changed since the checkpoint: " + "; ".join(changes[:10]))
-    return state, start, int(meta.get("skipped_steps", 0))
+    return state, start, int(meta.get("skipped_steps", 0)), meta
 
 
 def _split_key(state: st.TrainState) -> tuple[st.TrainState, jax.Array]:

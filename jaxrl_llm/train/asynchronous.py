@@ -1,0 +1,308 @@
+"""Async RL: the rollout of later steps runs while the update runs (``train.max_staleness``).
+
+The schedule is fixed by the config, never by timing, so a run is reproducible and resumable:
+with ``s = train.max_staleness`` the batch that step ``t`` (1-based) trains on is generated
+with the policy of version ``v(t) = max(start, t - 1 - s)`` (version ``k`` = the parameters
+after ``k`` updates), so every sample is at most ``s`` versions old::
+
+    step t:   update t on batch t            (dispatched; the device runs it)
+              rollout of batch t + s with v = t - 1    (the host drives it meanwhile)
+              wait for update t's metrics; sync version t to the rollout's weights
+
+``s = 0`` is synchronous (generate batch t, then update; the same numbers as the colocated
+loop, up to the meshes' float order with a split placement). ``s = 1`` is verl's
+"one-step off-policy" trainer; larger ``s`` bounds staleness as AReaL's ``max_head_offpolicyness``
+and PipelineRL's lag do. There is one controller thread: overlap comes from JAX's asynchronous
+dispatch (the update's program is enqueued before the rollout's host loop starts), so every
+process launches the same programs in the same order, which multi-process runs need.
+
+Importance correction. Batch ``t`` was sampled by μ = π_{v(t)}, not by the policy that updates.
+The step recomputes π_old under the current parameters (the proximal policy of the decoupled
+PPO loss, Hilton et al. 2021, "Batch size-invariance for policy optimization"; AReaL, Fu et al.
+2025) whenever the recipe's ``rollout_correction`` or ``old_logprobs`` asks for it, and the
+sampler's per-token log-probs (``Groups.logp_sampler_bgt``, always the version that sampled
+them) are μ. So the stale batch is corrected exactly as the recipe's correction says
+(:mod:`jaxrl_llm.core.rollout_correction`; ``docs/async.md`` has the estimator).
+
+Sampler keys follow the synchronous loop's chain: batch ``j`` is drawn with
+``split(r_{j-1})[1]`` where ``r`` is :class:`~jaxrl_llm.train.state.TrainState`'s key chain, so
+the keys of buffered batches are a function of the state and ``s = 0`` draws what the
+synchronous loop draws.
+
+Resume. The buffer (batches ``t+1 .. t+s`` after step ``t``, already generated from versions
+``t-s .. t-1``, which no longer exist) is saved with the checkpoint as host arrays
+(:meth:`~jaxrl_llm.train.checkpoint.Checkpointer.save`'s ``host``), with each batch's step,
+policy version and collection metrics in ``meta``; the data iterator's position saved with it
+is after the last buffered batch. A resumed run therefore continues exactly as the
+uninterrupted one (``tests/train/test_async.py`` kills a run with SIGKILL and compares).
+
+Metrics (per step): ``async/staleness_mean``, ``async/staleness_max`` (in policy versions, over
+completion tokens), ``async/staleness_frac_k`` (the fraction of tokens ``k`` versions old, a
+histogram for k = 0..s), ``async/behaviour_version``, ``async/buffered``, ``sync/seconds``,
+``sync/bytes``, ``sync/arrays``, ``sync/version``. ``RUN_DIR/timeline.jsonl`` has one line per
+step with the phases' start and end times (rollout, update dispatch / done, sync, save).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from jaxrl_llm.data import BatchIterator
+from jaxrl_llm.train import hostmem
+from jaxrl_llm.train import state as st
+from jaxrl_llm.train.faults import mark_phase
+from jaxrl_llm.train.step import Groups
+
+TIMELINE_FILE = "timeline.jsonl"
+BUFFER_META = "rollout_buffer"  # checkpoint meta key: the buffered batches' steps, versions
+
+
+class Pending(NamedTuple):
+    """One generated batch waiting for its update.
+
+    Attributes:
+      step: the step (1-based) that trains on it.
+      version: the policy version that sampled it (the oldest, with partial rollouts).
+      groups: the scored, selected :class:`~jaxrl_llm.train.step.Groups` (host arrays).
+      metrics: the collection's metrics (rewards, lengths, rollout time).
+      version_bgt: ``int32[B, G, T]`` each token's policy version (-1: no token), or None when
+        the whole batch is of ``version``.
+    """
+
+    step: int
+    version: int
+    groups: Groups
+    metrics: dict[str, float]
+    version_bgt: np.ndarray | None = None
+
+
+def key_ahead(rng_data: Any, ahead: int) -> jax.Array:
+    """The sampler key of the batch ``ahead`` steps after the one whose key chain state is
+    ``rng_data`` (``ahead = 0``: ``split(rng)[1]``, the synchronous loop's step key)."""
+    rng = jax.random.wrap_key_data(np.asarray(rng_data))
+    for _ in range(ahead):
+        rng = jax.random.split(rng)[0]
+    return jax.random.split(rng)[1]
+
+
+def staleness_metrics(pending: Pending, train_version: int, max_staleness: int) -> dict[str, float]:
+    """Staleness of a batch at its update (``train_version`` = the updating policy's version),
+    over its real completion tokens."""
+    mask = np.asarray(pending.groups.mask_bgt, bool)
+    if pending.version_bgt is None:
+        age = np.full(mask.shape, train_version - pending.version, np.int64)
+    else:
+        age = train_version - np.asarray(pending.version_bgt, np.int64)
+    ages = age[mask] if mask.any() else np.asarray([train_version - pending.version])
+    out = {
+        "async/staleness_mean": float(ages.mean()),
+        "async/staleness_max": float(ages.max()),
+        "async/behaviour_version": float(pending.version),
+    }
+    for k in range(max(max_staleness, int(ages.max())) + 1):
+        out[f"async/staleness_frac_{k}"] = float(np.mean(ages == k))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The buffer in a checkpoint.
+
+_FIELDS = Groups._fields
+
+
+def buffer_to_host(entries: list[Pending]) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """``(arrays, description)`` of the buffered batches for ``Checkpointer.save``."""
+    arrays: dict[str, np.ndarray] = {}
+    described = []
+    for i, p in enumerate(entries):
+        fields = []
+        for name, x in zip(_FIELDS, p.groups, strict=True):
+            if x is not None:
+                arrays[f"b{i}.{name}"] = np.asarray(x)
+                fields.append(name)
+        if p.version_bgt is not None:
+            arrays[f"b{i}.version_bgt"] = np.asarray(p.version_bgt, np.int32)
+        described.append(
+            {
+                "step": int(p.step),
+                "version": int(p.version),
+                "fields": fields,
+                "partial": p.version_bgt is not None,
+                "metrics": {k: float(v) for k, v in p.metrics.items()},
+            }
+        )
+    return arrays, described
+
+
+def buffer_from_host(
+    arrays: Mapping[str, np.ndarray], described: list[Mapping[str, Any]]
+) -> list[Pending]:
+    """The inverse of :func:`buffer_to_host`."""
+    out = []
+    for i, d in enumerate(described):
+        values = {name: arrays[f"b{i}.{name}"] for name in d["fields"]}
+        groups = Groups(**{name: values.get(name) for name in _FIELDS})
+        version_bgt = arrays[f"b{i}.version_bgt"] if d.get("partial") else None
+        out.append(
+            Pending(int(d["step"]), int(d["version"]), groups, dict(d["metrics"]), version_bgt)
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver.
+
+
+class AsyncDriver:
+    """The online step of an async (or split-placement) run: ``step(state, iterator, key)``.
+
+    Args:
+      collect: ``collect(policy, iterator, key) -> (groups, metrics)``, the host's part of a
+        step, sampling with ``policy`` (the rollout weights' ``(graphdef, params)``); or
+        ``-> (groups, metrics, version_bgt)`` with partial rollouts.
+      rl_step: the jitted device step ``(state, groups) -> (state, metrics)``.
+      to_global: host groups to the train mesh's arrays.
+      weights: the rollout side's weights (``sync(params, version)``, ``sampling_policy()``,
+        ``version``), see :mod:`jaxrl_llm.train.placement`.
+      max_staleness: ``s``.
+      max_steps: no batch is generated past it.
+      timeline: ``RUN_DIR/timeline.jsonl`` (None: not written, e.g. on processes other than 0).
+    """
+
+    def __init__(
+        self,
+        *,
+        collect: Callable[..., tuple],
+        rl_step: Callable[[st.TrainState, Any], tuple[st.TrainState, dict]],
+        to_global: Callable[[Groups], Any],
+        weights: Any,
+        max_staleness: int,
+        max_steps: int,
+        timeline: Path | None = None,
+    ):
+        self.collect, self.rl_step, self.to_global = collect, rl_step, to_global
+        self.weights = weights
+        self.max_staleness = int(max_staleness)
+        self.max_steps = int(max_steps)
+        self.timeline = timeline
+        self.buffer: collections.deque[Pending] = collections.deque()
+        self._synced = False
+        self._t0 = time.time()
+
+    # -- checkpoint ------------------------------------------------------------------------
+
+    def checkpoint(self) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """``(host arrays, meta entries)`` of the buffer, saved with the state."""
+        arrays, described = buffer_to_host(list(self.buffer))
+        return arrays, {BUFFER_META: {"max_staleness": self.max_staleness, "batches": described}}
+
+    def restore(self, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray] | None) -> None:
+        """Loads the buffer saved with a checkpoint (nothing when it has none)."""
+        saved = meta.get(BUFFER_META)
+        self.buffer.clear()
+        if not saved or not saved["batches"]:
+            return
+        entries = buffer_from_host(arrays or {}, saved["batches"])
+        if len(entries) > self.max_staleness:
+            raise ValueError(
+                f"the checkpoint holds {len(entries)} batches generated ahead for "
+                f"train.max_staleness={saved['max_staleness']}, more than this run's "
+                f"train.max_staleness={self.max_staleness} allows; resume with "
+                f"train.max_staleness={saved['max_staleness']}"
+            )
+        self.buffer.extend(entries)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def _generate(
+        self, step: int, iterator: BatchIterator, key: jax.Array, phases: list
+    ) -> Pending:
+        t0 = time.time()
+        mark_phase("rollout", step)
+        out = self.collect(self.weights.sampling_policy(), iterator, key)
+        groups, metrics = out[0], out[1]
+        version_bgt = out[2] if len(out) > 2 else None
+        version = int(self.weights.version)
+        if version_bgt is not None:
+            valid = np.asarray(version_bgt) >= 0
+            version = int(np.min(np.asarray(version_bgt)[valid])) if valid.any() else version
+        phases.append(self._phase("rollout", t0, for_step=step, version=version))
+        return Pending(step, version, groups, metrics, version_bgt)
+
+    def _phase(self, name: str, t0: float, **extra: Any) -> dict[str, Any]:
+        return {"phase": name, "start": t0 - self._t0, "end": time.time() - self._t0, **extra}
+
+    def _sync(self, params: Any, version: int, phases: list) -> dict[str, float]:
+        t0 = time.time()
+        report = self.weights.sync(params, version)
+        phases.append(self._phase("sync", t0, version=int(version)))
+        return {
+            "sync/seconds": float(report.seconds),
+            "sync/bytes": float(report.bytes),
+            "sync/arrays": float(report.num_arrays),
+            "sync/version": float(report.version),
+        }
+
+    def step(
+        self, state: st.TrainState, iterator: BatchIterator, key: jax.Array
+    ) -> tuple[st.TrainState, dict[str, float]]:
+        """One step: ``state`` has its key chain advanced past this step (``key`` is the
+        synchronous loop's key of this step's batch)."""
+        t = int(state.step) + 1
+        s = self.max_staleness
+        phases: list[dict[str, Any]] = []
+        extra: dict[str, float] = {}
+        if not self._synced:  # the first step of this process: the rollout gets version t-1
+            extra.update(self._sync(state.params, t - 1, phases))
+            self._synced = True
+        # Batches t .. t+s-1 must exist before update t (a fresh run, or s = 0).
+        have = {p.step for p in self.buffer}
+        last = min(t + s - 1, self.max_steps) if s else t
+        for j in range(t, last + 1):
+            if j not in have:
+                key_j = key if j == t else key_ahead(state.rng, j - t - 1)
+                self.buffer.append(self._generate(j, iterator, key_j, phases))
+        pending = self.buffer.popleft()
+        if pending.step != t:
+            raise RuntimeError(f"async buffer out of order: batch of step {pending.step} at {t}")
+        groups = self.to_global(pending.groups)
+        state = state._replace(data_position=np.asarray(iterator.position, np.int32))
+        rng = np.asarray(jax.device_get(state.rng))  # the step donates the state
+        hostmem.release_free_heap()
+        mark_phase("update", t)
+        t_update = time.time()
+        new_state, device_out = self.rl_step(state, groups)  # dispatched, not waited for
+        if s and t + s <= self.max_steps:  # overlaps the update on the device
+            self.buffer.append(self._generate(t + s, iterator, key_ahead(rng, s - 1), phases))
+        metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(device_out).items()}
+        phases.append(self._phase("update", t_update, step=t))
+        metrics["time/update"] = time.time() - t_update
+        extra.update(self._sync(new_state.params, t, phases))
+        metrics.update(pending.metrics)
+        metrics.update(extra)
+        metrics.update(staleness_metrics(pending, t - 1, s))
+        metrics["async/buffered"] = float(len(self.buffer))
+        if self.timeline is not None:
+            with open(self.timeline, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"step": t, "phases": phases}) + "\n")
+        return new_state, metrics
+
+
+__all__ = [
+    "BUFFER_META",
+    "TIMELINE_FILE",
+    "AsyncDriver",
+    "Pending",
+    "buffer_from_host",
+    "buffer_to_host",
+    "key_ahead",
+    "staleness_metrics",
+]

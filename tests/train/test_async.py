@@ -1,0 +1,276 @@
+"""Async RL (``train.max_staleness``, :mod:`jaxrl_llm.train.asynchronous`) on the tiny model.
+
+* the schedule: staleness 1 trains exactly what an explicit replay with the old policies
+  trains (batch t sampled by π_{t-2}), and the step's importance weights are those of the
+  explicit policies (π_prox = the current parameters, μ = the version that sampled);
+* the buffer, the sampler keys and the metrics;
+* resume: the buffered batches are part of the checkpoint (a killed async run resumes to the
+  parameters of the uninterrupted one, bit for bit; the kill -9 version is in test_faults).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrl_llm.data import BatchIterator
+from jaxrl_llm.train import asynchronous as A
+from jaxrl_llm.train import forward, loop, setup
+from jaxrl_llm.train import metrics as M
+from jaxrl_llm.train.checkpoint import HOST_ARRAYS, Checkpointer
+from jaxrl_llm.train.collect import collect
+from jaxrl_llm.train.step import Groups, make_rl_step
+from tests.train import helpers as H
+
+VARIED = [
+    "rewards.terms=[{type: length_penalty, kwargs: {target: 10, unit: chars, coef: 0.1}},"
+    " {type: regex, weight: 0.5, kwargs: {pattern: '[aeiou]'}}]"
+]
+# lr 1e-2: consecutive policies differ enough that a wrong version shows in every number
+BASE = ["data.eval_size=0", "optim.lr=1.0e-2", "train.save_every=0", *VARIED]
+
+
+def _quiet(*_):
+    pass
+
+
+def _final_state(config, run_dir):
+    with Checkpointer(run_dir / "checkpoints") as ckpt:
+        return ckpt.restore(setup.resolve(config).state)[0]
+
+
+def _assert_same(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces.
+
+
+def test_key_ahead_follows_the_synchronous_key_chain():
+    state = setup.resolve(H.config("tiny.yaml", "data.eval_size=0")).state
+    keys, s = [], state
+    for _ in range(4):
+        s, key = loop._split_key(s)
+        keys.append(jax.random.key_data(key))
+    after_first = loop._split_key(state)[0].rng  # what the driver sees at step 1
+    for ahead in range(3):
+        np.testing.assert_array_equal(
+            jax.random.key_data(A.key_ahead(after_first, ahead)), keys[ahead + 1]
+        )
+
+
+def _groups(b=2, g=2, t=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return Groups(
+        prompt_ids_bp=rng.integers(0, 50, (b, 4)).astype(np.int32),
+        prompt_mask_bp=np.ones((b, 4), bool),
+        tokens_bgt=rng.integers(0, 50, (b, g, t)).astype(np.int32),
+        mask_bgt=rng.random((b, g, t)) < 0.7,
+        logp_sampler_bgt=-rng.random((b, g, t)).astype(np.float32),
+        reward_bg=rng.random((b, g)).astype(np.float32),
+        member_bg=np.ones((b, g), bool),
+    )
+
+
+def test_the_buffer_round_trips_through_a_checkpoint(tmp_path):
+    version_bgt = np.where(_groups(seed=2).mask_bgt, 3, -1).astype(np.int32)
+    version_bgt[0, 0, -1] = 4
+    entries = [
+        A.Pending(5, 3, _groups(seed=1), {"reward/mean": 0.5}),
+        A.Pending(
+            6, 3, _groups(seed=2)._replace(baseline_b=np.ones(2, np.float32)), {}, version_bgt
+        ),
+    ]
+    arrays, described = A.buffer_to_host(entries)
+    state = {"w": jax.numpy.arange(3.0)}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(4, state, meta={A.BUFFER_META: described}, host=arrays)
+        ckpt.save(5, state)  # a later step without a buffer has none
+        ckpt.wait()
+        _, meta = ckpt.restore(state, step=4)
+        back = A.buffer_from_host(meta[HOST_ARRAYS], meta[A.BUFFER_META])
+        assert HOST_ARRAYS not in ckpt.restore(state, step=5)[1]
+    for a, b in zip(entries, back, strict=True):
+        assert (a.step, a.version, a.metrics) == (b.step, b.version, b.metrics)
+        _assert_same(a.groups, b.groups)  # None fields stay None
+        assert (a.version_bgt is None) == (b.version_bgt is None)
+    np.testing.assert_array_equal(back[1].version_bgt, version_bgt)
+
+
+def test_a_damaged_buffer_is_unreadable_and_the_previous_checkpoint_is_used(tmp_path):
+    arrays, described = A.buffer_to_host([A.Pending(3, 1, _groups(), {})])
+    state = {"w": jax.numpy.arange(3.0)}
+    with Checkpointer(tmp_path) as ckpt:
+        ckpt.save(1, state, meta={"x": 1})
+        ckpt.save(2, state, meta={A.BUFFER_META: described}, host=arrays)
+    meta_file = next((tmp_path / "2" / "meta").glob("*"))
+    body = json.loads(meta_file.read_text())
+    name = next(iter(body[HOST_ARRAYS]))
+    body[HOST_ARRAYS][name][2] = "0" * 64  # the saved digest no longer matches the array
+    meta_file.write_text(json.dumps(body))
+    with Checkpointer(tmp_path) as ckpt, pytest.warns(Warning, match="buffered host arrays"):
+        _, meta = ckpt.restore(state)
+    assert meta["x"] == 1
+
+
+def test_staleness_metrics_count_tokens_by_their_version():
+    g = _groups()
+    full = A.staleness_metrics(A.Pending(4, 2, g, {}), train_version=3, max_staleness=2)
+    assert full["async/staleness_mean"] == full["async/staleness_max"] == 1.0
+    assert (full["async/staleness_frac_0"], full["async/staleness_frac_1"]) == (0.0, 1.0)
+    assert full["async/staleness_frac_2"] == 0.0
+    version_bgt = np.where(g.mask_bgt, 2, -1)
+    version_bgt[0, 0] = np.where(g.mask_bgt[0, 0], 3, -1)  # continued under version 3
+    assert g.mask_bgt[0, 0].any()
+    part = A.staleness_metrics(A.Pending(4, 2, g, {}, version_bgt), 3, 2)
+    ages = 3 - version_bgt[g.mask_bgt]
+    assert part["async/staleness_mean"] == pytest.approx(ages.mean())
+    assert part["async/staleness_frac_0"] == pytest.approx(np.mean(ages == 0))
+    assert 0 < part["async/staleness_frac_0"] < 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The schedule against an explicit replay with the old policies.
+
+
+def test_staleness_one_trains_what_an_explicit_replay_with_old_policies_trains(tmp_path):
+    config = H.config("tiny.yaml", "train.max_steps=3", "train.max_staleness=1", *BASE)
+    run = tmp_path / "async"
+    loop.train(config, run_dir=run, progress=False, log=_quiet)
+    got = _final_state(config, run)
+    records = M.read_metrics(run)
+
+    # The replay: batch t is sampled by version max(0, t - 2), with the synchronous key chain.
+    s = setup.resolve(config)
+    assert s.recipe.objective.rollout_correction is not None  # async's default: token TIS, cap 2
+    it = BatchIterator(
+        s.data.train,
+        s.loop.batch_size,
+        seed=s.loop.data_seed,
+        shuffle=s.loop.shuffle,
+        pad_multiple=setup.PAD_MULTIPLE,
+    )
+    step = make_rl_step(
+        s.recipe,
+        s.models,
+        s.update,
+        temperature=s.sampler.temperature,
+        old_logprobs=s.old_logprobs,
+    )
+    logprob = forward.make_logprob_fn(s.models.graphdef, temperature=s.sampler.temperature)
+    copy = jax.jit(lambda tree: jax.tree.map(lambda x: x + 0, tree))
+    keys, chain = [], s.state
+    for _ in range(3):
+        chain, key = loop._split_key(chain)
+        keys.append(key)
+    versions = [copy(s.state.params)]  # versions[k]: the parameters after k updates
+    batches = {t: collect(s, versions[0], it, keys[t - 1])[0] for t in (1, 2)}
+    state, ratio_means = s.state, []
+    for t in (1, 2, 3):
+        state, _ = loop._split_key(state)
+        if t == 3:
+            batches[3] = collect(s, versions[1], it, keys[2])[0]
+        g = batches[t]
+        b, n_samples, width = g.tokens_bgt.shape
+        ids = np.concatenate(
+            [np.repeat(g.prompt_ids_bp, n_samples, 0), g.tokens_bgt.reshape(b * n_samples, -1)], 1
+        )
+        mask = np.concatenate(
+            [np.repeat(g.prompt_mask_bp, n_samples, 0), g.mask_bgt.reshape(b * n_samples, -1)], 1
+        )
+
+        def logp(params, ids=ids, mask=mask, width=width):
+            return np.asarray(logprob(params, ids, mask, completion_len=width))
+
+        m = g.mask_bgt.reshape(b * n_samples, -1)
+        mu = g.logp_sampler_bgt.reshape(b * n_samples, -1)[m]
+        behaviour = max(0, t - 2)
+        np.testing.assert_allclose(mu, logp(versions[behaviour])[m], atol=2e-4)  # μ = π_{t-2}
+        prox = logp(state.params)[m]  # π_prox: the parameters about to update (version t-1)
+        ratio_means.append(float(np.mean(np.exp(prox - mu))))
+        state, _ = step(state, g)
+        versions.append(copy(state.params))
+    _assert_same(got.params, state.params)
+    for r, expect in zip(records, ratio_means, strict=True):
+        assert r["rollout_corr/ratio_mean"] == pytest.approx(expect, rel=1e-5)
+    assert abs(ratio_means[1] - 1.0) > 1e-3  # step 2's batch is really one version old
+    assert [r["async/staleness_max"] for r in records] == [0.0, 1.0, 1.0]
+    assert [r["async/behaviour_version"] for r in records] == [0.0, 0.0, 1.0]
+
+
+def test_staleness_zero_with_a_copy_is_the_synchronous_loop(tmp_path):
+    """train.max_staleness=0 colocated is today's loop (no driver); the driver at s = 0 (here
+    forced on a colocated copy) trains the same parameters."""
+    config = H.config("tiny.yaml", "train.max_steps=2", *BASE)
+    assert not loop.is_async(setup.resolve(config))
+    loop.train(config, run_dir=tmp_path / "sync", progress=False, log=_quiet)
+    sync = _final_state(config, tmp_path / "sync")
+
+    original = loop.is_async
+    try:
+        loop.is_async = lambda s: True
+        loop.train(config, run_dir=tmp_path / "driver", progress=False, log=_quiet)
+    finally:
+        loop.is_async = original
+    _assert_same(sync.params, _final_state(config, tmp_path / "driver").params)
+    lines = (tmp_path / "driver" / A.TIMELINE_FILE).read_text().splitlines()
+    timeline = [json.loads(x) for x in lines]
+    assert [x["step"] for x in timeline] == [1, 2]
+    names = [p["phase"] for p in timeline[1]["phases"]]
+    assert names == ["rollout", "update", "sync"], names
+    for p in timeline[1]["phases"]:
+        assert 0 <= p["start"] <= p["end"]
+
+
+class _Killed(Exception):
+    pass
+
+
+def _killed_after(config, run_dir, step, monkeypatch):
+    """Trains ``config`` in ``run_dir`` until ``step`` is logged, then raises (a crash)."""
+    original = M.MetricsLogger.progress
+
+    def die(self, at, metrics):
+        original(self, at, metrics)
+        if at == step:
+            raise _Killed
+
+    monkeypatch.setattr(M.MetricsLogger, "progress", die)
+    with pytest.raises(_Killed):
+        loop.train(config, run_dir=run_dir, progress=False, log=_quiet)
+    monkeypatch.setattr(M.MetricsLogger, "progress", original)
+
+
+def test_a_killed_async_run_resumes_with_its_buffer_to_the_same_parameters(tmp_path, monkeypatch):
+    config = H.config(
+        "tiny.yaml", "train.max_steps=4", "train.max_staleness=2", *BASE, "train.save_every=1"
+    )
+    loop.train(config, run_dir=tmp_path / "full", progress=False, log=_quiet)
+    _killed_after(config, tmp_path / "killed", 3, monkeypatch)  # its last checkpoint: step 2
+    with Checkpointer(tmp_path / "killed" / "checkpoints") as ckpt:
+        batches = ckpt.read_meta(2)[A.BUFFER_META]["batches"]
+    assert [(b["step"], b["version"]) for b in batches] == [(3, 0), (4, 1)]
+    loop.train(config, run_dir=tmp_path / "killed", progress=False, log=_quiet)
+    _assert_same(_final_state(config, tmp_path / "full"), _final_state(config, tmp_path / "killed"))
+    full, killed = M.read_metrics(tmp_path / "full"), M.read_metrics(tmp_path / "killed")
+    assert [r["step"] for r in killed] == [1, 2, 3, 4]
+    for a, b in zip(full, killed, strict=True):
+        for k in ("actor/loss", "reward/mean", "async/staleness_mean", "rollout_corr/ratio_mean"):
+            assert a[k] == b[k], (k, a["step"])
+
+
+def test_resuming_with_a_smaller_max_staleness_is_a_clear_error(tmp_path, monkeypatch):
+    config = H.config(
+        "tiny.yaml", "train.max_steps=3", "train.max_staleness=2", *BASE, "train.save_every=1"
+    )
+    _killed_after(config, tmp_path / "run", 2, monkeypatch)  # step 1 holds batches 2 and 3
+    smaller = H.config("tiny.yaml", "train.max_steps=3", "train.max_staleness=1", *BASE)
+    from jaxrl_llm.train.rundir import RunDirError
+
+    with pytest.raises(RunDirError, match=r"train.max_staleness=2"):
+        loop.train(smaller, run_dir=tmp_path / "run", progress=False, log=_quiet)
