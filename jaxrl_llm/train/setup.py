@@ -292,7 +292,9 @@ class Setup:
 
     ``state`` is the fresh initial state; the loop restores a checkpoint over it.
     ``sampler`` is None for offline (DPO) runs; ``reward`` scores completions (for DPO only
-    its held-out prompts, None without them).
+    its held-out prompts, None without them). ``placement`` says where the rollout runs
+    (:mod:`jaxrl_llm.train.placement`; colocated on ``models.mesh`` unless ``placement.mode``
+    is split); build the rollout's weights with ``RolloutWeights.build(models, placement)``.
     """
 
     run_dir: Path
