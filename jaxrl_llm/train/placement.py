@@ -28,10 +28,11 @@ moves the trainer's parameters onto the rollout shardings and verifies the copy:
    sync that did not happen is never silent (TRL #5312 is the failure this guards against).
 
 Under LoRA only the adapters (the TrainState's ``params``) move at each sync; the frozen base
-is copied to the rollout mesh once, when the :class:`RolloutWeights` is built, and checked
-then. ``colocated`` gives the same interface: :meth:`RolloutWeights.sync` then makes a jitted
-copy on the same shardings, so the rollout's copy survives the update's donated buffers
-(an asynchronous loop samples from version ``v`` while the update makes ``v + 1``).
+is copied to the rollout mesh once, when the :class:`RolloutWeights` is built with ``params``
+(a shape template) or else at its first sync, and checked then. ``colocated`` gives the
+same interface: :meth:`RolloutWeights.sync` then makes a jitted copy on the same shardings, so
+the rollout's copy survives the update's donated buffers (an asynchronous loop samples from
+version ``v`` while the update makes ``v + 1``).
 """
 
 from __future__ import annotations
