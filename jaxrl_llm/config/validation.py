@@ -577,9 +577,45 @@ def _check_mesh(mesh: MeshConfig, where: str = "mesh") -> None:
         raise _bad(f"{where}.tensor", 1, f"≥ 2 (or -1) with {where}.preset=fsdp_tp")
 
 
+def _check_partial_rollouts(config: TrainConfig) -> None:
+    """``train.partial_rollout_tokens``: needs ``max_staleness >= 2`` (segments continue across
+    updates), one process, and a recipe that scores each batch once (no DAPO refills, no ReMax
+    greedy baseline)."""
+    n = config.train.partial_rollout_tokens
+    if n == 0 or config.is_offline:
+        return
+    key = "train.partial_rollout_tokens"
+    if config.train.max_staleness < 2:
+        raise ConfigError(
+            f"{key} = {n} with train.max_staleness = {config.train.max_staleness}: a batch is "
+            "sampled over the max_staleness updates before its own, so segments can continue "
+            "under newer weights only with train.max_staleness >= 2; expected "
+            f"train.max_staleness >= 2, or {key} = 0",
+            key,
+        )
+    if n >= config.rollout.max_new_tokens:
+        raise _bad(key, n, f"fewer than rollout.max_new_tokens = {config.rollout.max_new_tokens}")
+    recipe = build_recipe(config)
+    if recipe.selection.dynamic_sampling or ch.GIVEN_BASELINE in recipe.requires:
+        raise ConfigError(
+            f"{key} = {n}: {config.algorithm.name} refills groups (dynamic sampling) or samples "
+            f"a greedy baseline per prompt, which partial rollouts do not; expected {key} = 0",
+            key,
+        )
+    import jax
+
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"{key} = {n}: partial rollouts run in one process (got {jax.process_count()}); "
+            f"expected {key} = 0 in a multi-process run",
+            key,
+        )
+
+
 def _check_placement(config: TrainConfig) -> None:
     """``placement``: split needs a rollout (not dpo) and a valid rollout mesh; the device
     counts are checked in :func:`check_devices`."""
+    _check_partial_rollouts(config)
     if config.placement.mode != "split":
         return
     if config.is_offline:

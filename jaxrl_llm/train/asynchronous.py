@@ -36,6 +36,18 @@ policy version and collection metrics in ``meta``; the data iterator's position 
 is after the last buffered batch. A resumed run therefore continues exactly as the
 uninterrupted one (``tests/train/test_async.py`` kills a run with SIGKILL and compares).
 
+Partial rollouts (``train.partial_rollout_tokens: N``, ``s >= 2``; AReaL's interruptible
+generation, PipelineRL's in-flight weight updates). Batch ``j`` is sampled over the ``s``
+update windows before its update: in window ``w = j - s + k`` (``k = 0 .. s - 1``, during update
+``w``, under version ``w - 1``) every unfinished sample continues by ``N`` tokens, and in the
+last window (``w = j - 1``) to its end, so a long completion's later tokens come from newer
+weights. Each segment re-prefills prompt ⧺ tokens so far under the current weights
+(:mod:`jaxrl_llm.rollout.partial`); every token keeps the version that sampled it
+(``version_bgt``) and its sampler log-prob is that version's, so the token-level correction
+is against the right μ. The batch is scored when complete. In-flight batches are saved with
+the checkpoint too (their dataset indices, key and :class:`~jaxrl_llm.rollout.partial.InFlight`
+arrays).
+
 Metrics (per step): ``async/staleness_mean``, ``async/staleness_max`` (in policy versions, over
 completion tokens), ``async/staleness_frac_k`` (the fraction of tokens ``k`` versions old, a
 histogram for k = 0..s), ``async/behaviour_version``, ``async/buffered``, ``sync/seconds``,
@@ -84,6 +96,25 @@ class Pending(NamedTuple):
     version_bgt: np.ndarray | None = None
 
 
+class InFlightBatch(NamedTuple):
+    """A batch whose partial rollout is under way (``train.partial_rollout_tokens``).
+
+    Attributes:
+      step: the step that trains on it.
+      indices: ``int64[B]`` its prompts' indices in the training set (the batch is rebuilt
+        from them on resume).
+      key_data: its sampler key's data (every segment uses the same key).
+      state: the :class:`~jaxrl_llm.rollout.partial.InFlight` arrays.
+      seconds: sampling time so far.
+    """
+
+    step: int
+    indices: np.ndarray
+    key_data: np.ndarray
+    state: Any
+    seconds: float = 0.0
+
+
 def key_ahead(rng_data: Any, ahead: int) -> jax.Array:
     """The sampler key of the batch ``ahead`` steps after the one whose key chain state is
     ``rng_data`` (``ahead = 0``: ``split(rng)[1]``, the synchronous loop's step key)."""
@@ -118,11 +149,31 @@ def staleness_metrics(pending: Pending, train_version: int, max_staleness: int) 
 _FIELDS = Groups._fields
 
 
-def buffer_to_host(entries: list[Pending]) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
-    """``(arrays, description)`` of the buffered batches for ``Checkpointer.save``."""
+_INFLIGHT_SCALARS = ("last_version", "segments")
+
+
+def buffer_to_host(entries: list[Any]) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """``(arrays, description)`` of the buffered batches (:class:`Pending` and
+    :class:`InFlightBatch`) for ``Checkpointer.save``."""
     arrays: dict[str, np.ndarray] = {}
     described = []
     for i, p in enumerate(entries):
+        if isinstance(p, InFlightBatch):
+            arrays[f"b{i}.indices"] = np.asarray(p.indices, np.int64)
+            arrays[f"b{i}.key_data"] = np.asarray(p.key_data)
+            names = [n for n in p.state._fields if n not in _INFLIGHT_SCALARS]
+            for name in names:
+                arrays[f"b{i}.state.{name}"] = np.asarray(getattr(p.state, name))
+            described.append(
+                {
+                    "step": int(p.step),
+                    "in_flight": True,
+                    "fields": names,
+                    "scalars": {n: int(getattr(p.state, n)) for n in _INFLIGHT_SCALARS},
+                    "seconds": float(p.seconds),
+                }
+            )
+            continue
         fields = []
         for name, x in zip(_FIELDS, p.groups, strict=True):
             if x is not None:
@@ -148,6 +199,21 @@ def buffer_from_host(
     """The inverse of :func:`buffer_to_host`."""
     out = []
     for i, d in enumerate(described):
+        if d.get("in_flight"):
+            from jaxrl_llm.rollout import partial
+
+            fields = {name: arrays[f"b{i}.state.{name}"] for name in d["fields"]}
+            state = partial.InFlight(**fields, **d["scalars"])
+            out.append(
+                InFlightBatch(
+                    int(d["step"]),
+                    arrays[f"b{i}.indices"],
+                    arrays[f"b{i}.key_data"],
+                    state,
+                    float(d["seconds"]),
+                )
+            )
+            continue
         values = {name: arrays[f"b{i}.{name}"] for name in d["fields"]}
         groups = Groups(**{name: values.get(name) for name in _FIELDS})
         version_bgt = arrays[f"b{i}.version_bgt"] if d.get("partial") else None
@@ -155,6 +221,88 @@ def buffer_from_host(
             Pending(int(d["step"]), int(d["version"]), groups, dict(d["metrics"]), version_bgt)
         )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Partial rollouts.
+
+
+class PartialRollouts:
+    """Segmented sampling of a run's batches (``train.partial_rollout_tokens``).
+
+    Args:
+      setup: the run's :class:`~jaxrl_llm.train.setup.Setup` (its sampler settings, reward
+        and recipe's selection).
+      segment_tokens: ``N``, new tokens per sample in each window but a batch's last.
+    """
+
+    def __init__(self, setup: Any, segment_tokens: int):
+        self.setup, self.segment_tokens = setup, int(segment_tokens)
+        self._batches: dict[int, Any] = {}
+
+    def _batch(self, entry: InFlightBatch, iterator: BatchIterator) -> Any:
+        if entry.step not in self._batches:  # rebuilt from the indices (after a resume)
+            data = iterator.dataset
+            self._batches[entry.step] = data.batch(entry.indices, **iterator.batch_kwargs)
+        return self._batches[entry.step]
+
+    def begin(self, step: int, iterator: BatchIterator, key: jax.Array) -> InFlightBatch:
+        """Takes batch ``step``'s prompts from the stream; nothing sampled yet."""
+        from jaxrl_llm.rollout import partial
+
+        indices = iterator.next_indices()
+        self._batches[step] = iterator.dataset.batch(indices, **iterator.batch_kwargs)
+        sampler = self.setup.sampler
+        state = partial.start(len(indices), sampler.num_samples, sampler.max_new_tokens)
+        return InFlightBatch(step, indices, np.asarray(jax.random.key_data(key)), state)
+
+    def advance(
+        self,
+        entry: InFlightBatch,
+        iterator: BatchIterator,
+        policy: Any,
+        version: int,
+        *,
+        to_end: bool,
+    ) -> InFlightBatch:
+        """Continues the unfinished samples by ``segment_tokens`` (or to their end)."""
+        from jaxrl_llm.rollout import partial
+
+        sampler = self.setup.sampler
+        batch = self._batch(entry, iterator)
+        t0 = time.perf_counter()
+        state = partial.advance(
+            policy,
+            batch.prompt_ids_bt,
+            batch.prompt_mask_bt,
+            entry.state,
+            rng=jax.random.wrap_key_data(np.asarray(entry.key_data)),
+            version=int(version),
+            segment_tokens=sampler.max_new_tokens if to_end else self.segment_tokens,
+            temperature=sampler.temperature,
+            top_k=sampler.top_k,
+            top_p=sampler.top_p,
+            stop_token_ids=sampler.stop_ids,
+            cache_dtype=sampler.cache_dtype,
+            engine=sampler.engine,
+        )
+        return entry._replace(state=state, seconds=entry.seconds + time.perf_counter() - t0)
+
+    def finish(self, entry: InFlightBatch, iterator: BatchIterator) -> Pending:
+        """Scores and selects the complete batch."""
+        from jaxrl_llm.rollout import partial
+        from jaxrl_llm.train.collect import score_generated
+
+        out = jax.tree.map(np.asarray, partial.finish(entry.state))
+        batch = self._batch(entry, iterator)
+        groups, metrics, version_bgt = score_generated(
+            self.setup, batch, out, sample_seconds=entry.seconds
+        )
+        del self._batches[entry.step]
+        valid = version_bgt >= 0
+        version = int(version_bgt[valid].min()) if valid.any() else int(entry.state.last_version)
+        metrics["async/segments"] = float(entry.state.segments)
+        return Pending(entry.step, version, groups, metrics, version_bgt)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,6 +323,7 @@ class AsyncDriver:
       max_staleness: ``s``.
       max_steps: no batch is generated past it.
       timeline: ``RUN_DIR/timeline.jsonl`` (None: not written, e.g. on processes other than 0).
+      partial: segmented sampling (``train.partial_rollout_tokens``), or None.
     """
 
     def __init__(
@@ -187,14 +336,17 @@ class AsyncDriver:
         max_staleness: int,
         max_steps: int,
         timeline: Path | None = None,
+        partial: PartialRollouts | None = None,
     ):
         self.collect, self.rl_step, self.to_global = collect, rl_step, to_global
+        self.partial = partial
         self.weights = weights
         self.max_staleness = int(max_staleness)
         self.max_steps = int(max_steps)
         self.timeline = timeline
-        self.buffer: collections.deque[Pending] = collections.deque()
+        self.buffer: collections.deque[Pending | InFlightBatch] = collections.deque()
         self._synced = False
+        self._current_step = 0  # the last finished update's step (set by step())
         self._t0 = time.time()
 
     # -- checkpoint ------------------------------------------------------------------------
@@ -224,9 +376,14 @@ class AsyncDriver:
 
     def _generate(
         self, step: int, iterator: BatchIterator, key: jax.Array, phases: list
-    ) -> Pending:
+    ) -> Pending | InFlightBatch:
+        """Batch ``step`` under the current rollout weights: complete, or with partial
+        rollouts its first segment (complete when it is due at the next update)."""
         t0 = time.time()
         mark_phase("rollout", step)
+        if self.partial is not None:
+            entry = self.partial.begin(step, iterator, key)
+            return self._continue(entry, iterator, phases, t0=t0)
         out = self.collect(self.weights.sampling_policy(), iterator, key)
         groups, metrics = out[0], out[1]
         version_bgt = out[2] if len(out) > 2 else None
@@ -236,6 +393,29 @@ class AsyncDriver:
             version = int(np.min(np.asarray(version_bgt)[valid])) if valid.any() else version
         phases.append(self._phase("rollout", t0, for_step=step, version=version))
         return Pending(step, version, groups, metrics, version_bgt)
+
+    def _continue(
+        self,
+        entry: InFlightBatch,
+        iterator: BatchIterator,
+        phases: list,
+        *,
+        t0: float | None = None,
+        to_end: bool | None = None,
+    ) -> Pending | InFlightBatch:
+        """One window's segment of an in-flight batch (to its end when it is due next, or when
+        ``to_end``); the scored :class:`Pending` once complete."""
+        t0 = time.time() if t0 is None else t0
+        version = int(self.weights.version)
+        if to_end is None:
+            to_end = entry.step <= int(self._current_step) + 1
+        entry = self.partial.advance(
+            entry, iterator, self.weights.sampling_policy(), version, to_end=to_end
+        )
+        done = to_end or bool(entry.state.done_bg.all())
+        out = self.partial.finish(entry, iterator) if done else entry
+        phases.append(self._phase("rollout", t0, for_step=entry.step, version=version))
+        return out
 
     def _phase(self, name: str, t0: float, **extra: Any) -> dict[str, Any]:
         return {"phase": name, "start": t0 - self._t0, "end": time.time() - self._t0, **extra}
@@ -258,6 +438,7 @@ class AsyncDriver:
         synchronous loop's key of this step's batch)."""
         t = int(state.step) + 1
         s = self.max_staleness
+        self._current_step = t - 1  # a batch due at update t is completed in this step's fill
         phases: list[dict[str, Any]] = []
         extra: dict[str, float] = {}
         if not self._synced:  # the first step of this process: the rollout gets version t-1
@@ -271,6 +452,8 @@ class AsyncDriver:
                 key_j = key if j == t else key_ahead(state.rng, j - t - 1)
                 self.buffer.append(self._generate(j, iterator, key_j, phases))
         pending = self.buffer.popleft()
+        if isinstance(pending, InFlightBatch):  # due now (a resume with fewer windows left)
+            pending = self._continue(pending, iterator, phases, to_end=True)
         if pending.step != t:
             raise RuntimeError(f"async buffer out of order: batch of step {pending.step} at {t}")
         groups = self.to_global(pending.groups)
@@ -280,6 +463,10 @@ class AsyncDriver:
         mark_phase("update", t)
         t_update = time.time()
         new_state, device_out = self.rl_step(state, groups)  # dispatched, not waited for
+        self._current_step = t  # this window: batch t + 1 is due next
+        for i, entry in enumerate(list(self.buffer)):  # partial rollouts: one more segment each
+            if isinstance(entry, InFlightBatch):
+                self.buffer[i] = self._continue(entry, iterator, phases)
         if s and t + s <= self.max_steps:  # overlaps the update on the device
             self.buffer.append(self._generate(t + s, iterator, key_ahead(rng, s - 1), phases))
         metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(device_out).items()}

@@ -178,6 +178,21 @@ def _generate_round(
         key,
         policy=policy,
     )
+    return _score_round(setup, params, batch, rows, out, key, policy, time.perf_counter() - t0)
+
+
+def _score_round(
+    setup: Setup,
+    params: dict | None,
+    batch: Any,
+    rows: slice,
+    out: Any,
+    key: jax.Array,
+    policy: tuple[Any, dict] | None,
+    sample_seconds: float,
+):
+    """Scores this process's ``rows`` of ``batch`` sampled as ``out`` (Generation fields, host
+    arrays), then gathers the groups of every process (see :func:`_generate_round`)."""
     t1 = time.perf_counter()
     reward_bg, reward_out, _ = score_completions(
         setup.tokenizer,
@@ -235,7 +250,7 @@ def _generate_round(
         baseline_b=local.get("baseline"),
         reward_bgk=local.get("reward_k"),
     )
-    metrics = {"time/rollout": t1 - t0 + (t3 - t2), "time/reward": t2 - t1}
+    metrics = {"time/rollout": sample_seconds + (t3 - t2), "time/reward": t2 - t1}
     return groups, reward_out, local["truncated"], metrics
 
 
@@ -244,6 +259,72 @@ def _select(recipe: rc.Recipe, groups: Groups) -> np.ndarray:
         reward_bg=jnp.asarray(groups.reward_bg), mask_bgt=jnp.asarray(groups.mask_bgt)
     )
     return np.asarray(rc.select(recipe, rollout).mask_bg)
+
+
+def _round_metrics(groups: Groups, reward_out: R.RewardOutput, truncated: np.ndarray) -> dict:
+    # a cut completion has the full budget's length (also when its loss is masked)
+    lengths = np.where(truncated, groups.mask_bgt.shape[-1], groups.mask_bgt.sum(-1))
+    metrics = dict(reward_out.metrics())
+    metrics["groups/zero_std_fraction"] = float(
+        np.mean(np.all(groups.reward_bg == groups.reward_bg[:, :1], axis=1))
+    )
+    metrics["response_length/mean"] = float(lengths.mean())
+    metrics["response_length/max"] = float(lengths.max())
+    metrics["response_length/truncated_fraction"] = float(truncated.mean())
+    metrics["perf/generated_tokens"] = float(lengths.sum())
+    if groups.baseline_b is not None:
+        metrics["reward/greedy_baseline_mean"] = float(np.mean(groups.baseline_b))
+    return metrics
+
+
+def _selected(
+    recipe: rc.Recipe, groups: Groups, extra_bg: tuple[np.ndarray, ...] = ()
+) -> tuple[Groups, tuple[np.ndarray, ...]]:
+    """The groups with the recipe's selection in ``member_bg``; PODS keeps ``pods_num_keep``
+    of each group's samples (the members first), and ``extra_bg`` (arrays ``[B, G, ...]``)
+    are taken along."""
+    member = _select(recipe, groups)
+    keep_m = recipe.selection.pods_num_keep
+    if keep_m is not None:
+        order = np.argsort(~member, axis=1, kind="stable")[:, :keep_m]
+
+        def take(x: np.ndarray) -> np.ndarray:
+            return np.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), 1)
+
+        groups = groups._replace(
+            tokens_bgt=take(groups.tokens_bgt),
+            mask_bgt=take(groups.mask_bgt),
+            logp_sampler_bgt=take(groups.logp_sampler_bgt),
+            reward_bg=take(groups.reward_bg),
+            reward_bgk=None if groups.reward_bgk is None else take(groups.reward_bgk),
+        )
+        member, extra_bg = take(member), tuple(take(x) for x in extra_bg)
+    return groups._replace(member_bg=member), extra_bg
+
+
+def score_generated(
+    setup: Setup, batch: Any, out: Any, *, sample_seconds: float = 0.0
+) -> tuple[Groups, dict[str, float], np.ndarray | None]:
+    """Scores and selects one batch sampled elsewhere (partial rollouts: ``out`` has the
+    :class:`~jaxrl_llm.rollout.Generation` fields, host arrays, for the whole batch, and
+    optionally ``version`` ``[B, G, T]``), as :func:`collect` does a batch without refills.
+    Returns ``(groups, metrics, version_bgt)``, the versions taken along PODS's selection."""
+    recipe = setup.recipe
+    if recipe.selection.dynamic_sampling or ch.GIVEN_BASELINE in recipe.requires:
+        raise ValueError(
+            f"score_generated: {recipe.name} refills groups or samples a greedy baseline, "
+            "which a batch sampled elsewhere cannot do"
+        )
+    rows = slice(0, len(batch.prompts))
+    groups, reward_out, truncated, times = _score_round(
+        setup, None, batch, rows, out, None, None, sample_seconds
+    )
+    metrics = _round_metrics(groups, reward_out, truncated)
+    version = getattr(out, "version", None)
+    extra = () if version is None else (np.asarray(version, np.int32),)
+    groups, extra = _selected(recipe, groups, extra)
+    groups = _concat([groups], pad=setup.data.train.pad_id)
+    return groups, {**metrics, **times}, (extra[0] if extra else None)
 
 
 def collect(
@@ -263,7 +344,6 @@ def collect(
     recipe = setup.recipe
     b = setup.loop.batch_size
     dynamic = recipe.selection.dynamic_sampling
-    keep_m = recipe.selection.pods_num_keep
     kept: list[Groups] = []
     dropped: list[Groups] = []
     metrics: dict[str, float] = {}
@@ -276,34 +356,9 @@ def collect(
         for k, v in t.items():
             times[k] += v
         if rounds == 0:
-            # a cut completion has the full budget's length (also when its loss is masked)
-            lengths = np.where(truncated, groups.mask_bgt.shape[-1], groups.mask_bgt.sum(-1))
-            metrics.update(reward_out.metrics())
-            metrics["groups/zero_std_fraction"] = float(
-                np.mean(np.all(groups.reward_bg == groups.reward_bg[:, :1], axis=1))
-            )
-            metrics["response_length/mean"] = float(lengths.mean())
-            metrics["response_length/max"] = float(lengths.max())
-            metrics["response_length/truncated_fraction"] = float(truncated.mean())
-            metrics["perf/generated_tokens"] = float(lengths.sum())
-            if groups.baseline_b is not None:
-                metrics["reward/greedy_baseline_mean"] = float(np.mean(groups.baseline_b))
-        member = _select(recipe, groups)
-        if keep_m is not None:
-            order = np.argsort(~member, axis=1, kind="stable")[:, :keep_m]
-
-            def take(x: np.ndarray, order: np.ndarray = order) -> np.ndarray:
-                return np.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), 1)
-
-            groups = groups._replace(
-                tokens_bgt=take(groups.tokens_bgt),
-                mask_bgt=take(groups.mask_bgt),
-                logp_sampler_bgt=take(groups.logp_sampler_bgt),
-                reward_bg=take(groups.reward_bg),
-                reward_bgk=None if groups.reward_bgk is None else take(groups.reward_bgk),
-            )
-            member = take(member)
-        groups = groups._replace(member_bg=member)
+            metrics.update(_round_metrics(groups, reward_out, truncated))
+        groups, _ = _selected(recipe, groups)
+        member = groups.member_bg
         if not dynamic:
             kept = [groups]
             break

@@ -149,6 +149,9 @@ def make_async_driver(setup: Setup, *, timeline: Path | None = None) -> asynchro
     models = setup.models
     weights = placement.RolloutWeights.build(models, setup.placement)
 
+    n = setup.loop.partial_rollout_tokens
+    partial = asynchronous.PartialRollouts(setup, n) if n > 0 else None
+
     def collect_with(policy: Any, iterator: BatchIterator, key: jax.Array) -> tuple:
         return collect(setup, None, iterator, key, policy=policy)
 
@@ -160,6 +163,7 @@ def make_async_driver(setup: Setup, *, timeline: Path | None = None) -> asynchro
         max_staleness=setup.loop.max_staleness,
         max_steps=setup.loop.max_steps,
         timeline=timeline,
+        partial=partial,
     )
 
 

@@ -274,3 +274,50 @@ def test_resuming_with_a_smaller_max_staleness_is_a_clear_error(tmp_path, monkey
 
     with pytest.raises(RunDirError, match=r"train.max_staleness=2"):
         loop.train(smaller, run_dir=tmp_path / "run", progress=False, log=_quiet)
+
+
+# ---------------------------------------------------------------------------------------------
+# Partial rollouts: a batch sampled over its windows, each token tagged with its version.
+
+PARTIAL = ["train.max_staleness=2", "train.partial_rollout_tokens=3", "rollout.max_new_tokens=8"]
+
+
+def test_partial_rollouts_continue_under_newer_weights_and_resume_exactly(tmp_path, monkeypatch):
+    config = H.config("tiny.yaml", "train.max_steps=4", *PARTIAL, *BASE, "train.save_every=1")
+    loop.train(config, run_dir=tmp_path / "full", progress=False, log=_quiet)
+    full = M.read_metrics(tmp_path / "full")
+    # batch 3: its first 3 tokens in window 1 (version 0), the rest in window 2 (version 1);
+    # trained by version 2, so its tokens are 2 and 1 versions old
+    third = full[2]
+    assert third["async/staleness_frac_2"] > 0 and third["async/staleness_frac_1"] > 0
+    assert third["async/staleness_frac_0"] == 0
+    assert third["async/staleness_frac_1"] + third["async/staleness_frac_2"] == pytest.approx(1)
+    assert third["async/behaviour_version"] == 0 and third["async/segments"] == 2
+
+    _killed_after(config, tmp_path / "killed", 3, monkeypatch)  # the checkpoint of step 2
+    with Checkpointer(tmp_path / "killed" / "checkpoints") as ckpt:
+        batches = ckpt.read_meta(2)[A.BUFFER_META]["batches"]
+    assert [(b["step"], bool(b.get("in_flight"))) for b in batches] == [(3, False), (4, True)]
+    loop.train(config, run_dir=tmp_path / "killed", progress=False, log=_quiet)
+    _assert_same(_final_state(config, tmp_path / "full"), _final_state(config, tmp_path / "killed"))
+    for a, b in zip(full, M.read_metrics(tmp_path / "killed"), strict=True):
+        for k in ("actor/loss", "reward/mean", "async/staleness_mean", "rollout_corr/ratio_mean"):
+            assert a[k] == b[k], (k, a["step"])
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["train.max_staleness=1", "train.partial_rollout_tokens=3"], "max_staleness >= 2"),
+        (["train.max_staleness=2", "train.partial_rollout_tokens=8"], "fewer than"),
+        (
+            ["train.max_staleness=2", "train.partial_rollout_tokens=3", "algorithm.name=dapo"],
+            "refills groups",
+        ),
+    ],
+)
+def test_partial_rollout_settings_that_cannot_work_are_clear_errors(overrides, match):
+    from jaxrl_llm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        H.config("tiny.yaml", *overrides)
