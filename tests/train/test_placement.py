@@ -363,6 +363,24 @@ def test_the_rollout_copy_samples_the_tokens_of_the_train_params(split_setup):
     assert metrics["perf/generated_tokens"] > 0
 
 
+def test_remax_samples_its_greedy_baseline_from_the_rollout_copy_too(split_setup, monkeypatch):
+    s = dataclasses.replace(split_setup, recipe=H.recipe("remax"))
+    weights = pl.RolloutWeights.build(s.models, s.placement)
+    weights.sync(s.state.params, 0)
+    policy = weights.sampling_policy()
+    seen, real = [], C.sample_completions
+
+    def spy(*args, policy=None, **kwargs):
+        seen.append(policy)
+        return real(*args, policy=policy, **kwargs)
+
+    monkeypatch.setattr(C, "sample_completions", spy)
+    it = BatchIterator(s.data.train, 6, seed=0, shuffle=False, pad_multiple=8)
+    groups, _ = C.collect(s, s.state.params, it, jax.random.key(0), policy=policy)
+    assert len(seen) == 2 and all(p is policy for p in seen)  # the G samples and the greedy one
+    assert groups.baseline_b is not None and groups.baseline_b.shape == (6,)
+
+
 def test_lora_moves_only_the_adapters(lora_setup):
     s = lora_setup
     models, adapters = s.models, s.state.params
