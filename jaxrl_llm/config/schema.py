@@ -335,8 +335,7 @@ class LoopConfig:
     preflight: bool = False
     # Async RL: policy versions a sample may lag the update it trains (0 = synchronous).
     max_staleness: int = _field(0, ge=0)
-    # Async RL, partial rollouts: a batch is sampled over its max_staleness windows, this many
-    # new tokens per sample in each but the last, each under the newest weights; 0 = off.
+    # Async RL: with max_staleness >= 2, new tokens per sample per update window (0 = off).
     partial_rollout_tokens: int = _field(0, ge=0)
 
 

@@ -438,6 +438,8 @@ class AsyncDriver:
         synchronous loop's key of this step's batch)."""
         t = int(state.step) + 1
         s = self.max_staleness
+        # the key as host data: it lies with the state on the train mesh, the rollout elsewhere
+        key = jax.random.wrap_key_data(np.asarray(jax.device_get(jax.random.key_data(key))))
         self._current_step = t - 1  # a batch due at update t is completed in this step's fill
         phases: list[dict[str, Any]] = []
         extra: dict[str, float] = {}
