@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import jax
 import numpy as np
@@ -426,3 +427,61 @@ def test_two_processes_split_and_async_train_like_one(tmp_path):
     assert any(r["reward/std"] > 0 for r in records), "no reward signal: the test is vacuous"
     for a, b in zip(M.read_metrics(tmp_path / "one"), records, strict=True):
         assert b["reward/mean"] == pytest.approx(a["reward/mean"], abs=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# kill -9 at random moments of an async run with partial rollouts, then resume: bit-identical
+# to the uninterrupted async run (test_faults' harness: forked lives, one XLA cache).
+
+ASYNC_KILLS = 6
+ASYNC_RUN = ("train.max_staleness=2", "train.partial_rollout_tokens=3")
+
+
+@pytest.mark.slow
+def test_kill_9_during_an_async_run_then_resume_ends_with_the_same_state(tmp_path):
+    import random
+    import signal
+
+    from tests.train import test_faults as F
+
+    lives = F._Lives(tmp_path)
+    full = lives.start(tmp_path / "uninterrupted", ASYNC_RUN)
+    full.join(300)
+    assert full.exitcode == 0, lives.output.read_text()[-3000:]
+    config = H.config("tiny.yaml", "data.eval_size=0", *F.VARIED, *ASYNC_RUN)
+    template = setup.resolve(config).state
+
+    rng = random.Random(16)
+    phases = (["rollout", "update", "save"] * ASYNC_KILLS)[:ASYNC_KILLS]
+    rng.shuffle(phases)
+    run_dir, history = tmp_path / "killed", []
+    for phase in phases:
+        process = lives.start(run_dir, ASYNC_RUN)
+        start = lives.wait_for("start")
+        target = min(start + 1 + rng.randint(0, 2), F.MAX_STEPS)
+        if target == F.MAX_STEPS:
+            phase = "rollout"
+        delay = rng.uniform(0.0, F.DELAY[phase])
+        lives.wait_for(phase, target)
+        time.sleep(delay)
+        process.kill()
+        process.join(60)
+        assert process.exitcode == -signal.SIGKILL, process.exitcode
+        process.close()
+        steps, _ = F._check_on_disk(run_dir / "checkpoints", template)
+        history.append((start, phase, target, round(delay, 3), steps))
+    lives.start(run_dir, ASYNC_RUN).join(300)
+    assert lives.process.exitcode == 0, lives.output.read_text()[-3000:]
+    print("\nkills (resumed at, phase, step, delay, steps on disk):", *history, sep="\n")
+    assert len({h[0] for h in history}) > 1, history  # the lives resumed from several steps
+    states = []
+    for name in ("uninterrupted", "killed"):
+        with Checkpointer(tmp_path / name / "checkpoints") as ckpt:
+            states.append(ckpt.restore(template)[0])
+    assert int(states[0].step) == F.MAX_STEPS
+    _assert_same(*states)
+    a, b = M.read_metrics(tmp_path / "uninterrupted"), M.read_metrics(tmp_path / "killed")
+    assert [r["step"] for r in b] == list(range(1, F.MAX_STEPS + 1))
+    for x, y in zip(a, b, strict=True):
+        for k in ("actor/loss", "reward/mean", "async/staleness_mean", "async/segments"):
+            assert x[k] == y[k], (k, x["step"])
