@@ -2,7 +2,7 @@
 
 The schedule is fixed by the config, never by timing, so a run is reproducible and resumable:
 with ``s = train.max_staleness`` the batch that step ``t`` (1-based) trains on is generated
-with the policy of version ``v(t) = max(start, t - 1 - s)`` (version ``k`` = the parameters
+with the policy of version ``v(t) = max(0, t - 1 - s)`` (version ``k`` = the parameters
 after ``k`` updates), so every sample is at most ``s`` versions old::
 
     step t:   update t on batch t            (dispatched; the device runs it)
@@ -41,7 +41,8 @@ generation, PipelineRL's in-flight weight updates). Batch ``j`` is sampled over 
 update windows before its update: in window ``w = j - s + k`` (``k = 0 .. s - 1``, during update
 ``w``, under version ``w - 1``) every unfinished sample continues by ``N`` tokens, and in the
 last window (``w = j - 1``) to its end, so a long completion's later tokens come from newer
-weights. Each segment re-prefills prompt ⧺ tokens so far under the current weights
+weights (before the first update, batches ``1 .. s`` start under version 0). Each segment
+re-prefills prompt ⧺ tokens so far under the current weights
 (:mod:`jaxrl_llm.rollout.partial`); every token keeps the version that sampled it
 (``version_bgt``) and its sampler log-prob is that version's, so the token-level correction
 is against the right μ. The batch is scored when complete. In-flight batches are saved with
@@ -52,7 +53,8 @@ Metrics (per step): ``async/staleness_mean``, ``async/staleness_max`` (in policy
 completion tokens), ``async/staleness_frac_k`` (the fraction of tokens ``k`` versions old, a
 histogram for k = 0..s), ``async/behaviour_version``, ``async/buffered``, ``sync/seconds``,
 ``sync/bytes``, ``sync/arrays``, ``sync/version``. ``RUN_DIR/timeline.jsonl`` has one line per
-step with the phases' start and end times (rollout, update dispatch / done, sync, save).
+step with the phases' start and end times (rollout, with the step it is for and its version;
+update, from dispatch to its metrics; sync).
 """
 
 from __future__ import annotations
@@ -314,8 +316,7 @@ class AsyncDriver:
 
     Args:
       collect: ``collect(policy, iterator, key) -> (groups, metrics)``, the host's part of a
-        step, sampling with ``policy`` (the rollout weights' ``(graphdef, params)``); or
-        ``-> (groups, metrics, version_bgt)`` with partial rollouts.
+        step, sampling with ``policy`` (the rollout weights' ``(graphdef, params)``).
       rl_step: the jitted device step ``(state, groups) -> (state, metrics)``.
       to_global: host groups to the train mesh's arrays.
       weights: the rollout side's weights (``sync(params, version)``, ``sampling_policy()``,
@@ -384,15 +385,10 @@ class AsyncDriver:
         if self.partial is not None:
             entry = self.partial.begin(step, iterator, key)
             return self._continue(entry, iterator, phases, t0=t0)
-        out = self.collect(self.weights.sampling_policy(), iterator, key)
-        groups, metrics = out[0], out[1]
-        version_bgt = out[2] if len(out) > 2 else None
+        groups, metrics = self.collect(self.weights.sampling_policy(), iterator, key)
         version = int(self.weights.version)
-        if version_bgt is not None:
-            valid = np.asarray(version_bgt) >= 0
-            version = int(np.min(np.asarray(version_bgt)[valid])) if valid.any() else version
         phases.append(self._phase("rollout", t0, for_step=step, version=version))
-        return Pending(step, version, groups, metrics, version_bgt)
+        return Pending(step, version, groups, metrics)
 
     def _continue(
         self,
