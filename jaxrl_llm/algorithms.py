@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax.numpy as jnp
 
@@ -44,6 +44,7 @@ def reinforce(
     kl_controller: _kl.KLController | None = None,
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """REINFORCE (Williams 1992, "Simple statistical gradient-following algorithms"):
@@ -51,8 +52,13 @@ def reinforce(
 
     Chain: KL in reward → reward-to-go. No baseline, no normalisation; loss ``−G_t·log π``
     summed over tokens and averaged over sequences (``seq-mean-token-sum``).
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): no ratio and no
+    π_old pass, so verl's bypass ``reinforce`` loss ``−w·A·log π``, ``w = f(sg(π_θ)/μ)``
+    (``compute_policy_loss_reinforce``; ``A ← w·A``).
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("reinforce", rollout_correction)
     return rc.make_recipe(
         "reinforce",
         numerics=n,
@@ -65,8 +71,15 @@ def reinforce(
             agg=rc.agg_mode("seq-mean-token-sum", loss_agg_mode, n),
             entropy_coef=entropy_coef,
             text="−A·log π (vanilla policy gradient, no ratio, no clip)",
+            rollout_correction=correction,
         ),
-        hparams=dict(beta=beta, gamma=gamma, kl_estimator=kl_estimator, entropy_coef=entropy_coef),
+        hparams=dict(
+            beta=beta,
+            gamma=gamma,
+            kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef,
+            rollout_correction=correction,
+        ),
     )
 
 
@@ -388,6 +401,7 @@ def rloo(
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """RLOO (Kool et al. 2019; Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740):
@@ -404,8 +418,16 @@ def rloo(
     Σ_t log π_old)`` clipped, ``−min(ρA, clip(ρ, 1−ε, 1+ε)A)`` per sequence
     (``rc.sequence_level`` of PPO's loss), so several updates per batch are allowed; ``None``
     (the default) is on-policy REINFORCE, one update per batch.
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): on-policy, verl's
+    bypass ``reinforce`` loss ``−w·A·log π``, ``w = f(sg(π_θ)/μ)`` (``A ← w·A``); with
+    ``clip_eps`` the weight multiplies the spread sequence loss, ``ℓ_t ← w_t·L_i/|y_i|``
+    (:func:`~jaxrl_llm.recipe.weights_times_loss`: the sequence's weight is the mean of its
+    token weights, the sequence ratio with ``level: sequence``; TRL's RLOO has no correction,
+    so this is our choice).
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("rloo", rollout_correction)
     shaping = ()
     if reward_clip_range is not None:
         low, high = (float(x) for x in reward_clip_range)
@@ -422,6 +444,7 @@ def rloo(
             agg=agg,
             entropy_coef=entropy_coef,
             text="−A·log π summed over each sequence (REINFORCE, no ratio, no clip)",
+            rollout_correction=correction,
         )
     else:
         if not clip_eps > 0:
@@ -432,8 +455,9 @@ def rloo(
             dual_clip=None,
             log_ratio_clamp=n.log_ratio_clamp,
         )
+        loss = rc.sequence_level(functools.partial(pl.ppo_clip_loss, **kw))
         objective = rc.objective(
-            rc.sequence_level(functools.partial(pl.ppo_clip_loss, **kw)),
+            loss,
             agg=agg,
             ratio_metrics=rc.sequence_level(functools.partial(pl.ratio_metrics, **kw)),
             entropy_coef=entropy_coef,
@@ -442,6 +466,8 @@ def rloo(
                 f"−min(ρA, clip(ρ, 1−{clip_eps:g}, 1+{clip_eps:g})A) per sequence, "
                 "ρ = exp(Σ_t log π − Σ_t log π_old) (TRL's off-policy RLOO)"
             ),
+            rollout_correction=correction,
+            weighted_loss=rc.weights_times_loss(loss),
         )
     return rc.make_recipe(
         "rloo",
@@ -464,6 +490,7 @@ def rloo(
             clip_eps=clip_eps,
             pods_num_keep=pods_num_keep,
             entropy_coef=entropy_coef,
+            rollout_correction=correction,
         ),
     )
 
@@ -675,14 +702,23 @@ def gspo(
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv:2507.18071): GRPO's
     advantage with a sequence-level importance ratio ``s_i = exp(mean_t(log π − log π_old))``
     clipped to ``[1−ε_low, 1+ε_high]`` (paper: 3e-4, 4e-4); ``seq-mean-token-mean`` (the
     paper's), token-mean under ``numerics="verl"`` and ``"trl"`` (their defaults).
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): ``A_t ← w_t·A_t``
+    on the GSPO-token loss, i.e. ``w_t·max(−A·r_t, −A·clip(r_t))`` per token with ``r_t``
+    carrying the sequence ratio s_i (against π_prox when π_old is recomputed; 1 in value in
+    bypass) — exactly verl's ``compute_policy_loss_gspo`` (``pg_losses * rollout_is_weights``
+    before ``seq-mean-token-mean``). Token-level weights thus correct each token's gradient
+    inside the sequence ratio; ``level: sequence`` gives one weight per sequence.
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("gspo", rollout_correction)
     clip = dict(
         clip_low=float(clip_low), clip_high=float(clip_high), log_ratio_clamp=n.gspo_log_ratio_clamp
     )
@@ -701,6 +737,7 @@ def gspo(
                 f"sequence-ratio surrogate −min(sA, clip(s, 1−{clip_low:g}, 1+{clip_high:g})A), "
                 "s = exp(mean_t log ρ_t)"
             ),
+            rollout_correction=correction,
         ),
         selection=Selection(pods_num_keep=pods_num_keep),
         hparams=dict(
@@ -710,6 +747,7 @@ def gspo(
             kl_estimator=kl_estimator,
             entropy_coef=entropy_coef,
             pods_num_keep=pods_num_keep,
+            rollout_correction=correction,
         ),
     )
 
@@ -739,7 +777,12 @@ def _loss_recipe(
     advantage: ch.AdvantageTransform | None = None,
     on_policy: bool = False,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | Mapping | None = None,
+    weighted_loss: Callable[[rc.PolicyLoss], rc.WeightedLoss] | None = None,
 ) -> Recipe:
+    """A recipe of the loss family; ``rollout_correction`` checked and put on the objective,
+    applied through ``weighted_loss(loss)`` when given, else on the advantage."""
+    correction = rc.rollout_correction(name, rollout_correction)
     return rc.make_recipe(
         name,
         numerics=n,
@@ -753,9 +796,17 @@ def _loss_recipe(
             on_policy=on_policy,
             label=label,
             text=text,
+            rollout_correction=correction,
+            weighted_loss=weighted_loss(loss) if weighted_loss is not None else None,
         ),
         selection=Selection(pods_num_keep=pods_num_keep),
-        hparams=dict(beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef, **hparams),
+        hparams=dict(
+            beta=beta,
+            kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef,
+            **hparams,
+            rollout_correction=correction,
+        ),
     )
 
 
@@ -768,12 +819,18 @@ def cispo(
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """CISPO (MiniMax-M1, arXiv:2506.13585): GRPO's advantage; REINFORCE weighted by the
     clipped, stop-gradient ratio ``−sg(clip(ρ, 1−ε_low, 1+ε_high))·A·log π`` (no token loses
     its gradient); token mean over the batch. Defaults are verl's example (``ε_low = 10``, i.e.
     no lower bound, ``ε_high = 0.2``) with verl's log-ratio clamp κ = 20.
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): ``A_t ← w_t·A_t``,
+    i.e. ``−w·sg(clip(ρ))·A·log π`` — the decoupled form when π_old is recomputed (the ratio
+    against π_prox, w = f(π_prox/μ)), the bypass one otherwise (ratio 1, w = f(sg(π_θ)/μ));
+    verl's ``compute_policy_loss_cispo`` (``pg_losses * rollout_is_weights``).
     """
     n = nm.resolve(numerics)
     kw = dict(clip_low=float(clip_low), clip_high=float(clip_high), log_ratio_clamp=20.0)
@@ -793,6 +850,7 @@ def cispo(
         ),
         hparams=dict(clip_low=clip_low, clip_high=clip_high, pods_num_keep=pods_num_keep),
         pods_num_keep=pods_num_keep,
+        rollout_correction=rollout_correction,
     )
 
 
@@ -801,14 +859,20 @@ def gpg(
     f_norm: float = 1.0,
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning Baseline",
     arXiv:2504.02546): ``A_i = α·(r_i − mean_group r)/F`` with ``α = N / #(nonzero rewards)``;
     the plain policy gradient ``−A·log π`` (no ratio, no clip, no KL, no reference), token
     mean; one update per batch. verl ``adv_estimator=gpg`` + ``loss_mode=gpg``.
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): no ratio and no π_old
+    pass, so verl's bypass ``reinforce`` loss ``−w·A·log π``, ``w = f(sg(π_θ)/μ)``
+    (``compute_policy_loss_reinforce``; ``A ← w·A``).
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("gpg", rollout_correction)
     return rc.make_recipe(
         "gpg",
         numerics=n,
@@ -819,8 +883,9 @@ def gpg(
             agg=rc.agg_mode("token-mean", loss_agg_mode, n),
             entropy_coef=entropy_coef,
             text="−A·log π (GPG: vanilla policy gradient, no ratio, no clip)",
+            rollout_correction=correction,
         ),
-        hparams=dict(f_norm=f_norm, entropy_coef=entropy_coef),
+        hparams=dict(f_norm=f_norm, entropy_coef=entropy_coef, rollout_correction=correction),
     )
 
 
@@ -832,11 +897,18 @@ def sapo(
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """SAPO ("Soft Adaptive Policy Optimization", 2025, arXiv:2511.20347): GRPO's
     advantage; the soft gate ``−σ(τ(ρ−1))·4/τ·A`` instead of the hard clip (τ_pos for A > 0,
     τ_neg otherwise); ``seq-mean-token-mean`` (forced, as in verl).
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): ``A_t ← w_t·A_t`` (τ
+    follows sign(A), unchanged for w > 0, so it is ``w·ℓ_t``) — the decoupled form when π_old is
+    recomputed (the ratio against π_prox, w = f(π_prox/μ)), the bypass one otherwise (ratio 1, w
+    = f(sg(π_θ)/μ)); verl's ``compute_policy_loss_sapo``, TRL's ``per_token_loss *
+    importance_sampling_ratio``.
     """
     n = nm.resolve(numerics)
     kw = dict(tau_pos=float(tau_pos), tau_neg=float(tau_neg), log_ratio_clamp=20.0)
@@ -856,6 +928,7 @@ def sapo(
         ),
         hparams=dict(tau_pos=tau_pos, tau_neg=tau_neg, pods_num_keep=pods_num_keep),
         pods_num_keep=pods_num_keep,
+        rollout_correction=rollout_correction,
     )
 
 
@@ -867,12 +940,19 @@ def gmpo(
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """GMPO (Zhao et al. 2025, "Geometric-Mean Policy Optimization", arXiv:2507.20673; verl
     ``loss_mode=geo_mean``): GRPO's advantage; one surrogate per sequence ``−Ā_i·ρ_i`` with
     ``ρ_i`` the geometric mean of the token ratios clipped in log space to ``[−ε_low, ε_high]``
     (paper: 0.4); mean over sequences (``seq-mean-token-mean``, forced).
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): the sequence loss
+    times the geometric mean of the sequence's token weights, ``W_i·L_i`` (verl's
+    ``compute_policy_loss_geo_mean``; a zero weight drops the sequence:
+    :func:`~jaxrl_llm.recipe.geometric_weight_times_loss`); the sign and mean of A are those of
+    the uncorrected advantage.
     """
     n = nm.resolve(numerics)
     kw = dict(clip_low=float(clip_low), clip_high=float(clip_high))
@@ -892,6 +972,8 @@ def gmpo(
         ),
         hparams=dict(clip_low=clip_low, clip_high=clip_high, pods_num_keep=pods_num_keep),
         pods_num_keep=pods_num_keep,
+        rollout_correction=rollout_correction,
+        weighted_loss=rc.geometric_weight_times_loss,
     )
 
 
@@ -913,6 +995,7 @@ def clip_cov(
     kl_estimator: str = "k3",
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of Reinforcement Learning for
@@ -922,6 +1005,10 @@ def clip_cov(
     control); token mean. The tokens are the highest-covariance candidates (deterministic; verl
     draws them at random). Batch statistics are per micro-batch: the loss is not micro-batch-
     or packing-invariant.
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): ``ℓ_t ← w_t·ℓ_t``
+    with the tokens chosen from the uncorrected A (verl's ``compute_policy_loss_clip_cov``:
+    ``pg_losses * rollout_is_weights``).
     """
     n = nm.resolve(numerics)
     low, high = rc.clip_range(clip_eps, clip_low, clip_high)
@@ -954,6 +1041,8 @@ def clip_cov(
             clip_cov_lb=clip_cov_lb,
             clip_cov_ub=clip_cov_ub,
         ),
+        rollout_correction=rollout_correction,
+        weighted_loss=rc.weights_times_loss,
     )
 
 
@@ -965,12 +1054,17 @@ def kl_cov(
     kl_estimator: str = "k3",
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """KL-Cov (Cui et al. 2025, arXiv:2505.22617; verl ``loss_mode=kl_cov``): GRPO's advantage;
     the unclipped surrogate ``−A·ρ`` plus ``k·|log ρ|`` on the ``max(⌊ratio·N⌋, 1)`` tokens of
     largest covariance ``(A − Ā)(log π − mean log π)``; token mean. Batch statistics are per
     micro-batch: the loss is not micro-batch- or packing-invariant.
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): ``ℓ_t ← w_t·ℓ_t``,
+    the |log ρ| penalty included, the tokens chosen from the uncorrected A (verl's
+    ``compute_policy_loss_kl_cov``: ``pg_losses * rollout_is_weights``).
     """
     n = nm.resolve(numerics)
     kw = dict(kl_cov_ratio=float(kl_cov_ratio), ppo_kl_coef=float(ppo_kl_coef))
@@ -989,6 +1083,8 @@ def kl_cov(
             "of tokens by covariance" + _COV_NOTE
         ),
         hparams=dict(kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef),
+        rollout_correction=rollout_correction,
+        weighted_loss=rc.weights_times_loss,
     )
 
 
@@ -1007,6 +1103,7 @@ def dppo(
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """DPPO (Qi et al. 2026, "Rethinking the Trust Region in LLM Reinforcement Learning",
@@ -1017,6 +1114,12 @@ def dppo(
     0.15 (TV), 0.05 (KL) on both sides, as in verl's ``examples/dppo_trainer/run_qwen30b_dppo.sh``
     (which also runs Dr. GRPO's advantage and aggregation: ``scale_by_std=False``,
     ``loss_agg_mode="seq-mean-token-sum-norm"``, and disables the cap with c = 10000).
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): ``A_t ← w_t·A_t``,
+    i.e. ``−w·A·sg(min(ρ, c))·M·log π`` — the decoupled form when π_old is recomputed (the ratio
+    against π_prox, w = f(π_prox/μ)), the bypass one otherwise (ratio 1, w = f(sg(π_θ)/μ));
+    Stable-RL's own DPPO puts μ in one capped ratio π_θ/μ instead; here the weight is split as
+    f(π_prox/μ)·min(π_θ/π_prox, c), our choice.
     """
     n = nm.resolve(numerics)
     if divergence not in _DPPO_DEFAULT_DELTA:
@@ -1049,6 +1152,7 @@ def dppo(
         ),
         advantage=_grpo_advantage(n, scale_by_std),
         pods_num_keep=pods_num_keep,
+        rollout_correction=rollout_correction,
     )
 
 
@@ -1059,6 +1163,7 @@ def dro(
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """DRO, Direct Reward Optimisation (Richemond et al. 2024, arXiv:2405.19107; per token as in
@@ -1066,6 +1171,11 @@ def dro(
     (÷ std with ``scale_by_std``); ``−A·log π + ½β(log π − log π_old)²`` per token — no ratio,
     no clip; the squared log-ratio keeps the policy near the sampler; token mean. ``dro_beta``
     is that β (``beta`` is the KL-to-reference coefficient elsewhere, not used here).
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): ``ℓ_t ← w_t·ℓ_t``,
+    the squared log-ratio included (the whole per-token loss importance-weighted from μ; in
+    bypass the penalty is 0 with its gradient). No peer has DRO with a rollout correction: our
+    choice.
     """
     n = nm.resolve(numerics)
     return _loss_recipe(
@@ -1083,6 +1193,8 @@ def dro(
         hparams=dict(dro_beta=dro_beta, scale_by_std=scale_by_std, pods_num_keep=pods_num_keep),
         advantage=_grpo_advantage(n, scale_by_std),
         pods_num_keep=pods_num_keep,
+        rollout_correction=rollout_correction,
+        weighted_loss=rc.weights_times_loss,
     )
 
 
@@ -1094,12 +1206,19 @@ def luspo(
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """LUSPO ("Length-Unbiased Sequence Policy Optimization", arXiv:2602.05261; TRL
     ``loss_type="luspo"``): GSPO's clipped sequence ratio, each sequence's loss scaled by its
     length — token sums averaged over sequences (``seq-mean-token-sum``) instead of GSPO's
     per-sequence mean; no log-ratio clamp (TRL's).
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): ``A_t ← w_t·A_t`` on
+    the GSPO-token loss (as :func:`gspo`) — the decoupled form when π_old is recomputed (the
+    ratio against π_prox, w = f(π_prox/μ)), the bypass one otherwise (ratio 1, w =
+    f(sg(π_θ)/μ)); TRL's ``per_token_loss * importance_sampling_ratio`` for
+    ``loss_type='luspo'``.
     """
     n = nm.resolve(numerics)
     kw = dict(clip_low=float(clip_low), clip_high=float(clip_high), log_ratio_clamp=None)
@@ -1119,7 +1238,23 @@ def luspo(
         ),
         hparams=dict(clip_low=clip_low, clip_high=clip_high, pods_num_keep=pods_num_keep),
         pods_num_keep=pods_num_keep,
+        rollout_correction=rollout_correction,
     )
+
+
+def _vespo_weighted(loss: rc.PolicyLoss) -> rc.WeightedLoss:
+    """VESPO's loss with the correction's token weights inside φ (``is_weight_bgt``)."""
+
+    def weighted(
+        logp_bgt: jnp.ndarray,
+        logp_old_bgt: jnp.ndarray,
+        adv_bgt: jnp.ndarray,
+        mask_bgt: jnp.ndarray,
+        w_bgt: jnp.ndarray,
+    ) -> jnp.ndarray:
+        return loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt, is_weight_bgt=w_bgt)
+
+    return weighted
 
 
 def vespo(
@@ -1132,14 +1267,27 @@ def vespo(
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
     pods_num_keep: int | None = None,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """VESPO ("Variational Sequence-Level Soft Policy Optimization", arXiv:2602.10693; TRL
     ``loss_type="vespo"``): GRPO's advantage; ``−sg(φ(w))·A·log π`` with the Gamma weight
     ``φ(w) = e^λ·w^k·e^(−λw)`` of the sequence ratio ``w = exp(Σ_t log ρ_t)`` ((k, λ) by the
     advantage's sign); token mean over the batch (TRL's normaliser).
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`, ``level: token``
+    only): the token weights enter φ's ratio, ``log w_i += Σ_t clamp(log v_t, log 1e-8, 20)``,
+    instead of multiplying the loss (TRL ``get_gamma_weights`` with
+    ``importance_sampling_ratio``; TRL likewise refuses sequence-level modes for VESPO).
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("vespo", rollout_correction)
+    if correction is not None and correction.level != "token":
+        raise ValueError(
+            f"vespo: rollout_correction.level must be 'token', got {correction.level!r}: VESPO "
+            "folds the token weights into the sequence ratio w of its weight φ(w) (log w += "
+            "Σ_t log v_t), so a sequence-level weight would count |y| times; TRL refuses it too"
+        )
     kw = dict(
         k_pos=float(k_pos),
         lambda_pos=float(lambda_pos),
@@ -1162,6 +1310,8 @@ def vespo(
         ),
         hparams=dict(**kw, pods_num_keep=pods_num_keep),
         pods_num_keep=pods_num_keep,
+        rollout_correction=rollout_correction,
+        weighted_loss=_vespo_weighted,
     )
 
 
@@ -1169,14 +1319,20 @@ def opo(
     *,
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline", arXiv:2505.23585;
     verl ``adv_estimator=opo``): exactly on-policy REINFORCE with the length-weighted group
     baseline ``b = Σ_j |y_j|·r_j / Σ_j |y_j|`` (0 for a group of one), no std, no KL; token
     mean; one update per batch.
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): no ratio and no π_old
+    pass, so verl's bypass ``reinforce`` loss ``−w·A·log π``, ``w = f(sg(π_θ)/μ)``
+    (``compute_policy_loss_reinforce``; ``A ← w·A``).
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("opo", rollout_correction)
     return rc.make_recipe(
         "opo",
         numerics=n,
@@ -1185,8 +1341,9 @@ def opo(
             agg=rc.agg_mode("token-mean", loss_agg_mode, n),
             entropy_coef=entropy_coef,
             text="−A·log π, exactly on-policy (no ratio, no clip)",
+            rollout_correction=correction,
         ),
-        hparams=dict(entropy_coef=entropy_coef),
+        hparams=dict(entropy_coef=entropy_coef, rollout_correction=correction),
     )
 
 
@@ -1196,6 +1353,7 @@ def remax(
     kl_estimator: str = "k1",
     loss_agg_mode: str | None = None,
     entropy_coef: float = 0.0,
+    rollout_correction: rc.RolloutCorrection | None = None,
     numerics: nm.Numerics | str | None = None,
 ) -> Recipe:
     """ReMax (Li et al. 2023, arXiv:2310.10505; verl ``adv_estimator=remax``): REINFORCE with
@@ -1203,8 +1361,13 @@ def remax(
     (G_t the reward-to-go; KL in the reward with ``beta > 0``); token mean; one update per batch.
     Needs ``Rollout.baseline_b`` (``GIVEN_BASELINE``): one greedy rollout per prompt, scored
     with the same reward — the trainer does not generate it yet (see ``train.collect``).
+
+    ``rollout_correction`` (:class:`~jaxrl_llm.recipe.RolloutCorrection`): no ratio and no π_old
+    pass, so verl's bypass ``reinforce`` loss ``−w·A·log π``, ``w = f(sg(π_θ)/μ)``
+    (``compute_policy_loss_reinforce``; ``A ← w·A``).
     """
     n = nm.resolve(numerics)
+    correction = rc.rollout_correction("remax", rollout_correction)
     return rc.make_recipe(
         "remax",
         numerics=n,
@@ -1218,8 +1381,14 @@ def remax(
             agg=rc.agg_mode("token-mean", loss_agg_mode, n),
             entropy_coef=entropy_coef,
             text="−A·log π with the greedy completion's reward as baseline (no ratio, no clip)",
+            rollout_correction=correction,
         ),
-        hparams=dict(beta=beta, kl_estimator=kl_estimator, entropy_coef=entropy_coef),
+        hparams=dict(
+            beta=beta,
+            kl_estimator=kl_estimator,
+            entropy_coef=entropy_coef,
+            rollout_correction=correction,
+        ),
     )
 
 

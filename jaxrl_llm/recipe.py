@@ -52,6 +52,8 @@ Pair = tuple[chex.Array, chex.Array]
 PolicyLoss = Callable[[chex.Array, chex.Array, chex.Array, chex.Array], chex.Array]
 Aggregation = Callable[[chex.Array, chex.Array], Pair]
 RatioMetrics = Callable[[chex.Array, chex.Array, chex.Array, chex.Array], dict[str, Pair]]
+# (logp, logp_old, adv, mask, w) -> loss: a policy loss under rollout-correction weights w
+WeightedLoss = Callable[[chex.Array, chex.Array, chex.Array, chex.Array, chex.Array], chex.Array]
 
 # What a recipe may require of the trainer: the chain's own requirements
 # (ch.BEHAVIOUR_LOGPROBS, ch.REFERENCE_LOGPROBS, ch.VALUES, ch.GROUPS, ch.GIVEN_BASELINE), and:
@@ -247,6 +249,11 @@ class Objective(NamedTuple):
       text: one sentence on what is optimised.
       rollout_correction: how the update corrects for the sampler (:class:`RolloutCorrection`),
         or ``None`` (the trainer's ``old_logprobs.tis_cap`` TIS with ``source: sampler``).
+      weighted_loss: ``(logp, logp_old, adv, mask, w) -> loss_bgt``, the per-token policy loss
+        under the correction's weights ``w`` when they do not simply multiply the advantage
+        (a loss not positively homogeneous in A: :func:`weights_times_loss`,
+        :func:`geometric_weight_times_loss`; or one that folds them into its own ratio, VESPO);
+        ``None``: the update sets ``A_t ← w_t·A_t`` (= ``w_t·ℓ_t`` for such losses).
       top_entropy_quantile: ρ; below 1 the policy loss (not the KL or entropy terms) counts only
         on the tokens whose entropy is at least the micro-batch's (1 − ρ)-quantile
         (:func:`high_entropy_mask`; the denominator keeps every token, as TRL's).
@@ -269,6 +276,7 @@ class Objective(NamedTuple):
     token_mean_kl: bool = False
     token_mean_entropy: bool = False
     top_entropy_quantile: float = 1.0
+    weighted_loss: WeightedLoss | None = None
 
     @property
     def needs_entropy(self) -> bool:
@@ -554,10 +562,12 @@ def objective(
     label: str,
     text: str,
     rollout_correction: RolloutCorrection | None = None,
+    weighted_loss: WeightedLoss | None = None,
 ) -> Objective:
     """An :class:`Objective` with its requirements: reference log-probs for a KL term, one
     update per batch for a loss without importance ratio (``on_policy``), the sampler's
-    log-probs for a ``rollout_correction``."""
+    log-probs for a ``rollout_correction`` (applied as ``weighted_loss`` when given, else on
+    the advantage)."""
     requires = set()
     if kl is not None:
         requires.add(REFERENCE_LOGPROBS)
@@ -576,7 +586,59 @@ def objective(
         aggregation_label=agg,
         text=text,
         rollout_correction=rollout_correction,
+        weighted_loss=weighted_loss if rollout_correction is not None else None,
     )
+
+
+def weights_times_loss(loss: PolicyLoss) -> WeightedLoss:
+    """``ℓ_t ← w_t·loss_t``: the rollout-correction weight on the whole per-token loss, for a
+    loss that is not positively homogeneous in the advantage (Clip-Cov and KL-Cov choose their
+    tokens from the raw A, KL-Cov's and DRO's penalties carry no A, a sequence-lifted loss
+    reads A at one token). verl's ``pg_losses = pg_losses * rollout_is_weights`` after every
+    ``compute_policy_loss_*`` (b178a3c ``core_algos.py``), TRL's ``per_token_loss *
+    importance_sampling_ratio``. On a loss spread evenly over a sequence (``ℓ_t = L_i/|y_i|``,
+    :func:`sequence_level`) the token sum is ``L_i·mean_t w_t``: the sequence's weight is the
+    arithmetic mean of its token weights (``level: sequence`` makes it the sequence ratio)."""
+
+    def weighted(
+        logp_bgt: chex.Array,
+        logp_old_bgt: chex.Array,
+        adv_bgt: chex.Array,
+        mask_bgt: chex.Array,
+        w_bgt: chex.Array,
+    ) -> chex.Array:
+        loss_bgt = loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt)
+        return jnp.where(mask_bgt, jax.lax.stop_gradient(w_bgt) * loss_bgt, 0.0)
+
+    return weighted
+
+
+def geometric_weight_times_loss(loss: PolicyLoss) -> WeightedLoss:
+    """``ℓ_t ← W_i·loss_t`` with ``W_i = exp(Σ_t m_t log w_t / max(|y_i|, 1))`` the geometric
+    mean of sequence i's token weights, and ``W_i = 0`` when one of its weights is 0 (a
+    dropped token drops the sequence: the loss is one surrogate per sequence). verl's
+    ``compute_policy_loss_geo_mean`` (GMPO, b178a3c): ``exp(Σ_t m_t log(w_t + 1e-10) /
+    (|y_i| + 1e-8))`` times the sequence loss; verl's truncated weights are never 0, and for
+    w > 0 the 1e-10 guard changes nothing at f32 precision."""
+
+    def weighted(
+        logp_bgt: chex.Array,
+        logp_old_bgt: chex.Array,
+        adv_bgt: chex.Array,
+        mask_bgt: chex.Array,
+        w_bgt: chex.Array,
+    ) -> chex.Array:
+        w_bgt = jax.lax.stop_gradient(w_bgt.astype(jnp.float32))
+        zero = jnp.any(mask_bgt & (w_bgt <= 0.0), axis=-1, keepdims=True)
+        log_w = jnp.where(
+            mask_bgt & (w_bgt > 0.0), jnp.log(jnp.where(w_bgt > 0.0, w_bgt, 1.0)), 0.0
+        )
+        length = jnp.maximum(mask_bgt.sum(-1, keepdims=True), 1)
+        w_seq = jnp.where(zero, 0.0, jnp.exp(log_w.sum(-1, keepdims=True) / length))
+        loss_bgt = loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt)
+        return jnp.where(mask_bgt, w_seq * loss_bgt, 0.0)
+
+    return weighted
 
 
 def ppo_objective(
@@ -664,9 +726,16 @@ def _reinforce_loss(
 
 
 def reinforce_objective(
-    *, agg: str, kl: KLTerm | None = None, entropy_coef: float = 0.0, text: str
+    *,
+    agg: str,
+    kl: KLTerm | None = None,
+    entropy_coef: float = 0.0,
+    text: str,
+    rollout_correction: RolloutCorrection | None = None,
 ) -> Objective:
-    """The vanilla policy gradient ``−A·log π`` (no ratio, so one update per batch)."""
+    """The vanilla policy gradient ``−A·log π`` (no ratio, so one update per batch). With a
+    ``rollout_correction`` the update has no π_old pass, so it is verl's bypass ``reinforce``
+    loss ``−w·A·log π``, ``w = f(sg(π_θ)/μ)`` (``compute_policy_loss_reinforce``)."""
     return objective(
         _reinforce_loss,
         agg=agg,
@@ -676,6 +745,7 @@ def reinforce_objective(
         on_policy=True,
         label="REINFORCE −A·log π",
         text=text,
+        rollout_correction=rollout_correction,
     )
 
 
@@ -875,8 +945,13 @@ def policy_objective(
     logp_ref_bgt: chex.Array | None = None,
     entropy_bgt: chex.Array | None = None,
     scales: TermScales | None = None,
+    correction_weight_bgt: chex.Array | None = None,
 ) -> LossTerms:
     """The policy objective as ``(sum, denominator)`` pairs, differentiable in ``logp_bgt``.
+
+    ``correction_weight_bgt``: the rollout correction's weights w for an objective with a
+    ``weighted_loss`` (its policy loss is then ``weighted_loss(..., w)``; the KL and entropy
+    terms are not weighted); the other objectives take w in ``adv_bgt`` (``A·w``).
 
     Per token: ``ℓ_t = loss_t + β·KL_t(π_θ ‖ π_ref) − c_H·H_t`` (the KL term only when the
     objective has one), aggregated with the objective's mode. Because sums and denominators
@@ -898,7 +973,16 @@ def policy_objective(
     token_mean = AGGREGATIONS["token-mean"]
     extra_sum = jnp.zeros((), jnp.float32)  # token-mean terms, in the loss's units
     zero = (jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32))
-    policy_bgt = obj.loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt)
+    if correction_weight_bgt is None:
+        policy_bgt = obj.loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt)
+    elif obj.weighted_loss is not None:
+        w_bgt = correction_weight_bgt
+        policy_bgt = obj.weighted_loss(logp_bgt, logp_old_bgt, adv_bgt, mask_bgt, w_bgt)
+    else:
+        raise ValueError(
+            f"policy_objective({where}): `correction_weight_bgt` given, but the objective has no "
+            "`weighted_loss`; pass the weighted advantages A·w instead"
+        )
     if obj.top_entropy_quantile < 1.0:
         if entropy_bgt is None:
             raise ValueError(
@@ -978,9 +1062,11 @@ __all__ = [
     "RolloutCorrection",
     "Selection",
     "TermScales",
+    "WeightedLoss",
     "aggregation",
     "check_entropy_quantile",
     "compute_advantages",
+    "geometric_weight_times_loss",
     "high_entropy_mask",
     "make_recipe",
     "policy_objective",
@@ -988,4 +1074,5 @@ __all__ = [
     "select",
     "term_scales",
     "value_targets",
+    "weights_times_loss",
 ]

@@ -836,6 +836,7 @@ def vespo_loss(
     lambda_pos: float = 3.0,
     k_neg: float = 3.0,
     lambda_neg: float = 2.0,
+    is_weight_bgt: chex.Array | None = None,
 ) -> chex.Array:
     """VESPO: a smooth Gamma-shaped weight on the sequence importance ratio.
 
@@ -849,6 +850,12 @@ def vespo_loss(
     weighted by φ). Token axis last. TRL aggregates VESPO as a token sum over the batch's
     valid tokens (``token-mean``).
 
+    With ``is_weight_bgt`` (a rollout correction's token weights v_t ≈ π_old/μ, truncated or
+    masked) the weights enter φ's argument instead of multiplying the loss, so w is the ratio
+    against the sampler: ``log w_i = clamp(Σ_t m_t [clamp(log ρ_t, −20, 20) + clamp(log v_t,
+    log 1e-8, 20)], log 1e-8, 20)`` (TRL ``get_gamma_weights(importance_sampling_ratio=...)``;
+    a masked token, v = 0, adds log 1e-8).
+
     Reference: "VESPO: Variational Sequence-Level Soft Policy Optimization", arXiv:2602.10693
     (2026); TRL 1.16 ``GRPOTrainer.get_gamma_weights`` (its defaults: k = 2 / 3, λ = 3 / 2 for
     A ≥ 0 / A < 0; λ floored at 1e-4).
@@ -857,12 +864,15 @@ def vespo_loss(
       logp_bgt, logp_old_bgt, adv_bgt, mask_bgt: as in :func:`ppo_clip_loss`, ``[..., T]``.
       k_pos, lambda_pos: the Gamma shape k ≥ 0 and rate λ > 0 for A ≥ 0.
       k_neg, lambda_neg: the same for A < 0.
+      is_weight_bgt: per-token importance weights ≥ 0 (no gradient), same shape, or None.
 
     Returns:
       f32 per-token loss of the same shape, exactly 0 where ``mask_bgt`` is False.
     """
     fn = "vespo_loss"
     _check_loss_inputs(fn, logp_bgt, logp_old_bgt, adv_bgt, mask_bgt)
+    if is_weight_bgt is not None:
+        _check_token_inputs(fn, {"is_weight_bgt": is_weight_bgt}, "mask_bgt", mask_bgt)
     _check_token_axis(fn, "logp_bgt", logp_bgt)
     for name, value in (("k_pos", k_pos), ("k_neg", k_neg)):
         check_positive(fn, name, value, allow_zero=True)
@@ -871,6 +881,10 @@ def vespo_loss(
     logp, logp_old, adv = _masked_f32(mask_bgt, logp_bgt, logp_old_bgt, adv_bgt)
     adv = _sg(adv)
     token_lr = jnp.clip(_sg(logp) - _sg(logp_old), -20.0, 20.0)
+    if is_weight_bgt is not None:
+        v = _sg(jnp.asarray(is_weight_bgt, jnp.float32))
+        log_v = jnp.log(jnp.where(v > 0.0, v, 1e-30))
+        token_lr = token_lr + jnp.clip(log_v, math.log(1e-8), 20.0)
     seq_lr = jnp.sum(jnp.where(mask_bgt, token_lr, 0.0), axis=-1, keepdims=True)
     log_w = jnp.clip(seq_lr, math.log(1e-8), 20.0)
     nonneg = adv >= 0

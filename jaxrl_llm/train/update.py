@@ -311,10 +311,12 @@ def _policy_terms(
 
     With the objective's :class:`~jaxrl_llm.recipe.RolloutCorrection` (see the module
     docstring): bypass (no recompute) weights ``sg(π_θ)/μ``, decoupled (``logp_old_nt``
-    recomputed = π_prox) weights ``π_prox/μ``; ``A ← w·A``, and the ``rollout_corr/*`` metrics.
+    recomputed = π_prox) weights ``π_prox/μ``; ``A ← w·A`` (or the objective's own
+    ``weighted_loss(..., w)``), and the ``rollout_corr/*`` metrics.
     """
     adv = mb.adv_nt
     aux: dict[str, Pair] = {}
+    weight = None  # the correction's weights, for an objective that applies them itself
     correction = obj.rollout_correction
     if correction is not None:
         if mb.logp_sampler_nt is None:
@@ -335,7 +337,10 @@ def _policy_terms(
             logp_old, w = mb.logp_sampler_nt, c.keep_bgt.astype(jnp.float32)
         for key, value in rcorr.correction_metrics(c, mask).items():
             aux[f"rollout_corr/{key}"] = value
-        adv = jnp.where(mask, adv * w, 0.0)
+        if obj.weighted_loss is None:
+            adv = jnp.where(mask, adv * w, 0.0)
+        else:
+            weight = w
     elif mb.logp_old_nt is not None:
         logp_old = mb.logp_old_nt
     else:
@@ -357,6 +362,7 @@ def _policy_terms(
         logp_ref_bgt=mb.logp_ref_nt,
         entropy_bgt=entropy if obj.needs_entropy else None,
         scales=scales if scales is not None else rc.TermScales(),
+        correction_weight_bgt=weight,
     )
     aux["actor/loss"] = terms.total
     aux["actor/pg_loss"] = terms.policy
