@@ -490,17 +490,18 @@ def _count(tree: Any) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
-def _merged_for_sampling(models_: Any, adapters: Any) -> Any:
+def _merged_for_sampling(models_: Any, adapters: Any, sharding: Any = None) -> Any:
     """The merged parameters' shapes (``W + s·A B`` folded in, :func:`jaxrl_llm.models.lora.
-    merged_params`), sharded like the frozen base they replace."""
+    merged_params`), sharded like the frozen base they replace (``sharding``: the frozen
+    base's shardings on another mesh, the rollout's under split placement)."""
     from jaxrl_llm.models import lora
 
     def merged(frozen: Any, adapters: Any) -> Any:
         module = lora.merge_into_base(nnx.merge(models_.graphdef, lora.combine(frozen, adapters)))
         return nnx.to_pure_dict(nnx.state(module, nnx.Param))
 
-    shapes = jax.eval_shape(merged, models_.frozen, adapters)
-    return _with_sharding(_shape_only(shapes), models_.frozen_sharding)
+    shapes = jax.eval_shape(merged, _shape_only(models_.frozen), _shape_only(adapters))
+    return _with_sharding(_shape_only(shapes), sharding or models_.frozen_sharding)
 
 
 def abstract_run(config: Any, recipe: Any, mesh: jax.sharding.Mesh, model_cfg: Any) -> AbstractRun:
@@ -780,17 +781,19 @@ def lower_rollout(
     num_samples: int | None = None,
     max_new_tokens: int | None = None,
     greedy: bool | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> tuple[Any, Bytes]:
     """The sampler's program (:func:`jaxrl_llm.rollout.engine.generate`'s jit) lowered for the
     run's B prompts of width P, G samples, T new tokens (``rollout.*``, or the evaluation's
     ``prompts`` / ``num_samples`` / ``max_new_tokens`` / ``greedy`` given); and its KV cache's
-    bytes."""
+    bytes. ``mesh``: where it runs (default the train mesh; split placement: the rollout mesh,
+    with ``run.sampler`` on it, :func:`rollout_copy`)."""
     from jaxrl_llm.models import sharding as shd
     from jaxrl_llm.rollout import engine
     from jaxrl_llm.train import state as st
 
     r = config.rollout or _GREEDY_ROLLOUT  # DPO: greedy, the cache in the default dtype
-    mesh, cfg = run.models.mesh, run.model_config
+    mesh, cfg = mesh or run.models.mesh, run.model_config
     b, p = prompts or r.prompts_per_step, run.prompt_width
     g, t = num_samples or r.num_samples, max_new_tokens or r.max_new_tokens
     greedy = r.temperature == 0.0 if greedy is None else greedy
@@ -841,6 +844,82 @@ def lower_step(run: AbstractRun, config: Any, recipe: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------
+# Split placement: the rollout devices' copy of the policy.
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSide:
+    """``placement.mode: split``: what the rollout devices hold, per rollout device.
+
+    The sampler's copy of the policy (:class:`jaxrl_llm.train.placement.RolloutWeights`): the
+    TrainState's parameters on the rollout shardings (the adapters under LoRA), the frozen
+    base's one copy (LoRA) and the merged copy (``merge_for_sampling``); no optimizer state,
+    reference or critic (those stay on the train devices). The rollout program's KV cache,
+    prompts, outputs and temporaries are the plan's ``rollout`` :class:`Program`, compiled on
+    the rollout mesh.
+
+    Attributes:
+      devices: rollout devices (``placement.rollout_fraction`` of each process's).
+      train_devices: the other devices (the train mesh takes the first of them).
+      hosts: processes the devices were carved over (per process, as the run does).
+      mesh: the rollout mesh's axis sizes (``placement.rollout_mesh``).
+      preset: its rules' preset.
+      parameters: the copy of the TrainState's parameters (adapters under LoRA).
+      frozen: LoRA: the frozen base's copy.
+      merged_copy: LoRA with ``merge_for_sampling``: ``W + s·A B``, what the sampler runs.
+    """
+
+    devices: int
+    train_devices: int
+    hosts: int
+    mesh: dict[str, int]
+    preset: str
+    parameters: Bytes
+    frozen: Bytes = Bytes()
+    merged_copy: Bytes = Bytes()
+
+    @property
+    def copy(self) -> int:
+        """Resident on a rollout device between rollouts: the copy's bytes."""
+        return self.parameters.per_device + self.frozen.per_device + self.merged_copy.per_device
+
+    @property
+    def sampler(self) -> int:
+        """The sampler's parameter argument: the merged copy, or the base with the adapters."""
+        if self.merged_copy.total:
+            return self.merged_copy.per_device
+        return self.parameters.per_device + self.frozen.per_device
+
+
+def rollout_copy(run: AbstractRun, placement: Any) -> tuple[Any, Any, Any, tuple[Any, Any]]:
+    """The rollout's copy of ``run``'s policy on a split ``placement``'s rollout mesh, as
+    shapes: ``(params, frozen, merged, (graphdef, sampler_params))`` with the shardings
+    :func:`jaxrl_llm.train.placement.rollout_shardings` gives (the same logical axes, mapped by
+    ``placement.rollout_rules``; what :meth:`~jaxrl_llm.train.placement.RolloutWeights.sync`
+    transfers to); ``frozen`` / ``merged`` None without LoRA / ``merge_for_sampling``."""
+    from jaxrl_llm.models import lora
+    from jaxrl_llm.train import placement as pl
+
+    m = run.models
+    params_sh, frozen_sh = pl.rollout_shardings(
+        m, run.state.params, placement.rollout_mesh, placement.rollout_rules
+    )
+    params = _with_sharding(_shape_only(run.state.params), params_sh)
+    if m.frozen is None:
+        return params, None, None, (m.graphdef, params)
+    frozen = _with_sharding(_shape_only(m.frozen), frozen_sh)
+    if not m.merge_for_sampling:
+        return params, frozen, None, (m.graphdef, lora.combine(frozen, params))
+    merged = _merged_for_sampling(m, params, frozen_sh)
+    return params, frozen, merged, (m.ref_graphdef, merged)
+
+
+#: Under split placement, the programs that run on the rollout devices (the rest run on the
+#: train devices: the update, the evaluation sampler, which samples from the train state).
+ROLLOUT_SIDE = ("rollout", "weight sync")
+
+
+# ---------------------------------------------------------------------------------------------
 # The plan.
 
 
@@ -867,6 +946,7 @@ class Plan:
     merged_copy: Bytes = Bytes()
     programs: tuple[Program, ...] = ()
     notes: tuple[str, ...] = ()
+    split: RolloutSide | None = None
 
     @property
     def state(self) -> int:
@@ -884,8 +964,12 @@ class Plan:
     def rollout_peak(self) -> int:
         """The resident state plus the sampler's temporaries and outputs (its parameters are
         the state's, unless it samples from a merged copy, which is counted; its other
-        inputs, the prompts, are counted too)."""
+        inputs, the prompts, are counted too). Split placement: on a rollout device, the
+        rollout's copy (:class:`RolloutSide`) in place of the train state."""
         r = self.rollout
+        if self.split is not None:
+            others = r.arguments - self.split.sampler
+            return self.split.copy + max(others, 0) + r.outputs + r.temporaries
         resident = 0 if self.merged_copy.total else self.parameters.per_device
         resident += 0 if self.merged_copy.total else self.frozen.per_device
         others = r.arguments - resident
@@ -907,9 +991,35 @@ class Plan:
         out = {"update": self.update_peak}
         if self.kv_cache.total:  # online: the rollout first (it wins ties)
             out = {"rollout": self.rollout_peak, **out}
+        if self.split is not None:  # the previous version is held while the next one arrives
+            out = {**out, "weight sync": self.split.copy + self.split.parameters.per_device}
         for prog in self.programs:
             out[prog.name] = self.program_peak(prog)
         return out
+
+    def side(self, program: str) -> str | None:
+        """Split placement: ``"rollout"`` or ``"train"``, the devices ``program`` runs on
+        (:data:`ROLLOUT_SIDE`); None when colocated (one mesh for all)."""
+        if self.split is None:
+            return None
+        return "rollout" if program in ROLLOUT_SIDE else "train"
+
+    @property
+    def side_peaks(self) -> dict[str, int]:
+        """Split placement: the peak per device of each side, ``{"rollout": ..., "train":
+        ...}`` (each the largest of its programs' :attr:`peaks`); empty when colocated."""
+        out: dict[str, int] = {}
+        for name, peak in self.peaks.items():
+            side = self.side(name)
+            if side is not None:
+                out[side] = max(out.get(side, 0), peak)
+        return out
+
+    @property
+    def peak_side(self) -> str | None:
+        """Split placement: the side of the peak program (the tighter one: the devices are
+        the same chips, so FITS needs both, and the margin is the tighter side's)."""
+        return self.side(self.peak_program)
 
     @property
     def peak(self) -> int:
@@ -942,8 +1052,48 @@ class Plan:
         def prog(p: Program) -> dict[str, Any]:
             return {**dataclasses.asdict(p), "bytes": p.bytes}
 
+        placement: dict[str, Any] = {"mode": "colocated"}
+        if self.split is not None:
+            sp, peaks = self.split, self.peaks
+            placement = {
+                "mode": "split",
+                "hosts": sp.hosts,
+                "peak_side": self.peak_side,
+                "rollout": {
+                    "devices": sp.devices,
+                    "mesh": sp.mesh,
+                    "preset": sp.preset,
+                    "per_device_bytes": {
+                        "parameters": b(sp.parameters),
+                        "frozen": b(sp.frozen),
+                        "merged_copy": b(sp.merged_copy),
+                        "kv_cache": b(self.kv_cache),
+                        "copy": sp.copy,
+                        "peaks": {k: v for k, v in peaks.items() if self.side(k) == "rollout"},
+                        "peak": self.side_peaks["rollout"],
+                    },
+                },
+                "train": {
+                    "devices": sp.train_devices,
+                    "mesh_devices": math.prod(self.mesh.values()),
+                    "mesh": self.mesh,
+                    "preset": self.preset,
+                    "per_device_bytes": {
+                        "parameters": b(self.parameters),
+                        "frozen": b(self.frozen),
+                        "optimizer": b(self.optimizer),
+                        "reference": b(self.reference),
+                        "critic": b(self.critic),
+                        "batch": b(self.batch),
+                        "state": self.state,
+                        "peaks": {k: v for k, v in peaks.items() if self.side(k) == "train"},
+                        "peak": self.side_peaks["train"],
+                    },
+                },
+            }
         return {
             "target": {**dataclasses.asdict(self.target), "estimate": self.target.estimate},
+            "placement": placement,
             "mesh": self.mesh,
             "preset": self.preset,
             "model": self.model,
@@ -1009,6 +1159,23 @@ def format_plan(plan: Plan) -> str:
         "",
         f"{'per device':<34}{'bytes':>14}{'of which replicated':>22}",
     ]
+    sp = plan.split
+    if sp is not None:  # two meshes, two blocks
+        hosts = f"{sp.hosts} host{'s' if sp.hosts > 1 else ''}"
+        lines[2:] = [
+            f"placement split: {sp.devices} rollout + {sp.train_devices} train devices "
+            f"(carved per process, {hosts})",
+            "train mesh "
+            + ", ".join(f"{k}={v}" for k, v in plan.mesh.items())
+            + f" (preset {plan.preset}) on {math.prod(plan.mesh.values())} of the "
+            f"{sp.train_devices} train devices",
+            "rollout mesh "
+            + ", ".join(f"{k}={v}" for k, v in sp.mesh.items())
+            + f" (preset {sp.preset}) on {math.prod(sp.mesh.values())} of the {sp.devices} "
+            "rollout devices",
+            "",
+            f"{'train devices, per device':<34}{'bytes':>14}{'of which replicated':>22}",
+        ]
 
     def row(label: str, x: Bytes | int) -> None:
         if isinstance(x, Bytes):
@@ -1017,7 +1184,92 @@ def format_plan(plan: Plan) -> str:
         else:
             lines.append(f"{label:<34}{_mib(x):>14}")
 
-    lora_info = m.get("lora")
+    if sp is not None:
+        _split_rows(plan, lines, row)
+    else:
+        _colocated_rows(plan, row)
+    compiled = " + ".join(
+        f"{p.compile_s:.1f} s ({p.name})"
+        for p in (plan.rollout, plan.update, *plan.programs)
+        if p.name in plan.peaks
+    )
+    flops = (
+        f"FLOPs per step per device: {plan.flops_per_step:.3e} = update "
+        f"{plan.update_flops_analytic:.3e} + rollout {plan.rollout_flops_analytic:.3e} "
+    )
+    peak = f"peak program: {plan.peak_program}, {_mib(plan.peak)} per device"
+    if sp is not None:
+        sides = plan.side_peaks
+        flops = (
+            f"FLOPs per step: update {plan.update_flops_analytic:.3e} per train device, rollout "
+            f"{plan.rollout_flops_analytic:.3e} per rollout device "
+        )
+        peak = (
+            f"peak program: {plan.peak_program} on the {plan.peak_side} devices, "
+            f"{_mib(plan.peak)} per device (rollout devices {_mib(sides['rollout'])}, train "
+            f"devices {_mib(sides['train'])})"
+        )
+    lines += [
+        "",
+        peak,
+        flops + f"(6N/2N per token; XLA, counting loop bodies once: {plan.update.flops:.3e} + "
+        f"{plan.rollout.flops:.3e})",
+        f"compiled in {compiled}; plan took {plan.seconds:.1f} s",
+    ]
+    if t.hbm_bytes is None:
+        lines.append("no device memory given (--device-memory): no FITS verdict")
+    else:
+        verdict = "FITS" if plan.fits else "DOES NOT FIT"
+        margin = plan.margin
+        both = f" (both sides; the {plan.peak_side} devices are the tighter)" if sp else ""
+        lines.append(
+            f"{verdict}{both}: peak {_mib(plan.peak)} of {_mib(t.hbm_bytes)} HBM "
+            f"({t.hbm_source}); margin {_mib(margin)} ({100 * margin / t.hbm_bytes:+.1f}%)"
+        )
+    if t.estimate:
+        lines.append(
+            "(an estimate: XLA:CPU's buffer assignment stands in for the GPU's; no deviceless "
+            "GPU compiler exists)"
+        )
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def _split_rows(plan: Plan, lines: list[str], row: Any) -> None:
+    """The two blocks of a split plan: the train devices', then the rollout devices'."""
+    sp, lora_info = plan.split, plan.model.get("lora")
+    row("adapters (LoRA)" if lora_info else "parameters", plan.parameters)
+    if plan.frozen.total:
+        q = lora_info["quantize"]
+        label = "frozen base" + ("" if q == "none" else f" ({q})")
+        row(label + (" = reference" if lora_info.get("reference_is_base") else ""), plan.frozen)
+    row("optimizer state", plan.optimizer)
+    if plan.reference.total:
+        row("reference model", plan.reference)
+    if plan.critic.total:
+        row("critic (+ its optimizer)", plan.critic)
+    row("step batch (groups)", plan.batch)
+    row("update temporaries (XLA)", plan.update.temporaries)
+    for prog in plan.programs:
+        row(f"{prog.name} temporaries (XLA)", prog.temporaries)
+    row("update peak (args+out-alias+temp)", plan.update_peak)
+    for prog in plan.programs:
+        row(f"{prog.name} peak (state + it)", plan.program_peak(prog))
+    lines += ["", f"{'rollout devices, per device':<34}{'bytes':>14}{'of which replicated':>22}"]
+    row("adapters (rollout copy)" if lora_info else "parameters (rollout copy)", sp.parameters)
+    if sp.frozen.total:
+        row("frozen base (rollout copy)", sp.frozen)
+    if sp.merged_copy.total:
+        row("merged copy (sampled)", sp.merged_copy)
+    row("KV cache (rollout)", plan.kv_cache)
+    row("rollout temporaries (XLA)", plan.rollout.temporaries)
+    row("rollout peak (copy + rollout)", plan.rollout_peak)
+    row("weight sync peak (old + new copy)", plan.peaks["weight sync"])
+
+
+def _colocated_rows(plan: Plan, row: Any) -> None:
+    """The one block of a colocated plan (every program on the one mesh)."""
+    lora_info = plan.model.get("lora")
     row("adapters (LoRA)" if lora_info else "parameters", plan.parameters)
     if plan.frozen.total:
         q = lora_info["quantize"] if lora_info else "none"
@@ -1043,36 +1295,6 @@ def format_plan(plan: Plan) -> str:
     row("update peak (args+out-alias+temp)", plan.update_peak)
     for prog in plan.programs:
         row(f"{prog.name} peak (state + it)", plan.program_peak(prog))
-    compiled = " + ".join(
-        f"{p.compile_s:.1f} s ({p.name})"
-        for p in (plan.rollout, plan.update, *plan.programs)
-        if p.name in plan.peaks
-    )
-    lines += [
-        "",
-        f"peak program: {plan.peak_program}, {_mib(plan.peak)} per device",
-        f"FLOPs per step per device: {plan.flops_per_step:.3e} = update "
-        f"{plan.update_flops_analytic:.3e} + rollout {plan.rollout_flops_analytic:.3e} "
-        f"(6N/2N per token; XLA, counting loop bodies once: {plan.update.flops:.3e} + "
-        f"{plan.rollout.flops:.3e})",
-        f"compiled in {compiled}; plan took {plan.seconds:.1f} s",
-    ]
-    if t.hbm_bytes is None:
-        lines.append("no device memory given (--device-memory): no FITS verdict")
-    else:
-        verdict = "FITS" if plan.fits else "DOES NOT FIT"
-        margin = plan.margin
-        lines.append(
-            f"{verdict}: peak {_mib(plan.peak)} of {_mib(t.hbm_bytes)} HBM ({t.hbm_source}); "
-            f"margin {_mib(margin)} ({100 * margin / t.hbm_bytes:+.1f}%)"
-        )
-    if t.estimate:
-        lines.append(
-            "(an estimate: XLA:CPU's buffer assignment stands in for the GPU's; no deviceless "
-            "GPU compiler exists)"
-        )
-    lines += [f"note: {n}" for n in plan.notes]
-    return "\n".join(lines)
 
 
 def _update_flops(config: Any, recipe: Any, run: AbstractRun) -> float:
@@ -1103,26 +1325,70 @@ def plan_run(config: Any, target: Target) -> Plan:
     offline one, :func:`_plan_offline`) for ``target`` in this process (which must have the
     target's devices; see :func:`plan_in_subprocess` for CPU estimates).
 
+    With ``placement.mode: split`` the target's devices are carved as the run carves them
+    (:func:`jaxrl_llm.train.placement.carve_devices`, per process: the target's hosts, from
+    its devices' ``process_index``): the update (and the evaluation sampler) is planned on the
+    train mesh over the train devices, with the train state, reference and critic resident;
+    the rollout on the rollout mesh (``placement.rollout_mesh``) over the rollout devices, with
+    the rollout's copy of the policy (:func:`rollout_copy`, :class:`RolloutSide`) resident.
+
     Raises:
-      PlanError / ConfigError: a bad target, a mesh that does not divide the devices or the
-        batch, a missing model path.
+      PlanError / ConfigError: a bad target, a mesh that does not divide the devices (split:
+        the train or the rollout devices) or the batch, a missing model path.
     """
-    from jaxrl_llm.config import ConfigError, build_recipe, check_devices
+    from jaxrl_llm.config import ConfigError, build_recipe, check_devices, mesh_axis_sizes
     from jaxrl_llm.models import sharding as shd
+    from jaxrl_llm.train import placement as pl
 
     t0 = time.perf_counter()
+    split = config.placement.mode == "split"
+    devices = target_devices(target) if split else None
+    hosts = len({getattr(d, "process_index", 0) for d in devices}) if split else 1
     try:
-        sizes = check_devices(config, target.num_devices)
+        sizes = check_devices(config, target.num_devices, process_count=hosts)
+        placement = None
+        if split:
+            r = config.placement.rollout_mesh
+            fraction = config.placement.rollout_fraction
+            rollout_devices, train_devices = pl.carve_devices(devices, fraction, hosts)
+            placement = pl.split_placement(
+                devices,
+                fraction=fraction,
+                rollout_sizes=mesh_axis_sizes(
+                    r, len(rollout_devices), where="placement.rollout_mesh"
+                ),
+                rollout_rules=shd.PRESETS[r.preset],
+                process_count=hosts,
+            )
     except (ConfigError, ValueError) as e:
         raise PlanError(f"{e} (target {target.name})") from None
     recipe = build_recipe(config)
     model_cfg = model_config(config.model, accelerator=target.accelerator)
-    devices = target_devices(target)
-    mesh = shd.make_mesh(**sizes, devices=devices[: math.prod(sizes.values())])
+    devices = devices or target_devices(target)
+    on = placement.train_devices if split else devices
+    mesh = shd.make_mesh(**sizes, devices=on[: math.prod(sizes.values())])
     if config.rollout is None:
         return _plan_offline(config, recipe, target, mesh, sizes, model_cfg, t0)
     run = abstract_run(config, recipe, mesh, model_cfg)
-    rollout_lowered, kv = lower_rollout(run, config, target)
+    side = None
+    rollout_mesh = mesh
+    if split:
+        params, frozen, merged_copy, sampler = rollout_copy(run, placement)
+        rollout_mesh = placement.rollout_mesh
+        side = RolloutSide(
+            devices=len(rollout_devices),
+            train_devices=len(train_devices),
+            hosts=hosts,
+            mesh=dict(rollout_mesh.shape),
+            preset=config.placement.rollout_mesh.preset,
+            parameters=tree_bytes(params),
+            frozen=tree_bytes(frozen),
+            merged_copy=tree_bytes(merged_copy),
+        )
+        rollout_run = dataclasses.replace(run, sampler=sampler)
+        rollout_lowered, kv = lower_rollout(rollout_run, config, target, mesh=rollout_mesh)
+    else:
+        rollout_lowered, kv = lower_rollout(run, config, target)
     rollout = _program("rollout", rollout_lowered)
     # LoRA: the frozen base is both the reference and the base argument, one buffer at run time
     lora_ref = run.models.frozen is not None and run.models.ref_params is run.models.frozen
@@ -1153,13 +1419,14 @@ def plan_run(config: Any, target: Target) -> Plan:
         kv_cache=kv,
         rollout=rollout,
         update=update,
-        rollout_flops_analytic=2.0 * n_params * tokens / mesh.size,
+        rollout_flops_analytic=2.0 * n_params * tokens / rollout_mesh.size,
         update_flops_analytic=_update_flops(config, recipe, run) / mesh.size,
         seconds=time.perf_counter() - t0,
         frozen=tree_bytes(run.models.frozen),
-        merged_copy=tree_bytes(run.sampler[1]) if merged else Bytes(),
+        merged_copy=tree_bytes(run.sampler[1]) if merged and not split else Bytes(),
         programs=tuple(programs),
         notes=_notes(config),
+        split=side,
     )
 
 
@@ -1353,6 +1620,8 @@ def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
     do change what is trained (Hu et al. 2021; Dettmers et al. 2023)."""
     found: list[tuple[str, list[str]]] = []
     sizes, devices = plan.mesh, plan.target.num_devices
+    if plan.split is not None:  # the train mesh's own devices (mesh.fsdp=-1 takes them all)
+        devices = plan.split.train_devices
     if sizes["fsdp"] * sizes["tensor"] < devices:
         preset = "fsdp" if config.mesh.preset == "dp" else config.mesh.preset
         found.append(
@@ -1506,10 +1775,11 @@ def preflight(config: Any, *, log: Any = print) -> Plan:
     from jaxrl_llm.config import ConfigError, check_devices
 
     try:
-        sizes = check_devices(config, jax.device_count())
+        sizes = check_devices(config, jax.device_count(), process_count=jax.process_count())
     except (ConfigError, ValueError) as e:
         raise PlanError(str(e)) from None
-    plan = plan_run(config, local_target(math.prod(sizes.values())))
+    split = config.placement.mode == "split"  # carved from all the devices, as the run does
+    plan = plan_run(config, local_target(None if split else math.prod(sizes.values())))
     log(format_plan(plan))
     if plan.fits is False:
         raise PlanError(
@@ -1602,6 +1872,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "Program",
+    "RolloutSide",
     "Target",
     "abstract_run",
     "add_arguments",
@@ -1619,6 +1890,7 @@ __all__ = [
     "plan_run",
     "preflight",
     "quiet_cpu_platform",
+    "rollout_copy",
     "run_cli",
     "slice_names",
     "suggestions",

@@ -588,3 +588,151 @@ def test_preflight_without_device_memory_gives_no_verdict():
     plan = P.preflight(load_config(TINY, ["data.eval_size=0"]), log=lines.append)
     assert plan.fits is None and plan.target.platform == "local"
     assert "no device memory given" in lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Split placement: the rollout devices and the train devices planned apart.
+
+SPLIT = [  # 8 devices: 2 rollout (dp over 2) + 6 train (data 3 x fsdp 2)
+    "placement.mode=split",
+    "placement.rollout_fraction=0.25",
+    "mesh.preset=fsdp",
+    "mesh.data=3",
+    "mesh.fsdp=2",
+    "rollout.prompts_per_step=6",
+    "data.eval_size=0",
+]
+
+
+@pytest.fixture(scope="module")
+def split_plan():
+    config = load_config(TINY, SPLIT)
+    return config, P.plan_run(config, P.parse_target(devices=8, device_memory="1GiB"))
+
+
+@pytest.mark.slow
+def test_split_plan_rollout_side_holds_the_rollout_copy_only(split_plan):
+    """The rollout devices hold the sampler's copy (what RolloutWeights really syncs there),
+    the prompts and the rollout's temporaries: no optimizer state, no reference."""
+    from jaxrl_llm.train import placement as pl
+
+    config, plan = split_plan
+    sp = plan.split
+    assert (sp.devices, sp.train_devices, sp.hosts) == (2, 6, 1)
+    assert sp.mesh == {"data": 2, "fsdp": 1, "tensor": 1} and sp.preset == "dp"
+    assert plan.mesh == {"data": 3, "fsdp": 2, "tensor": 1}
+    # The real copy: the run's own meshes, models and RolloutWeights, synced once.
+    recipe = build_recipe(config)
+    mesh, _ = su.make_mesh(config)
+    models, state = su.build_models(config, recipe, mesh=mesh)
+    placement = su.make_placement(config, mesh, models.rules)
+    weights = pl.RolloutWeights.build(models, placement, state.params)
+    weights.sync(state.params, 0)
+    device = placement.rollout_devices[0]
+    copy = [s.data.nbytes for x in jax.tree.leaves(weights.params) for s in x.addressable_shards]
+    on_device = [
+        s.data.nbytes
+        for x in jax.tree.leaves(weights.params)
+        for s in x.addressable_shards
+        if s.device == device
+    ]
+    assert sp.parameters.total == _nbytes(weights.params) == sum(copy) // 2
+    assert sp.parameters.per_device == sum(on_device) == sp.copy  # dp: the whole copy each
+    assert sp.frozen.total == sp.merged_copy.total == 0
+    # XLA's arguments of the rollout program: the copy and the prompts (B/2 rows of P ids and
+    # mask bits per device), a key and the sampler's scalars; nothing of the optimizer's
+    # 12 MiB or the reference's.
+    prompts = 6 // 2 * 128 * (4 + 1)
+    extra = plan.rollout.arguments - sp.copy
+    assert prompts <= extra <= prompts + 64
+    assert plan.rollout_peak == sp.copy + extra + plan.rollout.outputs + plan.rollout.temporaries
+    assert plan.peaks["weight sync"] == 2 * sp.copy  # the previous version while the next lands
+    assert plan.kv_cache == P.kv_cache_bytes(
+        P.model_config(config.model, accelerator=False),
+        12,
+        128 + 8,
+        "float32",
+        placement.rollout_mesh,
+    )
+    assert plan.kv_cache.per_device * 2 == plan.kv_cache.total  # 12 rows over the 2 rollout devices
+
+
+@pytest.mark.slow
+def test_split_plan_train_side_equals_the_colocated_plan_on_the_train_mesh(split_plan):
+    _, plan = split_plan
+    colocated = load_config(TINY, [*SPLIT, "placement.mode=colocated"])
+    alone = P.plan_run(colocated, P.parse_target(devices=6, device_memory="1GiB"))
+    assert alone.split is None and alone.mesh == plan.mesh
+    for what in ("parameters", "optimizer", "reference", "critic", "batch", "frozen"):
+        assert getattr(plan, what) == getattr(alone, what), what
+    assert plan.state == alone.state
+    u, v = plan.update, alone.update  # the same program on the same mesh shape
+    assert (u.arguments, u.outputs, u.aliased) == (v.arguments, v.outputs, v.aliased)
+    assert plan.update_flops_analytic == alone.update_flops_analytic
+    # Colocated, the rollout runs next to the train state; split, next to its copy only.
+    assert alone.rollout_peak > alone.state > plan.rollout_peak - plan.rollout.temporaries
+
+
+@pytest.mark.slow
+def test_split_plan_reports_both_sides_in_the_table_and_the_json(split_plan):
+    _, plan = split_plan
+    sides = plan.side_peaks
+    assert sides == {
+        "rollout": max(plan.peaks["rollout"], plan.peaks["weight sync"]),
+        "train": plan.peaks["update"],
+    }
+    assert plan.peak == max(sides.values()) and plan.peak_side == "train"  # the update here
+    assert plan.fits is True and plan.margin == GiB - plan.peak
+    d = json.loads(json.dumps(plan.to_dict()))
+    pd = d["placement"]
+    assert pd["mode"] == "split" and pd["peak_side"] == "train"
+    assert pd["rollout"]["devices"] == 2 and pd["train"]["devices"] == 6
+    assert pd["rollout"]["per_device_bytes"]["peak"] == sides["rollout"]
+    assert pd["train"]["per_device_bytes"]["peak"] == sides["train"]
+    assert set(pd["rollout"]["per_device_bytes"]["peaks"]) == {"rollout", "weight sync"}
+    assert "optimizer" not in pd["rollout"]["per_device_bytes"]
+    assert pd["train"]["per_device_bytes"]["optimizer"]["per_device"] == plan.optimizer.per_device
+    assert d["fits"] is True and d["margin_bytes"] == plan.margin
+    text = P.format_plan(plan)
+    train_block, rollout_block = text.split("rollout devices, per device")
+    assert "train devices, per device" in train_block and "optimizer state" in train_block
+    assert "optimizer" not in rollout_block and "reference" not in rollout_block
+    assert "parameters (rollout copy)" in rollout_block and "KV cache" in rollout_block
+    assert "placement split: 2 rollout + 6 train devices" in text
+    assert "FITS (both sides; the train devices are the tighter)" in text
+
+
+def test_split_plan_fits_only_if_both_sides_fit():
+    """No compile: a rollout side over the memory fails the plan even when the update fits."""
+    side = P.RolloutSide(2, 6, 1, {"data": 2, "fsdp": 1, "tensor": 1}, "dp", P.Bytes(3, 3, 3))
+    base = dataclasses.replace(_fake_plan(), kv_cache=P.Bytes(1, 1, 0), split=side)
+    big = P.Bytes(2 * 10**6, 2 * 10**6, 2 * 10**6)  # over the fake target's 1 MB
+    over = dataclasses.replace(base, split=dataclasses.replace(side, parameters=big))
+    assert base.fits is True and base.peak_side == "rollout"  # 6 bytes of sync vs 0
+    assert over.fits is False and over.peak_side == "rollout" and over.peak == 2 * big.per_device
+    assert over.side_peaks["train"] == 0 and over.margin == 10**6 - over.peak
+    update = P.Program("update", 0, 0, 0, 2 * 10**6, 0, 0.0, 0.0)
+    train_over = dataclasses.replace(base, update=update)
+    assert train_over.fits is False and train_over.peak_side == "train"
+    assert _fake_plan().peak_side is None and _fake_plan().side_peaks == {}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["mesh.data=4"], "does not divide the 6 train devices (of 8; 2 go to the rollout)"),
+        (["placement.rollout_mesh.data=3"], "placement.rollout_mesh"),
+        (["placement.rollout_fraction=0.3"], "placement.rollout_fraction = 0.3"),
+    ],
+)
+def test_split_plan_bad_meshes_are_the_runs_errors(overrides, message):
+    config = load_config(TINY, [*SPLIT, "mesh.fsdp=1", *overrides])
+    with pytest.raises(P.PlanError) as e:
+        P.plan_run(config, P.parse_target(devices=8))
+    assert message in str(e.value) and "(target 8x GPU" in str(e.value)
+
+
+def test_split_cli_bad_train_mesh_exits_2(capsys):
+    argv = ["--config", TINY, "--devices", "8", *SPLIT, "mesh.fsdp=1", "mesh.data=4"]
+    code, out, err = _cli(capsys, *argv)
+    assert code == 2 and out == "" and "6 train devices" in err
