@@ -493,7 +493,7 @@ def test_bad_arrays_name_the_argument():
 # Through the trainer: the recipe option in the update step, the config, and `train`'s loop.
 
 
-def _update_setup(correction, seed=0):
+def _update_setup(correction, seed=0, recipe=None):
     import optax
 
     from jaxrl_llm import algorithms
@@ -504,7 +504,7 @@ def _update_setup(correction, seed=0):
         lambda p: {"g": jax.tree.map(jnp.zeros_like, p)},
         lambda g, s, p=None: (jax.tree.map(jnp.zeros_like, g), {"g": g}),
     )
-    rec = algorithms.grpo(beta=0.0, rollout_correction=correction)
+    rec = recipe or algorithms.grpo(beta=0.0, rollout_correction=correction)
     graphdef, _, state = H.fresh_state(H.tiny_lm(seed), capture, rec)
     batch = H.synthetic_batch(seed, ref=False, completion_len=7)
     logp_fn = forward.make_logprob_fn(graphdef)

@@ -243,3 +243,34 @@ def test_refusals_name_the_recipe_and_why():
             "algorithm.name=vespo",
             "algorithm.hparams.rollout_correction={mode: tis, level: sequence}",
         )
+
+
+def test_update_step_of_a_weighted_loss_recipe_equals_the_reference():
+    """The jitted update step on the tiny model, GMPO decoupled (π_old and μ given): its loss
+    and gradient are those of W_i·L_i through the model's log-probs."""
+    from tests.core.test_rollout_correction import _update_setup
+
+    rec = alg.gmpo(rollout_correction=TIS)
+    rec, gd, state, batch, model_logp, noise, capture = _update_setup(None, 5, recipe=rec)
+    mask = np.asarray(batch.mask_nt)
+    logp0 = model_logp(state.params)
+    prox = jnp.where(mask, logp0 + noise(0.1), 0.0)
+    mu = jnp.where(mask, prox + noise(0.5), 0.0)
+    batch = batch._replace(logp_old_nt=prox, logp_sampler_nt=mu)
+    new, metrics = up.make_update_step(rec, gd, capture)(jax.tree.map(jnp.copy, state), batch)
+    w, _, _ = ref_correction(np.asarray(prox), np.asarray(mu), mask, **TIS)
+    scale = jnp.asarray(ref_geometric(w, mask), jnp.float32)
+    plain = alg.gmpo().objective
+
+    def reference(params):
+        per_token = scale * plain.loss(model_logp(params), prox, batch.adv_nt, batch.mask_nt)
+        s, d = plain.aggregate(per_token, batch.mask_nt)
+        return s / d
+
+    value, grad = jax.value_and_grad(reference)(state.params)
+    np.testing.assert_allclose(float(metrics["actor/pg_loss"]), float(value), rtol=1e-5)
+    top = max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(grad))
+    assert top > 0
+    for a, b in zip(jax.tree.leaves(new.opt_state["g"]), jax.tree.leaves(grad), strict=True):
+        np.testing.assert_allclose(a, b, atol=2e-5 * top)
+    assert 0 < float(metrics["rollout_corr/is_weight_mean"]) < 2.0
