@@ -736,3 +736,44 @@ def test_split_cli_bad_train_mesh_exits_2(capsys):
     argv = ["--config", TINY, "--devices", "8", *SPLIT, "mesh.fsdp=1", "mesh.data=4"]
     code, out, err = _cli(capsys, *argv)
     assert code == 2 and out == "" and "6 train devices" in err
+
+
+def test_rollout_copy_under_lora_is_what_rolloutweights_holds():
+    """No compile: the plan's rollout copy under LoRA with ``merge_for_sampling`` (adapters,
+    the frozen base's copy, the merged copy) has the shapes, shardings and bytes of the real
+    RolloutWeights' arrays on the rollout mesh."""
+    from jaxrl_llm.train import placement as pl
+
+    config = load_config(TINY, [*SPLIT, "model.lora.rank=4", "model.lora.merge_for_sampling=true"])
+    recipe = build_recipe(config)
+    mesh, rules = su.make_mesh(config)
+    placement = su.make_placement(config, mesh, rules)
+    run = P.abstract_run(config, recipe, mesh, P.model_config(config.model, accelerator=False))
+    params, frozen, merged, (graphdef, sampled) = P.rollout_copy(run, placement)
+    assert graphdef is run.models.ref_graphdef and sampled is merged
+    models, state = su.build_models(config, recipe, mesh=mesh)
+    weights = pl.RolloutWeights.build(models, placement, state.params)
+    weights.sync(state.params, 0)
+    _, real_merged = weights.sampling_policy()
+    device = placement.rollout_devices[0]
+
+    def on_device(tree):
+        return sum(
+            s.data.nbytes
+            for x in jax.tree.leaves(tree)
+            for s in x.addressable_shards
+            if s.device == device
+        )
+
+    def same(a, x):  # shape, dtype and an equivalent sharding (P(None,) is P())
+        return (a.shape, a.dtype) == (x.shape, x.dtype) and a.sharding.is_equivalent_to(
+            x.sharding, len(x.shape)
+        )
+
+    for abstract, real in [
+        (params, weights.params),
+        (frozen, weights.frozen),
+        (merged, real_merged),
+    ]:
+        assert all(jax.tree.leaves(jax.tree.map(same, abstract, real)))
+        assert P.tree_bytes(abstract).per_device == on_device(real) > 0
