@@ -19,6 +19,14 @@ Under ``model.lora`` the run is split as :func:`jaxrl_llm.train.models.adapt` sp
 train state holds the adapters (and their optimizer state), the frozen base (quantised with
 ``quantize``) is ``Models.frozen`` and is the reference.
 
+With ``placement.mode: split`` the target's devices are carved as the run carves them
+(:func:`jaxrl_llm.train.placement.carve_devices`, per host) and each side is planned where it
+runs: the update (and the evaluation sampler) on the train mesh over the train devices, with
+the train state, reference and critic resident; the rollout on the rollout mesh over the
+rollout devices, with only the rollout's copy of the policy resident (:class:`RolloutSide`:
+the parameters on the rollout shardings, under LoRA the adapters + the frozen base's copy +
+the merged copy). The run fits when both sides do.
+
 and XLA's own figures are read back: ``compiled.memory_analysis()`` (per-device argument,
 output, alias and temporary bytes) and ``compiled.cost_analysis()["flops"]``. A program's
 footprint on one device is
@@ -925,7 +933,11 @@ ROLLOUT_SIDE = ("rollout", "weight sync")
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """A run planned for a target (see the module docstring); bytes are per device."""
+    """A run planned for a target (see the module docstring); bytes are per device.
+
+    Split placement (``split`` set): ``parameters`` ... ``batch``, ``update`` and ``programs``
+    are the train devices', ``kv_cache``, ``rollout`` and ``split`` the rollout devices'
+    (:meth:`side`, :attr:`side_peaks`, :attr:`peak_side`)."""
 
     target: Target
     mesh: dict[str, int]
@@ -1040,7 +1052,8 @@ class Plan:
 
     @property
     def flops_per_step(self) -> float:
-        """Per device, analytic: the rollout's and the update's (see the module docstring)."""
+        """Per device, analytic: the rollout's and the update's (see the module docstring;
+        split placement: a rollout device's and a train device's)."""
         return self.update_flops_analytic + self.rollout_flops_analytic
 
     def to_dict(self) -> dict[str, Any]:
