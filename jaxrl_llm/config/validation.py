@@ -308,9 +308,11 @@ def recipe_hparams(config: TrainConfig) -> dict[str, Any]:
 
 
 # The rollout correction an async run (train.max_staleness > 0) gets when its recipe takes one
-# and the config sets none: token-level truncated IS, w = min(π_old / μ, 2) with π_old the
-# recomputed proximal policy (the decoupled loss of Hilton et al. 2021 / AReaL; Yao et al. 2025's
-# TIS cap). ``rollout_correction: {mode: none}`` opts out (the rollout_corr/* metrics stay).
+# (every online recipe does) and the config sets none: token-level truncated IS,
+# w = min(π / μ, 2) (Yao et al. 2025's TIS cap) with π the recomputed proximal policy for ratio
+# losses (the decoupled loss of Hilton et al. 2021 / AReaL) and sg(π_θ) for ratio-free ones
+# (verl's bypass; the same value there: nothing updates in between). ``rollout_correction:
+# {mode: none}`` opts out (the rollout_corr/* metrics stay).
 ASYNC_ROLLOUT_CORRECTION = {"mode": "tis", "level": "token", "high": 2.0}
 
 
