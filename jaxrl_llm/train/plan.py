@@ -1379,6 +1379,12 @@ def plan_run(config: Any, target: Target) -> Plan:
     model_cfg = model_config(config.model, accelerator=target.accelerator)
     devices = devices or target_devices(target)
     on = placement.train_devices if split else devices
+    notes = _notes(config)
+    if split and target.platform == "tpu":
+        placement, on, said = _tpu_stand_ins(
+            placement, math.prod(sizes.values()), devices, target, fraction
+        )
+        notes += said
     mesh = shd.make_mesh(**sizes, devices=on[: math.prod(sizes.values())])
     if config.rollout is None:
         return _plan_offline(config, recipe, target, mesh, sizes, model_cfg, t0)
@@ -1438,9 +1444,73 @@ def plan_run(config: Any, target: Target) -> Plan:
         frozen=tree_bytes(run.models.frozen),
         merged_copy=tree_bytes(run.sampler[1]) if merged and not split else Bytes(),
         programs=tuple(programs),
-        notes=_notes(config),
+        notes=notes,
         split=side,
     )
+
+
+def _tpu_stand_ins(
+    placement: Any, train_size: int, devices: Sequence[Any], target: Target, fraction: float
+) -> tuple[Any, Sequence[Any], tuple[str, ...]]:
+    """Split placement on a TPU topology: ``(placement, train_devices, notes)`` with each side's
+    mesh on devices libtpu's deviceless compiler accepts, the same mesh shape.
+
+    Seen with libtpu 0.0.42.1 on ``v5e:4x4`` (4 hosts of 4 chips): a program over the carved
+    rollout chips ``[0, 2, 8, 10]`` (one per host) fails ("RET_CHECK failure ... Unexpected
+    device_id 8 ... target has 4 device_id"), one over 12 of the 16 chips aborts the process
+    ("total_device_count % num_participants_per_group == 0"); over the topology's devices
+    ``0 .. n-1`` with ``n`` dividing the chips, or over a slice of ``n`` chips of its own
+    (``v5e:2x6`` for 12), they compile. So each side is compiled over the first ``n`` devices
+    of the target's topology when ``n`` divides it, else on an ``n``-chip topology of the same
+    family. The per-device bytes depend on the mesh's shape and the shardings, not on which
+    chips hold them.
+
+    Raises:
+      PlanError: a side's chip count neither divides the topology nor makes a slice of its own
+        (a multiple of 4 chips), naming ``placement.rollout_fraction``.
+    """
+    from jaxrl_llm.models import sharding as shd
+
+    family = (target.topology or "").partition(":")[0]
+    by_id = sorted(devices, key=lambda d: d.id)
+    notes = []
+
+    def compilable(side: str, carved: Sequence[Any]) -> Sequence[Any]:
+        n = len(carved)
+        ids = sorted(d.id for d in carved)
+        if target.num_devices % n == 0:
+            if ids == list(range(n)):
+                return carved
+            notes.append(f"the {side} mesh over the topology's devices 0..{n - 1}")
+            return by_id[:n]
+        if n % 4:
+            raise PlanError(
+                f"placement.rollout_fraction = {fraction!r}: the {side} side's {n} "
+                f"chips of {target.topology} neither divide its {target.num_devices} chips nor "
+                "make a TPU slice of their own (a multiple of 4 chips), which libtpu's "
+                "deviceless compiler needs; choose a fraction that gives such counts, or plan "
+                "with --devices N --device-memory SIZE (a CPU estimate)"
+            )
+        dims = f"2x2x{n // 4}" if family == "v5p" else f"2x{n // 2}"
+        topology = f"{family}:{dims}"
+        stand_in = dataclasses.replace(target, topology=topology, num_devices=n)
+        notes.append(f"the {side} mesh on a {topology} slice of its own")
+        return target_devices(stand_in)
+
+    rollout = placement.rollout_mesh
+    carved = list(rollout.devices.flat)
+    on = compilable("rollout", carved)
+    if on is not carved:
+        stand_in = shd.make_mesh(**dict(rollout.shape), devices=on)
+        placement = dataclasses.replace(placement, rollout_mesh=stand_in)
+    train = compilable("train", list(placement.train_devices[:train_size]))
+    if notes:
+        notes = [
+            "TPU, split: compiled (same mesh shapes) with "
+            + " and ".join(notes)
+            + ", as libtpu's deviceless compiler refuses the carved chips (plan._tpu_stand_ins)"
+        ]
+    return placement, train, tuple(notes)
 
 
 def _notes(config: Any) -> tuple[str, ...]:

@@ -777,3 +777,31 @@ def test_rollout_copy_under_lora_is_what_rolloutweights_holds():
     ]:
         assert all(jax.tree.leaves(jax.tree.map(same, abstract, real)))
         assert P.tree_bytes(abstract).per_device == on_device(real) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
+def test_split_plan_on_a_multi_host_tpu_topology():
+    """v5e:4x4 is 4 hosts of 4 chips: 0.25 carves one rollout chip per host (4 + 12), as the
+    run does; both sides compile (on devices libtpu's deviceless compiler accepts, noted)."""
+    split = ["placement.mode=split", "placement.rollout_fraction=0.25", "mesh.data=-1"]
+    config = load_config(TINY, [*split, "rollout.prompts_per_step=12", "data.eval_size=0"])
+    plan = P.plan_run(config, P.parse_target("v5e:4x4"))
+    sp = plan.split
+    assert (sp.hosts, sp.devices, sp.train_devices) == (4, 4, 12)
+    assert plan.mesh == {"data": 12, "fsdp": 1, "tensor": 1} and sp.mesh["data"] == 4
+    assert sp.parameters.per_device == plan.parameters.per_device == plan.parameters.total  # dp
+    assert plan.rollout.arguments >= sp.copy and plan.fits is True
+    (note,) = plan.notes
+    assert "v5e:2x6 slice of its own" in note and "devices 0..3" in note
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
+def test_split_tpu_plan_that_libtpu_cannot_compile_is_a_clear_error():
+    """v5e:2x2 (one host) at 0.25: 1 rollout + 3 train chips; 3 neither divides 4 nor is a
+    slice: refused before any compile (libtpu would abort the process)."""
+    split = ["placement.mode=split", "placement.rollout_fraction=0.25", "mesh.data=-1"]
+    config = load_config(TINY, [*split, "rollout.prompts_per_step=3", "data.eval_size=0"])
+    with pytest.raises(P.PlanError) as e:
+        P.plan_run(config, P.parse_target("v5e:2x2"))
+    assert "placement.rollout_fraction = 0.25: the train side's 3 chips of v5e:2x2" in str(e.value)
