@@ -23,8 +23,8 @@ pure rounding noise) up to 6e-6. A real mistake (a wrong share of prompts, a gro
 across processes, rewards in the wrong order) moves weights by ~lr = 1e-4, ten times the
 tolerance.
 
-The children get their own environment (one device each; the suite's 8-device XLA_FLAGS are not
-inherited), run under a timeout, and are killed if the test fails, so a hang fails instead of
+The children get their own environment (one device each: the suite's other XLA_FLAGS, not its
+8 devices), run under a timeout, and are killed if the test fails, so a hang fails instead of
 blocking CI.
 """
 
@@ -185,8 +185,11 @@ def _child_env() -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_"))
     }
+    # One device each; the suite's other XLA flags (tests/conftest.py) are kept, so the children
+    # compile with the same code generation as the one-process run they are compared with.
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform" not in f]
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=1"]),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )
