@@ -23,7 +23,10 @@ def test_notebook_runs_and_saves_its_plot(tmp_path):
         JAX_NUMPY_RANK_PROMOTION="raise",
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
     )
-    env.pop("XLA_FLAGS", None)  # one CPU device is enough; the suite's 8 fake ones are not needed
+    # One CPU device is enough (the suite's 8 fake ones are not needed); its other XLA flags
+    # (tests/conftest.py: faster compiles) are kept.
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform" not in f]
+    env["XLA_FLAGS"] = " ".join(flags)
     proc = subprocess.run(
         [sys.executable, str(NOTEBOOK)],
         cwd=tmp_path,
