@@ -54,7 +54,7 @@ completion tokens), ``async/staleness_frac_k`` (the fraction of tokens ``k`` ver
 histogram for k = 0..s), ``async/behaviour_version``, ``async/buffered``, ``sync/seconds``,
 ``sync/bytes``, ``sync/arrays``, ``sync/version``. ``RUN_DIR/timeline.jsonl`` has one line per
 step with the phases' start and end times (rollout, with the step it is for and its version;
-update, from dispatch to its metrics; sync).
+update, from its call to its metrics, with the moment its dispatch returned; sync).
 """
 
 from __future__ import annotations
@@ -317,7 +317,9 @@ class AsyncDriver:
     Args:
       collect: ``collect(policy, iterator, key) -> (groups, metrics)``, the host's part of a
         step, sampling with ``policy`` (the rollout weights' ``(graphdef, params)``).
-      rl_step: the jitted device step ``(state, groups) -> (state, metrics)``.
+      rl_step: the device step of :func:`~jaxrl_llm.train.step.make_rl_step`; its
+        ``dispatch(state, groups) -> (state, wait)`` returns before the step is done (``wait()``
+        gives the metrics), so the rollout overlaps it.
       to_global: host groups to the train mesh's arrays.
       weights: the rollout side's weights (``sync(params, version)``, ``sampling_policy()``,
         ``version``), see :mod:`jaxrl_llm.train.placement`.
@@ -331,7 +333,7 @@ class AsyncDriver:
         self,
         *,
         collect: Callable[..., tuple],
-        rl_step: Callable[[st.TrainState, Any], tuple[st.TrainState, dict]],
+        rl_step: Any,
         to_global: Callable[[Groups], Any],
         weights: Any,
         max_staleness: int,
@@ -460,15 +462,17 @@ class AsyncDriver:
         hostmem.release_free_heap()
         mark_phase("update", t)
         t_update = time.time()
-        new_state, device_out = self.rl_step(state, groups)  # dispatched, not waited for
+        # enqueued: the device runs it while the host samples on
+        new_state, wait = self.rl_step.dispatch(state, groups)
+        t_dispatched = time.time()
         self._current_step = t  # this window: batch t + 1 is due next
         for i, entry in enumerate(list(self.buffer)):  # partial rollouts: one more segment each
             if isinstance(entry, InFlightBatch):
                 self.buffer[i] = self._continue(entry, iterator, phases)
         if s and t + s <= self.max_steps:  # overlaps the update on the device
             self.buffer.append(self._generate(t + s, iterator, key_ahead(rng, s - 1), phases))
-        metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(device_out).items()}
-        phases.append(self._phase("update", t_update, step=t))
+        metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(wait()).items()}
+        phases.append(self._phase("update", t_update, step=t, dispatched=t_dispatched - self._t0))
         metrics["time/update"] = time.time() - t_update
         extra.update(self._sync(new_state.params, t, phases))
         metrics.update(pending.metrics)

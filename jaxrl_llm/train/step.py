@@ -378,7 +378,12 @@ def make_rl_step(
         )
         return plan.device_arrays(), plan.shape
 
-    def call(state: st.TrainState, groups: Groups) -> tuple[st.TrainState, dict[str, float]]:
+    def dispatch(
+        state: st.TrainState, groups: Groups
+    ) -> tuple[st.TrainState, Callable[[], dict[str, float]]]:
+        """The step without waiting for it: the new state (its arrays still being computed,
+        JAX's asynchronous dispatch) and a function that waits for the metrics. The async
+        loop samples the next batch in between (:mod:`jaxrl_llm.train.asynchronous`)."""
         g_sharding = groups_sharding(groups)
         plan, shape = plan_of(groups)
         key = jax.tree.structure(groups), tuple(g_sharding), shape
@@ -397,8 +402,16 @@ def make_rl_step(
             state, packed = jitted(state, groups, ref_params, frozen, plan)
         if not names:  # traced by the call above
             names.extend(traced_names.pop())
-        values = np.asarray(jax.device_get(packed)).tolist()
-        return state, dict(zip(names, values, strict=True))
+
+        def metrics() -> dict[str, float]:
+            values = np.asarray(jax.device_get(packed)).tolist()
+            return dict(zip(names, values, strict=True))
+
+        return state, metrics
+
+    def call(state: st.TrainState, groups: Groups) -> tuple[st.TrainState, dict[str, float]]:
+        state, metrics = dispatch(state, groups)
+        return state, metrics()
 
     def lower(state: st.TrainState, groups: Groups) -> jax.stages.Lowered:
         """The step's program lowered for ``state``/``groups`` without running it (leaves may
@@ -417,6 +430,7 @@ def make_rl_step(
         return lowered
 
     call.lower = lower
+    call.dispatch = dispatch
     return call
 
 
