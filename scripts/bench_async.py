@@ -12,7 +12,8 @@ its own child process on ``--devices`` fake CPU devices (``XLA_FLAGS``), one aft
 
 Reported per configuration, over the steps after ``--warmup``: median step, update and rollout
 seconds, the sync's seconds and bytes, and from ``RUN_DIR/timeline.jsonl`` the *overlap*: the
-fraction of rollout seconds that lie inside an update's dispatch-to-done window. On a CPU the
+fraction of rollout seconds that lie inside an update's window (from the return of its
+asynchronous dispatch to its metrics). On a CPU the
 overlap does not make a step faster (the fake devices share the same cores: the rollout and the
 update compete for them); on an accelerator with a split placement it is the point.
 
@@ -59,10 +60,15 @@ print(json.dumps({"wall_s": time.perf_counter() - t0}))
 
 
 def _overlap(timeline: list[dict]) -> tuple[float, float]:
-    """(rollout seconds inside update windows, all rollout seconds) over the steps given."""
+    """(rollout seconds inside update windows, all rollout seconds) over the steps given; an
+    update's window runs from the return of its dispatch to its metrics."""
     inside = total = 0.0
     for step in timeline:
-        updates = [(p["start"], p["end"]) for p in step["phases"] if p["phase"] == "update"]
+        updates = [
+            (p.get("dispatched", p["start"]), p["end"])
+            for p in step["phases"]
+            if p["phase"] == "update"
+        ]
         for p in step["phases"]:
             if p["phase"] != "rollout":
                 continue
