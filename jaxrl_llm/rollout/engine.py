@@ -228,6 +228,33 @@ def _as_float(name: str, value: object) -> float:
     return value
 
 
+def _check_sampling(
+    fn: str, rng: object, temperature: object, top_k: object, top_p: object
+) -> tuple[jax.Array, float, int, float]:
+    """``(rng, temperature, top_k, top_p)`` checked: ``rng`` as one typed PRNG key (key data
+    is wrapped), τ >= 0, k >= 0, p in (0, 1]; ``fn`` names the caller in the errors."""
+    top_k = _as_int("top_k", top_k, 0)
+    temperature = _as_float("temperature", temperature)
+    top_p = _as_float("top_p", top_p)
+    if temperature < 0:
+        raise ValueError(f"{fn}: temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"{fn}: top_p must be in (0, 1], got {top_p}")
+    if not isinstance(rng, jax.Array):
+        raise TypeError(f"{fn}: rng must be a jax PRNG key, got {type(rng).__name__}")
+    if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+        rng = jax.random.wrap_key_data(rng)
+    if rng.shape != ():
+        raise ValueError(f"{fn}: rng must be a single PRNG key, got shape {rng.shape}")
+    return rng, temperature, top_k, top_p
+
+
+def _pad_id(config: ModelConfig) -> int:
+    """The pad id written after a sequence's end: the model's, when it is a valid id; else 0."""
+    pad = config.pad_token_id
+    return int(pad) if pad is not None and 0 <= pad < config.vocab_size else 0
+
+
 def _stop_ids(stop_token_ids: int | Sequence[int] | None, config: ModelConfig) -> np.ndarray:
     """int32[S], S a multiple of 8 (padded with -1): few distinct shapes, no recompiles."""
     if stop_token_ids is None:
@@ -446,31 +473,18 @@ def generate(
     config = _config_of(graphdef, params, module)
     max_new_tokens = _as_int("max_new_tokens", max_new_tokens, 1)
     num_samples = _as_int("num_samples", num_samples, 1)
-    top_k = _as_int("top_k", top_k, 0)
     prompt_bucket = _as_int("prompt_bucket", prompt_bucket, 1)
-    temperature = _as_float("temperature", temperature)
-    top_p = _as_float("top_p", top_p)
-    if temperature < 0:
-        raise ValueError(f"generate: temperature must be >= 0 (0 is greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"generate: top_p must be in (0, 1], got {top_p}")
+    rng, temperature, top_k, top_p = _check_sampling("generate", rng, temperature, top_k, top_p)
     ids, mask = _check_prompts(prompt_ids_bt, prompt_mask_bt, config, max_new_tokens)
     width = -(-ids.shape[1] // prompt_bucket) * prompt_bucket
     ids, mask = _left_pad_to(ids, mask, width)
-    if not isinstance(rng, jax.Array):
-        raise TypeError(f"generate: rng must be a jax PRNG key, got {type(rng).__name__}")
-    if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        rng = jax.random.wrap_key_data(rng)
-    if rng.shape != ():
-        raise ValueError(f"generate: rng must be a single PRNG key, got shape {rng.shape}")
-    pad = config.pad_token_id
     static = _Static(
         max_new_tokens=max_new_tokens,
         num_samples=num_samples,
         greedy=temperature == 0.0,
         top_k=0 if top_k >= config.vocab_size else top_k,
         use_top_p=top_p < 1.0,
-        pad_token_id=int(pad) if pad is not None and 0 <= pad < config.vocab_size else 0,
+        pad_token_id=_pad_id(config),
         cache_dtype=_cache_dtype(cache_dtype, config).name,
     )
     stop = _stop_ids(stop_token_ids, config)

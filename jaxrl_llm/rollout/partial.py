@@ -381,33 +381,20 @@ def advance(
             f"partial.advance: prompt_ids_bp has {ids_bp.shape[0]} prompts, but this in-flight "
             f"batch has B = {b} (partial.start(num_prompts={b}, ...))"
         )
-    if not isinstance(rng, jax.Array):
-        raise TypeError(f"partial.advance: rng must be a jax PRNG key, got {type(rng).__name__}")
-    if not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-        rng = jax.random.wrap_key_data(rng)
-    if rng.shape != ():
-        raise ValueError(f"partial.advance: rng must be a single PRNG key, got shape {rng.shape}")
+    rng, temperature, top_k, top_p = eng._check_sampling(
+        "partial.advance", rng, temperature, top_k, top_p
+    )
     key_data = np.asarray(jax.random.key_data(rng), np.uint32).reshape(-1)
     if inflight.rng_key_data.size and not np.array_equal(key_data, inflight.rng_key_data):
         raise ValueError(
             "partial.advance: rng differs from the key of this batch's earlier segments; pass "
             "the same key to every advance of a batch (its tokens' keys fold in the token index)"
         )
-    temperature = eng._as_float("temperature", temperature)
-    top_p = eng._as_float("top_p", top_p)
-    top_k = eng._as_int("top_k", top_k, 0)
-    if temperature < 0:
-        raise ValueError(
-            f"partial.advance: temperature must be >= 0 (0 is greedy), got {temperature}"
-        )
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"partial.advance: top_p must be in (0, 1], got {top_p}")
 
     active = np.argwhere(~inflight.done_bg)  # [M, 2] (b, g), row-major
     out = inflight._replace(last_version=version, rng_key_data=key_data)
     if not active.size:
         return out
-    pad = config.pad_token_id
     sampler = _Sampler(
         rng=rng,
         temperature=temperature,
@@ -415,7 +402,7 @@ def advance(
         greedy=temperature == 0.0,
         top_k=0 if top_k >= config.vocab_size else top_k,
         stop_ids=eng._stop_ids(stop_token_ids, config),
-        pad_token_id=int(pad) if pad is not None and 0 <= pad < config.vocab_size else 0,
+        pad_token_id=eng._pad_id(config),
         cache_dtype=eng._cache_dtype(cache_dtype, config),
     )
     n_m = inflight.num_new_bg[active[:, 0], active[:, 1]].astype(np.int64)

@@ -349,7 +349,6 @@ class AsyncDriver:
         self.timeline = timeline
         self.buffer: collections.deque[Pending | InFlightBatch] = collections.deque()
         self._synced = False
-        self._current_step = 0  # the last finished update's step (set by step())
         self._t0 = time.time()
 
     # -- checkpoint ------------------------------------------------------------------------
@@ -378,15 +377,15 @@ class AsyncDriver:
     # -- the step --------------------------------------------------------------------------
 
     def _generate(
-        self, step: int, iterator: BatchIterator, key: jax.Array, phases: list
+        self, step: int, iterator: BatchIterator, key: jax.Array, phases: list, *, due: int
     ) -> Pending | InFlightBatch:
         """Batch ``step`` under the current rollout weights: complete, or with partial
-        rollouts its first segment (complete when it is due at the next update)."""
+        rollouts its first segment (complete if ``step <= due``, the next update's step)."""
         t0 = time.time()
         mark_phase("rollout", step)
         if self.partial is not None:
             entry = self.partial.begin(step, iterator, key)
-            return self._continue(entry, iterator, phases, t0=t0)
+            return self._continue(entry, iterator, phases, due=due, t0=t0)
         groups, metrics = self.collect(self.weights.sampling_policy(), iterator, key)
         version = int(self.weights.version)
         phases.append(self._phase("rollout", t0, for_step=step, version=version))
@@ -398,15 +397,14 @@ class AsyncDriver:
         iterator: BatchIterator,
         phases: list,
         *,
+        due: int,
         t0: float | None = None,
-        to_end: bool | None = None,
     ) -> Pending | InFlightBatch:
-        """One window's segment of an in-flight batch (to its end when it is due next, or when
-        ``to_end``); the scored :class:`Pending` once complete."""
+        """One window's segment of an in-flight batch, to its end when it is due at the next
+        update (``entry.step <= due``); the scored :class:`Pending` once complete."""
         t0 = time.time() if t0 is None else t0
         version = int(self.weights.version)
-        if to_end is None:
-            to_end = entry.step <= int(self._current_step) + 1
+        to_end = entry.step <= due
         entry = self.partial.advance(
             entry, iterator, self.weights.sampling_policy(), version, to_end=to_end
         )
@@ -438,7 +436,7 @@ class AsyncDriver:
         s = self.max_staleness
         # the key as host data: it lies with the state on the train mesh, the rollout elsewhere
         key = jax.random.wrap_key_data(np.asarray(jax.device_get(jax.random.key_data(key))))
-        self._current_step = t - 1  # a batch due at update t is completed in this step's fill
+        rng = np.asarray(jax.device_get(state.rng))  # read now: the step donates the state
         phases: list[dict[str, Any]] = []
         extra: dict[str, float] = {}
         if not self._synced:  # the first step of this process: the rollout gets version t-1
@@ -449,29 +447,29 @@ class AsyncDriver:
         last = min(t + s - 1, self.max_steps) if s else t
         for j in range(t, last + 1):
             if j not in have:
-                key_j = key if j == t else key_ahead(state.rng, j - t - 1)
-                self.buffer.append(self._generate(j, iterator, key_j, phases))
+                key_j = key if j == t else key_ahead(rng, j - t - 1)
+                self.buffer.append(self._generate(j, iterator, key_j, phases, due=t))
         pending = self.buffer.popleft()
         if isinstance(pending, InFlightBatch):  # due now (a resume with fewer windows left)
-            pending = self._continue(pending, iterator, phases, to_end=True)
+            pending = self._continue(pending, iterator, phases, due=t)
         if pending.step != t:
             raise RuntimeError(f"async buffer out of order: batch of step {pending.step} at {t}")
         groups = self.to_global(pending.groups)
         state = state._replace(data_position=np.asarray(iterator.position, np.int32))
-        rng = np.asarray(jax.device_get(state.rng))  # the step donates the state
         hostmem.release_free_heap()
         mark_phase("update", t)
         t_update = time.time()
         # enqueued: the device runs it while the host samples on
         new_state, wait = self.rl_step.dispatch(state, groups)
         t_dispatched = time.time()
-        self._current_step = t  # this window: batch t + 1 is due next
+        # this window (update t): batch t + 1 is due next
         for i, entry in enumerate(list(self.buffer)):  # partial rollouts: one more segment each
             if isinstance(entry, InFlightBatch):
-                self.buffer[i] = self._continue(entry, iterator, phases)
+                self.buffer[i] = self._continue(entry, iterator, phases, due=t + 1)
         if s and t + s <= self.max_steps:  # overlaps the update on the device
-            self.buffer.append(self._generate(t + s, iterator, key_ahead(rng, s - 1), phases))
-        metrics = {k: float(np.asarray(v)) for k, v in jax.device_get(wait()).items()}
+            key_next = key_ahead(rng, s - 1)
+            self.buffer.append(self._generate(t + s, iterator, key_next, phases, due=t + 1))
+        metrics = wait()
         phases.append(self._phase("update", t_update, step=t, dispatched=t_dispatched - self._t0))
         metrics["time/update"] = time.time() - t_update
         extra.update(self._sync(new_state.params, t, phases))

@@ -350,7 +350,7 @@ class Checkpointer:
             "checksums": checksums.compute_checksums(_by_name(flat)),
             **dict(meta or {}),
         }
-        items = {"state": ocp.args.PyTreeSave(_nest(flat)), "meta": None}
+        items = {"state": ocp.args.PyTreeSave(_nest(flat))}
         if host:
             host = {name: np.ascontiguousarray(x) for name, x in host.items()}
             body[HOST_ARRAYS] = {

@@ -323,7 +323,6 @@ def score_generated(
     version = getattr(out, "version", None)
     extra = () if version is None else (np.asarray(version, np.int32),)
     groups, extra = _selected(recipe, groups, extra)
-    groups = _concat([groups], pad=setup.data.train.pad_id)
     return groups, {**metrics, **times}, (extra[0] if extra else None)
 
 

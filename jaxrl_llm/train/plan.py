@@ -808,14 +808,13 @@ def lower_rollout(
     rep = st.replicated(mesh)
     batch = shd.batch_sharding(mesh, 2) if b % shd.data_parallel_size(mesh) == 0 else rep
     cache_dtype = _cache_dtype(r.cache_dtype, cfg, target)
-    pad = cfg.pad_token_id
     static = engine._Static(  # the sampler's own static settings (engine.generate)
         max_new_tokens=t,
         num_samples=g,
         greedy=greedy,
         top_k=0 if greedy or r.top_k >= cfg.vocab_size else r.top_k,
         use_top_p=not greedy and r.top_p < 1.0,
-        pad_token_id=int(pad) if pad is not None and 0 <= pad < cfg.vocab_size else 0,
+        pad_token_id=engine._pad_id(cfg),
         cache_dtype=cache_dtype.name,
     )
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -1248,12 +1247,13 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _split_rows(plan: Plan, lines: list[str], row: Any) -> None:
-    """The two blocks of a split plan: the train devices', then the rollout devices'."""
-    sp, lora_info = plan.split, plan.model.get("lora")
+def _state_rows(plan: Plan, row: Any) -> None:
+    """The train state's rows: parameters (or adapters), the frozen base, the optimizer, the
+    reference and the critic."""
+    lora_info = plan.model.get("lora")
     row("adapters (LoRA)" if lora_info else "parameters", plan.parameters)
     if plan.frozen.total:
-        q = lora_info["quantize"]
+        q = lora_info["quantize"] if lora_info else "none"
         label = "frozen base" + ("" if q == "none" else f" ({q})")
         row(label + (" = reference" if lora_info.get("reference_is_base") else ""), plan.frozen)
     row("optimizer state", plan.optimizer)
@@ -1261,6 +1261,12 @@ def _split_rows(plan: Plan, lines: list[str], row: Any) -> None:
         row("reference model", plan.reference)
     if plan.critic.total:
         row("critic (+ its optimizer)", plan.critic)
+
+
+def _split_rows(plan: Plan, lines: list[str], row: Any) -> None:
+    """The two blocks of a split plan: the train devices', then the rollout devices'."""
+    sp, lora_info = plan.split, plan.model.get("lora")
+    _state_rows(plan, row)
     row("step batch (groups)", plan.batch)
     row("update temporaries (XLA)", plan.update.temporaries)
     for prog in plan.programs:
@@ -1282,17 +1288,7 @@ def _split_rows(plan: Plan, lines: list[str], row: Any) -> None:
 
 def _colocated_rows(plan: Plan, row: Any) -> None:
     """The one block of a colocated plan (every program on the one mesh)."""
-    lora_info = plan.model.get("lora")
-    row("adapters (LoRA)" if lora_info else "parameters", plan.parameters)
-    if plan.frozen.total:
-        q = lora_info["quantize"] if lora_info else "none"
-        label = "frozen base" + ("" if q == "none" else f" ({q})")
-        row(label + (" = reference" if lora_info.get("reference_is_base") else ""), plan.frozen)
-    row("optimizer state", plan.optimizer)
-    if plan.reference.total:
-        row("reference model", plan.reference)
-    if plan.critic.total:
-        row("critic (+ its optimizer)", plan.critic)
+    _state_rows(plan, row)
     if plan.merged_copy.total:
         row("merged copy (rollout)", plan.merged_copy)
     row("step batch" + (" (groups)" if plan.kv_cache.total else " (pairs)"), plan.batch)
