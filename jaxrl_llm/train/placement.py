@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -242,6 +243,13 @@ def _identity(x: jax.Array) -> jax.Array:
     return x
 
 
+@functools.cache
+def _reshard(stage: NamedSharding) -> Any:
+    """The jitted reshard onto ``stage``, one per staging sharding (not a new jit object, and
+    a new trace, for every array of every sync)."""
+    return jax.jit(_identity, out_shardings=stage)
+
+
 def _local_copy(x: jax.Array, dst: NamedSharding) -> jax.Array:
     """``x`` on ``dst`` from this process's own shards of ``x`` (device-to-device copies of
     the slices each ``dst`` shard needs), assembled into the global array."""
@@ -287,7 +295,7 @@ def transfer(tree: Any, shardings: Any) -> Any:
         stage = _staging(x, dst)
         if stage != x.sharding:
             with jax.set_mesh(stage.mesh):
-                x = jax.jit(_identity, out_shardings=stage)(x)
+                x = _reshard(stage)(x)
         out.append(_local_copy(x, dst))
     return jax.tree.unflatten(treedef, out)
 
