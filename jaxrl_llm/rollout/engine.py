@@ -59,12 +59,21 @@ class Generation(NamedTuple):
         0 where ``mask`` is False.
       truncated: ``bool[B, G]`` True when the sequence hit its budget (``max_new_tokens``, or
         its ``max_new_tokens_bg`` entry) without a stop token.
+      full_logprobs: ``float32[B, G, T]`` with ``generate(return_full_logprobs=True)``, else
+        ``None``: each token's log-prob under the whole vocabulary at temperature 1,
+        ``log softmax(logits)[token]`` (``sampling.full_logprobs``; no temperature, no
+        top-k/top-p), the trainer's ``token_logprobs`` at τ = 1 of the same tokens. What an
+        importance-sampling correction needs when top-k/top-p truncate the support, where
+        ``logprobs`` is of the truncated, renormalised distribution. Equal to ``logprobs``
+        when greedy (τ = 1 and no filter there by definition) and, for τ = 1 with no filter,
+        up to float rounding. 0 where ``mask`` is False.
     """
 
     tokens: jax.Array
     mask: jax.Array
     logprobs: jax.Array
     truncated: jax.Array
+    full_logprobs: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +87,7 @@ class _Static:
     use_top_p: bool
     pad_token_id: int
     cache_dtype: str
+    full_logprobs: bool = False  # also the full-vocabulary τ = 1 log-probs (Generation)
 
 
 def _cast_params(params: Params, dtype: jax.typing.DTypeLike) -> Params:
@@ -152,15 +162,27 @@ def _rollout(
     tokens_tn = jnp.full((t, n), static.pad_token_id, jnp.int32).at[0].set(token_n)
     logp_tn = jnp.zeros((t, n), jnp.float32).at[0].set(logp_n)
     mask_tn = jnp.zeros((t, n), bool).at[0].set(True)
+    full_tn = None  # only in the program that returns them (None is an empty pytree)
+    if static.full_logprobs:
+        full_tn = (
+            jnp.zeros((t, n), jnp.float32).at[0].set(sampling.full_logprobs(logits_nv, token_n))
+        )
     alive_n = ~stopped(token_n)
     if budget_n is not None:  # per-sample budgets: a row stops after its budget_n tokens
         alive_n = alive_n & (budget_n > 1)
 
     layers = decode.unstack_layers(lm.model.layers)  # once, outside the decode loop
 
-    # (step, token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn)
+    # (step, token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn, full_tn or None)
     Carry = tuple[
-        jax.Array, jax.Array, jax.Array, decode.DecodeCache, jax.Array, jax.Array, jax.Array
+        jax.Array,
+        jax.Array,
+        jax.Array,
+        decode.DecodeCache,
+        jax.Array,
+        jax.Array,
+        jax.Array,
+        jax.Array | None,
     ]
 
     def cond(carry: Carry) -> jax.Array:
@@ -168,19 +190,22 @@ def _rollout(
         return (step < t) & jnp.any(alive_n)
 
     def body(carry: Carry) -> Carry:
-        step, token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn = carry
+        step, token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn, full_tn = carry
         logits_nv, cache = decode.decode_step(lm, token_n, alive_n, cache, layers)
         new_n, logp_n = pick(logits_nv, step)
         tokens_tn = tokens_tn.at[step].set(jnp.where(alive_n, new_n, static.pad_token_id))
         logp_tn = logp_tn.at[step].set(jnp.where(alive_n, logp_n, 0.0))
         mask_tn = mask_tn.at[step].set(alive_n)
+        if full_tn is not None:
+            full_n = sampling.full_logprobs(logits_nv, new_n)
+            full_tn = full_tn.at[step].set(jnp.where(alive_n, full_n, 0.0))
         alive_n = alive_n & ~stopped(new_n)
         if budget_n is not None:
             alive_n = alive_n & (step + 1 < budget_n)
-        return step + 1, new_n, alive_n, cache, tokens_tn, logp_tn, mask_tn
+        return step + 1, new_n, alive_n, cache, tokens_tn, logp_tn, mask_tn, full_tn
 
-    carry = (jnp.int32(1), token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn)
-    _, _, alive_n, _, tokens_tn, logp_tn, mask_tn = jax.lax.while_loop(cond, body, carry)
+    carry = (jnp.int32(1), token_n, alive_n, cache, tokens_tn, logp_tn, mask_tn, full_tn)
+    _, _, alive_n, _, tokens_tn, logp_tn, mask_tn, full_tn = jax.lax.while_loop(cond, body, carry)
 
     def bgt(x_tn: jax.Array) -> jax.Array:
         return x_tn.T.reshape(b, g, t)
@@ -188,7 +213,8 @@ def _rollout(
     if budget_n is not None:  # alive_n is False at a budget's end too: truncated = no stop id
         hit = mask_tn & jnp.any(tokens_tn[..., None] == stop_ids_s[None, None], axis=-1)
         alive_n = ~jnp.any(hit, axis=0)
-    return Generation(bgt(tokens_tn), bgt(mask_tn), bgt(logp_tn), alive_n.reshape(b, g))
+    full_bgt = None if full_tn is None else bgt(full_tn)
+    return Generation(bgt(tokens_tn), bgt(mask_tn), bgt(logp_tn), alive_n.reshape(b, g), full_bgt)
 
 
 def _split_model(model: ModelLike) -> tuple[nnx.GraphDef, Params, CausalLM | None]:
@@ -424,6 +450,7 @@ def generate(
     engine: str = "static",
     paged_options: paged.PagedOptions | None = None,
     return_stats: bool = False,
+    return_full_logprobs: bool = False,
 ) -> Generation | tuple[Generation, paged.PagedStats | None]:
     """Samples ``num_samples`` completions of ``max_new_tokens`` tokens for each prompt.
 
@@ -464,6 +491,9 @@ def generate(
       paged_options: sizes of the paged engine (:class:`paged.PagedOptions`).
       return_stats: also return the paged engine's :class:`paged.PagedStats` (``None`` for
         the static engine); for benchmarks.
+      return_full_logprobs: also return ``Generation.full_logprobs``, each token's log-prob
+        under the whole vocabulary at temperature 1 (both engines; computed inside the
+        compiled programs, which without it are unchanged).
 
     Returns:
       A :class:`Generation` of ``[B, G, T]`` tokens, mask and log-probs and ``[B, G]`` truncated
@@ -474,6 +504,10 @@ def generate(
     max_new_tokens = _as_int("max_new_tokens", max_new_tokens, 1)
     num_samples = _as_int("num_samples", num_samples, 1)
     prompt_bucket = _as_int("prompt_bucket", prompt_bucket, 1)
+    if not isinstance(return_full_logprobs, bool | np.bool_):
+        raise TypeError(
+            f"generate: return_full_logprobs must be a bool, got {return_full_logprobs!r}"
+        )
     rng, temperature, top_k, top_p = _check_sampling("generate", rng, temperature, top_k, top_p)
     ids, mask = _check_prompts(prompt_ids_bt, prompt_mask_bt, config, max_new_tokens)
     width = -(-ids.shape[1] // prompt_bucket) * prompt_bucket
@@ -486,6 +520,7 @@ def generate(
         use_top_p=top_p < 1.0,
         pad_token_id=_pad_id(config),
         cache_dtype=_cache_dtype(cache_dtype, config).name,
+        full_logprobs=bool(return_full_logprobs),
     )
     stop = _stop_ids(stop_token_ids, config)
     budgets_bg = _check_budgets(max_new_tokens_bg, ids.shape[0], num_samples, max_new_tokens)
@@ -524,6 +559,7 @@ def generate(
             cache_dtype=jnp.dtype(static.cache_dtype),
             max_new_tokens=max_new_tokens,
             options=options,
+            full_logprobs=static.full_logprobs,
         )
         out = Generation(*(jnp.asarray(x) for x in arrays))
         return (out, stats) if return_stats else out

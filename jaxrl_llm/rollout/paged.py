@@ -197,6 +197,7 @@ class _Static:
     pad_token_id: int
     page_size: int
     steps: int
+    full_logprobs: bool = False  # also the full-vocabulary τ = 1 log-probs
 
 
 def _row_keys(rng: jax.Array, seq_id_n: jax.Array, pos_n: jax.Array) -> jax.Array:
@@ -210,8 +211,9 @@ def _pick(
     temperature: jax.Array,
     top_p: jax.Array,
     static: _Static,
-) -> tuple[jax.Array, jax.Array]:
-    return sampling.sample(
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """``(tokens, logprobs, full-vocabulary τ = 1 log-probs or None)``, all ``[N]``."""
+    token_n, logp_n = sampling.sample(
         logits_nv,
         keys_n,
         temperature=temperature,
@@ -219,6 +221,8 @@ def _pick(
         top_p=top_p if static.use_top_p else None,
         greedy=static.greedy,
     )
+    full_n = sampling.full_logprobs(logits_nv, token_n) if static.full_logprobs else None
+    return token_n, logp_n, full_n
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("pool",))
@@ -240,7 +244,7 @@ def _prefill(
     top_p: jax.Array,
     *,
     static: _Static,
-) -> tuple[PagePool, jax.Array, jax.Array]:
+) -> tuple[PagePool, jax.Array, jax.Array, jax.Array | None]:
     """One prefill chunk of R prompts: writes it for each prompt's G samples and samples their
     first token from the logits at ``last_index_r`` (used by the caller where the prompt ends),
     with the keys of sequence ``seq_id_rg`` at completion index ``pos_rg`` (0 but in partial
@@ -263,8 +267,9 @@ def _prefill(
     logits_nv = jnp.broadcast_to(logits_rv[:, None], (r, g, logits_rv.shape[-1])).reshape(r * g, -1)
     seq_id_n = seq_id_rg.reshape(-1)
     keys_n = _row_keys(rng, seq_id_n, pos_rg.reshape(-1))
-    token_n, logp_n = _pick(logits_nv, keys_n, temperature, top_p, static)
-    return pool, token_n.reshape(r, g), logp_n.reshape(r, g)
+    token_n, logp_n, full_n = _pick(logits_nv, keys_n, temperature, top_p, static)
+    full_rg = None if full_n is None else full_n.reshape(r, g)
+    return pool, token_n.reshape(r, g), logp_n.reshape(r, g), full_rg
 
 
 class _SlotState(NamedTuple):
@@ -290,9 +295,9 @@ def _decode(
     refill_at: jax.Array,
     *,
     static: _Static,
-) -> tuple[PagePool, _SlotState, jax.Array, jax.Array, jax.Array]:
+) -> tuple[PagePool, _SlotState, jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Up to ``static.steps`` decode steps of every slot: ``(pool, state, tokens, logps,
-    valid)``, the last three ``[k, N]``. Returns early, after the step in which
+    valid, full logps or None)``, the last four ``[k, N]``. Returns early, after the step in which
     ``refill_at`` of the slots have finished (the host has prompts waiting for that many
     slots; a large value: never)."""
     lm: CausalLM = nnx.merge(graphdef, params)
@@ -301,7 +306,7 @@ def _decode(
     rows = jnp.arange(n)
 
     def step(carry: tuple) -> tuple:
-        i, pool, st, tok_kn, logp_kn, valid_kn = carry
+        i, pool, st, tok_kn, logp_kn, valid_kn, full_kn = carry
         h_n1d, k_ln1kd, v_ln1kd = forward_paged(
             lm, pool, st.token_n[:, None], st.alive_n[:, None], st.lens_n, table_nw
         )
@@ -312,13 +317,15 @@ def _decode(
             write_pages(pool.v, page_n[:, None], off_n[:, None], v_ln1kd),
         )
         logits_nv = lm.logits(h_n1d[:, 0])
-        new_n, logp_n = _pick(
+        new_n, logp_n, full_n = _pick(
             logits_nv, _row_keys(rng, st.seq_id_n, st.gen_pos_n), temperature, top_p, static
         )
         alive = st.alive_n
         tok_kn = tok_kn.at[i].set(jnp.where(alive, new_n, static.pad_token_id))
         logp_kn = logp_kn.at[i].set(jnp.where(alive, logp_n, 0.0))
         valid_kn = valid_kn.at[i].set(alive)
+        if full_kn is not None:
+            full_kn = full_kn.at[i].set(jnp.where(alive, full_n, 0.0))
         step_n = alive.astype(jnp.int32)
         remaining = st.remaining_n - step_n
         stop_n = jnp.any(new_n[:, None] == stop_ids_s[None, :], axis=1)
@@ -330,7 +337,7 @@ def _decode(
             gen_pos_n=st.gen_pos_n + step_n,
             seq_id_n=st.seq_id_n,
         )
-        return i + 1, pool, st, tok_kn, logp_kn, valid_kn
+        return i + 1, pool, st, tok_kn, logp_kn, valid_kn, full_kn
 
     def cond(carry: tuple) -> jax.Array:
         i, _, st, *_ = carry
@@ -344,6 +351,7 @@ def _decode(
         jnp.full((k, n), static.pad_token_id, jnp.int32),
         jnp.zeros((k, n), jnp.float32),
         jnp.zeros((k, n), bool),
+        jnp.zeros((k, n), jnp.float32) if static.full_logprobs else None,
     )
     return jax.lax.while_loop(cond, step, carry)[1:]
 
@@ -366,6 +374,7 @@ class _Seq:
     reserved: int
     tokens: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
+    full_logps: list[float] = dataclasses.field(default_factory=list)
     stopped: bool = False
 
 
@@ -425,7 +434,8 @@ def run(
     options: PagedOptions,
     seq_ids_bg: np.ndarray | None = None,
     token_offsets_bg: np.ndarray | None = None,
-) -> tuple[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray], PagedStats]:
+    full_logprobs: bool = False,
+) -> tuple[tuple[np.ndarray, ...], PagedStats]:
     """Samples ``budgets_bg[b, g]`` tokens (or up to a stop id) for each prompt and sample.
 
     ``prompts`` are the unpadded token ids of each prompt; ``params`` already in the compute
@@ -434,7 +444,8 @@ def run(
     partitioning the weights' matmuls as the parameters say (one scheduler; correct, not yet
     data-parallel: per-shard schedulers with per-shard pools are the plan). Returns numpy
     ``(tokens, mask, logprobs, truncated)`` shaped as
-    :class:`~jaxrl_llm.rollout.engine.Generation` and the run's :class:`PagedStats`.
+    :class:`~jaxrl_llm.rollout.engine.Generation` (with ``full_logprobs``, a fifth array:
+    ``Generation.full_logprobs``) and the run's :class:`PagedStats`.
 
     Token ``t`` of sample ``(b, g)`` is drawn with ``fold_in(fold_in(rng, id), offset + t)``,
     ``id = seq_ids_bg[b, g]`` (default ``b·G + g``) and ``offset = token_offsets_bg[b, g]``
@@ -451,7 +462,7 @@ def run(
         pool = jax.device_put(pool, NamedSharding(mesh, jax.sharding.PartitionSpec()))
     page_bytes = 2 * math.prod(shape) // options.num_pages * jnp.dtype(cache_dtype).itemsize
     alloc = PageAllocator(options.num_pages)
-    static = _Static(greedy, top_k, top_p < 1.0, pad_token_id, ps, k)
+    static = _Static(greedy, top_k, top_p < 1.0, pad_token_id, ps, k, bool(full_logprobs))
     temp, topp = np.float32(temperature or 1.0), np.float32(top_p)
     stop_ids = np.asarray(stop_ids, np.int32)
     stop_set = {int(s) for s in stop_ids if s >= 0}
@@ -529,7 +540,7 @@ def run(
         prompts that still have tokens), then seats their samples in free slots."""
         nonlocal pool, prefills
         page_of = {b: reserve_group(b) for b in group}
-        first: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        first: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
         start = 0
         while len(first) < len(group):
             rows_b = [b for b in group if len(prompts[b]) > start]
@@ -554,7 +565,7 @@ def run(
                 last[r] = n - 1
                 ids[r] = seq_ids_bg[b]
                 pos[r] = token_offsets_bg[b]
-            pool, tok_rg, logp_rg = _prefill(
+            pool, tok_rg, logp_rg, full_rg = _prefill(
                 graphdef,
                 params,
                 pool,
@@ -576,17 +587,24 @@ def run(
             ends = [r for r, b in enumerate(rows_b) if len(prompts[b]) <= start + chunk]
             if ends:
                 tok_rg, logp_rg = np.asarray(tok_rg), np.asarray(logp_rg)
+                full_rg = None if full_rg is None else np.asarray(full_rg)
                 for r in ends:
-                    first[rows_b[r]] = (tok_rg[r], logp_rg[r])
+                    first[rows_b[r]] = (
+                        tok_rg[r],
+                        logp_rg[r],
+                        None if full_rg is None else full_rg[r],
+                    )
             start += chunk
         free_slots = [i for i, s in enumerate(slot_seq) if s < 0]
         for b in group:
-            tok_g, logp_g = first[b]
+            tok_g, logp_g, full_g = first[b]
             for i in range(g):
                 sid = b * g + i
                 seq = seqs[sid]
                 seq.tokens.append(int(tok_g[i]))
                 seq.logps.append(float(logp_g[i]))
+                if full_g is not None:
+                    seq.full_logps.append(float(full_g[i]))
                 seq.stopped = int(tok_g[i]) in stop_set
                 if seq.stopped or seq.budget == 1:
                     finish(sid)
@@ -641,7 +659,7 @@ def run(
             waiting = bool(pending)
             free_now = sum(s < 0 for s in slot_seq)
             refill_at = np.int32(max(g - free_now, 1) if waiting else 2**30)
-            pool, state, tok_kn, logp_kn, valid_kn = _decode(
+            pool, state, tok_kn, logp_kn, valid_kn, full_kn = _decode(
                 graphdef,
                 params,
                 pool,
@@ -662,12 +680,15 @@ def run(
                 np.asarray(logp_kn),
                 np.asarray(valid_kn),
             )
+            full_kn = None if full_kn is None else np.asarray(full_kn)
             for j, slot in enumerate(rows_j[: len(live)]):
                 sid = slot_seq[slot]
                 seq = seqs[sid]
                 rows = valid_kn[:, j]
                 seq.tokens += tok_kn[rows, j].tolist()
                 seq.logps += logp_kn[rows, j].tolist()
+                if full_kn is not None:
+                    seq.full_logps += full_kn[rows, j].tolist()
                 if not alive[slot]:
                     seq.stopped = seq.tokens[-1] in stop_set
                     finish(sid)
@@ -678,14 +699,18 @@ def run(
     mask = np.zeros((b_count, g, t), bool)
     logps = np.zeros((b_count, g, t), np.float32)
     truncated = np.zeros((b_count, g), bool)
+    full = np.zeros((b_count, g, t), np.float32) if full_logprobs else None
     for seq in finished.values():
         n = len(seq.tokens)
         tokens[seq.prompt, seq.sample, :n] = seq.tokens
         mask[seq.prompt, seq.sample, :n] = True
         logps[seq.prompt, seq.sample, :n] = seq.logps
         truncated[seq.prompt, seq.sample] = not seq.stopped
+        if full is not None:
+            full[seq.prompt, seq.sample, :n] = seq.full_logps
     stats = PagedStats(alloc.peak, page_bytes, dispatches, prefills, alloc.in_use)
-    return (tokens, mask, logps, truncated), stats
+    outputs = (tokens, mask, logps, truncated)
+    return (outputs if full is None else (*outputs, full)), stats
 
 
 def _model_config(graphdef: nnx.GraphDef, params: Params) -> Any:

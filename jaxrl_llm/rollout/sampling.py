@@ -112,6 +112,27 @@ def inverse_cdf(
     return block_n * block + index_n, total_n
 
 
+def full_logprobs(logits_nv: jax.Array, token_n: jax.Array) -> jax.Array:
+    """float32[N]: each row's token under the whole vocabulary at temperature 1.
+
+        full_n = log softmax(logits_n)[token_n] = logits_n[token_n] − logsumexp(logits_n)
+
+    No temperature, no top-k/top-p: the model's own distribution, which the trainer recomputes
+    (``core.logprobs.token_logprobs`` at τ = 1), whatever filter the token was sampled
+    through. Importance-sampling corrections that need π(y) rather than the truncated
+    sampling distribution's μ(y) read this (``generate(return_full_logprobs=True)``); for
+    greedy decoding it is also :func:`sample`'s log-prob.
+
+    Args:
+      logits_nv: float ``[N, V]`` (upcast to f32).
+      token_n: int ``[N]`` token ids in ``[0, V)``.
+    """
+    logits_nv = logits_nv.astype(jnp.float32)
+    lse_n = jax.nn.logsumexp(logits_nv, axis=-1)
+    picked_n = jnp.take_along_axis(logits_nv, token_n[:, None], axis=-1)[:, 0]
+    return picked_n - lse_n
+
+
 def sample(
     logits_nv: jax.Array,
     key: jax.Array,
@@ -141,9 +162,7 @@ def sample(
     logits_nv = logits_nv.astype(jnp.float32)
     if greedy:
         token_n = argmax_first(logits_nv)
-        lse_n = jax.nn.logsumexp(logits_nv, axis=-1)
-        picked_n = jnp.take_along_axis(logits_nv, token_n[:, None], axis=-1)[:, 0]
-        return token_n, picked_n - lse_n
+        return token_n, full_logprobs(logits_nv, token_n)
     z_nv = logits_nv / jnp.asarray(temperature, jnp.float32)
     if top_k:
         z_nv = jnp.where(top_k_mask(z_nv, top_k), z_nv, _NEG_INF)
