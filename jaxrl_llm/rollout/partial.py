@@ -92,6 +92,9 @@ class InFlight(NamedTuple):
       segments: how many :func:`advance` calls computed something.
       rng_key_data: ``uint32[...]`` the key data of the batch's ``rng`` (empty before the first
         :func:`advance`): every segment must use the same key.
+      full_logp_bgt: ``float32[B, G, T]`` each token's full-vocabulary log-prob at temperature 1
+        under the version that sampled it (``Generation.full_logprobs``), 0 elsewhere; ``None``
+        unless :func:`start` was asked for them (``full_logprobs=True``).
     """
 
     tokens_bgt: np.ndarray
@@ -105,6 +108,7 @@ class InFlight(NamedTuple):
     last_version: int = -1
     segments: int = 0
     rng_key_data: np.ndarray = np.zeros((0,), np.uint32)
+    full_logp_bgt: np.ndarray | None = None
 
 
 class PartialGeneration(NamedTuple):
@@ -116,6 +120,8 @@ class PartialGeneration(NamedTuple):
       truncated: ``bool[B, G]`` the sample hit its budget without a stop id.
       version: ``int32[B, G, T]`` the policy version that sampled each token; -1 where ``mask``
         is False.
+      full_logprobs: ``float32[B, G, T]`` as ``Generation.full_logprobs`` (each under the
+        version that sampled the token), or ``None`` unless asked for.
     """
 
     tokens: jax.Array
@@ -123,6 +129,7 @@ class PartialGeneration(NamedTuple):
     logprobs: jax.Array
     truncated: jax.Array
     version: jax.Array
+    full_logprobs: jax.Array | None = None
 
 
 def _int(fn: str, name: str, value: object, minimum: int) -> int:
@@ -138,10 +145,14 @@ def start(
     num_samples: int,
     max_new_tokens: int,
     max_new_tokens_bg: jax.typing.ArrayLike | None = None,
+    *,
+    full_logprobs: bool = False,
 ) -> InFlight:
     """An empty :class:`InFlight` for ``num_prompts × num_samples`` samples of at most
     ``max_new_tokens`` tokens (``max_new_tokens_bg``: per-sample budgets ``int[B, G]`` in
-    ``[1, max_new_tokens]``, as in :func:`~jaxrl_llm.rollout.engine.generate`)."""
+    ``[1, max_new_tokens]``, as in :func:`~jaxrl_llm.rollout.engine.generate`).
+    ``full_logprobs``: every segment also records the full-vocabulary τ = 1 log-probs
+    (``InFlight.full_logp_bgt``, returned by :func:`finish`)."""
     b = _int("start", "num_prompts", num_prompts, 1)
     g = _int("start", "num_samples", num_samples, 1)
     t = _int("start", "max_new_tokens", max_new_tokens, 1)
@@ -161,6 +172,7 @@ def start(
         num_new_bg=np.zeros((b, g), np.int32),
         budget_bg=budget_bg,
         rng_key_data=np.zeros((0,), np.uint32),
+        full_logp_bgt=np.zeros((b, g, t), np.float32) if full_logprobs else None,
     )
 
 
@@ -171,7 +183,9 @@ def _check_inflight(inflight: object) -> InFlight:
             f"{type(inflight).__name__}"
         )
     b, g, t = inflight.tokens_bgt.shape
-    for name in ("mask_bgt", "logp_bgt", "version_bgt"):
+    for name in ("mask_bgt", "logp_bgt", "version_bgt", "full_logp_bgt"):
+        if name == "full_logp_bgt" and inflight.full_logp_bgt is None:
+            continue
         if getattr(inflight, name).shape != (b, g, t):
             raise ValueError(
                 f"partial.advance: inflight.{name} has shape {getattr(inflight, name).shape}, "
@@ -197,6 +211,7 @@ class _Sampler(NamedTuple):
     stop_ids: np.ndarray
     pad_token_id: int
     cache_dtype: jnp.dtype
+    full_logprobs: bool = False
 
 
 class _Rows(NamedTuple):
@@ -209,8 +224,28 @@ class _Rows(NamedTuple):
     offsets: np.ndarray
 
 
-Segment = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-"""``(tokens int32[M, S], valid bool[M, S], logp f32[M, S], truncated bool[M])``, M = R·k."""
+Segment = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
+"""``(tokens int32[M, S], valid bool[M, S], logp f32[M, S], truncated bool[M], full f32[M, S]
+or None)``, M = R·k."""
+
+
+def _rows_of(
+    seg: int,
+    tok: np.ndarray,
+    valid: np.ndarray,
+    logp: np.ndarray,
+    trunc: np.ndarray,
+    full: np.ndarray | None = None,
+) -> Segment:
+    """A segment's outputs ``[R, k, S]`` / ``[R, k]`` as ``[M, S]`` / ``[M]`` (Segment)."""
+    full = None if full is None else np.asarray(full).reshape(-1, seg)
+    return (
+        tok.reshape(-1, seg),
+        valid.reshape(-1, seg),
+        logp.reshape(-1, seg),
+        trunc.reshape(-1),
+        full,
+    )
 
 
 def _paged_segment(
@@ -228,7 +263,7 @@ def _paged_segment(
     options = paged.resolve_options(
         paged_options, num_seqs=b * g, num_samples=g, longest_prompt=p, max_new_tokens=t
     )
-    (tok, valid, logp, trunc), _ = paged.run(
+    arrays, _ = paged.run(
         graphdef,
         eng._mesh_of(params),
         eng._cast_params(params, config.jnp_dtype),
@@ -246,8 +281,9 @@ def _paged_segment(
         options=options,
         seq_ids_bg=rows.seq_ids,
         token_offsets_bg=rows.offsets,
+        full_logprobs=sampler.full_logprobs,
     )
-    return tok.reshape(-1, seg), valid.reshape(-1, seg), logp.reshape(-1, seg), trunc.reshape(-1)
+    return _rows_of(seg, *arrays)
 
 
 _STATIC_WIDTH = 128
@@ -291,6 +327,7 @@ def _static_segment(
         use_top_p=sampler.top_p < 1.0,
         pad_token_id=sampler.pad_token_id,
         cache_dtype=jnp.dtype(sampler.cache_dtype).name,
+        full_logprobs=sampler.full_logprobs,
     )
     out = eng._generate_static(
         graphdef,
@@ -306,8 +343,7 @@ def _static_segment(
         eng._mesh_of(params),
         row_keys=(filled(rows.seq_ids, 0).reshape(-1), filled(rows.offsets, 0).reshape(-1)),
     )
-    tok, valid, logp, trunc = (np.asarray(x)[:r] for x in out)
-    return tok.reshape(-1, seg), valid.reshape(-1, seg), logp.reshape(-1, seg), trunc.reshape(-1)
+    return _rows_of(seg, *(None if x is None else np.asarray(x)[:r] for x in out))
 
 
 def advance(
@@ -404,6 +440,7 @@ def advance(
         stop_ids=eng._stop_ids(stop_token_ids, config),
         pad_token_id=eng._pad_id(config),
         cache_dtype=eng._cache_dtype(cache_dtype, config),
+        full_logprobs=inflight.full_logp_bgt is not None,
     )
     n_m = inflight.num_new_bg[active[:, 0], active[:, 1]].astype(np.int64)
     seg = min(segment_tokens, t)
@@ -430,9 +467,10 @@ def advance(
         )
     sizes = (b, g, t, ids_bp.shape[1])
     segment = _paged_segment if engine == "paged" else _static_segment
-    tok_ms, valid_ms, logp_ms, trunc_m = segment(
+    tok_ms, valid_ms, logp_ms, trunc_m, full_ms = segment(
         graphdef, params, config, run, seg, sizes, sampler, paged_options
     )
+    full = None if full_ms is None else inflight.full_logp_bgt.copy()
     tokens, mask, logp, version_bgt = (
         inflight.tokens_bgt.copy(),
         inflight.mask_bgt.copy(),
@@ -449,6 +487,8 @@ def advance(
         tokens[bi, gi, n : n + k] = tok_ms[m, :k]
         mask[bi, gi, n : n + k] = True
         logp[bi, gi, n : n + k] = logp_ms[m, :k]
+        if full is not None:
+            full[bi, gi, n : n + k] = full_ms[m, :k]
         version_bgt[bi, gi, n : n + k] = version
         num_new[bi, gi] = n + k
         stopped = not bool(trunc_m[m])  # the segment ended in a stop id
@@ -464,6 +504,7 @@ def advance(
         truncated_bg=truncated,
         num_new_bg=num_new,
         segments=inflight.segments + 1,
+        full_logp_bgt=full,
     )
 
 
@@ -478,6 +519,7 @@ def finish(inflight: InFlight, *, allow_unfinished: bool = False) -> PartialGene
             f"partial.finish: expected a partial.InFlight, got {type(inflight).__name__}"
         )
     open_bg = ~inflight.done_bg
+    full = inflight.full_logp_bgt
     if open_bg.any() and not allow_unfinished:
         b, g = (int(i) for i in np.argwhere(open_bg)[0])
         raise ValueError(
@@ -491,6 +533,7 @@ def finish(inflight: InFlight, *, allow_unfinished: bool = False) -> PartialGene
         logprobs=jnp.asarray(inflight.logp_bgt),
         truncated=jnp.asarray(inflight.truncated_bg | open_bg),
         version=jnp.asarray(inflight.version_bgt),
+        full_logprobs=None if full is None else jnp.asarray(full),
     )
 
 
@@ -512,16 +555,21 @@ def generate_partial(
     cache_dtype: jax.typing.DTypeLike | None = None,
     engine: str = "paged",
     paged_options: paged.PagedOptions | None = None,
+    return_full_logprobs: bool = False,
 ) -> PartialGeneration:
     """:func:`start`, then :func:`advance` segment by segment until every sample is done.
 
     ``weights`` is either a sequence of models, segment ``i`` sampled by ``weights[i]`` with
     version ``versions[i]`` (default ``i``; the last model and version serve any later
     segments), or a callable ``i -> (model, version)``. At most ``⌈T / segment_tokens⌉``
-    segments run. Other arguments as in :func:`advance` and ``generate``.
+    segments run. ``return_full_logprobs``: also the full-vocabulary τ = 1 log-probs
+    (``PartialGeneration.full_logprobs``). Other arguments as in :func:`advance` and
+    ``generate``.
     """
     b = np.asarray(prompt_ids_bp).shape[0] if np.ndim(prompt_ids_bp) else 0
-    state = start(b, num_samples, max_new_tokens, max_new_tokens_bg)
+    state = start(
+        b, num_samples, max_new_tokens, max_new_tokens_bg, full_logprobs=return_full_logprobs
+    )
     if callable(weights):
         pick = weights
     else:
