@@ -49,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 from collections import deque
 from typing import Any, NamedTuple
 
@@ -61,9 +60,11 @@ from jax.sharding import NamedSharding
 
 from jaxrl_llm.models.rope import rope_cos_sin, rope_frequencies
 from jaxrl_llm.models.transformer import CausalLM, DecoderLayer, layer_windows, scan_layers
+from jaxrl_llm.rollout import pages as pages_lib
 from jaxrl_llm.rollout import sampling
 from jaxrl_llm.rollout.pages import (
     TRASH_PAGE,
+    KernelSpec,
     PageAllocator,
     PagePool,
     gather_pages,
@@ -99,6 +100,15 @@ class PagedOptions:
       steps_per_dispatch: decode steps per compiled dispatch (host visits once per k tokens).
       prefill_chunk: longest prefill chunk in tokens (a power of two); longer prompts are
         prefilled in several chunks.
+      attention: the attention backend (``pages.ATTENTION_BACKENDS``): ``"reference"`` (plain
+        JAX, any platform), ``"pallas_gpu"`` (Pallas GPU ``paged_attention`` for decode,
+        ``jax.nn.dot_product_attention``, cuDNN on GPU, for prefill; interpret mode off a GPU),
+        ``"ragged_tpu"`` (TPU ``ragged_paged_attention``; TPU only) or ``"auto"``: the
+        platform's kernel (TPU -> ragged_tpu, GPU -> pallas_gpu) when it can serve the model
+        on one device, else reference. A kernel named explicitly that cannot serve the model
+        (pallas_gpu: sliding windows, head dim not a multiple of 16; ragged_tpu: layers with
+        different windows, kv heads the kernel cannot tile) is an error; ``auto`` falls back
+        to reference for the whole model (no per-layer mix).
     """
 
     page_size: int = 16
@@ -106,6 +116,7 @@ class PagedOptions:
     num_pages: int | None = None
     steps_per_dispatch: int = 8
     prefill_chunk: int = 256
+    attention: str = "auto"
 
 
 class PagedStats(NamedTuple):
@@ -185,6 +196,68 @@ def forward_paged(
     return decoder.norm(x_btd), k_lbtkd, v_lbtkd
 
 
+def forward_paged_kernel(
+    lm: CausalLM,
+    pool: PagePool,
+    tokens_bt: jax.Array,
+    ctx_len_b: jax.Array,
+    table_bw: jax.Array,
+    write_page_bt: jax.Array,
+    write_off_bt: jax.Array,
+    kernel: KernelSpec,
+) -> tuple[jax.Array, PagePool]:
+    """:func:`forward_paged` for a kernel backend: write first, then attend.
+
+    The kernels read the current tokens' keys/values from the pool, so each layer first
+    scatters its new keys/values into the pool (:func:`pages.write_layer`, at
+    ``write_page_bt``/``write_off_bt``: ``[B, T]``, or ``[B, T, G]`` for the G copies of a
+    prefill chunk; padding at the trash page) and then attends over it
+    (:func:`pages.kernel_attention`, a row's queries at ``ctx_len_b + t`` reading the pooled
+    tokens ``[0, ctx_len_b + T)`` through ``table_bw``, which must cover them). The pool is the
+    layer scan's carry (updated in place), so this returns ``(hidden [B, T, D], pool)``.
+    Same numbers as the reference order when the cache dtype is the compute dtype (here the
+    new tokens are read back in the cache dtype).
+    """
+    c = lm.config
+    decoder = lm.model
+    dtype = c.jnp_dtype
+    t = tokens_bt.shape[1]
+    positions_bt = ctx_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    x_btd = decoder.embed_tokens(tokens_bt, dtype)
+    inv_freq, rope_scaling = rope_frequencies(c)
+    cos, sin = rope_cos_sin(positions_bt, inv_freq, rope_scaling, dtype)
+
+    def body(
+        layer: DecoderLayer, carry: tuple[jax.Array, PagePool], per_layer: tuple
+    ) -> tuple[tuple[jax.Array, PagePool], None]:
+        x_btd, pool = carry
+        index, window = per_layer
+        written: list[PagePool] = []
+
+        def attend(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array) -> jax.Array:
+            if write_page_bt.ndim == 3:  # G copies of each token
+                shape = (*write_page_bt.shape, *k_btkd.shape[2:])
+                k_btkd = jnp.broadcast_to(k_btkd[:, :, None], shape)
+                v_btkd = jnp.broadcast_to(v_btkd[:, :, None], shape)
+            new_pool = pages_lib.write_layer(
+                kernel, pool, index, write_page_bt, write_off_bt, k_btkd, v_btkd
+            )
+            written.append(new_pool)
+            return pages_lib.kernel_attention(
+                kernel, new_pool, index, q_bthd, table_bw, ctx_len_b, window
+            )
+
+        x_btd, _ = layer(x_btd, cos, sin, attend)
+        (pool,) = written
+        return (x_btd, pool), None
+
+    layers_idx = jnp.arange(c.num_layers, dtype=jnp.int32)
+    (x_btd, pool), _ = scan_layers(
+        decoder.layers, body, (x_btd, pool), (layers_idx, layer_windows(c))
+    )
+    return decoder.norm(x_btd), pool
+
+
 # ---------------------------------------------------------------------------------------------
 # The compiled programs.
 
@@ -198,6 +271,7 @@ class _Static:
     page_size: int
     steps: int
     full_logprobs: bool = False  # also the full-vocabulary τ = 1 log-probs
+    kernel: KernelSpec | None = None  # None: the reference attention (pages.py)
 
 
 def _row_keys(rng: jax.Array, seq_id_n: jax.Array, pos_n: jax.Array) -> jax.Array:
@@ -250,18 +324,23 @@ def _prefill(
     with the keys of sequence ``seq_id_rg`` at completion index ``pos_rg`` (0 but in partial
     rollouts)."""
     lm: CausalLM = nnx.merge(graphdef, params)
-    h_rcd, k_lrckd, v_lrckd = forward_paged(lm, pool, tokens_rc, valid_rc, ctx_len_r, table_rw)
     r, g = seq_id_rg.shape
     off_rcg = jnp.broadcast_to(write_off_rc[:, :, None], write_page_rcg.shape)
+    if static.kernel is not None:  # write first, then attend (table_rw covers the chunk)
+        h_rcd, pool = forward_paged_kernel(
+            lm, pool, tokens_rc, ctx_len_r, table_rw, write_page_rcg, off_rcg, static.kernel
+        )
+    else:
+        h_rcd, k_lrckd, v_lrckd = forward_paged(lm, pool, tokens_rc, valid_rc, ctx_len_r, table_rw)
 
-    def spread(x_lrckd: jax.Array) -> jax.Array:  # [L, R, C, G, K, Dh]
-        l_, r_, c_, k_, d_ = x_lrckd.shape
-        return jnp.broadcast_to(x_lrckd[:, :, :, None], (l_, r_, c_, g, k_, d_))
+        def spread(x_lrckd: jax.Array) -> jax.Array:  # [L, R, C, G, K, Dh]
+            l_, r_, c_, k_, d_ = x_lrckd.shape
+            return jnp.broadcast_to(x_lrckd[:, :, :, None], (l_, r_, c_, g, k_, d_))
 
-    pool = PagePool(
-        write_pages(pool.k, write_page_rcg, off_rcg, spread(k_lrckd)),
-        write_pages(pool.v, write_page_rcg, off_rcg, spread(v_lrckd)),
-    )
+        pool = PagePool(
+            write_pages(pool.k, write_page_rcg, off_rcg, spread(k_lrckd)),
+            write_pages(pool.v, write_page_rcg, off_rcg, spread(v_lrckd)),
+        )
     h_rd = jnp.take_along_axis(h_rcd, last_index_r[:, None, None], axis=1)[:, 0]
     logits_rv = lm.logits(h_rd)
     logits_nv = jnp.broadcast_to(logits_rv[:, None], (r, g, logits_rv.shape[-1])).reshape(r * g, -1)
@@ -307,15 +386,28 @@ def _decode(
 
     def step(carry: tuple) -> tuple:
         i, pool, st, tok_kn, logp_kn, valid_kn, full_kn = carry
-        h_n1d, k_ln1kd, v_ln1kd = forward_paged(
-            lm, pool, st.token_n[:, None], st.alive_n[:, None], st.lens_n, table_nw
-        )
         page_n = jnp.where(st.alive_n, table_nw[rows, st.lens_n // ps], TRASH_PAGE)
         off_n = jnp.where(st.alive_n, st.lens_n % ps, 0)
-        pool = PagePool(
-            write_pages(pool.k, page_n[:, None], off_n[:, None], k_ln1kd),
-            write_pages(pool.v, page_n[:, None], off_n[:, None], v_ln1kd),
-        )
+        if static.kernel is not None:  # write first, then attend
+            # An idle row's stale length may exceed its (trash) table: read one token.
+            h_n1d, pool = forward_paged_kernel(
+                lm,
+                pool,
+                st.token_n[:, None],
+                jnp.where(st.alive_n, st.lens_n, 0),
+                table_nw,
+                page_n[:, None],
+                off_n[:, None],
+                static.kernel,
+            )
+        else:
+            h_n1d, k_ln1kd, v_ln1kd = forward_paged(
+                lm, pool, st.token_n[:, None], st.alive_n[:, None], st.lens_n, table_nw
+            )
+            pool = PagePool(
+                write_pages(pool.k, page_n[:, None], off_n[:, None], k_ln1kd),
+                write_pages(pool.v, page_n[:, None], off_n[:, None], v_ln1kd),
+            )
         logits_nv = lm.logits(h_n1d[:, 0])
         new_n, logp_n, full_n = _pick(
             logits_nv, _row_keys(rng, st.seq_id_n, st.gen_pos_n), temperature, top_p, static
@@ -396,6 +488,11 @@ def resolve_options(
         raise ValueError(
             f"generate(engine='paged'): prefill_chunk must be a power of two, got {o.prefill_chunk}"
         )
+    if o.attention not in pages_lib.ATTENTION_BACKENDS:
+        raise ValueError(
+            f"generate(engine='paged'): attention must be one of "
+            f"{pages_lib.ATTENTION_BACKENDS}, got {o.attention!r}"
+        )
     slots = o.num_slots
     if slots is None:
         slots = max(min(_next_pow2(num_seqs), 64), _next_pow2(num_samples))
@@ -456,13 +553,17 @@ def run(
     ps, slots, k = options.page_size, options.num_slots, options.steps_per_dispatch
     chunk = options.prefill_chunk
     cfg = _model_config(graphdef, params)
-    shape = (cfg.num_layers, options.num_pages, ps, cfg.num_kv_heads, cfg.head_dim)
-    pool = PagePool(jnp.zeros(shape, cache_dtype), jnp.zeros(shape, cache_dtype))
+    kernel = attention_kernel(cfg, options, cache_dtype, mesh=mesh, params=params)
+    pool = pages_lib.init_pool(
+        kernel, cfg.num_layers, options.num_pages, ps, cfg.num_kv_heads, cfg.head_dim, cache_dtype
+    )
     if mesh is not None:
         pool = jax.device_put(pool, NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    page_bytes = 2 * math.prod(shape) // options.num_pages * jnp.dtype(cache_dtype).itemsize
+    page_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool)) // options.num_pages
     alloc = PageAllocator(options.num_pages)
-    static = _Static(greedy, top_k, top_p < 1.0, pad_token_id, ps, k, bool(full_logprobs))
+    static = _Static(
+        greedy, top_k, top_p < 1.0, pad_token_id, ps, k, bool(full_logprobs), kernel=kernel
+    )
     temp, topp = np.float32(temperature or 1.0), np.float32(top_p)
     stop_ids = np.asarray(stop_ids, np.int32)
     stop_set = {int(s) for s in stop_ids if s >= 0}
@@ -552,7 +653,11 @@ def run(
             valid = np.zeros((rows, width_c), bool)
             wpage = np.full((rows, width_c, g), TRASH_PAGE, np.int32)
             woff = np.zeros((rows, width_c), np.int32)
-            table = np.full((rows, table_width(ctx_pages)), TRASH_PAGE, np.int32)
+            if kernel is None:
+                table = np.full((rows, table_width(ctx_pages)), TRASH_PAGE, np.int32)
+            else:  # the kernels read the chunk from the pool too: cover start + width_c
+                cover = _ceil_div(_ceil_div(start + width_c, ps), step_width) * step_width
+                table = np.full((rows, cover), TRASH_PAGE, np.int32)
             last = np.zeros((rows,), np.int32)
             ids = np.zeros((rows, g), np.int32)
             pos = np.zeros((rows, g), np.int32)
@@ -561,7 +666,10 @@ def run(
                 valid[r, :n] = True
                 wpage[r, :n] = page_of[b][start : start + n]
                 woff[r, :n] = np.arange(start, start + n) % ps
-                table[r, :ctx_pages] = page_of[b][: ctx_pages * ps : ps, 0]
+                if kernel is None:
+                    table[r, :ctx_pages] = page_of[b][: ctx_pages * ps : ps, 0]
+                else:
+                    table[r, : _ceil_div(start + n, ps)] = page_of[b][: start + n : ps, 0]
                 last[r] = n - 1
                 ids[r] = seq_ids_bg[b]
                 pos[r] = token_offsets_bg[b]
@@ -711,6 +819,53 @@ def run(
     stats = PagedStats(alloc.peak, page_bytes, dispatches, prefills, alloc.in_use)
     outputs = (tokens, mask, logps, truncated)
     return (outputs if full is None else (*outputs, full)), stats
+
+
+def attention_kernel(
+    cfg: Any,
+    options: PagedOptions,
+    cache_dtype: jnp.dtype,
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    params: Params | None = None,
+    platform: str | None = None,
+) -> KernelSpec | None:
+    """The kernel ``options.attention`` resolves to for model config ``cfg`` (None: the
+    reference attention); :func:`pages.resolve_attention` says when and why (clear errors).
+
+    The platform is the parameters' (else ``jax.default_backend()``). The kernels run on one
+    device: on a mesh of several, ``auto`` is the reference and a named kernel an error (a
+    Pallas call is not partitioned by XLA; data-parallel engines run one device each).
+    """
+    if platform is None:
+        leaves = jax.tree.leaves(params) if params is not None else []
+        devices = leaves[0].devices() if leaves and hasattr(leaves[0], "devices") else ()
+        platform = next(iter(devices)).platform if devices else jax.default_backend()
+    windows = tuple(cfg.window(i) for i in range(cfg.num_layers))
+    name = pages_lib.resolve_attention(
+        options.attention,
+        platform=platform,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        windows=windows,
+        cache_dtype=jnp.dtype(cache_dtype),
+    )
+    if name != "reference" and mesh is not None and mesh.devices.size > 1:
+        if options.attention == "auto":
+            return None
+        raise ValueError(
+            f"generate(engine='paged'): attention={name!r} runs on one device; the parameters "
+            f"are on a mesh of {mesh.devices.size} (use attention='reference' or 'auto')"
+        )
+    return pages_lib.kernel_spec(
+        name,
+        num_pages=options.num_pages,
+        page_size=options.page_size,
+        head_dim=cfg.head_dim,
+        window=windows[0],
+        platform=platform,
+    )
 
 
 def _model_config(graphdef: nnx.GraphDef, params: Params) -> Any:

@@ -10,14 +10,34 @@ and sequence ``n`` reads its context through a page table: its token ``s`` sits 
 write nobody reads (padded tokens, idle slots) and fills table entries past a sequence's
 pages (always masked). The engine that schedules sequences over this pool is ``paged.py``.
 
-Attention is a pure function (:func:`paged_attention_reference`, plain JAX: gather the pages
-by table, mask by length and window); :func:`pallas_gpu_decode_attention` wires JAX's Pallas
-GPU ``paged_attention`` kernel to the same layout (checked in interpret mode on CPU).
+Attention is a pure function chosen by name (:data:`ATTENTION_BACKENDS`, resolved for a model
+and a platform by :func:`resolve_attention`):
+
+- ``"reference"`` (:func:`paged_attention_reference`, plain JAX: gather the pages by table, mask
+  by length and window, the chunk's own keys apart). The pool is the layout above and the
+  engine writes a step's keys/values for all layers after attention.
+- ``"pallas_gpu"``: decode through JAX's Pallas GPU ``paged_attention`` kernel
+  (:func:`pallas_gpu_paged_decode`), prefill through ``jax.nn.dot_product_attention``
+  (``implementation="cudnn"`` on GPU, ``"xla"`` elsewhere) over the gathered pages
+  (:func:`dense_prefill_attention`). Pool ``[K, L·num_pages, page_size, Dh]`` each (the
+  kernel's ``[K, pages, page_size, Dh]`` with the layers folded into the pages: layer ``l``'s
+  page ``p`` is page ``l·num_pages + p``, so the kernel reads the whole pool buffer with an
+  offset table, no per-layer slice or transpose).
+- ``"ragged_tpu"``: JAX's TPU ``ragged_paged_attention`` for both (:func:`ragged_tpu_attention`).
+  Pool ``k = [L·num_pages, page_size, 2K, Dh']`` with keys and values interleaved on the head
+  axis (the kernel's ``kv_pages``: key head ``i`` at ``2i``, value head ``i`` at ``2i + 1``),
+  ``Dh'`` the head dim padded with zeros to a multiple of 128 (TPU lanes); ``v`` unused (None).
+
+The kernels read the current tokens from the pool, so with them the engine writes each layer's
+new keys/values into the pool first (:func:`write_layer`, inside the layer scan) and then
+attends (``paged.forward_paged``).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+from collections.abc import Callable
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +48,11 @@ TRASH_PAGE = 0
 
 
 class PagePool(NamedTuple):
-    """Keys and values of every layer, ``[L, num_pages, page_size, K, Dh]`` each."""
+    """Keys and values of every layer, ``[L, num_pages, page_size, K, Dh]`` each (the reference
+    layout; the kernels' layouts are in the module docstring)."""
 
     k: jax.Array
-    v: jax.Array
+    v: jax.Array | None
 
 
 class PageAllocator:
@@ -160,6 +181,44 @@ def paged_attention_reference(
     return out.reshape(b, t, h, hd).astype(q_bthd.dtype)
 
 
+def _pages_per_block(width: int, cap: int = 8) -> int:
+    """The largest divisor of the table width ``width`` that is at most ``cap``."""
+    return max(d for d in range(1, min(cap, width) + 1) if width % d == 0)
+
+
+def pallas_gpu_paged_decode(
+    q_bhd: jax.Array,
+    k_kpsd: jax.Array,
+    v_kpsd: jax.Array,
+    table_bw: jax.Array,
+    lengths_b: jax.Array,
+    *,
+    interpret: bool = False,
+) -> jax.Array:
+    """One query per row over ``lengths_b`` pooled tokens, pages in the kernel's own layout.
+
+    ``jax.experimental.pallas.ops.gpu.paged_attention.paged_attention(q [B, H, Dh],
+    k_pages [K, P, page_size, Dh], v_pages, block_tables [B, W], lengths [B])`` with unscaled
+    queries: ``q`` is scaled by ``1/sqrt(Dh)`` here. One kv split; ``pages_per_compute_block``
+    the largest divisor of ``W`` up to 8 (the kernel wants ``W`` a multiple of it).
+    ``interpret`` runs the kernel on CPU (tests).
+    """
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+    hd = q_bhd.shape[-1]
+    q = (q_bhd.astype(jnp.float32) * hd**-0.5).astype(k_kpsd.dtype)
+    return gpu_paged.paged_attention(
+        q,
+        k_kpsd,
+        v_kpsd,
+        table_bw.astype(jnp.int32),
+        lengths_b.astype(jnp.int32),
+        pages_per_compute_block=_pages_per_block(table_bw.shape[1]),
+        k_splits=1,
+        interpret=interpret,
+    ).astype(q_bhd.dtype)
+
+
 def pallas_gpu_decode_attention(
     q_bhd: jax.Array,
     pool_k_pskd: jax.Array,
@@ -169,30 +228,336 @@ def pallas_gpu_decode_attention(
     *,
     interpret: bool = False,
 ) -> jax.Array:
-    """One query per row over ``lengths_b`` pooled tokens with JAX's Pallas GPU kernel.
-
-    ``jax.experimental.pallas.ops.gpu.paged_attention.paged_attention`` takes pages as
-    ``[K, P, page_size, Dh]`` and unscaled queries; this pool is ``[P, page_size, K, Dh]`` per
-    layer, so the pages are transposed and ``q`` scaled by ``1/sqrt(Dh)`` here. ``interpret``
-    runs it on CPU (the wiring test).
-    """
-    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
-
-    hd = q_bhd.shape[-1]
+    """:func:`pallas_gpu_paged_decode` on one layer of the reference layout
+    ``[P, page_size, K, Dh]`` (transposed to the kernel's ``[K, P, page_size, Dh]`` here; the
+    engine keeps its pool in the kernel's layout instead and needs no transpose)."""
     k_kpsd = jnp.transpose(pool_k_pskd, (2, 0, 1, 3))
     v_kpsd = jnp.transpose(pool_v_pskd, (2, 0, 1, 3))
-    q = (q_bhd.astype(jnp.float32) * hd**-0.5).astype(k_kpsd.dtype)
-    pages_per_block = min(8, table_bw.shape[1])
-    return gpu_paged.paged_attention(
+    return pallas_gpu_paged_decode(q_bhd, k_kpsd, v_kpsd, table_bw, lengths_b, interpret=interpret)
+
+
+def dense_prefill_attention(
+    q_bthd: jax.Array,
+    k_bskd: jax.Array,
+    v_bskd: jax.Array,
+    ctx_len_b: jax.Array,
+    window: jax.Array | int,
+    *,
+    implementation: Literal["xla", "cudnn"] = "xla",
+) -> jax.Array:
+    """A prefill chunk over its gathered pages, the chunk's own keys already in them.
+
+    Query ``t`` of row ``b`` sits at position ``q = ctx_len_b[b] + t`` and reads key ``s`` of
+    ``k_bskd`` (the row's pooled tokens in order) iff ``s <= q`` and ``q - s < window``:
+    ``jax.nn.dot_product_attention`` with that boolean mask and scale ``1/sqrt(Dh)`` (cuDNN
+    takes the mask as an additive bias; chunk positions past the row's valid tokens only feed
+    padded queries, whose outputs are discarded).
+    """
+    t, hd = q_bthd.shape[1], q_bthd.shape[3]
+    s = k_bskd.shape[1]
+    q_pos_bt = ctx_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    slot_s = jnp.arange(s, dtype=jnp.int32)
+    diff_bts = q_pos_bt[:, :, None] - slot_s[None, None]
+    ok_bts = (diff_bts >= 0) & (diff_bts < window)
+    return jax.nn.dot_product_attention(
+        q_bthd,
+        k_bskd.astype(q_bthd.dtype),
+        v_bskd.astype(q_bthd.dtype),
+        mask=ok_bts[:, None],
+        scale=hd**-0.5,
+        implementation=implementation,
+    )
+
+
+def ragged_tpu_attention(
+    q_bthd: jax.Array,
+    kv_pages: jax.Array,
+    table_bw: jax.Array,
+    ctx_len_b: jax.Array,
+    *,
+    window: int | None = None,
+    kernel: Callable[..., jax.Array] | None = None,
+    block_sizes: tuple[int, int] | None = None,
+) -> jax.Array:
+    """T queries per row at positions ``ctx_len_b + t`` over the row's pooled tokens
+    ``[0, ctx_len_b + T)`` (the chunk already written) with JAX's TPU ``ragged_paged_attention``.
+
+    The kernel's arguments (jax 0.10.2, ``jax.experimental.pallas.ops.tpu.
+    ragged_paged_attention``): ``q [tokens, H, Dh']`` (rows' queries concatenated),
+    ``kv_pages [pages, page_size, 2K, Dh']`` (keys and values interleaved on the head axis),
+    ``kv_lens [B]`` (each row's tokens incl. its queries: ``ctx_len_b + T``),
+    ``page_indices [B, W]``, ``cu_q_lens [B + 1]`` (here ``b·T``: every row has T queries; a
+    padded query past a row's valid tokens only reads keys at or before it and is discarded),
+    ``num_seqs [1]``, ``sm_scale = 1/sqrt(Dh)``, ``sliding_window`` (key ``s`` is visible iff
+    ``q - s < window``, as in :func:`paged_attention_reference`). ``Dh' >= Dh`` is the pool's
+    padded head dim: ``q`` is zero-padded (scores unchanged) and the output sliced back.
+    ``kernel`` replaces the kernel by a function of the same arguments (the tests pass the
+    module's own ``ref_ragged_paged_attention``); ``block_sizes`` = ``(kv pages, queries)``
+    per block, default the kernel's tuned table on a TPU and ``(128, 32)`` (its default)
+    clipped to the shapes when compiling without one.
+    """
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+    b, t, h, hd = q_bthd.shape
+    dp = kv_pages.shape[-1]
+    q = jnp.pad(q_bthd.astype(kv_pages.dtype), ((0, 0), (0, 0), (0, 0), (0, dp - hd)))
+    q = q.reshape(b * t, h, dp)
+    args = (
         q,
-        k_kpsd,
-        v_kpsd,
+        kv_pages,
+        (ctx_len_b + t).astype(jnp.int32),
         table_bw.astype(jnp.int32),
-        lengths_b.astype(jnp.int32),
-        pages_per_compute_block=pages_per_block,
-        k_splits=1,
-        interpret=interpret,
-    ).astype(q_bhd.dtype)
+        (jnp.arange(b + 1, dtype=jnp.int32) * t),
+        jnp.asarray([b], jnp.int32),
+    )
+    kw: dict = {"sm_scale": hd**-0.5, "sliding_window": window}
+    if kernel is None:
+        kernel = rpa.ragged_paged_attention
+        if block_sizes is None:
+            block_sizes = _ragged_block_sizes(q, kv_pages, table_bw.shape[1])
+        kw["num_kv_pages_per_block"], kw["num_queries_per_block"] = block_sizes
+    out = kernel(*args, **kw)
+    return out.reshape(b, t, h, dp)[..., :hd].astype(q_bthd.dtype)
+
+
+def _ragged_block_sizes(q: jax.Array, kv_pages: jax.Array, width: int) -> tuple[int, int]:
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+    tokens, h, dp = q.shape
+    if jax.devices()[0].platform == "tpu":  # the tuned table reads the attached TPU's kind
+        hq, hkv = rpa.kernel.get_min_heads_per_blk(h, kv_pages.shape[2], q.dtype, kv_pages.dtype)
+        return rpa.get_tuned_block_sizes(
+            q.dtype, kv_pages.dtype, hq, hkv // 2, dp, kv_pages.shape[1], tokens, width
+        )
+    return min(width, 128), min(tokens, 32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing a backend, and the kernels' pools.
+
+AttentionName = Literal["auto", "reference", "pallas_gpu", "ragged_tpu"]
+ATTENTION_BACKENDS: tuple[str, ...] = ("auto", "reference", "pallas_gpu", "ragged_tpu")
+"""``PagedOptions.attention`` values; ``auto``: TPU -> ragged_tpu, GPU -> pallas_gpu, else (or
+when that kernel cannot serve the model) reference."""
+
+_AUTO = {"tpu": "ragged_tpu", "gpu": "pallas_gpu"}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """A kernel backend as the compiled programs see it (static, hashable).
+
+    Attributes:
+      name: ``"pallas_gpu"`` or ``"ragged_tpu"``.
+      num_pages: pages per layer (layer ``l``'s page ``p`` is pool page ``l·num_pages + p``).
+      page_size: tokens per page.
+      head_dim: the model's head dim ``Dh`` (the TPU pool's may be padded).
+      window: the model's one sliding window, None for full attention (ragged_tpu: the
+        kernel's static ``sliding_window``; pallas_gpu refuses windowed models).
+      interpret: run the Pallas GPU kernel in interpret mode (off a GPU: the tests).
+      prefill_impl: ``jax.nn.dot_product_attention``'s implementation for pallas_gpu prefill
+        (``"cudnn"`` on GPU, for half-precision inputs with ``Dh <= 128``; else ``"xla"``).
+    """
+
+    name: str
+    num_pages: int
+    page_size: int
+    head_dim: int
+    window: int | None = None
+    interpret: bool = False
+    prefill_impl: str = "xla"
+
+
+def kernel_refusal(
+    name: str,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    windows: tuple[int | None, ...],
+    cache_dtype: jnp.dtype,
+) -> str | None:
+    """Why kernel ``name`` cannot serve a model of these shapes (None: it can)."""
+    if name == "pallas_gpu":
+        if any(w is not None for w in windows):
+            return (
+                f"it has sliding-window layers (windows {sorted({w for w in windows if w})}); "
+                "the Pallas GPU paged_attention kernel has no window"
+            )
+        if head_dim % 16:
+            return f"head_dim {head_dim} is not a multiple of 16 (Triton dot tiles)"
+        if num_heads % num_kv_heads:
+            return f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+        return None
+    if name == "ragged_tpu":
+        if len(set(windows)) > 1:
+            return (
+                f"its layers have different windows {sorted(set(windows), key=str)}; the TPU "
+                "kernel's sliding_window is one static int per call"
+            )
+        from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+        try:
+            rpa.kernel.get_min_heads_per_blk(
+                num_heads, 2 * num_kv_heads, jnp.dtype(cache_dtype), jnp.dtype(cache_dtype)
+            )
+        except (ValueError, AssertionError) as e:
+            return f"{2 * num_kv_heads} interleaved kv heads in {jnp.dtype(cache_dtype)}: {e}"
+        return None
+    raise ValueError(f"kernel_refusal: {name!r} is not a kernel backend")
+
+
+def resolve_attention(
+    name: str,
+    *,
+    platform: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    windows: tuple[int | None, ...],
+    cache_dtype: jnp.dtype,
+) -> str:
+    """The backend that runs: ``name``, or for ``"auto"`` the platform's kernel if it can serve
+    the model, else ``"reference"`` (the whole model; there is no per-layer fallback).
+
+    Raises a ValueError for an unknown name, a kernel that cannot serve the model, and
+    ``ragged_tpu`` off a TPU (its interpret mode fails in jax 0.10.2: the interpreter has no
+    reshaped-ref loads). ``pallas_gpu`` off a GPU runs in interpret mode (slow; tests).
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"generate(engine='paged'): attention must be one of {ATTENTION_BACKENDS}, got {name!r}"
+        )
+    shapes = dict(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        windows=windows,
+        cache_dtype=cache_dtype,
+    )
+    if name == "auto":
+        want = _AUTO.get(platform)
+        return want if want is not None and kernel_refusal(want, **shapes) is None else "reference"
+    if name == "reference":
+        return name
+    why = kernel_refusal(name, **shapes)
+    if why is not None:
+        raise ValueError(
+            f"generate(engine='paged'): attention={name!r} cannot serve this model: {why}; "
+            "use attention='reference' (or 'auto', which falls back to it)"
+        )
+    if name == "ragged_tpu" and platform != "tpu":
+        raise ValueError(
+            f"generate(engine='paged'): attention='ragged_tpu' runs on TPU only (the "
+            f"parameters are on {platform!r}; the kernel has no working CPU interpret mode in "
+            "jax 0.10.2); use 'auto' or 'reference'"
+        )
+    return name
+
+
+def kernel_spec(
+    name: str,
+    *,
+    num_pages: int,
+    page_size: int,
+    head_dim: int,
+    window: int | None,
+    platform: str,
+) -> KernelSpec | None:
+    """The :class:`KernelSpec` of a resolved backend (None for ``"reference"``)."""
+    if name == "reference":
+        return None
+    on_gpu = platform == "gpu"
+    return KernelSpec(
+        name=name,
+        num_pages=num_pages,
+        page_size=page_size,
+        head_dim=head_dim,
+        window=window,
+        interpret=name == "pallas_gpu" and not on_gpu,
+        prefill_impl="cudnn" if on_gpu else "xla",
+    )
+
+
+def _padded_head_dim(head_dim: int) -> int:
+    return -(-head_dim // 128) * 128
+
+
+def init_pool(
+    spec: KernelSpec | None,
+    num_layers: int,
+    num_pages: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: jnp.dtype,
+) -> PagePool:
+    """A zero pool in the backend's layout (module docstring)."""
+    if spec is None:
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        return PagePool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    if spec.name == "pallas_gpu":
+        shape = (num_kv_heads, num_layers * num_pages, page_size, head_dim)
+        return PagePool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    shape = (num_layers * num_pages, page_size, 2 * num_kv_heads, _padded_head_dim(head_dim))
+    return PagePool(jnp.zeros(shape, dtype), None)
+
+
+def write_layer(
+    spec: KernelSpec,
+    pool: PagePool,
+    layer: jax.Array | int,
+    page_idx: jax.Array,
+    offset_idx: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+) -> PagePool:
+    """Layer ``layer``'s new keys/values ``[*page_idx.shape, K, Dh]`` into a kernel pool at
+    ``(page_idx, offset_idx)`` (padded entries point at the trash page); one scatter each."""
+    page = layer * spec.num_pages + page_idx
+    if spec.name == "pallas_gpu":
+        return PagePool(
+            pool.k.at[:, page, offset_idx].set(jnp.moveaxis(k_new, -2, 0).astype(pool.k.dtype)),
+            pool.v.at[:, page, offset_idx].set(jnp.moveaxis(v_new, -2, 0).astype(pool.v.dtype)),
+        )
+    *lead, kv_heads, hd = k_new.shape
+    kv = jnp.stack([k_new, v_new], axis=-2).reshape(*lead, 2 * kv_heads, hd)
+    pad = [(0, 0)] * (kv.ndim - 1) + [(0, pool.k.shape[-1] - hd)]
+    return PagePool(pool.k.at[page, offset_idx].set(jnp.pad(kv, pad).astype(pool.k.dtype)), None)
+
+
+def kernel_attention(
+    spec: KernelSpec,
+    pool: PagePool,
+    layer: jax.Array | int,
+    q_bthd: jax.Array,
+    table_bw: jax.Array,
+    ctx_len_b: jax.Array,
+    window: jax.Array | int,
+) -> jax.Array:
+    """Layer ``layer``'s T queries per row (positions ``ctx_len_b + t``) over the pool, the
+    current tokens already written (:func:`write_layer`): T = 1 is a decode step."""
+    table = layer * spec.num_pages + table_bw
+    t = q_bthd.shape[1]
+    if spec.name == "ragged_tpu":
+        return ragged_tpu_attention(q_bthd, pool.k, table, ctx_len_b, window=spec.window)
+    if t == 1:
+        out_bhd = pallas_gpu_paged_decode(
+            q_bthd[:, 0], pool.k, pool.v, table, ctx_len_b + 1, interpret=spec.interpret
+        )
+        return out_bhd[:, None]
+    impl = spec.prefill_impl
+    if q_bthd.dtype not in (jnp.bfloat16, jnp.float16) or spec.head_dim > 128:
+        impl = "xla"  # cuDNN flash attention: half precision, Dh <= 128
+    k_bskd, v_bskd = (_gather_kernel_layout(x, table) for x in (pool.k, pool.v))
+    return dense_prefill_attention(q_bthd, k_bskd, v_bskd, ctx_len_b, window, implementation=impl)
+
+
+def _gather_kernel_layout(x_kpsd: jax.Array, table_bw: jax.Array) -> jax.Array:
+    """``[B, W·page_size, K, Dh]`` from the GPU layout ``[K, pages, page_size, Dh]``."""
+    x_kbwpd = x_kpsd[:, table_bw]
+    k, b, w, ps, d = x_kbwpd.shape
+    return jnp.transpose(x_kbwpd, (1, 2, 3, 0, 4)).reshape(b, w * ps, k, d)
 
 
 def write_pages(
