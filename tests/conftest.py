@@ -80,3 +80,80 @@ def smollm2_tokenizer(smollm2_path):
     from jaxrl_llm import models
 
     return models.load_tokenizer(smollm2_path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Scheduling under ``pytest -n N`` (pytest-xdist). The longest tests are a few subprocess tests
+# (kill -9 lives, two-process runs, the quickstart) of 30-190 s each, collected last
+# (tests/train/). With xdist's default ``--dist load`` they formed the tail: one worker ran them
+# while the other had nothing left. Here ``-n`` runs use ``--dist worksteal`` (its tests are
+# split into N consecutive blocks, one per worker; an idle worker takes the second half of the
+# longest queue), and each block starts with its share of the long tests, shared out longest
+# first to the least loaded block, so they run side by side at the start and the short tests
+# fill in after them. Without ``-n`` nothing changes (nor with an explicit ``--dist``).
+
+# Seconds measured with ``--durations`` in a loaded ``-n 2`` run (keys: the node id from its
+# file name on); only the order uses them.
+_LONG_S = {
+    "test_faults.py::test_kill_9_at_20_moments_then_resume_ends_with_the_same_parameters": 191,
+    "test_async.py::test_kill_9_during_an_async_run_then_resume_ends_with_the_same_state": 101,
+    "test_multiprocess.py::test_two_processes_end_with_the_parameters_of_one": 92,
+    "test_end_to_end.py::test_quickstart_two_steps_with_the_default_model": 65,
+    "test_async.py::test_two_processes_split_train_like_one[1]": 65,
+    "test_placement.py::test_two_processes_sync_verify_and_sample_the_tokens_of_one": 54,
+    "test_faults.py::test_sigterm_and_ctrl_c_save_a_checkpoint_and_the_resume_is_exact": 53,
+    "test_async.py::test_two_processes_split_train_like_one[0]": 44,
+    "test_lora.py::test_lora_run_resumes_bit_identically_and_exports": 39,
+    "test_loop.py::test_two_steps_end_to_end_with_the_cli": 29,
+    "test_async.py::test_split_placement_at_staleness_zero_equals_colocated": 28,
+    "test_lora.py::test_lora_sharded_step_equals_one_device": 27,
+    "test_loop.py::test_killed_run_resumes_to_the_same_parameters": 26,
+}
+_SLOW_S = 15  # a @pytest.mark.slow test that is not in the table
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "load":
+        config.option.dist = "worksteal"  # "load" is what xdist sets for a bare -n
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, on the controller
+def pytest_configure_node(node):
+    node.workerinput["dist"] = node.config.option.dist  # workers parse "-n 2" as no dist
+
+
+def _worker_blocks(n: int, workers: int) -> list[int]:
+    """The sizes of worksteal's first blocks: worker i gets len(pending) // (workers - i)."""
+    sizes, left = [], n
+    for i in range(workers):
+        sizes.append(left // (workers - i))
+        left -= sizes[-1]
+    return sizes
+
+
+def pytest_collection_modifyitems(config, items):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None or workerinput.get("dist") != "worksteal":
+        return
+    workers = int(workerinput["workercount"])
+
+    def seconds(item) -> float:
+        path, _, name = item.nodeid.partition("::")
+        default = _SLOW_S if item.get_closest_marker("slow") else 0
+        return _LONG_S.get(f"{os.path.basename(path)}::{name}", default)
+
+    long = sorted((i for i in items if seconds(i) > 0), key=seconds, reverse=True)
+    rest = [i for i in items if seconds(i) == 0]
+    heads, loads = [[] for _ in range(workers)], [0.0] * workers
+    for item in long:  # longest first to the least loaded block (LPT)
+        w = min(range(workers), key=loads.__getitem__)
+        heads[w].append(item)
+        loads[w] += seconds(item)
+    order, start = [], 0
+    for head, size in zip(heads, _worker_blocks(len(items), workers), strict=True):
+        take = max(0, size - len(head))
+        order += head + rest[start : start + take]
+        start += take
+    order += rest[start:]
+    assert sorted(map(id, order)) == sorted(map(id, items))
+    items[:] = order
