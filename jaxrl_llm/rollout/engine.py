@@ -38,7 +38,7 @@ from jax.sharding import NamedSharding
 from jaxrl_llm.models import sharding
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import CausalLM, KVCache
-from jaxrl_llm.rollout import decode, paged, sampling
+from jaxrl_llm.rollout import decode, paged, paged_dp, sampling
 
 Params = dict[str, Any]
 """Model parameters as a pure dict (``nnx.to_pure_dict``): nested dicts of arrays."""
@@ -543,7 +543,10 @@ def generate(
             longest_prompt=max(len(p) for p in prompts),
             max_new_tokens=max_new_tokens,
         )
-        arrays, stats = paged.run(
+        run = paged.run  # one engine; one per data shard on a data-parallel mesh:
+        if paged_dp.is_data_parallel(mesh) or jax.process_count() > 1:
+            run = functools.partial(paged_dp.run, requested=paged_options)
+        arrays, stats = run(
             graphdef,
             mesh,
             _cast_params(params, config.jnp_dtype),

@@ -1,0 +1,333 @@
+"""Data-parallel paged engines: one scheduler, page pool and allocator per data shard.
+
+On a mesh whose batch axes (``data`` × ``fsdp``,
+:func:`~jaxrl_llm.models.sharding.data_parallel_size`) have size ``D > 1``,
+``generate(engine="paged")`` runs ``D`` independent paged engines (``paged.run``), one per data
+shard, as vLLM's data-parallel deployment runs one engine per replica: the prompts are cut into
+``D`` contiguous shards by prompt (the G samples of a prompt stay together; with ``B`` not a
+multiple of ``D`` the first ``B mod D`` shards get one prompt more, and a shard with no prompt
+runs nothing), shard ``d`` runs on the sub-mesh of the devices of data shard ``d`` (the mesh
+with its batch axes cut to that one coordinate, every other axis kept: weights
+tensor-parallel within the shard, replicated across shards), and the outputs are put back in
+prompt order. On a one-device sub-mesh (a pure ``data`` mesh) an engine may use the
+accelerator attention kernels, which refuse a mesh of several devices.
+
+Equal tokens. Sample ``g`` of the batch's prompt ``b`` keeps its global sequence id
+``b·G + g`` (``paged.run(seq_ids_bg=)``), so its token ``t`` is drawn with
+``fold_in(fold_in(rng, b·G + g), t)`` whatever shard, slot or neighbours it gets: the tokens
+equal the one-device run's, the log-probs up to float rounding (the tensor-parallel matmuls sum
+in another order).
+
+Concurrency. The ``D`` host schedulers run in ``D`` threads. Each visits the host once per
+decode dispatch (``steps_per_dispatch`` tokens); JAX's dispatch, XLA's compilation and the
+waits for device results release the GIL, so the shards' device work overlaps and only the
+schedulers' Python (page tables, bookkeeping) is serialised.
+
+Weights. The parameters are moved once per call (not cached: an RL loop passes new weights at
+every step, and a cached copy would stay resident through the update): each leaf is resharded
+on its own mesh to its spec without the batch axes (``jax.device_put``: nothing happens when
+the weights are already replicated over the batch axes, as with the ``dp`` preset; an
+all-gather over ``fsdp`` otherwise, the same bytes one FSDP forward gathers, against a rollout
+that reads the weights in every decode step), then each shard's arrays are assembled from the
+device buffers its own devices already hold (``jax.make_array_from_single_device_arrays``, no
+copy). Each pool is created on its shard's first device (``jax.default_device``), not on
+device 0.
+
+Multi-process (``jax.process_count() > 1``): as the static engine's contract in
+``generate``, each process passes its own rows of the global batch (contiguous, in process
+order; here any number of rows, not necessarily the same on every process) and gets back
+theirs. It runs the engines of the data shards whose devices are all its own (its rows split
+over them as above) with the global sequence ids (its rows' offset in the global batch comes
+from one all-gather of the row counts); no other cross-process traffic but the weights'
+reshard. A data shard whose devices span processes is refused (a clear error): its engine would
+need one scheduler driving two processes.
+
+Stats (:class:`DataParallelStats`): the shards' :class:`~jaxrl_llm.rollout.paged.PagedStats`
+summed (peak KV: the sum of the pools' peaks; dispatches and prefills: the sums; pages held
+at the end: the sum, 0 when every pool got all its pages back), and each shard's own in
+``shards``. Multi-process: this process's shards only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxrl_llm.models import sharding
+from jaxrl_llm.rollout import paged
+
+Params = dict[str, Any]
+
+
+class DataParallelStats(paged.PagedStats):
+    """:class:`~jaxrl_llm.rollout.paged.PagedStats` summed over the data shards (the fields'
+    meaning as there; ``peak_pages``: the sum of the shards' peaks), with ``shards``: each
+    shard's own stats, in shard order (``None`` for a shard that had no prompt)."""
+
+    shards: tuple[paged.PagedStats | None, ...]
+
+    @classmethod
+    def combine(cls, shards: Sequence[paged.PagedStats | None]) -> DataParallelStats:
+        ran = [s for s in shards if s is not None]
+        out = cls(
+            peak_pages=sum(s.peak_pages for s in ran),
+            page_bytes=ran[0].page_bytes if ran else 0,
+            decode_dispatches=sum(s.decode_dispatches for s in ran),
+            prefill_calls=sum(s.prefill_calls for s in ran),
+            pages_in_use_at_end=sum(s.pages_in_use_at_end for s in ran),
+        )
+        out.shards = tuple(shards)
+        return out
+
+
+def is_data_parallel(mesh: Mesh | None) -> bool:
+    """Whether ``generate(engine="paged")`` runs one engine per data shard on ``mesh``."""
+    return mesh is not None and sharding.data_parallel_size(mesh) > 1
+
+
+def _batch_axes(mesh: Mesh) -> list[str]:
+    return [a for a in sharding.BATCH_AXES if a in mesh.axis_names]
+
+
+def data_shard_meshes(mesh: Mesh) -> list[Mesh]:
+    """The sub-mesh of each data shard, in batch order (shard ``d`` holds rows ``d`` of a
+    ``PartitionSpec(("data", "fsdp"))`` batch: ``d = data_index · fsdp + fsdp_index``).
+
+    Each keeps every axis of ``mesh``, the batch axes with size 1, so the parameters' specs
+    and the model's sharding constraints apply unchanged."""
+    names = list(mesh.axis_names)
+    axes = _batch_axes(mesh)
+    out = []
+    for coords in np.ndindex(*(mesh.shape[a] for a in axes)):
+        index = [slice(None)] * len(names)
+        for a, c in zip(axes, coords, strict=True):
+            index[names.index(a)] = slice(c, c + 1)
+        out.append(Mesh(mesh.devices[tuple(index)], mesh.axis_names, axis_types=mesh.axis_types))
+    return out
+
+
+def _without_batch_axes(spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
+    axes = set(_batch_axes(mesh))
+
+    def keep(entry: Any) -> Any:
+        if entry is None:
+            return None
+        names = (entry,) if isinstance(entry, str) else tuple(entry)
+        kept = tuple(n for n in names if n not in axes)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+
+    return PartitionSpec(*(keep(e) for e in spec))
+
+
+def shard_params(params: Params, mesh: Mesh, shards: Sequence[Mesh]) -> list[Params]:
+    """``params`` on each of ``shards`` (sub-meshes of ``mesh``, :func:`data_shard_meshes`),
+    each leaf with its spec minus the batch axes (module docstring: one reshard on ``mesh``
+    where a leaf is split over a batch axis, then no copy). Leaves not on ``mesh`` are
+    replicated onto each shard (this process's own arrays only)."""
+    leaves, treedef = jax.tree.flatten(params)
+    on_mesh = [
+        isinstance(x, jax.Array)
+        and isinstance(x.sharding, NamedSharding)
+        and x.sharding.mesh == mesh
+        for x in leaves
+    ]
+    targets = [
+        NamedSharding(mesh, _without_batch_axes(x.sharding.spec, mesh)) if ok else None
+        for x, ok in zip(leaves, on_mesh, strict=True)
+    ]
+    moving = [i for i, t in enumerate(targets) if t is not None and leaves[i].sharding != t]
+    if moving:  # one reshard of every leaf split over a batch axis (a collective)
+        moved = jax.device_put([leaves[i] for i in moving], [targets[i] for i in moving])
+        for i, x in zip(moving, moved, strict=True):
+            leaves[i] = x
+    for i, (x, ok) in enumerate(zip(leaves, on_mesh, strict=True)):
+        if not ok and isinstance(x, jax.Array) and not x.is_fully_addressable:
+            raise ValueError(
+                f"generate(engine='paged'): parameter leaf {i} (shape {x.shape}) spans "
+                f"processes on a sharding other than the parameters' mesh "
+                f"{dict(mesh.shape)}; put every parameter on that mesh"
+            )
+    out = []
+    for sub in shards:
+        local = []
+        for x, t in zip(leaves, targets, strict=True):
+            if t is None:
+                local.append(jax.device_put(x, NamedSharding(sub, PartitionSpec())))
+                continue
+            by_device = {s.device: s.data for s in x.addressable_shards}
+            pieces = [by_device[d] for d in sub.devices.flat]
+            local.append(
+                jax.make_array_from_single_device_arrays(
+                    x.shape, NamedSharding(sub, t.spec), pieces
+                )
+            )
+        out.append(jax.tree.unflatten(treedef, local))
+    return out
+
+
+def split_rows(b: int, d: int) -> list[slice]:
+    """``b`` prompts over ``d`` shards, contiguous: the first ``b mod d`` get one more."""
+    sizes = [b // d + (i < b % d) for i in range(d)]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    return [slice(starts[i], starts[i + 1]) for i in range(d)]
+
+
+def _process_of(mesh: Mesh, d: int) -> int:
+    procs = sorted({dev.process_index for dev in mesh.devices.flat})
+    if len(procs) > 1:
+        raise ValueError(
+            f"generate(engine='paged'): data shard {d} of the mesh spans processes {procs} "
+            f"(its devices {[dev.id for dev in mesh.devices.flat]}); each data shard's "
+            "devices (the non-batch axes, e.g. tensor) must belong to one process. Lay the "
+            "mesh out process by process along data/fsdp, or use engine='static'"
+        )
+    return procs[0]
+
+
+def run_shards(
+    graphdef: nnx.GraphDef,
+    mesh: Mesh,
+    params: Params,
+    prompts: list[np.ndarray],
+    budgets_bg: np.ndarray,
+    *,
+    rng: jax.Array,
+    max_new_tokens: int,
+    options: paged.PagedOptions,
+    requested: paged.PagedOptions | None = None,
+    seq_ids_bg: np.ndarray | None = None,
+    token_offsets_bg: np.ndarray | None = None,
+    **kwargs: Any,
+) -> tuple[tuple[np.ndarray, ...], list[paged.PagedStats | None]]:
+    """:func:`run`, with each data shard's stats (``None`` where a shard had no prompt; in a
+    multi-process run, also for the shards of other processes)."""
+    b_count, g = budgets_bg.shape
+    shards = data_shard_meshes(mesh)
+    d_count = len(shards)
+    multi = jax.process_count() > 1
+    owners = [_process_of(m, d) for d, m in enumerate(shards)] if multi else [0] * d_count
+    mine = [d for d in range(d_count) if owners[d] == jax.process_index()]
+    offset = 0
+    if multi:
+        from jax.experimental import multihost_utils
+
+        if not mine:
+            raise ValueError(
+                f"generate(engine='paged'): process {jax.process_index()} holds no data shard "
+                f"of the parameters' mesh {dict(mesh.shape)}; every process needs devices on it"
+            )
+        counts = np.asarray(multihost_utils.process_allgather(np.int64(b_count))).reshape(-1)
+        offset = int(counts[: jax.process_index()].sum())
+        multihost_utils.assert_equal(
+            np.asarray(jax.random.key_data(rng)),
+            "generate(engine='paged'): processes passed different rng keys; pass the same key",
+        )
+    if seq_ids_bg is None:
+        seq_ids_bg = (offset + np.arange(b_count))[:, None] * g + np.arange(g)[None]
+    seq_ids_bg = np.asarray(seq_ids_bg, np.int32)
+    if token_offsets_bg is None:
+        token_offsets_bg = np.zeros((b_count, g), np.int32)
+    longest = max(len(p) for p in prompts)
+    rows = dict(zip(mine, split_rows(b_count, len(mine)), strict=True))
+    todo = [d for d in mine if rows[d].stop > rows[d].start]
+    local_params = dict(
+        zip(mine, shard_params(params, mesh, [shards[d] for d in mine]), strict=True)
+    )
+
+    def one(d: int) -> tuple[tuple[np.ndarray, ...], paged.PagedStats]:
+        r, sub = rows[d], shards[d]
+        n = r.stop - r.start
+        opts = options
+        if requested is not None or options is None:
+            opts = paged.resolve_options(
+                requested,
+                num_seqs=n * g,
+                num_samples=g,
+                longest_prompt=longest,
+                max_new_tokens=max_new_tokens,
+            )
+        first = sub.devices.flat[0]
+        try:
+            with jax.default_device(first):
+                return paged.run(
+                    graphdef,
+                    sub,
+                    local_params[d],
+                    prompts[r],
+                    budgets_bg[r],
+                    rng=jax.device_put(rng, NamedSharding(sub, PartitionSpec())),
+                    max_new_tokens=max_new_tokens,
+                    options=opts,
+                    seq_ids_bg=seq_ids_bg[r],
+                    token_offsets_bg=token_offsets_bg[r],
+                    **kwargs,
+                )
+        except Exception as e:
+            e.add_note(
+                f"in data shard {d} of {d_count} (devices "
+                f"{[dev.id for dev in sub.devices.flat]}), whose prompt i is this call's "
+                f"prompt {r.start} + i"
+            )
+            raise
+
+    if len(todo) == 1:
+        results = {todo[0]: one(todo[0])}
+    else:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=len(todo)) as pool:
+            futures = {d: pool.submit(one, d) for d in todo}
+            results = {d: f.result() for d, f in futures.items()}
+    arrays = tuple(
+        np.concatenate([results[d][0][i] for d in todo], axis=0)
+        for i in range(len(results[todo[0]][0]))
+    )
+    stats: list[paged.PagedStats | None] = [
+        results[d][1] if d in results else None for d in range(d_count)
+    ]
+    return arrays, stats
+
+
+def run(
+    graphdef: nnx.GraphDef,
+    mesh: Mesh | None,
+    params: Params,
+    prompts: list[np.ndarray],
+    budgets_bg: np.ndarray,
+    **kwargs: Any,
+) -> tuple[tuple[np.ndarray, ...], DataParallelStats]:
+    """``paged.run``'s contract (same arguments, same outputs in prompt order) over the data
+    shards of ``mesh``, one engine each (module docstring); the stats summed
+    (:class:`DataParallelStats`).
+
+    ``requested`` (optional): the caller's unresolved
+    :class:`~jaxrl_llm.rollout.paged.PagedOptions`; each shard resolves its defaults from it
+    for its own share of the batch (its ``num_slots`` from its own sequences, the pool from the
+    batch's longest prompt). Without it every
+    shard uses ``options`` as given. Explicit sizes (``num_slots``, ``num_pages``) are per
+    engine, so the whole run holds ``D`` pools of ``num_pages``.
+    """
+    if mesh is None:
+        if jax.process_count() > 1:
+            raise ValueError(
+                "generate(engine='paged'): in a multi-process run the parameters must live on "
+                "a mesh over every process's devices (e.g. models.sharding.shard_model)"
+            )
+        raise ValueError("paged_dp.run: the parameters have no mesh")
+    arrays, stats = run_shards(graphdef, mesh, params, prompts, budgets_bg, **kwargs)
+    return arrays, DataParallelStats.combine(stats)
+
+
+__all__ = [
+    "DataParallelStats",
+    "data_shard_meshes",
+    "is_data_parallel",
+    "run",
+    "run_shards",
+    "shard_params",
+    "split_rows",
+]

@@ -1,0 +1,147 @@
+"""Data-parallel paged engines (rollout/paged_dp.py) on the 8 fake CPU devices: one engine per
+data shard gives the one-device engine's tokens (greedy and sampled with the same key) and
+log-probs, with ragged prompts, per-sample budgets and uneven shards; every shard's pool gets
+its pages back; a second call compiles nothing; two processes (slow) give one process's rows."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrl_llm import rollout
+from jaxrl_llm.models import sharding
+from jaxrl_llm.rollout import paged, paged_dp
+from tests.rollout.test_generate import prompts
+from tests.rollout.test_paged import BUDGETS, LENGTHS, SMALL, CompileCounter, G, T, assert_same
+
+# B = 5 prompts (one of 23 tokens: a chunked prefill), so no mesh below divides the batch:
+# data=8 runs 5 engines of one prompt (3 shards idle), data=2 runs 3 + 2, data·fsdp=4 2+1+1+1.
+MESHES = {
+    "data8": dict(data=8),
+    "data2_tensor4": dict(data=2, tensor=4),
+    "fsdp2_tensor2_data2": dict(data=2, fsdp=2, tensor=2),
+}
+KW = dict(max_new_tokens=T, num_samples=G, max_new_tokens_bg=BUDGETS, engine="paged")
+
+
+@pytest.fixture(scope="module")
+def model(tiny_pair):
+    return tiny_pair("llama3")[1]
+
+
+@pytest.fixture(scope="module")
+def one_device(model):
+    """The one-device engine's greedy and sampled outputs (the references)."""
+    ids, mask = prompts(seed=8, lengths=LENGTHS)
+    greedy = rollout.generate(
+        model, ids, mask, rng=jax.random.key(0), temperature=0.0, paged_options=SMALL, **KW
+    )
+    sampled = rollout.generate(
+        model, ids, mask, rng=jax.random.key(5), temperature=1.0, paged_options=SMALL, **KW
+    )
+    return ids, mask, greedy, sampled
+
+
+def on_mesh(model, sizes):
+    graphdef, state = nnx.split(model)
+    mesh = sharding.make_mesh(**sizes)
+    params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh))
+    return mesh, (graphdef, params)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "data2_tensor4",
+        # 5 and 4 engines, each compiling its own programs (one compile per device set): ~15 s
+        # each on 2 loaded cores.
+        pytest.param("data8", marks=pytest.mark.slow),
+        pytest.param("fsdp2_tensor2_data2", marks=pytest.mark.slow),
+    ],
+)
+def test_data_parallel_engines_give_the_one_device_tokens(model, one_device, name):
+    ids, mask, greedy, sampled = one_device
+    assert len(jax.devices()) == 8
+    mesh, sharded = on_mesh(model, MESHES[name])
+    d = sharding.data_parallel_size(mesh)
+    out = rollout.generate(
+        sharded, ids, mask, rng=jax.random.key(0), temperature=0.0, paged_options=SMALL, **KW
+    )
+    assert_same(greedy, out)
+    out, stats = rollout.generate(
+        sharded,
+        ids,
+        mask,
+        rng=jax.random.key(5),
+        temperature=1.0,
+        paged_options=SMALL,
+        return_stats=True,
+        **KW,
+    )
+    assert_same(sampled, out)
+    assert (np.asarray(out.mask).sum(-1) <= BUDGETS).all()
+    # One engine per data shard that got prompts (contiguous, the first B mod D one more).
+    assert isinstance(stats, paged_dp.DataParallelStats) and len(stats.shards) == d
+    rows = paged_dp.split_rows(len(LENGTHS), d)
+    ran = [s for s in stats.shards if s is not None]
+    assert [s is not None for s in stats.shards] == [r.stop > r.start for r in rows]
+    assert len(ran) == min(len(LENGTHS), d)
+    assert all(s.pages_in_use_at_end == 0 and s.peak_pages > 0 for s in ran)
+    assert stats.pages_in_use_at_end == 0
+    assert stats.peak_pages == sum(s.peak_pages for s in ran)
+    assert stats.peak_kv_bytes == sum(s.peak_kv_bytes for s in ran)
+    assert stats.decode_dispatches == sum(s.decode_dispatches for s in ran)
+    # Other prompts of the same lengths and another key: every engine reuses its programs.
+    ids2, mask2 = prompts(seed=9, lengths=LENGTHS)
+    with CompileCounter() as compiles:
+        again = rollout.generate(
+            sharded, ids2, mask2, rng=jax.random.key(6), temperature=1.0, paged_options=SMALL, **KW
+        )
+        jax.block_until_ready(again)
+    assert compiles.count == 0
+    assert not np.array_equal(np.asarray(again.tokens), np.asarray(out.tokens))
+
+
+def test_split_rows_rule():
+    assert paged_dp.split_rows(5, 2) == [slice(0, 3), slice(3, 5)]
+    assert paged_dp.split_rows(5, 4) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]
+    assert [r.stop - r.start for r in paged_dp.split_rows(3, 8)] == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert paged_dp.split_rows(8, 4) == [slice(2 * i, 2 * i + 2) for i in range(4)]
+
+
+def test_sub_meshes_keep_the_tensor_axis_and_drop_the_batch_axes(model):
+    mesh, (_, params) = on_mesh(model, dict(data=2, fsdp=2, tensor=2))
+    subs = paged_dp.data_shard_meshes(mesh)
+    grid = mesh.devices  # [data, fsdp, tensor]
+    assert [list(s.devices.flat) for s in subs] == [
+        list(grid[i, j]) for i in (0, 1) for j in (0, 1)
+    ]
+    assert all(dict(s.shape) == {"data": 1, "fsdp": 1, "tensor": 2} for s in subs)
+    local = paged_dp.shard_params(params, mesh, subs)
+    q = params["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
+    assert "fsdp" in str(q.sharding.spec) and "tensor" in str(q.sharding.spec)
+    for sub, p in zip(subs, local, strict=True):
+        x = p["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
+        assert x.sharding.mesh == sub and x.sharding.device_set == set(sub.devices.flat)
+        assert "fsdp" not in str(x.sharding.spec) and "tensor" in str(x.sharding.spec)
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(q))
+    # Replicated over the batch axes (dp): each shard's arrays are the original buffers.
+    mesh, (_, params) = on_mesh(model, dict(data=8))
+    subs = paged_dp.data_shard_meshes(mesh)
+    q = params["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
+    x = paged_dp.shard_params(params, mesh, subs[3:4])[0]["model"]["layers"]["self_attn"]["q_proj"]
+    (piece,) = x["kernel"].addressable_shards
+    original = {s.device: s.data.unsafe_buffer_pointer() for s in q.addressable_shards}
+    assert piece.data.unsafe_buffer_pointer() == original[piece.device]
+
+
+def test_a_shards_error_names_the_shard(model):
+    _, sharded = on_mesh(model, dict(data=2, devices=jax.devices()[:2]))
+    ids, mask = prompts(seed=0, lengths=(4, 4, 9))  # shards [0, 1] and [2]
+    options = paged.PagedOptions(page_size=4, num_pages=4)  # 3 pages: too few for 9 + 8 tokens
+    with pytest.raises(ValueError, match=r"prompt 0 \(9 tokens.*raise num_pages") as e:
+        rollout.generate(
+            sharded, ids, mask, rng=jax.random.key(0), max_new_tokens=8, engine="paged",
+            paged_options=options,
+        )  # fmt: skip
+    assert any("data shard 1 of 2" in n and "prompt 2 + i" in n for n in e.value.__notes__)
