@@ -1,0 +1,230 @@
+"""The paged engine's attention backends (rollout/pages.py, PagedOptions.attention).
+
+The Pallas GPU kernel runs on CPU in interpret mode, so its wiring (pool layout with the layers
+folded into the pages, page tables with shared pages, lengths, GQA, the write-first layer step)
+is checked against the reference attention's numbers, and the whole engine on it against the
+reference engine. The TPU kernel has no working interpret mode in jax 0.10.2 (the interpreter
+fails on its reshaped-ref loads), so its wrapper's layout is checked with the kernel module's own
+``ref_ragged_paged_attention`` (same arguments) and the engine's programs with the kernel are
+compiled for a TPU topology through libtpu (no TPU attached).
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrl_llm import rollout
+from jaxrl_llm.models.transformer import NO_WINDOW
+from jaxrl_llm.rollout import paged, pages
+from tests.rollout.test_generate import prompts
+
+L, P, PS, K, H, D = 2, 9, 4, 2, 4, 16  # layers, pages, page size, kv heads, heads (GQA), dim
+# Rows 0 and 2 share their first two pages (the G samples of one prompt); row 1 is empty.
+TABLE = np.array([[3, 1, 5, 0], [2, 0, 0, 0], [3, 1, 8, 6]], np.int32)
+CTX = np.array([9, 0, 8], np.int32)  # ragged context lengths (tokens already pooled)
+
+
+def _reference_pool(rng):
+    return pages.PagePool(*(rng.randn(L, P, PS, K, D).astype(np.float32) for _ in range(2)))
+
+
+def _kernel_pool(name, ref_pool):
+    """The reference pool's contents in kernel ``name``'s layout (module docstring of pages)."""
+    k, v = ref_pool
+    if name == "pallas_gpu":
+        k, v = (jnp.asarray(x.transpose(3, 0, 1, 2, 4).reshape(K, L * P, PS, D)) for x in (k, v))
+        return pages.PagePool(k, v)
+    kv = np.stack([k, v], axis=-2).reshape(L * P, PS, 2 * K, D)
+    return pages.PagePool(jnp.asarray(np.pad(kv, [(0, 0)] * 3 + [(0, 128 - D)])), None)
+
+
+def _expected(ref_pool, layer, q, k_new, v_new, window):
+    ctx_k = pages.gather_pages(jnp.asarray(ref_pool.k), layer, TABLE)
+    ctx_v = pages.gather_pages(jnp.asarray(ref_pool.v), layer, TABLE)
+    valid = np.ones(q.shape[:2], bool)
+    return pages.paged_attention_reference(q, k_new, v_new, ctx_k, ctx_v, CTX, valid, window)
+
+
+def _write_at(t):
+    """Pages and offsets of each row's next ``t`` tokens (positions CTX + j) by TABLE."""
+    pos = CTX[:, None] + np.arange(t)[None]
+    return TABLE[np.arange(3)[:, None], pos // PS], pos % PS
+
+
+@pytest.mark.parametrize("t", [1, 3], ids=["decode", "prefill"])
+def test_pallas_gpu_backend_equals_reference_attention(t):
+    """Write the new tokens into the GPU layout (layer 1: the folded page offset), then the
+    Pallas decode kernel (interpret mode) or the dense prefill attention; = the reference."""
+    rng = np.random.RandomState(0)
+    ref_pool = _reference_pool(rng)
+    q = rng.randn(3, t, H, D).astype(np.float32)
+    k_new, v_new = (rng.randn(3, t, K, D).astype(np.float32) for _ in range(2))
+    spec = pages.KernelSpec("pallas_gpu", num_pages=P, page_size=PS, head_dim=D, interpret=True)
+    page, off = _write_at(t)
+    pool = pages.write_layer(spec, _kernel_pool("pallas_gpu", ref_pool), 1, page, off, k_new, v_new)
+    got = pages.kernel_attention(spec, pool, 1, q, TABLE, CTX, NO_WINDOW)
+    want = _expected(ref_pool, 1, q, k_new, v_new, NO_WINDOW)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    # Layer 0 of the pool was not touched by layer 1's write.
+    np.testing.assert_array_equal(
+        np.asarray(pool.k[:, :P]), np.asarray(_kernel_pool("pallas_gpu", ref_pool).k[:, :P])
+    )
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_ragged_tpu_wrapper_layout_equals_reference_attention(window):
+    """The TPU wrapper (interleaved K/V pages, padded head dim, folded layers, cu_q_lens) run
+    with the kernel module's own reference implementation: = the reference attention."""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+    rng = np.random.RandomState(1)
+    ref_pool = _reference_pool(rng)
+    t = 3
+    q = rng.randn(3, t, H, D).astype(np.float32)
+    k_new, v_new = (rng.randn(3, t, K, D).astype(np.float32) for _ in range(2))
+    spec = pages.KernelSpec("ragged_tpu", num_pages=P, page_size=PS, head_dim=D, window=window)
+    page, off = _write_at(t)
+    pool = pages.write_layer(spec, _kernel_pool("ragged_tpu", ref_pool), 1, page, off, k_new, v_new)
+    got = pages.ragged_tpu_attention(
+        q, pool.k, P + TABLE, CTX, window=window, kernel=rpa.ref_ragged_paged_attention
+    )
+    want = _expected(ref_pool, 1, q, k_new, v_new, NO_WINDOW if window is None else window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+def test_engine_on_the_gpu_kernels_gives_the_reference_engines_tokens(tiny_pair):
+    """The whole paged engine with attention='pallas_gpu' (interpret mode on CPU): ragged
+    prompts (one chunked), G = 2 sharing prompt pages, per-sample budgets, GQA; greedy
+    tokens equal the reference engine's, log-probs within 1e-5."""
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=1, lengths=(9, 4, 1, 6, 23))  # 23 > prefill_chunk: two chunks
+    budgets = np.array([[8, 3], [1, 8], [5, 6], [8, 2], [2, 7]], np.int32)
+    outs = {}
+    for name in ("reference", "pallas_gpu"):
+        options = paged.PagedOptions(
+            page_size=4, num_slots=4, steps_per_dispatch=4, prefill_chunk=16, attention=name
+        )
+        outs[name], stats = rollout.generate(
+            model,
+            ids,
+            mask,
+            rng=jax.random.key(0),
+            max_new_tokens=8,
+            num_samples=2,
+            temperature=0.0,
+            max_new_tokens_bg=budgets,
+            engine="paged",
+            paged_options=options,
+            return_stats=True,
+        )
+        assert stats.pages_in_use_at_end == 0
+    ref, got = outs["reference"], outs["pallas_gpu"]
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(ref.mask))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
+def test_engine_programs_with_the_tpu_kernel_compile_for_a_tpu(tiny_pair):
+    """_decode and _prefill with attention='ragged_tpu' lower and compile for one chip of a
+    v5e:2x2 topology through libtpu (no TPU attached), the kernel in the compiled program."""
+    pytest.importorskip("libtpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from flax import nnx
+    from jax.experimental import topologies
+
+    _, model = tiny_pair("llama3")
+    graphdef, params = nnx.split(model)
+    desc = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    mesh = jax.sharding.Mesh(np.array(desc.devices[:1]), ("x",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def sds(shape, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
+
+    c, ps, num_pages, n, w, r, chunk, g = model.config, 16, 33, 8, 8, 2, 16, 2
+    options = paged.PagedOptions(page_size=ps, num_pages=num_pages, attention="ragged_tpu")
+    spec = paged.attention_kernel(c, options, jnp.float32, platform="tpu")
+    assert spec is not None and spec.name == "ragged_tpu"
+    pool = jax.eval_shape(
+        lambda: pages.init_pool(
+            spec, c.num_layers, num_pages, ps, c.num_kv_heads, c.head_dim, jnp.float32
+        )
+    )
+    static = paged._Static(True, 0, False, 0, ps, 4, kernel=spec)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    args = (
+        graphdef,
+        jax.tree.map(lambda x: sds(x.shape, x.dtype), params),
+        jax.tree.map(lambda x: sds(x.shape, x.dtype), pool),
+    )
+    key, f32 = sds(key.shape, key.dtype), sds((), jnp.float32)
+    state = paged._SlotState(sds((n,)), sds((n,)), sds((n,), bool), sds((n,)), sds((n,)), sds((n,)))
+    with jax.set_mesh(mesh):  # Mosaic reads the chip generation from the mesh's device
+        decode = paged._decode.lower(
+            *args, sds((n, w)), state, key, f32, f32, sds((2,)), sds(()), static=static
+        ).compile()
+        prefill = paged._prefill.lower(
+            *args,
+            sds((r, chunk)),
+            sds((r, chunk), bool),
+            sds((r,)),
+            sds((r, w)),
+            sds((r, chunk, g)),
+            sds((r, chunk)),
+            sds((r,)),
+            sds((r, g)),
+            sds((r, g)),
+            key,
+            f32,
+            f32,
+            static=static,
+        ).compile()
+    for program in (decode, prefill):
+        assert "ragged_paged_attention" in program.as_text()
+
+
+def test_bad_backends_and_unsupported_models_are_clear_errors(tiny_pair):
+    sizes = dict(num_seqs=2, num_samples=1, longest_prompt=4, max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"attention must be one of .* got 'flash'"):
+        paged.resolve_options(paged.PagedOptions(attention="flash"), **sizes)
+    llama, mistral = tiny_pair("llama3")[1].config, tiny_pair("mistral")[1].config
+    f32 = jnp.float32
+    options = paged.resolve_options(paged.PagedOptions(attention="auto"), **sizes)
+
+    def pick(cfg, name, platform):
+        o = paged.PagedOptions(**{**options.__dict__, "attention": name})
+        return paged.attention_kernel(cfg, o, f32, platform=platform)
+
+    # auto: the platform's kernel where it can serve the model, else the reference (None).
+    assert pick(llama, "auto", "cpu") is None
+    assert pick(llama, "auto", "gpu").name == "pallas_gpu"
+    assert pick(llama, "auto", "tpu").name == "ragged_tpu"
+    assert pick(mistral, "auto", "gpu") is None  # sliding window: no GPU decode kernel
+    assert pick(mistral, "auto", "tpu").window == mistral.window(0)  # one window: the kernel's
+    on_cpu = pick(llama, "pallas_gpu", "cpu")
+    assert on_cpu.interpret and on_cpu.prefill_impl == "xla"
+    assert pick(llama, "pallas_gpu", "gpu").prefill_impl == "cudnn"
+    with pytest.raises(ValueError, match=r"'pallas_gpu' cannot serve this model: .*sliding-window"):
+        pick(mistral, "pallas_gpu", "gpu")
+    with pytest.raises(ValueError, match="'ragged_tpu' runs on TPU only"):
+        pick(llama, "ragged_tpu", "cpu")
+    shapes = dict(num_heads=6, num_kv_heads=3, windows=(None,), cache_dtype=f32)
+    assert "multiple of 16" in pages.kernel_refusal("pallas_gpu", head_dim=24, **shapes)
+    assert "6 interleaved kv heads" in pages.kernel_refusal("ragged_tpu", head_dim=128, **shapes)
+    mixed = dict(num_heads=4, num_kv_heads=2, head_dim=128, windows=(4, None), cache_dtype=f32)
+    assert "different windows" in pages.kernel_refusal("ragged_tpu", **mixed)
+    # Through generate: the error comes before anything compiles.
+    ids, mask = prompts(seed=0, lengths=(3, 2))
+    with pytest.raises(ValueError, match="attention='pallas_gpu' cannot serve"):
+        rollout.generate(
+            tiny_pair("mistral")[1],
+            ids,
+            mask,
+            rng=jax.random.key(0),
+            max_new_tokens=2,
+            engine="paged",
+            paged_options=paged.PagedOptions(attention="pallas_gpu"),
+        )
