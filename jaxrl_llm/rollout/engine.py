@@ -528,11 +528,6 @@ def generate(
         raise ValueError(f"generate: engine must be 'static' or 'paged', got {engine!r}")
     mesh = _mesh_of(params)
     if engine == "paged":
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                f"generate(engine='paged') runs in one process for now ({jax.process_count()} "
-                "processes); use engine='static' there"
-            )
         if budgets_bg is None:
             budgets_bg = np.full((ids.shape[0], num_samples), max_new_tokens, np.int32)
         prompts = [ids[i][mask[i]] for i in range(ids.shape[0])]

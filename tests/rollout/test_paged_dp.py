@@ -3,6 +3,10 @@ data shard gives the one-device engine's tokens (greedy and sampled with the sam
 log-probs, with ragged prompts, per-sample budgets and uneven shards; every shard's pool gets
 its pages back; a second call compiles nothing; two processes (slow) give one process's rows."""
 
+import subprocess
+import sys
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -145,3 +149,106 @@ def test_a_shards_error_names_the_shard(model):
             paged_options=options,
         )  # fmt: skip
     assert any("data shard 1 of 2" in n and "prompt 2 + i" in n for n in e.value.__notes__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes (jax.distributed on CPU, gloo), two devices each: each process passes its own
+# rows of the global batch (3 and 2: uneven) and gets the one-device engine's tokens for them.
+
+CHILD = """\
+import sys
+
+from jaxrl_llm import distributed as dist
+
+port, pid, model_dir, batch, out = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
+dist.initialize(f"127.0.0.1:{port}", 2, pid)
+
+import jax
+import numpy as np
+
+from jaxrl_llm import models, rollout
+from jaxrl_llm.models import sharding
+from jaxrl_llm.rollout import paged
+
+assert jax.process_count() == 2 and len(jax.local_devices()) == 2
+data = np.load(batch)
+rows = slice(0, 3) if pid == 0 else slice(3, None)
+options = paged.PagedOptions(page_size=4, num_slots=4, steps_per_dispatch=4, prefill_chunk=16)
+results = {}
+# data2_tensor2: a shard per process, tensor-parallel on its two devices; fsdp4: two one-device
+# shards per process (two threads), the weights' embed axis split across the processes.
+for name, sizes in (("data2_tensor2", dict(data=2, tensor=2)), ("fsdp4", dict(fsdp=4))):
+    mesh = sharding.make_mesh(**sizes)
+    model = models.from_pretrained(model_dir, mesh=mesh)
+    for mode, temperature, key in (("greedy", 0.0, 0), ("sampled", 1.0, 5)):
+        out_, stats = rollout.generate(
+            model, data["ids"][rows], data["mask"][rows], rng=jax.random.key(key),
+            temperature=temperature, max_new_tokens=int(data["T"]), num_samples=int(data["G"]),
+            max_new_tokens_bg=data["budgets"][rows], engine="paged", paged_options=options,
+            return_stats=True,
+        )
+        for field in ("tokens", "mask", "logprobs", "truncated"):
+            results[f"{name}/{mode}/{field}"] = np.asarray(getattr(out_, field))
+        results[f"{name}/{mode}/engines"] = sum(s is not None for s in stats.shards)
+        results[f"{name}/{mode}/pages_at_end"] = stats.pages_in_use_at_end
+d = jax.devices()  # process 0's two devices, then process 1's
+mesh = sharding.make_mesh(data=2, tensor=2, devices=[d[0], d[2], d[1], d[3]])
+model = models.from_pretrained(model_dir, mesh=mesh)
+try:
+    rollout.generate(model, data["ids"][rows], data["mask"][rows], rng=jax.random.key(0),
+                     max_new_tokens=2, engine="paged")
+except ValueError as e:
+    results["refused"] = str(e)
+np.savez(out, **results)
+print("done", flush=True)
+"""
+
+
+def _child_env() -> dict[str, str]:
+    from tests.train import test_multiprocess as MP
+
+    env = MP._child_env()
+    flags = [f for f in env["XLA_FLAGS"].split() if "force_host_platform" not in f]
+    env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=2"])
+    return env
+
+
+@pytest.mark.slow
+def test_two_processes_get_the_one_device_tokens_of_their_rows(tiny_pair, one_device, tmp_path):
+    from tests.train import test_multiprocess as MP
+
+    hf, _ = tiny_pair("llama3")
+    ids, mask, greedy, sampled = one_device
+    hf.save_pretrained(tmp_path / "model")
+    np.savez(tmp_path / "batch.npz", ids=ids, mask=mask, budgets=BUDGETS, T=T, G=G)
+    port, children = MP._free_port(), []
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    outs = [tmp_path / f"out{i}.npz" for i in range(2)]
+    t0 = time.monotonic()
+    try:
+        for i in range(2):
+            args = [str(port), str(i), str(tmp_path / "model"), str(tmp_path / "batch.npz")]
+            cmd = [sys.executable, "-c", CHILD, *args, str(outs[i])]
+            with logs[i].open("w") as log:
+                children.append(
+                    subprocess.Popen(
+                        cmd, cwd=MP.REPO, env=_child_env(), stdout=log, stderr=subprocess.STDOUT
+                    )
+                )
+        MP._wait(children, logs, t0, "paged data-parallel", limit=240)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+    got = [dict(np.load(o)) for o in outs]
+    for name in ("data2_tensor2", "fsdp4"):
+        for mode, ref in (("greedy", greedy), ("sampled", sampled)):
+            fields = ("tokens", "mask", "logprobs", "truncated")
+            parts = {f: np.concatenate([g[f"{name}/{mode}/{f}"] for g in got]) for f in fields}
+            assert_same(ref, rollout.Generation(**parts))
+            engines = [int(g[f"{name}/{mode}/engines"]) for g in got]
+            assert engines == ([1, 1] if name == "data2_tensor2" else [2, 2])
+            assert all(int(g[f"{name}/{mode}/pages_at_end"]) == 0 for g in got)
+    for g in got:
+        assert "data shard 0 of the mesh spans processes [0, 1]" in str(g["refused"])
