@@ -39,9 +39,19 @@ partial rollout (``partial.py``) continues a sequence with the keys it would hav
 static engine draws from ``fold_in(rng, t)`` per batch: sampled tokens differ between the two
 engines for the same key; greedy tokens agree.)
 
-Kernels. The engine runs the reference attention of ``pages.py``; the Pallas GPU kernel wired
-there is not yet used inside the engine (it needs the current token written to the pool
-before attention).
+Kernels. ``PagedOptions.attention`` picks the attention (``pages.py``): ``"reference"``
+(above), ``"pallas_gpu"`` (decode through JAX's Pallas GPU ``paged_attention``, prefill through
+``jax.nn.dot_product_attention``, cuDNN on GPU, over the gathered pages), ``"ragged_tpu"`` (JAX's
+TPU ``ragged_paged_attention`` for both) or ``"auto"`` (default: TPU -> ragged_tpu, GPU ->
+pallas_gpu, where the kernel can serve the model on one device; else reference; on CPU always
+reference). The kernels read the current tokens from the pool, so with a kernel each layer
+writes its new keys/values into the pool first and then attends (:func:`forward_paged_kernel`,
+the pool in the layer scan's carry, kept in the kernel's own layout: no per-step transpose); the
+reference path keeps the order above (its speed and numbers unchanged). Verified: the GPU kernel
+path in interpret mode on CPU (attention = reference; the whole engine = the reference engine's
+greedy tokens, log-probs within 1e-5); the TPU path's layout with the kernel module's own
+reference, and its programs compiled for a v5e chip through libtpu (no TPU; its interpret mode
+fails in jax 0.10.2). Neither kernel has been run on its hardware here.
 """
 
 from __future__ import annotations
