@@ -133,6 +133,8 @@ class RolloutConfig:
     cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     # Sampler: static (one dense batch) or paged (continuous batching, paged KV; one device).
     engine: Literal["static", "paged"] = "static"
+    # Paged engine's attention: auto (the TPU/GPU kernel, else reference); docs/rollout.md.
+    paged_attention: Literal["auto", "reference", "pallas_gpu", "ragged_tpu"] = "auto"
     # Completions cut at max_new_tokens carry no loss (TRL's mask_truncated_completions).
     mask_truncated_completions: bool = False
 

@@ -268,7 +268,7 @@ class PartialRollouts:
         to_end: bool,
     ) -> InFlightBatch:
         """Continues the unfinished samples by ``segment_tokens`` (or to their end)."""
-        from jaxrl_llm.rollout import partial
+        from jaxrl_llm.rollout import paged, partial
 
         sampler = self.setup.sampler
         batch = self._batch(entry, iterator)
@@ -287,6 +287,7 @@ class PartialRollouts:
             stop_token_ids=sampler.stop_ids,
             cache_dtype=sampler.cache_dtype,
             engine=sampler.engine,
+            paged_options=paged.PagedOptions(attention=sampler.paged_attention),
         )
         return entry._replace(state=state, seconds=entry.seconds + time.perf_counter() - t0)
 

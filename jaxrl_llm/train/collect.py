@@ -91,6 +91,7 @@ def sample_completions(
         stop_token_ids=sampler.stop_ids,
         cache_dtype=sampler.cache_dtype,
         engine=sampler.engine,
+        paged_options=rollout.paged.PagedOptions(attention=sampler.paged_attention),
     )
     return jax.tree.map(np.asarray, jax.device_get(out))
 

@@ -77,6 +77,7 @@ class Sampler:
       stop_ids: token ids that end a completion.
       cache_dtype: the KV cache's dtype (None: the model's).
       engine: the rollout engine, ``"static"`` or ``"paged"`` (``rollout.generate``).
+      paged_attention: the paged engine's attention backend (``PagedOptions.attention``).
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).
     """
@@ -89,6 +90,7 @@ class Sampler:
     stop_ids: tuple[int, ...] = ()
     cache_dtype: Any = None
     engine: str = "static"
+    paged_attention: str = "auto"
     mask_truncated: bool = False
 
     def greedy(self, max_new_tokens: int | None = None) -> Sampler:
@@ -723,6 +725,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         stop_ids=tuple(stop_ids),
         cache_dtype=None if r.cache_dtype == "auto" else jnp.dtype(r.cache_dtype),
         engine=r.engine,
+        paged_attention=r.paged_attention,
         mask_truncated=r.mask_truncated_completions,
     )
 

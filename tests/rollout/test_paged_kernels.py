@@ -228,3 +228,17 @@ def test_bad_backends_and_unsupported_models_are_clear_errors(tiny_pair):
             engine="paged",
             paged_options=paged.PagedOptions(attention="pallas_gpu"),
         )
+
+
+def test_rollout_paged_attention_config_reaches_the_sampler():
+    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.train import setup as S
+    from tests.train import helpers as H
+
+    small = ("rollout.prompts_per_step=2", "rollout.num_samples=2", "data.eval_size=4")
+    assert S.resolve(H.config("tiny.yaml", *small)).sampler.paged_attention == "auto"
+    setup = S.resolve(H.config("tiny.yaml", *small, "rollout.paged_attention=pallas_gpu"))
+    assert setup.sampler.paged_attention == "pallas_gpu"
+    assert setup.sampler.greedy().paged_attention == "pallas_gpu"  # evaluation too
+    with pytest.raises(ConfigError, match="paged_attention"):
+        H.config("tiny.yaml", "rollout.paged_attention=flash")
