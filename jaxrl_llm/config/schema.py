@@ -137,6 +137,8 @@ class RolloutConfig:
     paged_attention: Literal["auto", "reference", "pallas_gpu", "ragged_tpu"] = "auto"
     # Completions cut at max_new_tokens carry no loss (TRL's mask_truncated_completions).
     mask_truncated_completions: bool = False
+    # Also collect each token's full-vocabulary log-prob at τ = 1, no top-k/top-p (Groups).
+    full_logprobs: bool = False
 
 
 @dataclasses.dataclass(**_CONFIG)

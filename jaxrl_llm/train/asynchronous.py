@@ -163,7 +163,11 @@ def buffer_to_host(entries: list[Any]) -> tuple[dict[str, np.ndarray], list[dict
         if isinstance(p, InFlightBatch):
             arrays[f"b{i}.indices"] = np.asarray(p.indices, np.int64)
             arrays[f"b{i}.key_data"] = np.asarray(p.key_data)
-            names = [n for n in p.state._fields if n not in _INFLIGHT_SCALARS]
+            names = [
+                n
+                for n in p.state._fields
+                if n not in _INFLIGHT_SCALARS and getattr(p.state, n) is not None
+            ]
             for name in names:
                 arrays[f"b{i}.state.{name}"] = np.asarray(getattr(p.state, name))
             described.append(
@@ -255,7 +259,12 @@ class PartialRollouts:
         indices = iterator.next_indices()
         self._batches[step] = iterator.dataset.batch(indices, **iterator.batch_kwargs)
         sampler = self.setup.sampler
-        state = partial.start(len(indices), sampler.num_samples, sampler.max_new_tokens)
+        state = partial.start(
+            len(indices),
+            sampler.num_samples,
+            sampler.max_new_tokens,
+            full_logprobs=sampler.full_logprobs,
+        )
         return InFlightBatch(step, indices, np.asarray(jax.random.key_data(key)), state)
 
     def advance(

@@ -92,6 +92,7 @@ def sample_completions(
         cache_dtype=sampler.cache_dtype,
         engine=sampler.engine,
         paged_options=rollout.paged.PagedOptions(attention=sampler.paged_attention),
+        return_full_logprobs=sampler.full_logprobs,
     )
     return jax.tree.map(np.asarray, jax.device_get(out))
 
@@ -211,6 +212,9 @@ def _score_round(
         truncated=out.truncated.astype(bool),
         reward=reward_bg,
     )
+    full = getattr(out, "full_logprobs", None)  # rollout.full_logprobs
+    if full is not None:
+        local["logp_full"] = np.asarray(full, np.float32)
     requires = setup.recipe.requires
     if ch.REWARD_COMPONENTS in requires:  # GDPO: the terms apart, in the config's order
         b, g = reward_bg.shape
@@ -250,6 +254,7 @@ def _score_round(
         member_bg=np.ones(local["reward"].shape, bool),
         baseline_b=local.get("baseline"),
         reward_bgk=local.get("reward_k"),
+        logp_full_bgt=local.get("logp_full"),
     )
     metrics = {"time/rollout": sample_seconds + (t3 - t2), "time/reward": t2 - t1}
     return groups, reward_out, local["truncated"], metrics
@@ -298,6 +303,7 @@ def _selected(
             logp_sampler_bgt=take(groups.logp_sampler_bgt),
             reward_bg=take(groups.reward_bg),
             reward_bgk=None if groups.reward_bgk is None else take(groups.reward_bgk),
+            logp_full_bgt=None if groups.logp_full_bgt is None else take(groups.logp_full_bgt),
         )
         member, extra_bg = take(member), tuple(take(x) for x in extra_bg)
     return groups._replace(member_bg=member), extra_bg

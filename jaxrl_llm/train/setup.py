@@ -81,6 +81,8 @@ class Sampler:
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).
     """
+      full_logprobs: also sample the full-vocabulary τ = 1 log-probs
+        (``generate(return_full_logprobs=True)``; ``Groups.logp_full_bgt``).
 
     num_samples: int
     max_new_tokens: int
@@ -93,6 +95,7 @@ class Sampler:
     paged_attention: str = "auto"
     mask_truncated: bool = False
 
+    full_logprobs: bool = False
     def greedy(self, max_new_tokens: int | None = None) -> Sampler:
         """One greedy completion per prompt (evaluation)."""
         return dataclasses.replace(
@@ -103,6 +106,7 @@ class Sampler:
             top_p=1.0,
             max_new_tokens=max_new_tokens or self.max_new_tokens,
         )
+            full_logprobs=False,
 
 
 @dataclasses.dataclass(frozen=True)
@@ -737,7 +741,9 @@ def _eval_plan(config: TrainConfig, sampler: Sampler | None, stop_ids: Sequence[
         base = Sampler(num_samples=1, max_new_tokens=max_new, stop_ids=tuple(stop_ids))
         return EvalPlan(every=t.eval_every, mode="greedy", sampler=base, seed=t.seed + 1)
     max_new = t.eval_max_new_tokens or sampler.max_new_tokens
-    eval_sampler = dataclasses.replace(sampler, num_samples=1, max_new_tokens=max_new)
+    eval_sampler = dataclasses.replace(
+        sampler, num_samples=1, max_new_tokens=max_new, full_logprobs=False
+    )
     k = t.eval_num_samples
     return EvalPlan(
         every=t.eval_every,
@@ -752,6 +758,7 @@ def resolve(
     config: TrainConfig,
     run_dir: str | Path | None = None,
     *,
+        full_logprobs=r.full_logprobs,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Setup:
     """The run of ``config`` in ``run_dir`` (default ``config.run_dir``), resolved: models,

@@ -92,6 +92,9 @@ class Groups(NamedTuple):
       baseline_b: ``f32[B]`` a given per-prompt baseline (ReMax: the reward of one greedy
         completion of the prompt), or None.
       reward_bgk: ``f32[B, G, K]`` the K reward terms apart, unweighted (GDPO), or None.
+      logp_full_bgt: ``f32[B, G, T]`` the sampler's full-vocabulary log-probs at temperature 1
+        (``rollout.full_logprobs``; ``Generation.full_logprobs``), or None. Carried, not yet
+        read by the step.
     """
 
     prompt_ids_bp: jax.Array
@@ -103,6 +106,7 @@ class Groups(NamedTuple):
     member_bg: jax.Array
     baseline_b: jax.Array | None = None
     reward_bgk: jax.Array | None = None
+    logp_full_bgt: jax.Array | None = None
 
 
 def _host(x: Any) -> np.ndarray:

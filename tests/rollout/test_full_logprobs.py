@@ -134,3 +134,59 @@ def test_bad_flag_is_a_clear_error(tiny_pair):
         rollout.generate(
             model, ids, mask, rng=jax.random.key(0), max_new_tokens=2, return_full_logprobs="yes"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer: rollout.full_logprobs carries them with the collected batch.
+
+
+def _collect(*overrides: str):
+    from jaxrl_llm.data import BatchIterator
+    from jaxrl_llm.train import setup as setup_lib
+    from jaxrl_llm.train.collect import collect
+    from tests.train import helpers as H
+
+    s = setup_lib.resolve(H.config("tiny.yaml", *overrides))
+    it = BatchIterator(s.data.train, s.loop.batch_size, seed=0, shuffle=False, pad_multiple=8)
+    groups, _ = collect(s, s.state.params, it, jax.random.key(0))
+    return s, groups
+
+
+@pytest.mark.slow  # two collects of the tiny config (~15 s of CPU alone, more when shared)
+def test_trainer_collects_full_logprobs_when_configured():
+    from jaxrl_llm.train import forward
+    from jaxrl_llm.train.step import _sequences
+
+    filters = ("rollout.top_k=5", "rollout.temperature=0.8", "rollout.stop_token_ids=[]")
+    _, off = _collect(*filters)
+    assert off.logp_full_bgt is None
+    s, groups = _collect(*filters, "rollout.full_logprobs=true")
+    assert s.sampler.full_logprobs and not s.sampler.greedy().full_logprobs
+    np.testing.assert_array_equal(groups.tokens_bgt, off.tokens_bgt)
+    b, g, t = groups.tokens_bgt.shape
+    tokens_nl, mask_nl = _sequences(groups)
+    graphdef, params = s.models.sampling_policy(s.state.params)
+    ref = forward.completion_logprobs_nt(
+        graphdef, params, tokens_nl, mask_nl, completion_len=t, temperature=1.0
+    )
+    valid = groups.mask_bgt
+    assert valid.all()  # no stop ids: every token is sampled
+    full = groups.logp_full_bgt
+    np.testing.assert_allclose(full, np.asarray(ref).reshape(b, g, t), atol=1e-4, rtol=0)
+    assert np.abs(full - groups.logp_sampler_bgt).min() > 1e-3  # μ's log-probs are another thing
+
+
+def test_inflight_batches_checkpoint_with_and_without_full_logprobs():
+    from jaxrl_llm.train import asynchronous as A
+
+    for full in (False, True):
+        state = partial.start(2, 3, 4, full_logprobs=full)
+        if full:
+            state = state._replace(full_logp_bgt=np.full((2, 3, 4), -1.5, np.float32))
+        entry = A.InFlightBatch(5, np.arange(2), np.zeros((2,), np.uint32), state)
+        (back,) = A.buffer_from_host(*A.buffer_to_host([entry]))
+        if full:
+            np.testing.assert_array_equal(back.state.full_logp_bgt, state.full_logp_bgt)
+        else:
+            assert back.state.full_logp_bgt is None
+        np.testing.assert_array_equal(back.state.budget_bg, state.budget_bg)
