@@ -485,12 +485,21 @@ def generate(
         ``[1, max_new_tokens]``: sample ``g`` of prompt ``b`` stops after that many tokens
         (``truncated`` when it got there without a stop id). ``None``: ``max_new_tokens``.
       engine: ``"static"`` (one dense batch, ``P + T`` cache slots per row, this module) or
-        ``"paged"`` (continuous batching over a paged KV cache, ``paged.py``; one process;
-        on a mesh it is correct but not yet data-parallel). Greedy tokens agree; sampled tokens use
-        different (per-sequence) keys in the paged engine.
+        ``"paged"`` (continuous batching over a paged KV cache, ``paged.py``). On a mesh
+        whose ``data`` × ``fsdp`` size D is > 1 the paged engine is data-parallel
+        (``paged_dp.py``): D engines, each with its own scheduler, page pool and allocator,
+        one per data shard on that shard's devices (weights tensor-parallel within it), the
+        prompts split into D contiguous shards (the first ``B mod D`` one prompt larger),
+        host schedulers in threads, the same tokens as one device. Explicit
+        ``paged_options`` sizes are per engine. Multi-process: as above, each process passes
+        its own rows (any number) and runs the engines of the data shards on its own devices
+        (a data shard spanning processes is an error). Greedy tokens agree between engines;
+        sampled tokens use different (per-sequence) keys in the paged engine.
       paged_options: sizes of the paged engine (:class:`paged.PagedOptions`).
       return_stats: also return the paged engine's :class:`paged.PagedStats` (``None`` for
-        the static engine); for benchmarks.
+        the static engine; data-parallel: :class:`paged_dp.DataParallelStats`, the shards'
+        sums, each shard's in ``shards``; multi-process: this process's shards); for
+        benchmarks.
       return_full_logprobs: also return ``Generation.full_logprobs``, each token's log-prob
         under the whole vocabulary at temperature 1 (both engines; computed inside the
         compiled programs, which without it are unchanged).
