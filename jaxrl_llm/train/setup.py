@@ -80,9 +80,9 @@ class Sampler:
       paged_attention: the paged engine's attention backend (``PagedOptions.attention``).
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).
-    """
       full_logprobs: also sample the full-vocabulary τ = 1 log-probs
         (``generate(return_full_logprobs=True)``; ``Groups.logp_full_bgt``).
+    """
 
     num_samples: int
     max_new_tokens: int
@@ -94,8 +94,8 @@ class Sampler:
     engine: str = "static"
     paged_attention: str = "auto"
     mask_truncated: bool = False
-
     full_logprobs: bool = False
+
     def greedy(self, max_new_tokens: int | None = None) -> Sampler:
         """One greedy completion per prompt (evaluation)."""
         return dataclasses.replace(
@@ -105,8 +105,8 @@ class Sampler:
             top_k=0,
             top_p=1.0,
             max_new_tokens=max_new_tokens or self.max_new_tokens,
-        )
             full_logprobs=False,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -731,6 +731,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         engine=r.engine,
         paged_attention=r.paged_attention,
         mask_truncated=r.mask_truncated_completions,
+        full_logprobs=r.full_logprobs,
     )
 
 
@@ -758,7 +759,6 @@ def resolve(
     config: TrainConfig,
     run_dir: str | Path | None = None,
     *,
-        full_logprobs=r.full_logprobs,
     mesh: jax.sharding.Mesh | None = None,
 ) -> Setup:
     """The run of ``config`` in ``run_dir`` (default ``config.run_dir``), resolved: models,
