@@ -549,7 +549,9 @@ def generate(
         )
         run = paged.run  # one engine; one per data shard on a data-parallel mesh:
         if paged_dp.is_data_parallel(mesh) or jax.process_count() > 1:
-            run = functools.partial(paged_dp.run, requested=paged_options)
+            # Each engine resolves the defaults for its own share of the batch.
+            requested = paged_options or paged.PagedOptions()
+            run = functools.partial(paged_dp.run, requested=requested)
         arrays, stats = run(
             graphdef,
             mesh,

@@ -244,7 +244,7 @@ def run_shards(
         r, sub = rows[d], shards[d]
         n = r.stop - r.start
         opts = options
-        if requested is not None or options is None:
+        if requested is not None:
             opts = paged.resolve_options(
                 requested,
                 num_seqs=n * g,

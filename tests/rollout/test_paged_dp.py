@@ -113,6 +113,50 @@ def test_split_rows_rule():
     assert paged_dp.split_rows(8, 4) == [slice(2 * i, 2 * i + 2) for i in range(4)]
 
 
+def test_each_engine_gets_its_rows_global_ids_own_defaults_and_devices(model, monkeypatch):
+    """What ``paged.run`` is called with per shard (a stand-in records it: nothing compiles)."""
+    calls = []
+
+    def fake_run(graphdef, mesh, params, prompts_, budgets_bg, *, rng, options, **kw):
+        leaf = jax.tree.leaves(params)[0]
+        calls.append(
+            dict(
+                mesh=mesh,
+                names=[int(p[0]) for p in prompts_],
+                budgets=budgets_bg,
+                ids=kw["seq_ids_bg"],
+                options=options,
+                devices=(rng.sharding.device_set, leaf.sharding.device_set),
+            )
+        )
+        n, g = budgets_bg.shape
+        name_b = np.asarray([int(p[0]) for p in prompts_], np.int32)
+        out = np.broadcast_to(name_b[:, None, None], (n, g, kw["max_new_tokens"]))
+        arrays = (out, out > 0, out.astype(np.float32), np.zeros((n, g), bool))
+        return arrays, paged.PagedStats(n, 8, 1, 1, 0)
+
+    monkeypatch.setattr(paged, "run", fake_run)
+    ids, mask = prompts(seed=0, lengths=LENGTHS)
+    for b in range(len(LENGTHS)):  # each prompt's first token names it
+        ids[b, np.argmax(mask[b])] = 10 + b
+    mesh, sharded = on_mesh(model, dict(data=2, tensor=2, devices=jax.devices()[:4]))
+    out, stats = rollout.generate(
+        sharded, ids, mask, rng=jax.random.key(0), return_stats=True, **KW
+    )
+    by_shard = sorted(calls, key=lambda c: c["names"][0])
+    assert [c["names"] for c in by_shard] == [[10, 11, 12], [13, 14]]
+    np.testing.assert_array_equal(by_shard[1]["ids"], [[6, 7], [8, 9]])  # global b·G + g
+    np.testing.assert_array_equal(by_shard[1]["budgets"], BUDGETS[3:])
+    # Default sizes per engine: 6 and 4 sequences -> 8 and 4 slots.
+    assert [c["options"].num_slots for c in by_shard] == [8, 4]
+    for c, sub in zip(by_shard, paged_dp.data_shard_meshes(mesh), strict=True):
+        assert c["mesh"] == sub
+        assert c["devices"] == (set(sub.devices.flat),) * 2  # the key and weights on the shard
+    # The outputs in prompt order; the stats summed.
+    np.testing.assert_array_equal(np.asarray(out.tokens)[:, 0, 0], np.arange(10, 15))
+    assert stats.peak_pages == 5 and stats.page_bytes == 8 and stats.decode_dispatches == 2
+
+
 def test_sub_meshes_keep_the_tensor_axis_and_drop_the_batch_axes(model):
     mesh, (_, params) = on_mesh(model, dict(data=2, fsdp=2, tensor=2))
     subs = paged_dp.data_shard_meshes(mesh)
