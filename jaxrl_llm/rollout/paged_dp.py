@@ -307,9 +307,11 @@ def run(
     ``requested`` (optional): the caller's unresolved
     :class:`~jaxrl_llm.rollout.paged.PagedOptions`; each shard resolves its defaults from it
     for its own share of the batch (its ``num_slots`` from its own sequences, the pool from the
-    batch's longest prompt). Without it every
-    shard uses ``options`` as given. Explicit sizes (``num_slots``, ``num_pages``) are per
-    engine, so the whole run holds ``D`` pools of ``num_pages``.
+    batch's longest prompt). Without it every shard uses ``options`` as given. Explicit sizes
+    (``num_slots``, ``num_pages``) are per engine, so the whole run holds ``D`` pools of
+    ``num_pages``. Each shard runs in a thread of its own, which does not inherit the caller's
+    thread-local JAX contexts (``jax.set_mesh``, ``jax.default_device``, ...): ``paged.run``
+    sets the shard's mesh, and the shard's first device is made the default device.
     """
     if mesh is None:
         if jax.process_count() > 1:
