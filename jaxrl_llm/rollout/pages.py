@@ -36,6 +36,8 @@ attends (``paged.forward_paged``).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from collections.abc import Callable
 from typing import Literal, NamedTuple
 
@@ -251,7 +253,8 @@ def dense_prefill_attention(
     ``k_bskd`` (the row's pooled tokens in order) iff ``s <= q`` and ``q - s < window``:
     ``jax.nn.dot_product_attention`` with that boolean mask and scale ``1/sqrt(Dh)`` (cuDNN
     takes the mask as an additive bias; chunk positions past the row's valid tokens only feed
-    padded queries, whose outputs are discarded).
+    padded queries, whose outputs are discarded). Where cuDNN refuses the shapes at trace time
+    this warns and uses ``implementation="xla"``.
     """
     t, hd = q_bthd.shape[1], q_bthd.shape[3]
     s = k_bskd.shape[1]
@@ -259,14 +262,24 @@ def dense_prefill_attention(
     slot_s = jnp.arange(s, dtype=jnp.int32)
     diff_bts = q_pos_bt[:, :, None] - slot_s[None, None]
     ok_bts = (diff_bts >= 0) & (diff_bts < window)
-    return jax.nn.dot_product_attention(
+    attend = functools.partial(
+        jax.nn.dot_product_attention,
         q_bthd,
         k_bskd.astype(q_bthd.dtype),
         v_bskd.astype(q_bthd.dtype),
         mask=ok_bts[:, None],
         scale=hd**-0.5,
-        implementation=implementation,
     )
+    if implementation == "cudnn":
+        try:  # cuDNN's shape/dtype/version checks run at trace time
+            return attend(implementation="cudnn")
+        except (ValueError, NotImplementedError, RuntimeError) as e:
+            warnings.warn(
+                f"paged prefill: cuDNN attention refused {q_bthd.shape} {q_bthd.dtype} "
+                f"({type(e).__name__}: {e}); using implementation='xla'",
+                stacklevel=2,
+            )
+    return attend(implementation="xla")
 
 
 def ragged_tpu_attention(

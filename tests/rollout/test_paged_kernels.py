@@ -242,3 +242,18 @@ def test_rollout_paged_attention_config_reaches_the_sampler():
     assert setup.sampler.greedy().paged_attention == "pallas_gpu"  # evaluation too
     with pytest.raises(ConfigError, match="paged_attention"):
         H.config("tiny.yaml", "rollout.paged_attention=flash")
+
+
+def test_cudnn_prefill_falls_back_to_xla_where_cudnn_refuses():
+    """Off a GPU (or for shapes cuDNN refuses at trace time) the cuDNN prefill warns and
+    gives the XLA implementation's numbers."""
+    rng = np.random.RandomState(2)
+    q = jnp.asarray(rng.randn(2, 3, H, D), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.randn(2, 8, K, D), jnp.bfloat16) for _ in range(2))
+    ctx = jnp.asarray([5, 0], jnp.int32)
+    want = pages.dense_prefill_attention(q, k, v, ctx, NO_WINDOW, implementation="xla")
+    if jax.default_backend() == "gpu":
+        pytest.skip("cuDNN is available here")
+    with pytest.warns(UserWarning, match="cuDNN attention refused"):
+        got = pages.dense_prefill_attention(q, k, v, ctx, NO_WINDOW, implementation="cudnn")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
