@@ -97,6 +97,24 @@ def test_static_engine_sharded_on_8_devices(tiny_pair):
     assert_trainer_full(model, ids, mask, out)
 
 
+@pytest.mark.slow  # two engines compiling their own programs
+def test_paged_engine_data_parallel_on_8_devices(tiny_pair):
+    """data=2 × tensor=4: two paged engines (paged_dp) pass the flag through and give the
+    one-device engine's tokens and full log-probs."""
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=6, lengths=LENGTHS)
+    one = run(model, ids, mask, "paged", return_full_logprobs=True, **TRUNCATING)
+    graphdef, state = nnx.split(model)
+    mesh = sharding.make_mesh(data=2, tensor=4)
+    params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh))
+    out = run((graphdef, params), ids, mask, "paged", return_full_logprobs=True, **TRUNCATING)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(one.tokens))
+    np.testing.assert_allclose(
+        np.asarray(out.full_logprobs), np.asarray(one.full_logprobs), atol=1e-5, rtol=0
+    )
+    assert_trainer_full(model, ids, mask, out)
+
+
 @pytest.mark.parametrize("engine", ["paged", "static"])
 def test_partial_rollout_in_two_segments_equals_one_run(tiny_pair, engine):
     _, model = tiny_pair("llama3")
