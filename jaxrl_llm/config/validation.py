@@ -453,6 +453,25 @@ def _check_batch(config: TrainConfig) -> None:
             f"a divisor of the minibatch of {minibatch} {what} "
             f"({batch} / optim.num_minibatches={optim.num_minibatches})",
         )
+    share = getattr(config.train, "shared_prompts", "auto")
+    if share is True and not config.is_offline:
+        lora = config.model.lora
+        if not config.train.packing:
+            raise _bad("train.shared_prompts", share, "auto or false unless train.packing is true")
+        if lora is not None and lora.dropout > 0:
+            raise _bad(
+                "train.shared_prompts",
+                share,
+                "auto or false with model.lora.dropout > 0 (a shared prompt token would need "
+                "one dropout mask per sample)",
+            )
+        if config.model.attention in ("splash", "cudnn"):
+            raise _bad(
+                "train.shared_prompts",
+                share,
+                f"auto or false with model.attention={config.model.attention} (shared prompts "
+                "run the reference attention)",
+            )
     if optim.micro_batch_tokens is not None and not config.is_offline:
         if not config.train.packing:
             raise _bad(

@@ -86,11 +86,19 @@ def attention_mask(
 
 
 def segment_mask(
-    segment_ids_bt: jax.Array, kv_segment_ids_bs: jax.Array | None = None
+    segment_ids_bt: jax.Array,
+    kv_segment_ids_bs: jax.Array | None = None,
+    prefix_ids_bt: jax.Array | None = None,
 ) -> jax.Array:
-    """bool ``[B, T, S]``: ``q_seg[b, t] == kv_seg[b, s] != 0`` (kv ids default to the q ids)."""
+    """bool ``[B, T, S]``: ``q_seg[b, t] == kv_seg[b, s] != 0`` (kv ids default to the q ids).
+
+    ``prefix_ids_bt``: a second segment each query may read, ``kv_seg[b, s] == prefix[b, t]``
+    (a shared prompt: a sample's tokens read its own segment and the prompt's; packing's
+    shared prompts, ``train/packing.py``)."""
     kv_segment_ids_bs = segment_ids_bt if kv_segment_ids_bs is None else kv_segment_ids_bs
     same_bts = segment_ids_bt[:, :, None] == kv_segment_ids_bs[:, None, :]
+    if prefix_ids_bt is not None:
+        same_bts = same_bts | (prefix_ids_bt[:, :, None] == kv_segment_ids_bs[:, None, :])
     return same_bts & (segment_ids_bt != 0)[:, :, None]
 
 

@@ -461,6 +461,7 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         attention_impl: str | None = None,
         lora_keys_bt: jax.Array | None = None,
+        prefix_ids_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Hidden states after the final norm, and the updated cache (``None`` without one).
 
@@ -473,6 +474,11 @@ class Decoder(nnx.Module):
         within the layer's window), and ``mask_bt`` is and-ed with ``segment_ids_bt != 0``.
         Position ids then restart at 0 in each segment by default (segments must be
         contiguous for that default; pass ``positions_bt`` otherwise). Not with ``cache``.
+
+        ``prefix_ids_bt`` (int32 ``[B, T]``, with ``segment_ids_bt`` and ``positions_bt``): a
+        second segment each token reads, placed before it in the row (a shared prompt, see
+        ``train/packing.py``). Sliding windows are then measured in positions, not slots.
+        The reference attention only: ``"auto"`` uses it, a requested kernel is an error.
 
         ``attention_impl`` overrides ``config.attention_impl`` (see ``attention.py``); the
         KV-cache path always uses the reference implementation.
@@ -504,6 +510,13 @@ class Decoder(nnx.Module):
                 )
             segment_ids_bt = jnp.where(mask_bt, segment_ids_bt.astype(jnp.int32), 0)
             mask_bt = segment_ids_bt != 0
+        if prefix_ids_bt is not None:
+            if segment_ids_bt is None or positions_bt is None:
+                raise ValueError("prefix_ids_bt needs segment_ids_bt and positions_bt")
+            if prefix_ids_bt.shape != (b, t):
+                raise ValueError(
+                    f"prefix_ids_bt has shape {prefix_ids_bt.shape}, expected tokens' {(b, t)}"
+                )
         if cache is not None:
             index = _concrete_int(cache.index)
             if index is not None and index + t > cache.max_len:
@@ -531,7 +544,14 @@ class Decoder(nnx.Module):
         layer_ids_l = jnp.arange(c.num_layers, dtype=jnp.int32)
         if cache is None:
             requested = attention_impl or c.attention_impl
-            impl = self._attention_impl(requested, b, t)
+            if prefix_ids_bt is not None and requested not in ("auto", "reference"):
+                raise ValueError(
+                    f"shared prompts (prefix_ids_bt) run the reference attention only, not "
+                    f"{requested!r}; set train.shared_prompts: false or model.attention: reference"
+                )
+            impl = (
+                "reference" if prefix_ids_bt is not None else self._attention_impl(requested, b, t)
+            )
             if impl != "reference":
                 impl = "auto" if requested == "auto" else impl  # keeps auto's cuDNN fallback
                 return self._kernel_forward(
@@ -548,10 +568,16 @@ class Decoder(nnx.Module):
             k_valid_bs = jax.lax.dynamic_update_slice(cache.mask_bs, mask_bt, (0, index))
         base_bts = (k_slot_s[None, :] <= q_slot_t[:, None])[None] & k_valid_bs[:, None, :]
         if segment_ids_bt is not None:
-            base_bts = base_bts & attention_lib.segment_mask(segment_ids_bt)
+            base_bts = base_bts & attention_lib.segment_mask(
+                segment_ids_bt, prefix_ids_bt=prefix_ids_bt
+            )
 
         def reference(window: jax.Array) -> Attend:  # traced int32: this layer's window
-            allowed_bts = base_bts & (k_slot_s[None, None, :] > q_slot_t[None, :, None] - window)
+            if prefix_ids_bt is None:
+                in_window = k_slot_s[None, None, :] > q_slot_t[None, :, None] - window
+            else:  # a shared prefix sits further back in the row than in its sequence
+                in_window = positions_bt[:, None, :] > positions_bt[:, :, None] - window
+            allowed_bts = base_bts & in_window
             return functools.partial(attention_lib.reference_attention, allowed_bts=allowed_bts)
 
         if cache is None:

@@ -103,9 +103,8 @@ def _over_used_slots(
     def body(i: jax.Array, out: jax.Array) -> jax.Array:
         j = jnp.searchsorted(ends_m, i, side="right")
         slot = j * shape.slots + i - (ends_m[j] - count_m[j])
-        micro = up.PackedMicro(
-            *(constrain(jax.lax.dynamic_index_in_dim(x, slot, keepdims=False)) for x in packed),
-            slot=slot,
+        micro = up.PackedMicro.of(
+            packed, slot, lambda x: constrain(jax.lax.dynamic_index_in_dim(x, slot, keepdims=False))
         )
         y = fn(micro).astype(jnp.float32)
         return jax.lax.dynamic_update_index_in_dim(out, y, slot, 0)

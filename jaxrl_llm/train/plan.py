@@ -834,16 +834,21 @@ def lower_rollout(
     return lowered, kv
 
 
-def lower_step(run: AbstractRun, config: Any, recipe: Any) -> Any:
+def lower_step(run: AbstractRun, config: Any, recipe: Any, *, accelerator: bool = False) -> Any:
     """The fused RL step (:func:`jaxrl_llm.train.step.make_rl_step`) lowered for the run's
-    abstract state and worst-case groups."""
+    abstract state and worst-case groups. ``accelerator``: the target's attention is a kernel,
+    so ``train.shared_prompts: auto`` does not share there (:func:`~jaxrl_llm.train.setup.
+    shares_prompts` decides by the backend it runs on)."""
     from jaxrl_llm.train import setup as su
     from jaxrl_llm.train import step as rl_step
 
+    update = su.update_shape(config)
+    if accelerator and config.train.shared_prompts == "auto":
+        update = dataclasses.replace(update, shared_prompts=False)
     step = rl_step.make_rl_step(
         recipe,
         run.models,
-        su.update_shape(config),
+        update,
         temperature=config.rollout.temperature or 1.0,
         old_logprobs=su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
     )
@@ -1408,7 +1413,8 @@ def plan_run(config: Any, target: Target) -> Plan:
     # LoRA: the frozen base is both the reference and the base argument, one buffer at run time
     lora_ref = run.models.frozen is not None and run.models.ref_params is run.models.frozen
     shared = tree_bytes(run.models.frozen).per_device if lora_ref else 0
-    update = _program("update", lower_step(run, config, recipe), shared=shared)
+    lowered = lower_step(run, config, recipe, accelerator=target.accelerator)
+    update = _program("update", lowered, shared=shared)
     s = run.state
     merged = run.models.merge_for_sampling and run.models.frozen is not None
     resident = 0 if merged else tree_bytes(run.sampler[1]).per_device

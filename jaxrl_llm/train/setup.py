@@ -49,6 +49,7 @@ from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.recipe import REFERENCE_LOGPROBS, AnyRecipe, PreferenceRecipe, Recipe
 from jaxrl_llm.train import data as run_data
 from jaxrl_llm.train import models as train_models
+from jaxrl_llm.train import packing as packing_lib
 from jaxrl_llm.train import placement as pl
 from jaxrl_llm.train import state as st
 from jaxrl_llm.train.tracking import TrackingPlan, TrackioSettings, WandbSettings
@@ -118,13 +119,17 @@ class UpdateShape:
     (:mod:`jaxrl_llm.train.packing`) and a micro-batch is a token budget of
     ``micro_batch_tokens`` per device (None: one micro-batch per minibatch); the RL step then
     ignores ``micro_batch_size`` (:func:`update_shape` turns it into the budget it implies;
-    evaluation's log-prob pass still uses it)."""
+    evaluation's log-prob pass still uses it). ``shared_prompts``: packed rows hold one copy of
+    each prompt for its G samples; ``attn_per_width`` weighs the row width in the packing plan
+    (:func:`~jaxrl_llm.train.packing.make_plan`)."""
 
     epochs: int = 1
     num_minibatches: int = 1
     micro_batch_size: int | None = None
     packing: bool = False
     micro_batch_tokens: int | None = None
+    shared_prompts: bool = False
+    attn_per_width: float = 0.0
 
     @property
     def updates_per_step(self) -> int:
@@ -379,11 +384,14 @@ def make_critic_optimizer(
     )
 
 
-def update_shape(config: TrainConfig, data_parallel: int = 1) -> UpdateShape:
+def update_shape(
+    config: TrainConfig, data_parallel: int = 1, model_config: Any = None
+) -> UpdateShape:
     """The update's shape. With ``train.packing`` and ``optim.micro_batch_size`` but no
     ``optim.micro_batch_tokens``, the per-device budget is what the micro-batch size bounds
     unpacked: ``⌈micro_batch_size / D⌉ · (data.max_prompt_length + rollout.max_new_tokens)``
-    tokens, D = ``data_parallel`` devices."""
+    tokens, D = ``data_parallel`` devices. ``model_config`` (the policy's): the attention's
+    weight in the packing plan (:func:`~jaxrl_llm.train.packing.attention_per_width`)."""
     o = config.optim
     packing = bool(config.train.packing) and not config.is_offline
     tokens = o.micro_batch_tokens
@@ -396,7 +404,24 @@ def update_shape(config: TrainConfig, data_parallel: int = 1) -> UpdateShape:
         o.micro_batch_size,
         packing=packing,
         micro_batch_tokens=tokens if packing else None,
+        shared_prompts=packing and shares_prompts(config),
+        attn_per_width=0.0
+        if model_config is None
+        else packing_lib.attention_per_width(model_config),
     )
+
+
+def shares_prompts(config: TrainConfig) -> bool:
+    """``train.shared_prompts`` resolved: ``"auto"`` is on where the policy's attention is the
+    reference implementation (``model.attention`` by backend) and its LoRA has no dropout."""
+    from jaxrl_llm.models import attention
+
+    share = getattr(config.train, "shared_prompts", "auto")
+    if share != "auto":
+        return bool(share)
+    lora = config.model.lora
+    dropout = lora is not None and lora.dropout > 0
+    return attention.resolve_implementation(config.model.attention) == "reference" and not dropout
 
 
 def _carve(config: TrainConfig) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
@@ -796,7 +821,7 @@ def resolve(
             max_staleness=getattr(t, "max_staleness", 0),
             partial_rollout_tokens=getattr(t, "partial_rollout_tokens", 0),
         ),
-        update=update_shape(config, shd.data_parallel_size(models.mesh)),
+        update=update_shape(config, shd.data_parallel_size(models.mesh), model_config),
         old_logprobs=OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
         checkpoint=CheckpointPlan(run_dir / CHECKPOINT_DIR, t.save_every, t.keep_checkpoints),
         evaluation=_eval_plan(config, sampler, stop_ids),

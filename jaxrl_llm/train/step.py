@@ -372,13 +372,22 @@ def make_rl_step(
             return None, None
         prompt_mask, mask = _host(groups.prompt_mask_bp), _host(groups.mask_bgt)
         b, g, t = mask.shape
-        lengths = np.repeat(prompt_mask.sum(1), g) + mask.reshape(b * g, t).sum(1)
+        prompt_len = prompt_mask.sum(1)
+        lengths = np.repeat(prompt_len, g) + mask.reshape(b * g, t).sum(1)
+        shared = {}
+        if update.shared_prompts:  # a sample's branch keeps the prompt's last token
+            shared = dict(
+                group_n=np.repeat(np.arange(b), g),
+                shared_n=np.repeat(np.maximum(prompt_len - 1, 0), g),
+                attn_per_width=update.attn_per_width,
+            )
         plan = pk.make_plan(
             lengths,
             max_len=prompt_mask.shape[1] + t,
             num_minibatches=update.num_minibatches,
             micro_batch_tokens=update.micro_batch_tokens,
             row_multiple=dp,
+            **shared,
         )
         return plan.device_arrays(), plan.shape
 

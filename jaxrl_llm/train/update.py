@@ -140,6 +140,8 @@ def _unpacked_keys(mb: UpdateBatch) -> jax.Array | None:
 def _packed_keys(fields: UpdateBatch, micro: PackedMicro) -> jax.Array | None:
     if fields.dropout_key_n is None:
         return None  # segment id = row_n + 1 (train.packing.pack_rows), 0 on padding
+    if micro.prefix_ids_rw is not None:  # a shared prefix token belongs to several sequences
+        raise ValueError("LoRA dropout cannot run on shared prompts (train.shared_prompts)")
     return token_keys(fields.dropout_key_n[0], micro.segment_ids_rw - 1, micro.positions_rw)
 
 
@@ -182,12 +184,20 @@ class PackedShared(NamedTuple):
 
 
 class PackedMicro(NamedTuple):
-    """One micro-batch slot of a packed update: ``int32[rows, W]`` packed rows and its index."""
+    """One micro-batch slot of a packed update: ``int32[rows, W]`` packed rows and its index
+    (``prefix_ids_rw``: shared prompts only, :class:`~jaxrl_llm.train.packing.Packed`)."""
 
     tokens_rw: jax.Array
     segment_ids_rw: jax.Array
     positions_rw: jax.Array
     slot: jax.Array
+    prefix_ids_rw: jax.Array | None = None
+
+    @classmethod
+    def of(cls, packed: pk.Packed, slot: jax.Array, take: Callable) -> PackedMicro:
+        """Slot ``slot`` of ``packed``, each array through ``take`` (e.g. a dynamic index)."""
+        tokens, segments, positions, prefix = (None if x is None else take(x) for x in packed)
+        return cls(tokens, segments, positions, slot, prefix)
 
 
 def packed_batch(batch: UpdateBatch, plan: pk.PlanArrays, shape: pk.PackShape) -> acc.Ragged:
@@ -209,9 +219,7 @@ def packed_batch(batch: UpdateBatch, plan: pk.PlanArrays, shape: pk.PackShape) -
     del micro, row
     rw = lambda x: x.reshape(m, k, shape.rows, shape.width)
     slots = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32)[None], (m, k))
-    micro_batches = PackedMicro(
-        rw(packed.tokens), rw(packed.segment_ids), rw(packed.positions), slots
-    )
+    micro_batches = PackedMicro.of(packed, slots, rw)
     return acc.Ragged(shared, micro_batches, jnp.asarray(plan.count_m, jnp.int32))
 
 
@@ -226,6 +234,7 @@ def packed_hidden(
         positions_bt=micro.positions_rw,
         segment_ids_bt=micro.segment_ids_rw,
         lora_keys_bt=lora_keys_bt,
+        prefix_ids_bt=micro.prefix_ids_rw,
     )
     return h
 

@@ -80,7 +80,8 @@ def test_plan_properties_and_round_trip(num_minibatches, budget, multiple):
     assert np.all(plan.offset_n + lengths <= s.width)
 
     packed = pk.pack_rows(tokens, input_mask, plan.device_arrays(), s)
-    toks, seg, pos = (np.asarray(x) for x in packed)
+    toks, seg, pos = (np.asarray(x) for x in packed[:3])
+    assert packed.prefix_ids is None
     assert toks.shape == (s.num_micro, s.rows, s.width)
     # Every real token exactly once: segment k+1 holds exactly sequence k's real tokens, in
     # order, contiguously, with positions 0..len-1.

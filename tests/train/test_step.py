@@ -498,10 +498,15 @@ def check_packed_against_reference(setup: S.Setup, groups: Groups):
             ),
             id="grpo-sampler-tis",
         ),
+        pytest.param(
+            ("algorithm.hparams.beta=0.04", "train.shared_prompts=false"), id="grpo-unshared"
+        ),
     ],
 )
 def test_packed_step_matches_the_unpacked_reference(overrides):
     setup = resolve(*PACKED, *overrides)
+    # On CPU train.shared_prompts=auto shares each group's prompt (the reference attention).
+    assert setup.update.shared_prompts is ("train.shared_prompts=false" not in overrides)
     if setup.update.num_minibatches > 1:  # one or two rows of ≤ 14 tokens per micro-batch
         setup = with_budget(setup, 16)
     check_packed_against_reference(setup, make_groups(setup, 7))
@@ -574,3 +579,12 @@ def test_packing_config_resolves_and_validates():
     with pytest.raises(ConfigError, match="at least one longest sequence"):
         H.config("tiny.yaml", *SMALL, *PACKED, "optim.micro_batch_tokens=100")
     assert S.update_shape(config, data_parallel=2).micro_batch_tokens == longest
+    assert shape.shared_prompts  # auto, on CPU
+    assert not S.update_shape(
+        H.config("tiny.yaml", *SMALL, *PACKED, "model.attention=splash")
+    ).shared_prompts
+    assert not S.update_shape(H.config("tiny.yaml", *SMALL)).shared_prompts
+    with pytest.raises(ConfigError, match=r"train\.shared_prompts.*unless train\.packing is true"):
+        H.config("tiny.yaml", *SMALL, "train.shared_prompts=true")
+    with pytest.raises(ConfigError, match=r"train\.shared_prompts.*model\.attention=cudnn"):
+        H.config("tiny.yaml", *SMALL, *PACKED, "train.shared_prompts=true", "model.attention=cudnn")
