@@ -208,3 +208,39 @@ def test_inflight_batches_checkpoint_with_and_without_full_logprobs():
         else:
             assert back.state.full_logp_bgt is None
         np.testing.assert_array_equal(back.state.budget_bg, state.budget_bg)
+
+
+@pytest.mark.slow  # the tiny config's setup and three segments
+def test_trainer_partial_rollouts_collect_full_logprobs():
+    """The async loop's partial rollouts (train.partial_rollout_tokens) carry them across the
+    segments into the scored batch."""
+    from jaxrl_llm.data import BatchIterator
+    from jaxrl_llm.train import asynchronous as A
+    from jaxrl_llm.train import forward
+    from jaxrl_llm.train import setup as setup_lib
+    from jaxrl_llm.train.step import _sequences
+    from tests.train import helpers as H
+
+    overrides = (
+        "train.max_staleness=2",
+        "train.partial_rollout_tokens=3",
+        "rollout.max_new_tokens=8",
+        "rollout.top_k=5",
+        "rollout.full_logprobs=true",
+    )
+    s = setup_lib.resolve(H.config("tiny.yaml", *overrides))
+    it = BatchIterator(s.data.train, s.loop.batch_size, seed=0, shuffle=False, pad_multiple=8)
+    rollouts = A.PartialRollouts(s, 3)
+    entry = rollouts.begin(1, it, jax.random.key(0))
+    assert entry.state.full_logp_bgt is not None
+    policy = s.models.sampling_policy(s.state.params)
+    while not entry.state.done_bg.all():
+        entry = rollouts.advance(entry, it, policy, 0, to_end=False)
+    assert entry.state.segments >= 2
+    groups = rollouts.finish(entry, it).groups
+    b, g, t = groups.tokens_bgt.shape
+    tokens_nl, mask_nl = _sequences(groups)
+    ref = forward.completion_logprobs_nt(*policy, tokens_nl, mask_nl, completion_len=t)
+    valid = groups.mask_bgt
+    ref = np.where(valid, np.asarray(ref).reshape(b, g, t), 0.0)
+    np.testing.assert_allclose(groups.logp_full_bgt, ref, atol=1e-4, rtol=0)
