@@ -407,10 +407,7 @@ def test_two_processes_split_train_like_one(tmp_path, staleness):
     config_path = tmp_path / "async.yaml"
     tiny = MP.REPO / "configs" / "tiny.yaml"
     config_path.write_text(MP_CONFIG.format(tiny=tiny, staleness=staleness))
-    env = MP._child_env()  # the suite's XLA flags, one device: two devices here
-    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace(
-        "--xla_force_host_platform_device_count=1", "--xla_force_host_platform_device_count=2"
-    )
+    env = MP._child_env(2)  # the suite's XLA flags, two devices each
     port, children = MP._free_port(), []
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     t0 = time.monotonic()

@@ -179,17 +179,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child_env() -> dict[str, str]:
+def _child_env(devices: int = 1) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_"))
     }
-    # One device each; the suite's other XLA flags (tests/conftest.py) are kept, so the children
-    # compile with the same code generation as the one-process run they are compared with.
+    # ``devices`` each (one by default); the suite's other XLA flags (tests/conftest.py) are
+    # kept, so the children compile with the same code generation as the one-process run they
+    # are compared with.
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform" not in f]
     env.update(
-        XLA_FLAGS=" ".join([*flags, "--xla_force_host_platform_device_count=1"]),
+        XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )

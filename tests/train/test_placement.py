@@ -12,7 +12,6 @@ generate the tokens of one process.
 from __future__ import annotations
 
 import dataclasses
-import os
 import subprocess
 import sys
 import time
@@ -502,23 +501,10 @@ print("done", flush=True)
 """
 
 
-def _child_env() -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_"))
-    }
-    env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
-    )
-    return env
-
-
 @pytest.mark.slow
 def test_two_processes_sync_verify_and_sample_the_tokens_of_one(tmp_path):
-    from tests.train.test_multiprocess import _free_port, _tail
+    # Two devices each, with the suite's XLA flags (it had XLA's defaults: slower compiles).
+    from tests.train.test_multiprocess import _child_env, _free_port, _tail
 
     port, children = _free_port(), []
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
@@ -530,7 +516,7 @@ def test_two_processes_sync_verify_and_sample_the_tokens_of_one(tmp_path):
             with log.open("w") as f:
                 children.append(
                     subprocess.Popen(
-                        cmd, cwd=REPO, env=_child_env(), stdout=f, stderr=subprocess.STDOUT
+                        cmd, cwd=REPO, env=_child_env(2), stdout=f, stderr=subprocess.STDOUT
                     )
                 )
         # One process meanwhile: colocated on one device, the same prompts and keys.
