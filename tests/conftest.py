@@ -90,7 +90,7 @@ def smollm2_tokenizer(smollm2_path):
 # split into N consecutive blocks, one per worker; an idle worker takes the second half of the
 # longest queue), and each block starts with its share of the long tests, shared out longest
 # first to the least loaded block, so they run side by side at the start and the short tests
-# fill in after them. Without ``-n`` nothing changes (nor with an explicit ``--dist``).
+# fill in after them. Without ``-n`` nothing changes, nor with ``--dist`` other than load.
 
 # Seconds measured with ``--durations`` in a loaded ``-n 2`` run (keys: the node id from its
 # file name on); only the order uses them.
