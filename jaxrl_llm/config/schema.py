@@ -335,8 +335,7 @@ class LoopConfig:
     on_nonfinite: Literal["raise", "skip"] = "raise"
     # Pack sequences (real tokens only) into rows for the forward passes and the update.
     packing: bool = False
-    # With packing: the G samples of a prompt share one copy of its tokens in the packed rows
-    # (auto = where the attention is the reference one and LoRA has no dropout).
+    # With packing: a prompt's G samples share one copy of it in the rows (auto: where possible).
     shared_prompts: Literal["auto"] | bool = "auto"
     # Plan the run for its devices before loading weights (jaxrl-llm plan); refuse a misfit.
     preflight: bool = False
