@@ -36,15 +36,18 @@ TRL is an optional benchmark extra: ``pip install -e ".[bench]"``.
 Ragged workload (``--ragged``, issue 13): the same GRPO step (β = 0.04, so π_ref runs too)
 on synthetic groups whose completion lengths are heavy-tailed (log-normal, median
 :data:`RAGGED_MEDIAN` tokens, σ = :data:`RAGGED_SIGMA`, clipped to [4, :data:`RAGGED_MAX`];
-prompts of 30–60 tokens left-padded to 64). Only the device step runs (``make_rl_step``: π_ref
-plus the update), unpacked (``train.packing=false``) and packed (``train.packing=true``), each
-in its own child process (its own peak RSS), alternating ``--rounds`` times, on the same seeded
-batches. Reported: update tokens/s (real prompt + completion tokens per second of the step),
-the padding fraction of the rows the model runs on (unpacked ``[N, P + T]``; packed the used
-``[rows, W]`` micro-batches), peak RSS, and model FLOP/s (on real tokens) against the measured
-fp32 matmul peak.
+prompts of 30–60 tokens left-padded to 64; ``--uniform``: every completion exactly
+:data:`NEW_TOKENS` tokens, the issue-5 shape). Only the device step runs (``make_rl_step``:
+π_ref plus the update), unpacked (``train.packing=false``), packed (``train.packing=true``)
+and packed with shared prompts (``train.shared_prompts=true``), each in its own child process
+(its own peak RSS), alternating ``--rounds`` times, on the same seeded batches. Reported:
+update tokens/s (real prompt + completion tokens per second of the step, each prompt counted
+G times), the padding fraction of the rows the model runs on (unpacked ``[N, P + T]``; packed
+the used ``[rows, W]`` micro-batches), peak RSS, and model FLOP/s (on real tokens) against the
+measured fp32 matmul peak.
 
     python scripts/bench_train_step.py --ragged --steps 3 --warmup 1 --rounds 1
+    python scripts/bench_train_step.py --ragged --uniform ...   # every completion 64 tokens
 
 LoRA (``--lora``, issue 14): the issue-5 workload above (β = 0.04) as full fine-tuning, LoRA
 rank 16 (α = 32, every projection; rollouts with the adapters unmerged, and merged once per
@@ -149,16 +152,20 @@ def ours_child(steps: int, extra: list[str] | None = None) -> dict:
     }
 
 
-def ragged_groups(seed: int, vocab: int):
-    """B x G groups with heavy-tailed completion lengths (see the module docstring)."""
+def ragged_groups(seed: int, vocab: int, uniform: bool = False):
+    """B x G groups with heavy-tailed completion lengths (see the module docstring); with
+    ``uniform`` the issue-5 shape instead: every completion exactly ``NEW_TOKENS`` long."""
     import numpy as np
 
     from jaxrl_llm.train.step import Groups
 
     rng = np.random.default_rng(seed)
-    b, g, p, t = PROMPTS, SAMPLES, RAGGED_PROMPT, RAGGED_MAX
+    b, g, p = PROMPTS, SAMPLES, RAGGED_PROMPT
+    t = NEW_TOKENS if uniform else RAGGED_MAX
     p_len = rng.integers(30, 61, b)
     c_len = np.clip(np.round(rng.lognormal(np.log(RAGGED_MEDIAN), RAGGED_SIGMA, (b, g))), 4, t)
+    if uniform:
+        c_len = np.full((b, g), t)
     prompt_mask = np.arange(p)[None] >= (p - p_len)[:, None]
     mask = np.arange(t) < c_len[..., None]
     return Groups(
@@ -172,8 +179,16 @@ def ragged_groups(seed: int, vocab: int):
     )
 
 
-def ragged_child(steps: int, packing: bool, extra: list[str]) -> dict:
-    """The device RL step on ragged groups, unpacked or packed."""
+RAGGED_VARIANTS = {
+    "unpacked": ["train.packing=false"],
+    "packed": ["train.packing=true", "train.shared_prompts=false"],
+    "shared": ["train.packing=true", "train.shared_prompts=true"],
+}
+"""The ``--ragged`` children: unpacked rows, packed rows, packed rows with shared prompts."""
+
+
+def ragged_child(steps: int, variant: str, extra: list[str], uniform: bool = False) -> dict:
+    """The device RL step on ragged (or ``uniform``) groups, as ``RAGGED_VARIANTS[variant]``."""
     from jaxrl_llm.config import load_config
     from jaxrl_llm.models import default_model_path
     from jaxrl_llm.train import setup as S
@@ -183,10 +198,12 @@ def ragged_child(steps: int, packing: bool, extra: list[str]) -> dict:
     default_model_path()
     overrides = [
         *OURS_OVERRIDES,
-        f"rollout.max_new_tokens={RAGGED_MAX}",
-        f"train.packing={str(packing).lower()}",
+        f"rollout.max_new_tokens={NEW_TOKENS if uniform else RAGGED_MAX}",
+        *RAGGED_VARIANTS[variant],
         *extra,
     ]
+    if variant == "unpacked":  # token budgets are for packed rows only
+        overrides.append("optim.micro_batch_tokens=null")
     config = load_config(ROOT / "configs/quickstart.yaml", overrides)
     with tempfile.TemporaryDirectory() as run_dir:
         setup = S.resolve(config, run_dir)
@@ -200,19 +217,21 @@ def ragged_child(steps: int, packing: bool, extra: list[str]) -> dict:
         vocab = setup.policy().config.vocab_size
         state, out = setup.state, []
         for i in range(steps):
-            groups = ragged_groups(i, vocab)
+            groups = ragged_groups(i, vocab, uniform)
             t0 = time.perf_counter()
             state, metrics = step(state, groups)
             seconds = time.perf_counter() - t0
             real = float(metrics["perf/tokens"])
-            n, length = PROMPTS * SAMPLES, RAGGED_PROMPT + RAGGED_MAX
+            n, length = PROMPTS * SAMPLES, RAGGED_PROMPT + groups.tokens_bgt.shape[-1]
             slots = metrics.get("perf/pack_rows_tokens", n * length)
+            placed = metrics.get("perf/packed_tokens", real)
             out.append(
                 {
                     "step": seconds,
                     "tokens": real,
                     "slots": slots,
-                    "padding": 1.0 - real / slots,
+                    "padding": 1.0 - placed / slots,
+                    "placed_tokens": placed,
                     "peak_rss_gib": peak_rss_gib(),
                     "loss": metrics["actor/loss"],
                 }
@@ -272,10 +291,12 @@ def ragged_main(args: argparse.Namespace) -> None:
     total = args.steps + args.warmup
     result = {"machine": machine_info(), "command": " ".join(sys.argv), "raw": {}}
     result["machine"]["load_avg_before"] = os.getloadavg()
-    runs: dict[str, list[dict]] = {"unpacked": [], "packed": []}
+    runs: dict[str, list[dict]] = {name: [] for name in RAGGED_VARIANTS}
+    result["workload"] = "uniform" if args.uniform else "ragged"
     for _ in range(args.rounds):
         for name in runs:
-            runs[name].append(_run_child(f"ragged-{name}", total, args.extra))
+            flags = ["--uniform"] if args.uniform else []
+            runs[name].append(_run_child(f"ragged-{name}", total, args.extra, flags))
     result["raw"] = runs
     peaks = matmul_peak_gflops()
     result["matmul_peak_gflops"] = peaks
@@ -293,7 +314,9 @@ def ragged_main(args: argparse.Namespace) -> None:
             "frac_of_peak": flops / sec / 1e9 / max(peaks.values()),
             "measured_steps": len(measured),
         }
-    result["speedup"] = result["unpacked"]["median_step_s"] / result["packed"]["median_step_s"]
+    result["speedup"] = {
+        name: result["unpacked"]["median_step_s"] / result[name]["median_step_s"] for name in runs
+    }
     result["machine"]["load_avg_after"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -310,7 +333,8 @@ def ragged_main(args: argparse.Namespace) -> None:
             f"({r['frac_of_peak']:.0%}) |"
         )
     print("\n".join(rows))
-    print(f"packed speedup {result['speedup']:.2f}x; wrote {out}")
+    speedups = ", ".join(f"{k} {v:.2f}x" for k, v in result["speedup"].items())
+    print(f"vs unpacked: {speedups}; wrote {out}")
 
 
 def trl_child(steps: int) -> dict:
@@ -427,10 +451,12 @@ def trl_child(steps: int) -> dict:
 # Parent.
 
 
-def _run_child(which: str, steps: int, extra: list[str] | None = None) -> dict:
+def _run_child(
+    which: str, steps: int, extra: list[str] | None = None, flags: list[str] | None = None
+) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, "--child", which, "--steps", str(steps), "--json", f.name]
-        cmd += [f"--extra={e}" for e in extra or []]
+        cmd += [f"--extra={e}" for e in extra or []] + list(flags or [])
         subprocess.run(cmd, check=True, cwd=ROOT)
         return json.loads(Path(f.name).read_text())
 
@@ -494,6 +520,11 @@ def main() -> None:
     ap.add_argument("--ragged", action="store_true", help="the ragged workload (issue 13)")
     ap.add_argument("--rounds", type=int, default=1, help="--ragged: alternating rounds")
     ap.add_argument(
+        "--uniform",
+        action="store_true",
+        help="--ragged: the issue-5 shape instead (every completion 64 tokens)",
+    )
+    ap.add_argument(
         "--lora", action="store_true", help="full vs LoRA vs QLoRA on this workload (issue 14)"
     )
     ap.add_argument(
@@ -501,14 +532,16 @@ def main() -> None:
     )
     ap.add_argument(
         "--child",
-        choices=("ours", "trl", "ragged-unpacked", "ragged-packed"),
+        choices=("ours", "trl", *(f"ragged-{name}" for name in RAGGED_VARIANTS)),
         help=argparse.SUPPRESS,
     )
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         if args.child.startswith("ragged"):
-            res = ragged_child(args.steps, args.child == "ragged-packed", args.extra)
+            res = ragged_child(
+                args.steps, args.child.removeprefix("ragged-"), args.extra, args.uniform
+            )
         elif args.child == "ours":
             res = ours_child(args.steps, args.extra)
         else:

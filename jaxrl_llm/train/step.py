@@ -32,8 +32,9 @@ used micro-batches only (:func:`~jaxrl_llm.train.forward.packed_logprobs_nt`), t
 gathered back to ``[B, G, T]`` for the chain, and the update runs on the packed micro-batches
 (:func:`~jaxrl_llm.train.update.packed_batch`). One program per plan shape (the buckets keep
 those few); the number of micro-batches per minibatch is traced. ``perf/pack_rows_tokens`` is
-the token slots of the used packed micro-batches (rows·W each), ``perf/padded_tokens`` those of
-the unpacked rows (N·(P + T)), next to ``perf/tokens`` (the real ones).
+the token slots of the used packed micro-batches (rows·W each), ``perf/packed_tokens`` the
+tokens they hold (a shared prompt once per unit), ``perf/padded_tokens`` the slots of the
+unpacked rows (N·(P + T)), next to ``perf/tokens`` (the real ones, each prompt G times).
 
 Metrics of the step, besides the update's (``actor/*``, ``critic/*``, ``update/nonfinite``):
 ``advantages/{mean,std,min,max}`` over valid tokens (0 when none), ``kl/rollout`` (the mean
@@ -339,6 +340,8 @@ def make_rl_step(
             batch = up.packed_batch(batch, plan, shape)
             used = jnp.sum(jnp.asarray(plan.count_m, jnp.int32)) * shape.rows * shape.width
             metrics["perf/pack_rows_tokens"] = used.astype(jnp.float32)
+            placed = jnp.sum(packed.segment_ids != 0, dtype=jnp.int32)  # shared prompts once
+            metrics["perf/packed_tokens"] = placed.astype(jnp.float32)
             metrics["perf/padded_tokens"] = jnp.asarray(tokens_nl.size, jnp.float32)
         run_update = update_fn
         if run_update is None:  # the frozen bases are this trace's arguments

@@ -441,7 +441,7 @@ def test_needs_old_logprob_pass_truth_table():
 # Packing: the packed step equals the unpacked reference.
 
 PACKED = ("train.packing=true",)
-PACK_METRICS = {"perf/pack_rows_tokens", "perf/padded_tokens"}
+PACK_METRICS = {"perf/pack_rows_tokens", "perf/packed_tokens", "perf/padded_tokens"}
 
 
 def check_packed_against_reference(setup: S.Setup, groups: Groups):
@@ -468,6 +468,13 @@ def check_packed_against_reference(setup: S.Setup, groups: Groups):
     assert set(metrics) - set(ref_metrics) == PACK_METRICS
     assert_metrics_close({k: metrics[k] for k in ref_metrics}, ref_metrics, rtol=2e-5, atol=2e-6)
     assert metrics["perf/pack_rows_tokens"] <= metrics["perf/padded_tokens"]
+    assert metrics["perf/packed_tokens"] <= min(
+        metrics["perf/tokens"], metrics["perf/pack_rows_tokens"]
+    )
+    if setup.update.shared_prompts:  # each group's prompt, less its last token, placed once
+        assert metrics["perf/packed_tokens"] < metrics["perf/tokens"]
+    else:
+        assert metrics["perf/packed_tokens"] == metrics["perf/tokens"]
     assert H.tree_max_diff(new_state.params, state.params) > 0
     assert_trees_close(new_state.params, ref_state.params, rtol=2e-5, what="params")
     assert_trees_close(new_state.opt_state, ref_state.opt_state, rtol=2e-5, what="opt_state")
