@@ -263,7 +263,17 @@ MAX_STEPS = 10
 # Upper bounds of the seeded delay between a phase's marker and the SIGKILL, in seconds: within
 # a tiny model's rollout (~40 ms), update (~300 ms) and background checkpoint write (~35 MB).
 DELAY = {"rollout": 0.03, "update": 0.2, "save": 0.15}
-PRELOAD = ["jaxrl_llm.cli", "jaxrl_llm.train.loop", "transformers.models.auto.tokenization_auto"]
+# What a life imports, imported once by the forkserver: the tiny model's LlamaConfig alone pulls
+# in ~850 modules (torch.distributed, sympy, accelerate) through transformers, 0.85 s of CPU
+# (2.5 s of wall on the loaded 2 cores) in every life when it was left to the lives.
+PRELOAD = [
+    "jaxrl_llm.cli",
+    "jaxrl_llm.train.cli",
+    "jaxrl_llm.train.loop",
+    "transformers.models.auto.tokenization_auto",
+    "transformers.models.llama.configuration_llama",
+    "tensorboardX",
+]
 
 
 def _life(argv: list[str], phase_log: str, cache_dir: str, output: str) -> None:
