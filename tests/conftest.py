@@ -108,6 +108,11 @@ _LONG_S = {
     "test_async.py::test_split_placement_at_staleness_zero_equals_colocated": 28,
     "test_lora.py::test_lora_sharded_step_equals_one_device": 27,
     "test_loop.py::test_killed_run_resumes_to_the_same_parameters": 26,
+    "test_loop.py::test_one_loop_step_per_kind_of_recipe[ppo-overrides0-expect0]": 25,
+    "test_step.py::test_sharded_step_equals_one_device[grpo-groups-split-fsdp]": 23,
+    "test_step.py::test_grpo_with_the_kl_in_the_loss_matches_the_reference": 21,
+    "test_async.py::test_partial_rollouts_continue_under_newer_weights_and_resume_exactly": 21,
+    "test_async.py::test_a_killed_async_run_resumes_with_its_buffer_to_the_same_parameters": 20,
 }
 _SLOW_S = 15  # a @pytest.mark.slow test that is not in the table
 
