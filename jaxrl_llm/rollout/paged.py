@@ -11,7 +11,7 @@ eagerly for that one page).
 Scheduling (continuous batching, Yu et al. 2022, "Orca"): ``num_slots`` decode slots. A prompt
 is admitted when G slots are free and the pool can hold its worst case (prompt plus each
 sample's budget; the reservation is counted, pages are taken lazily), so no admitted sequence
-ever waits for a page and nothing is preempted. Up to 8 admitted prompts are prefilled together,
+ever waits for a page and nothing is preempted. Up to 32 admitted prompts are prefilled together,
 in chunks of at most ``prefill_chunk`` tokens (chunked prefill, Agrawal et al. 2023, "Sarathi"),
 between decode dispatches; each decode dispatch is a ``lax.while_loop`` of
 ``steps_per_dispatch`` one-token steps over the live slots, packed into the smallest power-of-two
@@ -19,17 +19,18 @@ row bucket that holds them (at least 8, at most ``num_slots``: the batch's long 
 at the width of what is left), so the host is visited once per k tokens. A slot whose sequence
 stops (a stop id, or its own budget ``max_new_tokens_bg[b, g]``) idles until the dispatch ends;
 with prompts waiting, a dispatch ends early (a ``while_loop``) as soon as G slots are free, and
-the slots are refilled. Compiled shapes are bucketed (rows and prefill chunk width in powers of
-two, page-table width in multiples of 128 tokens), so a run compiles a handful of programs and a
-second run with the same buckets compiles none.
+the slots are refilled. Compiled shapes are bucketed (rows in powers of two, prefill chunk
+widths 16, 32, 48, 64, 96, 128, ..., page-table width in multiples of 128 tokens), so a run
+compiles a handful of programs and a second run with the same buckets compiles none.
 
-Model. No second model definition: both programs run the model's own stacked
-:class:`~jaxrl_llm.models.transformer.DecoderLayer` through ``scan_layers`` with an ``attend``
-callable (:func:`~jaxrl_llm.rollout.pages.paged_attention_reference`) that reads the context
-from the pool and the chunk's own keys from the layer; the layer's new keys/values are collected
-from that callable and scattered into the pool once per step for all layers. So LoRA adapters
-and quantised kernels (``_Proj``), q/k norms, biases, RoPE schedules and sliding windows are the
-trainer's.
+Model. No second model definition: both programs run the model's own
+:class:`~jaxrl_llm.models.transformer.DecoderLayer` modules with an ``attend`` callable. On the
+reference path (:func:`forward_paged`) the stacked layer is sliced into per-layer modules once
+per compiled call (``decode.unstack_layers``, outside the decode loop) and run unrolled, each
+layer with its own pool buffer: it writes its new keys/values there first (in place) and then
+attends over its gathered pages (:func:`~jaxrl_llm.rollout.pages.paged_attention_written`).
+So LoRA adapters and quantised kernels (``_Proj``), q/k norms, biases, RoPE schedules and
+sliding windows are the trainer's.
 
 Randomness. Token ``t`` of sample ``g`` of prompt ``b`` is drawn with the key
 ``fold_in(fold_in(rng, b·G + g), t)`` (one uniform per row, ``sampling.sample`` with per-row
@@ -46,8 +47,8 @@ TPU ``ragged_paged_attention`` for both) or ``"auto"`` (default: TPU -> ragged_t
 pallas_gpu, where the kernel can serve the model on one device; else reference; on CPU always
 reference). The kernels read the current tokens from the pool, so with a kernel each layer
 writes its new keys/values into the pool first and then attends (:func:`forward_paged_kernel`,
-the pool in the layer scan's carry, kept in the kernel's own layout: no per-step transpose); the
-reference path keeps the order above (its speed and numbers unchanged). Verified: the GPU kernel
+the pool in the layer scan's carry, kept in the kernel's own layout: no per-step transpose).
+Verified: the GPU kernel
 path in interpret mode on CPU (attention = reference; the whole engine = the reference engine's
 greedy tokens, log-probs within 1e-5); the TPU path's layout with the kernel module's own
 reference, and its programs compiled for a v5e chip through libtpu (no TPU; its interpret mode
@@ -72,14 +73,15 @@ from jaxrl_llm.models.rope import rope_cos_sin, rope_frequencies
 from jaxrl_llm.models.transformer import CausalLM, DecoderLayer, layer_windows, scan_layers
 from jaxrl_llm.rollout import pages as pages_lib
 from jaxrl_llm.rollout import sampling
+from jaxrl_llm.rollout.decode import _attention as dense_decode_attention
+from jaxrl_llm.rollout.decode import unstack_layers
 from jaxrl_llm.rollout.pages import (
     TRASH_PAGE,
     KernelSpec,
     PageAllocator,
     PagePool,
     gather_pages,
-    paged_attention_reference,
-    write_pages,
+    paged_attention_written,
 )
 
 Params = dict[str, Any]
@@ -88,8 +90,18 @@ Params = dict[str, Any]
 _MIN_TABLE_TOKENS = 128
 """Page tables are a multiple of this many tokens wide: a few compiled widths per run."""
 
-_PREFILL_ROWS = 8
+_PREFILL_ROWS = 32
 """At most this many prompts are prefilled in one call (rows bucketed to powers of two)."""
+
+
+def _chunk_width(n: int) -> int:
+    """A prefill chunk's width bucket for ``n`` tokens: the next of 16, 32, 48, 64, 96, 128,
+    192, 256, ... (powers of two and 1.5x them): at most a third of padding, few shapes."""
+    w = 16
+    while w < n:
+        w = w * 3 // 2 if w & (w - 1) == 0 and w >= 32 else _next_pow2(w + 1)
+    return w
+
 
 _MIN_SLOT_BUCKET = 8
 """Decode dispatches run at least this many rows (or ``num_slots``): fewer compiled shapes."""
@@ -154,18 +166,29 @@ def _next_pow2(x: int) -> int:
 
 def forward_paged(
     lm: CausalLM,
+    layers: tuple[DecoderLayer, ...],
     pool: PagePool,
     tokens_bt: jax.Array,
-    new_valid_bt: jax.Array,
     ctx_len_b: jax.Array,
     table_bw: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The model on T new tokens per row whose context is in the pool.
+    write_page_bt: jax.Array,
+    write_off_bt: jax.Array,
+) -> tuple[jax.Array, PagePool]:
+    """The model on T new tokens per row whose context is in the (reference, per-layer) pool.
 
-    Returns the final hidden states ``[B, T, D]`` and the new tokens' keys and values
-    ``[L, B, T, K, Dh]`` (to be written with :func:`write_pages`). Positions are
-    ``ctx_len_b + t``. The layers are the model's own (``scan_layers``); only ``attend``
-    differs from the training forward.
+    Returns the final hidden states ``[B, T, D]`` and the pool with the new tokens' keys and
+    values written at ``(write_page_bt, write_off_bt)`` (``[B, T]``, or ``[B, T, G]`` for the G
+    copies of a prefill chunk, the offsets of the same shape; padding at the trash page).
+    Positions are ``ctx_len_b + t``; ``table_bw`` must cover ``[0, ctx_len_b + T)``.
+    The layers are the model's own modules, ``layers`` = :func:`decode.unstack_layers` of its
+    stacked layer (sliced once per compiled call, outside any decode loop), run unrolled
+    (as ``decode.py``), each layer with its own pool buffer: it first writes its new
+    keys/values into that buffer (in place) and then attends over its gathered pages
+    (:func:`pages.paged_attention_written`), the order of the kernels and of the static
+    engine. Measured on XLA:CPU (BENCHMARKS.md "Rollout engines"): a ``scan`` over the stacked
+    layers copies each layer's weights (``dynamic-slice``) at every step, and attending before
+    writing (the new keys apart) made XLA copy every layer's buffers twice per step (the
+    gather and the in-place scatter of one buffer are unordered without a data dependence).
     """
     c = lm.config
     decoder = lm.model
@@ -175,35 +198,108 @@ def forward_paged(
     x_btd = decoder.embed_tokens(tokens_bt, dtype)
     inv_freq, rope_scaling = rope_frequencies(c)
     cos, sin = rope_cos_sin(positions_bt, inv_freq, rope_scaling, dtype)
+    windows = layer_windows(c)
+    new_k, new_v = list(pool.k), list(pool.v)
+    for i, layer in enumerate(layers):
 
-    def body(
-        layer: DecoderLayer, x_btd: jax.Array, per_layer: tuple[jax.Array, jax.Array]
-    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-        index, window = per_layer
-        new_kv: list[tuple[jax.Array, jax.Array]] = []
-
-        def attend(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array) -> jax.Array:
-            new_kv.append((k_btkd, v_btkd))
-            return paged_attention_reference(
+        def attend(
+            q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, i: int = i
+        ) -> jax.Array:
+            if write_page_bt.ndim == 3:  # G copies of each token
+                shape = (*write_page_bt.shape, *k_btkd.shape[2:])
+                k_btkd = jnp.broadcast_to(k_btkd[:, :, None], shape)
+                v_btkd = jnp.broadcast_to(v_btkd[:, :, None], shape)
+            for buf, x in ((new_k, k_btkd), (new_v, v_btkd)):
+                buf[i] = buf[i].at[write_page_bt, write_off_bt].set(x.astype(buf[i].dtype))
+            return paged_attention_written(
                 q_bthd,
-                k_btkd,
-                v_btkd,
-                gather_pages(pool.k, index, table_bw),
-                gather_pages(pool.v, index, table_bw),
+                gather_pages(new_k[i], None, table_bw),
+                gather_pages(new_v[i], None, table_bw),
                 ctx_len_b,
-                new_valid_bt,
-                window,
+                windows[i],
             )
 
         x_btd, _ = layer(x_btd, cos, sin, attend)
-        ((k_btkd, v_btkd),) = new_kv
-        return x_btd, (k_btkd, v_btkd)
+    return decoder.norm(x_btd), PagePool(tuple(new_k), tuple(new_v))
 
-    layers_idx = jnp.arange(c.num_layers, dtype=jnp.int32)
-    x_btd, (k_lbtkd, v_lbtkd) = scan_layers(
-        decoder.layers, body, x_btd, (layers_idx, layer_windows(c))
-    )
-    return decoder.norm(x_btd), k_lbtkd, v_lbtkd
+
+class DenseContext(NamedTuple):
+    """One decode dispatch's contexts, gathered from the pool once per dispatch, per layer:
+    keys ``[N, K, Dh, S]`` and values ``[N, K, S, Dh]`` (``decode.py``'s layout; ``S`` = the
+    page table's tokens; row ``n``'s token at position ``s`` in slot ``s``)."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+def gather_dense(pool: PagePool, table_nw: jax.Array) -> DenseContext:
+    """:class:`DenseContext` of the rows' tables (one gather per layer and pool array)."""
+
+    def keys(x: jax.Array) -> jax.Array:
+        return jnp.transpose(gather_pages(x, None, table_nw), (0, 2, 3, 1))
+
+    def values(x: jax.Array) -> jax.Array:
+        return jnp.transpose(gather_pages(x, None, table_nw), (0, 2, 1, 3))
+
+    return DenseContext(tuple(map(keys, pool.k)), tuple(map(values, pool.v)))
+
+
+def forward_decode_dense(
+    lm: CausalLM,
+    layers: tuple[DecoderLayer, ...],
+    pool: PagePool,
+    dense: DenseContext,
+    token_n: jax.Array,
+    lens_n: jax.Array,
+    alive_n: jax.Array,
+    write_page_n: jax.Array,
+    write_off_n: jax.Array,
+) -> tuple[jax.Array, PagePool, DenseContext]:
+    """One decode step of the reference engine over a dispatch's :class:`DenseContext`.
+
+    Row ``n`` feeds ``token_n`` at position ``lens_n``: each layer writes its new key/value
+    into the pool (page ``write_page_n``, offset ``write_off_n``; the trash page for idle rows)
+    and into the dense context at slot ``lens_n`` (live rows only), then attends over slots
+    ``s <= lens_n`` inside its window (``decode._attention``, the static engine's). The same
+    numbers as :func:`forward_paged` (same keys, same masks, f32 softmax), without gathering
+    the pages at every step: XLA:CPU's gather of a layer's context (~3 MB at 32 rows x 128
+    tokens) costs about as much as the rest of the attention, 60 of them per step.
+    Returns the final hidden states ``[N, 1, D]``, the pool and the dense context.
+    """
+    c = lm.config
+    decoder = lm.model
+    dtype = c.jnp_dtype
+    positions_n1 = lens_n[:, None]
+    x_n1d = decoder.embed_tokens(token_n[:, None], dtype)
+    inv_freq, rope_scaling = rope_frequencies(c)
+    cos, sin = rope_cos_sin(positions_n1, inv_freq, rope_scaling, dtype)
+    s = dense.k[0].shape[-1]
+    slot_s = jnp.arange(s, dtype=jnp.int32)
+    dense_pos_n = jnp.where(alive_n, lens_n, s)  # out of range: dropped
+    rows = jnp.arange(token_n.shape[0])
+    allowed: dict[int | None, jax.Array] = {}
+    for window in {c.window(i) for i in range(c.num_layers)}:
+        ok_ns = slot_s[None] <= lens_n[:, None]
+        if window is not None:
+            ok_ns = ok_ns & (lens_n[:, None] - slot_s[None] < window)
+        allowed[window] = ok_ns
+    pk, pv, dk, dv = list(pool.k), list(pool.v), list(dense.k), list(dense.v)
+    for i, layer in enumerate(layers):
+
+        def attend(
+            q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, i: int = i
+        ) -> jax.Array:
+            k_nkd, v_nkd = k_btkd[:, 0], v_btkd[:, 0]
+            pk[i] = pk[i].at[write_page_n, write_off_n].set(k_nkd.astype(pk[i].dtype))
+            pv[i] = pv[i].at[write_page_n, write_off_n].set(v_nkd.astype(pv[i].dtype))
+            dk[i] = dk[i].at[rows, :, :, dense_pos_n].set(k_nkd.astype(dk[i].dtype), mode="drop")
+            dv[i] = dv[i].at[rows, :, dense_pos_n].set(v_nkd.astype(dv[i].dtype), mode="drop")
+            out_nhd = dense_decode_attention(q_bthd[:, 0], dk[i], dv[i], allowed[c.window(i)])
+            return out_nhd[:, None]
+
+        x_n1d, _ = layer(x_n1d, cos, sin, attend)
+    pool = PagePool(tuple(pk), tuple(pv))
+    return decoder.norm(x_n1d), pool, DenseContext(tuple(dk), tuple(dv))
 
 
 def forward_paged_kernel(
@@ -341,15 +437,9 @@ def _prefill(
             lm, pool, tokens_rc, ctx_len_r, table_rw, write_page_rcg, off_rcg, static.kernel
         )
     else:
-        h_rcd, k_lrckd, v_lrckd = forward_paged(lm, pool, tokens_rc, valid_rc, ctx_len_r, table_rw)
-
-        def spread(x_lrckd: jax.Array) -> jax.Array:  # [L, R, C, G, K, Dh]
-            l_, r_, c_, k_, d_ = x_lrckd.shape
-            return jnp.broadcast_to(x_lrckd[:, :, :, None], (l_, r_, c_, g, k_, d_))
-
-        pool = PagePool(
-            write_pages(pool.k, write_page_rcg, off_rcg, spread(k_lrckd)),
-            write_pages(pool.v, write_page_rcg, off_rcg, spread(v_lrckd)),
+        layers = unstack_layers(lm.model.layers)
+        h_rcd, pool = forward_paged(
+            lm, layers, pool, tokens_rc, ctx_len_r, table_rw, write_page_rcg, off_rcg
         )
     h_rd = jnp.take_along_axis(h_rcd, last_index_r[:, None, None], axis=1)[:, 0]
     logits_rv = lm.logits(h_rd)
@@ -393,9 +483,11 @@ def _decode(
     k, n = static.steps, table_nw.shape[0]
     ps = static.page_size
     rows = jnp.arange(n)
+    # The reference path runs the layers unrolled on per-layer weights, sliced once here.
+    layers = unstack_layers(lm.model.layers) if static.kernel is None else None
 
     def step(carry: tuple) -> tuple:
-        i, pool, st, tok_kn, logp_kn, valid_kn, full_kn = carry
+        i, (pool, dense), st, tok_kn, logp_kn, valid_kn, full_kn = carry
         page_n = jnp.where(st.alive_n, table_nw[rows, st.lens_n // ps], TRASH_PAGE)
         off_n = jnp.where(st.alive_n, st.lens_n % ps, 0)
         if static.kernel is not None:  # write first, then attend
@@ -411,12 +503,8 @@ def _decode(
                 static.kernel,
             )
         else:
-            h_n1d, k_ln1kd, v_ln1kd = forward_paged(
-                lm, pool, st.token_n[:, None], st.alive_n[:, None], st.lens_n, table_nw
-            )
-            pool = PagePool(
-                write_pages(pool.k, page_n[:, None], off_n[:, None], k_ln1kd),
-                write_pages(pool.v, page_n[:, None], off_n[:, None], v_ln1kd),
+            h_n1d, pool, dense = forward_decode_dense(
+                lm, layers, pool, dense, st.token_n, st.lens_n, st.alive_n, page_n, off_n
             )
         logits_nv = lm.logits(h_n1d[:, 0])
         new_n, logp_n, full_n = _pick(
@@ -439,23 +527,26 @@ def _decode(
             gen_pos_n=st.gen_pos_n + step_n,
             seq_id_n=st.seq_id_n,
         )
-        return i + 1, pool, st, tok_kn, logp_kn, valid_kn, full_kn
+        return i + 1, (pool, dense), st, tok_kn, logp_kn, valid_kn, full_kn
 
     def cond(carry: tuple) -> jax.Array:
         i, _, st, *_ = carry
         finished = jnp.sum(state.alive_n & ~st.alive_n)
         return (i < k) & (finished < refill_at) & jnp.any(st.alive_n)
 
+    # The reference path gathers the rows' contexts once per dispatch (``DenseContext``).
+    dense = gather_dense(pool, table_nw) if static.kernel is None else None
     carry = (
         jnp.int32(0),
-        pool,
+        (pool, dense),
         state,
         jnp.full((k, n), static.pad_token_id, jnp.int32),
         jnp.zeros((k, n), jnp.float32),
         jnp.zeros((k, n), bool),
         jnp.zeros((k, n), jnp.float32) if static.full_logprobs else None,
     )
-    return jax.lax.while_loop(cond, step, carry)[1:]
+    _, (pool, _), *rest = jax.lax.while_loop(cond, step, carry)
+    return (pool, *rest)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -657,17 +748,18 @@ def run(
             rows_b = [b for b in group if len(prompts[b]) > start]
             rows = min(_next_pow2(len(rows_b)), _PREFILL_ROWS)
             length_r = [min(chunk, len(prompts[b]) - start) for b in rows_b]
-            width_c = min(chunk, max(_next_pow2(max(length_r)), 16))
-            ctx_pages = _ceil_div(start, ps)
+            width_c = min(chunk, _chunk_width(max(length_r)))
             tok = np.zeros((rows, width_c), np.int32)
             valid = np.zeros((rows, width_c), bool)
             wpage = np.full((rows, width_c, g), TRASH_PAGE, np.int32)
             woff = np.zeros((rows, width_c), np.int32)
-            if kernel is None:
-                table = np.full((rows, table_width(ctx_pages)), TRASH_PAGE, np.int32)
-            else:  # the kernels read the chunk from the pool too: cover start + width_c
-                cover = _ceil_div(_ceil_div(start + width_c, ps), step_width) * step_width
-                table = np.full((rows, cover), TRASH_PAGE, np.int32)
+            # The chunk is written first and read from the pool too: cover start + width_c
+            # (the reference exactly, the kernels in multiples of 128 tokens). Chunk widths
+            # are bucketed and start is a multiple of the chunk: a few table widths.
+            cover = _ceil_div(start + width_c, ps)
+            if kernel is not None:
+                cover = _ceil_div(cover, step_width) * step_width
+            table = np.full((rows, cover), TRASH_PAGE, np.int32)
             last = np.zeros((rows,), np.int32)
             ids = np.zeros((rows, g), np.int32)
             pos = np.zeros((rows, g), np.int32)
@@ -676,10 +768,7 @@ def run(
                 valid[r, :n] = True
                 wpage[r, :n] = page_of[b][start : start + n]
                 woff[r, :n] = np.arange(start, start + n) % ps
-                if kernel is None:
-                    table[r, :ctx_pages] = page_of[b][: ctx_pages * ps : ps, 0]
-                else:
-                    table[r, : _ceil_div(start + n, ps)] = page_of[b][: start + n : ps, 0]
+                table[r, : _ceil_div(start + n, ps)] = page_of[b][: start + n : ps, 0]
                 last[r] = n - 1
                 ids[r] = seq_ids_bg[b]
                 pos[r] = token_offsets_bg[b]

@@ -13,9 +13,11 @@ pages (always masked). The engine that schedules sequences over this pool is ``p
 Attention is a pure function chosen by name (:data:`ATTENTION_BACKENDS`, resolved for a model
 and a platform by :func:`resolve_attention`):
 
-- ``"reference"`` (:func:`paged_attention_reference`, plain JAX: gather the pages by table, mask
-  by length and window, the chunk's own keys apart). The pool is the layout above and the
-  engine writes a step's keys/values for all layers after attention.
+- ``"reference"`` (plain JAX: gather the pages by table, mask by position and window). The
+  engine's pool holds one ``[num_pages, page_size, K, Dh]`` buffer per layer (the layout above
+  without its L axis, a tuple of L; :func:`init_pool`), and each layer writes its new
+  keys/values before it attends (:func:`paged_attention_written`);
+  :func:`paged_attention_reference` (the chunk's own keys apart) is the tests' reference.
 - ``"pallas_gpu"``: decode through JAX's Pallas GPU ``paged_attention`` kernel
   (:func:`pallas_gpu_paged_decode`), prefill through ``jax.nn.dot_product_attention``
   (``implementation="cudnn"`` on GPU, ``"xla"`` elsewhere) over the gathered pages
@@ -30,7 +32,7 @@ and a platform by :func:`resolve_attention`):
 
 The kernels read the current tokens from the pool, so with them the engine writes each layer's
 new keys/values into the pool first (:func:`write_layer`, inside the layer scan) and then
-attends (``paged.forward_paged``).
+attends (``paged.forward_paged_kernel``).
 """
 
 from __future__ import annotations
@@ -50,11 +52,13 @@ TRASH_PAGE = 0
 
 
 class PagePool(NamedTuple):
-    """Keys and values of every layer, ``[L, num_pages, page_size, K, Dh]`` each (the reference
-    layout; the kernels' layouts are in the module docstring)."""
+    """Keys and values of every layer. The reference engine's pool (:func:`init_pool`) holds
+    one ``[num_pages, page_size, K, Dh]`` buffer per layer (tuples of L); the module's
+    functions on the stacked ``[L, num_pages, page_size, K, Dh]`` form take it as one array;
+    the kernels' layouts are in the module docstring."""
 
-    k: jax.Array
-    v: jax.Array | None
+    k: jax.Array | tuple[jax.Array, ...]
+    v: jax.Array | tuple[jax.Array, ...] | None
 
 
 class PageAllocator:
@@ -110,12 +114,15 @@ class PageAllocator:
 # Attention over pages (pure functions).
 
 
-def gather_pages(pool_x: jax.Array, layer: jax.Array | int, table_bw: jax.Array) -> jax.Array:
+def gather_pages(
+    pool_x: jax.Array, layer: jax.Array | int | None, table_bw: jax.Array
+) -> jax.Array:
     """``[B, W·page_size, K, Dh]``: layer ``layer``'s context of each row, in token order.
 
-    One gather from the whole pool ``[L, P, page_size, K, Dh]`` (no per-layer slice copy).
+    One gather from the whole pool ``[L, P, page_size, K, Dh]`` (no per-layer slice copy), or
+    with ``layer=None`` from one layer's buffer ``[P, page_size, K, Dh]``.
     """
-    x_bwpkd = pool_x[layer, table_bw]
+    x_bwpkd = pool_x[table_bw] if layer is None else pool_x[layer, table_bw]
     b, w, ps, k, d = x_bwpkd.shape
     return x_bwpkd.reshape(b, w * ps, k, d)
 
@@ -179,6 +186,41 @@ def paged_attention_reference(
         (e_new / z).astype(dtype),
         v_new_btkd.astype(dtype),
         preferred_element_type=jnp.float32,
+    )
+    return out.reshape(b, t, h, hd).astype(q_bthd.dtype)
+
+
+def paged_attention_written(
+    q_bthd: jax.Array,
+    k_ctx_bskd: jax.Array,
+    v_ctx_bskd: jax.Array,
+    ctx_len_b: jax.Array,
+    window: jax.Array | int,
+) -> jax.Array:
+    """:func:`paged_attention_reference` when the T new tokens' keys/values are already in the
+    gathered context (written to the pool first, as the kernels and the static engine do).
+
+    Query ``t`` of row ``b`` (position ``q = c_b + t``, ``c_b = ctx_len_b[b]``) reads context
+    key ``s`` iff ``s <= q`` and ``q - s < window``: ``out = softmax(q·k / sqrt(Dh)) v`` over
+    those keys, grouped-query, scores and softmax in float32. (Entries of a padded query, past
+    a row's valid tokens, may read stale slots; their outputs are discarded by the caller.)
+    """
+    b, t, h, hd = q_bthd.shape
+    kv_heads, s = k_ctx_bskd.shape[2], k_ctx_bskd.shape[1]
+    dtype = jnp.promote_types(q_bthd.dtype, k_ctx_bskd.dtype)
+    q = (q_bthd.astype(dtype) * jnp.asarray(hd**-0.5, dtype)).reshape(
+        b, t, kv_heads, h // kv_heads, hd
+    )
+    sc = jnp.einsum(
+        "btkgd,bskd->bkgts", q, k_ctx_bskd.astype(dtype), preferred_element_type=jnp.float32
+    )
+    q_pos_bt = ctx_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    diff_bts = q_pos_bt[:, :, None] - jnp.arange(s, dtype=jnp.int32)[None, None]
+    ok_bts = (diff_bts >= 0) & (diff_bts < window)
+    sc = jnp.where(ok_bts[:, None, None], sc, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(sc, axis=-1).astype(dtype)
+    out = jnp.einsum(
+        "bkgts,bskd->btkgd", p, v_ctx_bskd.astype(dtype), preferred_element_type=jnp.float32
     )
     return out.reshape(b, t, h, hd).astype(q_bthd.dtype)
 
@@ -506,9 +548,12 @@ def init_pool(
     dtype: jnp.dtype,
 ) -> PagePool:
     """A zero pool in the backend's layout (module docstring)."""
-    if spec is None:
-        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-        return PagePool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    if spec is None:  # one buffer per layer (updated in place by the unrolled layers)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        return PagePool(
+            tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+            tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        )
     if spec.name == "pallas_gpu":
         shape = (num_kv_heads, num_layers * num_pages, page_size, head_dim)
         return PagePool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
