@@ -298,6 +298,7 @@ def make_plan(
     shared_n: np.ndarray | None = None,
     attn_per_width: float = 0.0,
     max_width: int | None = None,
+    width_multiple: int = 1,
 ) -> PackPlan:
     """The packing plan of N sequences of ``lengths_n`` real tokens (host, NumPy).
 
@@ -319,6 +320,8 @@ def make_plan(
         shared prompts the width W minimises ``slots·W·(1 + attn_per_width·W)`` over the
         buckets from the unshared width up to a whole group, ``max_width`` and the budget.
       max_width: the widest row shared prompts may use (None: 8x the unshared width).
+      width_multiple: W is rounded up to a multiple of this (128 for splash attention, whose
+        blocks are multiples of 128 lanes; it may then exceed ``max_len``).
 
     Raises:
       ValueError: N does not split into M minibatches, a length exceeds ``max_len``, the
@@ -353,7 +356,8 @@ def make_plan(
         for gid in np.unique(group_n):
             if np.ptp(shared_n[group_n == gid]):
                 raise ValueError(f"make_plan: group {int(gid)} has different shared_n values")
-    width_seq = min(bucket(longest, minimum=8), max_len)
+    align = lambda w: -(-w // width_multiple) * width_multiple
+    width_seq = align(min(bucket(longest, minimum=8), max_len))
     per_mb = [np.arange(j, n, num_minibatches) for j in range(num_minibatches)]
 
     def rows_of(width: int, rows_needed: list[int]) -> int:
@@ -377,7 +381,7 @@ def make_plan(
         if micro_batch_tokens is not None:
             cap = min(cap, max(micro_batch_tokens, width_seq))
         while widths[-1] < min(whole, cap):
-            nxt = bucket(widths[-1] + 1)
+            nxt = align(bucket(widths[-1] + 1))
             if nxt > cap:
                 break
             widths.append(nxt)

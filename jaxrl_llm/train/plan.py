@@ -834,17 +834,22 @@ def lower_rollout(
     return lowered, kv
 
 
-def lower_step(run: AbstractRun, config: Any, recipe: Any, *, accelerator: bool = False) -> Any:
+def lower_step(run: AbstractRun, config: Any, recipe: Any, *, platform: str | None = None) -> Any:
     """The fused RL step (:func:`jaxrl_llm.train.step.make_rl_step`) lowered for the run's
-    abstract state and worst-case groups. ``accelerator``: the target's attention is a kernel,
-    so ``train.shared_prompts: auto`` does not share there (:func:`~jaxrl_llm.train.setup.
-    shares_prompts` decides by the backend it runs on)."""
+    abstract state and worst-case groups. ``platform``: the target's (``"tpu"``, ``"gpu"``),
+    whose attention is a kernel: ``train.shared_prompts: auto`` does not share there, and
+    packed rows are as wide as splash needs on TPU (the trainer decides both by the backend it
+    runs on, :func:`~jaxrl_llm.train.setup.shares_prompts`)."""
     from jaxrl_llm.train import setup as su
     from jaxrl_llm.train import step as rl_step
 
     update = su.update_shape(config)
-    if accelerator and config.train.shared_prompts == "auto":
-        update = dataclasses.replace(update, shared_prompts=False)
+    if platform in ("tpu", "gpu"):
+        update = dataclasses.replace(
+            update,
+            shared_prompts=update.shared_prompts and config.train.shared_prompts is True,
+            width_multiple=su.packed_width_multiple(config, platform),
+        )
     step = rl_step.make_rl_step(
         recipe,
         run.models,
@@ -1413,7 +1418,7 @@ def plan_run(config: Any, target: Target) -> Plan:
     # LoRA: the frozen base is both the reference and the base argument, one buffer at run time
     lora_ref = run.models.frozen is not None and run.models.ref_params is run.models.frozen
     shared = tree_bytes(run.models.frozen).per_device if lora_ref else 0
-    lowered = lower_step(run, config, recipe, accelerator=target.accelerator)
+    lowered = lower_step(run, config, recipe, platform=target.platform)
     update = _program("update", lowered, shared=shared)
     s = run.state
     merged = run.models.merge_for_sampling and run.models.frozen is not None

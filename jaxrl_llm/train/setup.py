@@ -121,6 +121,7 @@ class UpdateShape:
     ignores ``micro_batch_size`` (:func:`update_shape` turns it into the budget it implies;
     evaluation's log-prob pass still uses it). ``shared_prompts``: packed rows hold one copy of
     each prompt for its G samples; ``attn_per_width`` weighs the row width in the packing plan
+    and packed rows are a multiple of ``width_multiple`` wide (128 under splash attention)
     (:func:`~jaxrl_llm.train.packing.make_plan`)."""
 
     epochs: int = 1
@@ -130,6 +131,7 @@ class UpdateShape:
     micro_batch_tokens: int | None = None
     shared_prompts: bool = False
     attn_per_width: float = 0.0
+    width_multiple: int = 1
 
     @property
     def updates_per_step(self) -> int:
@@ -408,7 +410,17 @@ def update_shape(
         attn_per_width=0.0
         if model_config is None
         else packing_lib.attention_per_width(model_config),
+        width_multiple=packed_width_multiple(config),
     )
+
+
+def packed_width_multiple(config: TrainConfig, backend: str | None = None) -> int:
+    """128 where the policy's attention is splash (its blocks are multiples of 128 lanes, so a
+    packed row of another width would fall back to the reference attention), else 1."""
+    from jaxrl_llm.models import attention
+
+    splash = attention.resolve_implementation(config.model.attention, backend) == "splash"
+    return 128 if splash else 1
 
 
 def shares_prompts(config: TrainConfig) -> bool:

@@ -390,6 +390,7 @@ def make_rl_step(
             num_minibatches=update.num_minibatches,
             micro_batch_tokens=update.micro_batch_tokens,
             row_multiple=dp,
+            width_multiple=update.width_multiple,
             **shared,
         )
         return plan.device_arrays(), plan.shape

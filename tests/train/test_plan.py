@@ -118,7 +118,8 @@ def test_abstract_state_equals_real_state_on_one_device():
 
 def test_fsdp8_divides_parameters_and_optimizer_by_8():
     overrides = ["mesh.preset=fsdp", "mesh.data=1", "mesh.fsdp=8", "rollout.prompts_per_step=8"]
-    config = load_config(TINY, overrides)
+    # Unpacked: packed runs keep the masks on the host for the packing plan (not split).
+    config = load_config(TINY, [*overrides, "train.packing=false"])
     recipe = build_recipe(config)
     mesh = shd.make_mesh(1, 8, 1, devices=jax.devices()[:8])
     run = P.abstract_run(config, recipe, mesh, P.model_config(config.model, accelerator=False))
@@ -242,7 +243,8 @@ def test_kv_cache_bytes():
 
 @pytest.mark.slow
 def test_tiny_plan_on_one_cpu_device_agrees_with_xla_and_the_state():
-    config = load_config(TINY)
+    # The unpacked step's arguments (a packed step also takes the packing plan's int32[N]s).
+    config = load_config(TINY, ["train.packing=false"])
     recipe = build_recipe(config)
     models, state = su.build_models(config, recipe)
     plan = P.plan_run(config, P.parse_target(devices=1, device_memory="1GiB"))
@@ -290,7 +292,7 @@ def test_tiny_plan_on_one_cpu_device_agrees_with_xla_and_the_state():
 def test_tiny_lora_plan_compiles_the_lora_step_with_the_frozen_base():
     """LoRA: the update takes the adapters' state, the frozen base (a non-donated argument,
     also the reference: counted once) and the groups; the base is not in the state."""
-    config = load_config(TINY, ["model.lora.rank=4"])
+    config = load_config(TINY, ["model.lora.rank=4", "train.packing=false"])  # as above
     recipe = build_recipe(config)
     models, state = su.build_models(config, recipe)
     plan = P.plan_run(config, P.parse_target(devices=1, device_memory="1GiB"))

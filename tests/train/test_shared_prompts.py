@@ -105,6 +105,25 @@ def test_width_follows_the_cost_estimate():
     assert cheap.placed_tokens() < dear.placed_tokens() <= unshared.placed_tokens()
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_rows_are_a_multiple_of_128_for_splash(shared):
+    """width_multiple (128 under splash attention): W rounds up, past L if need be, and the
+    packed tokens still unpack exactly."""
+    batch = grouped_batch(3)
+    tokens, input_mask = np.asarray(batch.tokens_nl), np.asarray(batch.input_mask_nl)
+    t = batch.mask_nt.shape[1]
+    if shared:
+        plan = shared_plan(batch, 4, width_multiple=128)
+    else:
+        plan = pk.make_plan(input_mask.sum(1), max_len=tokens.shape[1], width_multiple=128)
+    assert plan.shape.width == 128 > tokens.shape[1]
+    packed = pk.pack_rows(tokens, input_mask, plan.device_arrays(), plan.shape)
+    back = pk.unpack(packed.tokens, pk.unpack_index(input_mask, plan.device_arrays(), t), fill=-1)
+    np.testing.assert_array_equal(
+        np.asarray(back), np.where(input_mask[:, -t:], tokens[:, -t:], -1)
+    )
+
+
 def test_plan_errors():
     ones = np.ones(4, int)
     with pytest.raises(ValueError, match="group_n and shared_n go together"):

@@ -580,18 +580,19 @@ def test_packing_config_resolves_and_validates():
     shape = S.update_shape(config)
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     assert shape.packing and shape.micro_batch_tokens == 2 * longest  # the implied budget
-    assert not resolve().update.packing
+    assert resolve().update.packing  # the default
+    assert not resolve("train.packing=false").update.packing
     with pytest.raises(ConfigError, match=r"null unless train\.packing is true"):
-        H.config("tiny.yaml", *SMALL, "optim.micro_batch_tokens=512")
+        H.config("tiny.yaml", *SMALL, "train.packing=false", "optim.micro_batch_tokens=512")
     with pytest.raises(ConfigError, match="at least one longest sequence"):
         H.config("tiny.yaml", *SMALL, *PACKED, "optim.micro_batch_tokens=100")
     assert S.update_shape(config, data_parallel=2).micro_batch_tokens == longest
     assert shape.shared_prompts  # auto, on CPU
-    assert not S.update_shape(
-        H.config("tiny.yaml", *SMALL, *PACKED, "model.attention=splash")
-    ).shared_prompts
-    assert not S.update_shape(H.config("tiny.yaml", *SMALL)).shared_prompts
+    splash = S.update_shape(H.config("tiny.yaml", *SMALL, *PACKED, "model.attention=splash"))
+    assert not splash.shared_prompts and splash.width_multiple == 128
+    assert shape.width_multiple == 1
+    assert not S.update_shape(H.config("tiny.yaml", *SMALL, "train.packing=false")).shared_prompts
     with pytest.raises(ConfigError, match=r"train\.shared_prompts.*unless train\.packing is true"):
-        H.config("tiny.yaml", *SMALL, "train.shared_prompts=true")
+        H.config("tiny.yaml", *SMALL, "train.packing=false", "train.shared_prompts=true")
     with pytest.raises(ConfigError, match=r"train\.shared_prompts.*model\.attention=cudnn"):
         H.config("tiny.yaml", *SMALL, *PACKED, "train.shared_prompts=true", "model.attention=cudnn")
