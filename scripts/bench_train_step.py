@@ -528,7 +528,10 @@ def main() -> None:
         "--lora", action="store_true", help="full vs LoRA vs QLoRA on this workload (issue 14)"
     )
     ap.add_argument(
-        "--extra", action="append", default=[], help="--ragged/--lora: an override for all"
+        "--extra",
+        action="append",
+        default=[],
+        help="a config override for ours (--ragged/--lora: for every variant)",
     )
     ap.add_argument(
         "--child",
@@ -563,7 +566,8 @@ def main() -> None:
 
     total = args.steps + args.warmup
     result = {"machine": machine_info(), "command": " ".join(sys.argv)}
-    raw = {"ours": _run_child("ours", total), "trl": _run_child("trl", total)}
+    result["ours_extra"] = args.extra
+    raw = {"ours": _run_child("ours", total, args.extra), "trl": _run_child("trl", total)}
     result["raw"] = raw
     for name in raw:
         result[name] = _summary(raw[name], args.warmup)

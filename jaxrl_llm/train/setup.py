@@ -408,9 +408,9 @@ def update_shape(
         micro_batch_tokens=tokens if packing else None,
         shared_prompts=packing and shares_prompts(config),
         attn_per_width=0.0
-        if model_config is None
+        if model_config is None or not packing
         else packing_lib.attention_per_width(model_config),
-        width_multiple=packed_width_multiple(config),
+        width_multiple=packed_width_multiple(config) if packing else 1,
     )
 
 

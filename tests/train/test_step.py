@@ -580,8 +580,8 @@ def test_packing_config_resolves_and_validates():
     shape = S.update_shape(config)
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     assert shape.packing and shape.micro_batch_tokens == 2 * longest  # the implied budget
-    assert resolve().update.packing  # the default
-    assert not resolve("train.packing=false").update.packing
+    assert not resolve().update.packing  # off by default
+    assert resolve(*PACKED).update.packing
     with pytest.raises(ConfigError, match=r"null unless train\.packing is true"):
         H.config("tiny.yaml", *SMALL, "train.packing=false", "optim.micro_batch_tokens=512")
     with pytest.raises(ConfigError, match="at least one longest sequence"):
