@@ -164,6 +164,35 @@ def _next_pow2(x: int) -> int:
 # The model over the pool.
 
 
+def _embed_at(
+    lm: CausalLM, tokens_bt: jax.Array, positions_bt: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The token embeddings ``[B, T, D]`` and RoPE ``cos``/``sin`` at ``positions_bt``."""
+    c = lm.config
+    dtype = c.jnp_dtype
+    x_btd = lm.model.embed_tokens(tokens_bt, dtype)
+    inv_freq, rope_scaling = rope_frequencies(c)
+    cos, sin = rope_cos_sin(positions_bt, inv_freq, rope_scaling, dtype)
+    return x_btd, cos, sin
+
+
+def _new_positions(ctx_len_b: jax.Array, t: int) -> jax.Array:
+    """Positions ``[B, T]`` of T new tokens after a context of ``ctx_len_b``."""
+    return ctx_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+
+
+def _per_copy(
+    write_page_bt: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Keys/values broadcast to the G copies of a prefill chunk when ``write_page_bt`` is
+    ``[B, T, G]``; unchanged for ``[B, T]``."""
+    if write_page_bt.ndim == 3:
+        shape = (*write_page_bt.shape, *k_btkd.shape[2:])
+        k_btkd = jnp.broadcast_to(k_btkd[:, :, None], shape)
+        v_btkd = jnp.broadcast_to(v_btkd[:, :, None], shape)
+    return k_btkd, v_btkd
+
+
 def forward_paged(
     lm: CausalLM,
     layers: tuple[DecoderLayer, ...],
@@ -192,12 +221,7 @@ def forward_paged(
     """
     c = lm.config
     decoder = lm.model
-    dtype = c.jnp_dtype
-    t = tokens_bt.shape[1]
-    positions_bt = ctx_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    x_btd = decoder.embed_tokens(tokens_bt, dtype)
-    inv_freq, rope_scaling = rope_frequencies(c)
-    cos, sin = rope_cos_sin(positions_bt, inv_freq, rope_scaling, dtype)
+    x_btd, cos, sin = _embed_at(lm, tokens_bt, _new_positions(ctx_len_b, tokens_bt.shape[1]))
     windows = layer_windows(c)
     new_k, new_v = list(pool.k), list(pool.v)
     for i, layer in enumerate(layers):
@@ -205,10 +229,7 @@ def forward_paged(
         def attend(
             q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, i: int = i
         ) -> jax.Array:
-            if write_page_bt.ndim == 3:  # G copies of each token
-                shape = (*write_page_bt.shape, *k_btkd.shape[2:])
-                k_btkd = jnp.broadcast_to(k_btkd[:, :, None], shape)
-                v_btkd = jnp.broadcast_to(v_btkd[:, :, None], shape)
+            k_btkd, v_btkd = _per_copy(write_page_bt, k_btkd, v_btkd)
             for buf, x in ((new_k, k_btkd), (new_v, v_btkd)):
                 buf[i] = buf[i].at[write_page_bt, write_off_bt].set(x.astype(buf[i].dtype))
             return paged_attention_written(
@@ -268,11 +289,7 @@ def forward_decode_dense(
     """
     c = lm.config
     decoder = lm.model
-    dtype = c.jnp_dtype
-    positions_n1 = lens_n[:, None]
-    x_n1d = decoder.embed_tokens(token_n[:, None], dtype)
-    inv_freq, rope_scaling = rope_frequencies(c)
-    cos, sin = rope_cos_sin(positions_n1, inv_freq, rope_scaling, dtype)
+    x_n1d, cos, sin = _embed_at(lm, token_n[:, None], lens_n[:, None])
     s = dense.k[0].shape[-1]
     slot_s = jnp.arange(s, dtype=jnp.int32)
     dense_pos_n = jnp.where(alive_n, lens_n, s)  # out of range: dropped
@@ -326,12 +343,7 @@ def forward_paged_kernel(
     """
     c = lm.config
     decoder = lm.model
-    dtype = c.jnp_dtype
-    t = tokens_bt.shape[1]
-    positions_bt = ctx_len_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    x_btd = decoder.embed_tokens(tokens_bt, dtype)
-    inv_freq, rope_scaling = rope_frequencies(c)
-    cos, sin = rope_cos_sin(positions_bt, inv_freq, rope_scaling, dtype)
+    x_btd, cos, sin = _embed_at(lm, tokens_bt, _new_positions(ctx_len_b, tokens_bt.shape[1]))
 
     def body(
         layer: DecoderLayer, carry: tuple[jax.Array, PagePool], per_layer: tuple
@@ -341,10 +353,7 @@ def forward_paged_kernel(
         written: list[PagePool] = []
 
         def attend(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array) -> jax.Array:
-            if write_page_bt.ndim == 3:  # G copies of each token
-                shape = (*write_page_bt.shape, *k_btkd.shape[2:])
-                k_btkd = jnp.broadcast_to(k_btkd[:, :, None], shape)
-                v_btkd = jnp.broadcast_to(v_btkd[:, :, None], shape)
+            k_btkd, v_btkd = _per_copy(write_page_bt, k_btkd, v_btkd)
             new_pool = pages_lib.write_layer(
                 kernel, pool, index, write_page_bt, write_off_bt, k_btkd, v_btkd
             )
@@ -472,13 +481,15 @@ def _decode(
     top_p: jax.Array,
     stop_ids_s: jax.Array,
     refill_at: jax.Array,
+    shrink_at: jax.Array,
     *,
     static: _Static,
 ) -> tuple[PagePool, _SlotState, jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """Up to ``static.steps`` decode steps of every slot: ``(pool, state, tokens, logps,
     valid, full logps or None)``, the last four ``[k, N]``. Returns early, after the step in which
     ``refill_at`` of the slots have finished (the host has prompts waiting for that many
-    slots; a large value: never)."""
+    slots; a large value: never), or in which the live slots drop to ``shrink_at`` (they fit
+    the next smaller slot bucket; -1: never)."""
     lm: CausalLM = nnx.merge(graphdef, params)
     k, n = static.steps, table_nw.shape[0]
     ps = static.page_size
@@ -532,7 +543,8 @@ def _decode(
     def cond(carry: tuple) -> jax.Array:
         i, _, st, *_ = carry
         finished = jnp.sum(state.alive_n & ~st.alive_n)
-        return (i < k) & (finished < refill_at) & jnp.any(st.alive_n)
+        live = jnp.sum(st.alive_n)
+        return (i < k) & (finished < refill_at) & (live > shrink_at) & (live > 0)
 
     # The reference path gathers the rows' contexts once per dispatch (``DenseContext``).
     dense = gather_dense(pool, table_nw) if static.kernel is None else None
@@ -866,6 +878,10 @@ def run(
             waiting = bool(pending)
             free_now = sum(s < 0 for s in slot_seq)
             refill_at = np.int32(max(g - free_now, 1) if waiting else 2**30)
+            # Without prompts waiting, also return once the live rows fit half the bucket, so
+            # that the tail decodes at its own width whatever steps_per_dispatch is.
+            half = bucket // 2
+            shrink_at = np.int32(half if not waiting and half >= _MIN_SLOT_BUCKET else -1)
             pool, state, tok_kn, logp_kn, valid_kn, full_kn = _decode(
                 graphdef,
                 params,
@@ -877,6 +893,7 @@ def run(
                 topp,
                 stop_ids,
                 refill_at,
+                shrink_at,
                 static=static,
             )
             dispatches += 1

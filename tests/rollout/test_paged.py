@@ -88,6 +88,21 @@ def test_page_size_not_dividing_the_chunk_and_one_slot_group(tiny_pair):
     assert stats.pages_in_use_at_end == 0
 
 
+def test_a_long_dispatch_returns_when_the_live_rows_fit_a_smaller_bucket(tiny_pair):
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=3, lengths=LENGTHS)
+    # 10 sequences in 16 slots: 6 end after their second token, leaving 4 (bucket 8). A
+    # dispatch of up to 64 steps returns then, and the tail runs in one more, 8 rows wide.
+    budgets = np.array([[12, 2], [2, 12], [2, 2], [12, 2], [2, 12]], np.int32)
+    options = dataclasses.replace(SMALL, num_slots=16, steps_per_dispatch=64)
+    static, out, stats = both(
+        model, ids, mask, options, temperature=0.0, max_new_tokens_bg=budgets, stop_token_ids=()
+    )
+    assert_same(static, out)
+    np.testing.assert_array_equal(np.asarray(out.mask).sum(-1), budgets)
+    assert stats.decode_dispatches == 2 and stats.pages_in_use_at_end == 0
+
+
 def test_sampled_tokens_do_not_depend_on_slots_order_or_neighbours(tiny_pair):
     _, model = tiny_pair("qwen2")
     ids, mask = prompts(seed=2, lengths=LENGTHS)
