@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrl_llm.models.logprobs import completion_logprobs, hidden_logprobs
+from jaxrl_llm.models.logprobs import completion_logprobs
 from jaxrl_llm.train import packing as pk
 from jaxrl_llm.train import update as up
 
@@ -130,14 +130,10 @@ def packed_logprobs_nt(
 
     def one(micro: up.PackedMicro) -> jax.Array:
         h_rwd = up.packed_hidden(model.model, micro)
-        logp = hidden_logprobs(
-            model,
-            h_rwd[:, :-1],
-            micro.tokens_rw[:, 1:],
-            temperature=temperature,
-            chunk_size=chunk_size,
+        (logp,) = up.packed_target_logprobs(
+            model, h_rwd, micro, temperature=temperature, chunk_size=chunk_size
         )
-        return pk.predictions_to_targets(logp)
+        return logp
 
     return pk.unpack(_over_used_slots(one, packed, plan.count_m, shape, constrain), index)
 

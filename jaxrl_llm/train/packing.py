@@ -129,6 +129,10 @@ class PackShape:
       rows: rows per micro-batch.
       width: W, tokens per row (bucketed; ≤ L without shared prompts).
       shared: the plan shares prompts (the packed rows carry ``prefix_ids``).
+      targets: C, the most completion tokens of any one row (rounded up to a quarter of W,
+        ≤ W: few shapes), when the plan
+        knows them (``make_plan(target_n=...)``): the LM head then runs on C gathered states
+        per row (the packed rows carry ``targets``), not on all W; None: on every column.
     """
 
     num_minibatches: int
@@ -136,6 +140,7 @@ class PackShape:
     rows: int
     width: int
     shared: bool = False
+    targets: int | None = None
 
     @property
     def num_micro(self) -> int:
@@ -299,6 +304,7 @@ def make_plan(
     attn_per_width: float = 0.0,
     max_width: int | None = None,
     width_multiple: int = 1,
+    target_n: np.ndarray | None = None,
 ) -> PackPlan:
     """The packing plan of N sequences of ``lengths_n`` real tokens (host, NumPy).
 
@@ -322,6 +328,10 @@ def make_plan(
       max_width: the widest row shared prompts may use (None: 8x the unshared width).
       width_multiple: W is rounded up to a multiple of this (128 for splash attention, whose
         blocks are multiples of 128 lanes; it may then exceed ``max_len``).
+      target_n: ``int[N]`` completion tokens of each sequence (its last real tokens, the ones
+        whose log-probs the update reads): sets ``PackShape.targets``, so the LM head skips
+        the prompt positions (the unpacked path starts at the completion too). None: the LM
+        head runs on every column of the rows.
 
     Raises:
       ValueError: N does not split into M minibatches, a length exceeds ``max_len``, the
@@ -414,7 +424,19 @@ def make_plan(
                 offset_n[m], prefix_n[m], owner_n[m], prefix_off_n[m] = col, p, seqs[0], o
                 col += int(lengths_n[m]) - p
     shared = group_n is not None
-    shape = PackShape(num_minibatches, slots, rows, width, shared)
+    targets = None
+    if target_n is not None:
+        target_n = np.asarray(target_n, np.int64)
+        if target_n.shape != (n,) or (target_n < 0).any() or (target_n >= lengths_n).any():
+            raise ValueError(
+                f"make_plan: target_n must be [N] = [{n}] counts in [0, length) (a sequence "
+                f"keeps at least one prompt token), got {target_n!r}"
+            )
+        per_row = np.zeros((num_minibatches * slots, rows), np.int64)
+        np.add.at(per_row, (micro_n, row_n), target_n)
+        quarter = max(width // 4, 1)  # C in quarters of W: at most 4 shapes per W
+        targets = min(-(-max(int(per_row.max()), 1) // quarter) * quarter, width)
+    shape = PackShape(num_minibatches, slots, rows, width, shared, targets)
     extra = (prefix_n, owner_n, prefix_off_n) if shared else ()
     return PackPlan(shape, micro_n, row_n, offset_n, counts, lengths_n, *extra)
 
@@ -424,19 +446,22 @@ def make_plan(
 
 
 class Packed(tuple):
-    """``(tokens, segment_ids, positions, prefix_ids)``, each ``int32[M·K, rows, W]``; segment 0 =
-    padding; ``prefix_ids`` (shared prompts only, else ``None``) is the other segment a token
-    may read: its group's prefix (its own segment where it shares nothing)."""
+    """``(tokens, segment_ids, positions, prefix_ids, targets)``: the first four ``int32[M·K,
+    rows, W]``; segment 0 = padding; ``prefix_ids`` (shared prompts only, else ``None``) is the
+    other segment a token may read: its group's prefix (its own segment where it shares
+    nothing). ``targets`` (``PackShape.targets`` = C set, else ``None``): ``int32[M·K, rows,
+    C]``, the columns of each row's completion tokens in order, −1 after the last."""
 
     __slots__ = ()
 
-    def __new__(cls, tokens, segment_ids, positions, prefix_ids=None) -> Packed:  # noqa: ANN001
-        return super().__new__(cls, (tokens, segment_ids, positions, prefix_ids))
+    def __new__(cls, tokens, segment_ids, positions, prefix_ids=None, targets=None) -> Packed:  # noqa: ANN001
+        return super().__new__(cls, (tokens, segment_ids, positions, prefix_ids, targets))
 
     tokens = property(lambda self: self[0])
     segment_ids = property(lambda self: self[1])
     positions = property(lambda self: self[2])
     prefix_ids = property(lambda self: self[3])
+    targets = property(lambda self: self[4])
 
 
 jax.tree_util.register_pytree_node(Packed, lambda p: (tuple(p), None), lambda _, xs: Packed(*xs))
@@ -450,7 +475,11 @@ def _compact_index_nl(input_mask_nl: jax.Array) -> jax.Array:
 
 
 def pack_rows(
-    tokens_nl: jax.Array, input_mask_nl: jax.Array, plan: PlanArrays, shape: PackShape
+    tokens_nl: jax.Array,
+    input_mask_nl: jax.Array,
+    plan: PlanArrays,
+    shape: PackShape,
+    completion_len: int | None = None,
 ) -> Packed:
     """Scatter the real tokens of ``[N, L]`` rows into the packed ``[M·K, rows, W]`` layout.
 
@@ -463,7 +492,13 @@ def pack_rows(
     sequences' copies are dropped); token ``j ≥ prefix_n`` goes to ``offset_n + j − prefix_n``
     with segment ``n + 1`` and prefix id ``N + 1 + o`` (its own segment if ``prefix_n = 0``).
     Positions stay j.
+
+    With ``shape.targets`` (C) the last ``completion_len`` = T columns of the rows are the
+    completions, and ``Packed.targets`` lists each packed row's completion columns (ascending,
+    −1 after the last; the plan guarantees at most C per row).
     """
+    if shape.targets is not None and completion_len is None:
+        raise ValueError("pack_rows: shape.targets is set, so completion_len (T) is required")
     n, _ = tokens_nl.shape
     j_nl = _compact_index_nl(input_mask_nl)
     micro = jnp.broadcast_to(jnp.asarray(plan.micro_n)[:, None], j_nl.shape)
@@ -498,7 +533,25 @@ def pack_rows(
         scatter(seg),
         scatter(jnp.maximum(j_nl, 0)),
         None if prefix_ids is None else scatter(prefix_ids),
+        None if shape.targets is None else _targets(input_mask_nl, plan, shape, completion_len),
     )
+
+
+def _targets(
+    input_mask_nl: jax.Array, plan: PlanArrays, shape: PackShape, completion_len: int
+) -> jax.Array:
+    """``int32[M·K, rows, C]``: :attr:`Packed.targets` (the rank of a completion token among
+    its row's, by column, is its slot)."""
+    micro, row, col, valid = unpack_index(input_mask_nl, plan, completion_len)
+    w, c = shape.width, shape.targets
+    grid = (shape.num_micro, shape.rows, w)
+    is_target = (
+        jnp.zeros(grid, jnp.int32).at[micro, row, jnp.where(valid, col, w)].set(1, mode="drop")
+    )
+    rank = jnp.cumsum(is_target, axis=2) - 1
+    slot = jnp.where(valid, rank[micro, row, col], c)
+    out = jnp.full((shape.num_micro, shape.rows, c), -1, jnp.int32)
+    return out.at[micro, row, slot].set(col, mode="drop")
 
 
 def unpack_index(

@@ -45,6 +45,7 @@ logs the β the step used) and ``perf/tokens`` (real prompt + completion tokens)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -257,7 +258,7 @@ def make_rl_step(
         bgt = lambda x_nt: None if x_nt is None else x_nt.reshape(b, g, t)
         logp_old = logp_ref = values = None
         if packing:
-            packed = pk.pack_rows(tokens_nl, input_mask_nl, plan, shape)
+            packed = pk.pack_rows(tokens_nl, input_mask_nl, plan, shape, t)
             index = pk.unpack_index(input_mask_nl, plan, t)
             kw = dict(temperature=temperature, chunk_size=chunk_size, constrain=rows_constraint)
             logprobs_of = lambda params, graphdef=models.graphdef: forward.packed_logprobs_nt(
@@ -363,6 +364,7 @@ def make_rl_step(
     frozen_sharding = Frozen(models.frozen_sharding, models.critic_frozen_sharding)
     cache: dict[Any, tuple[Callable, list[str]]] = {}
     traced_names: list[list[str]] = []
+    widest_targets: dict[pk.PackShape, int] = {}
 
     def groups_sharding(groups: Groups) -> Groups:
         b = groups.tokens_bgt.shape[0]
@@ -386,6 +388,7 @@ def make_rl_step(
             )
         plan = pk.make_plan(
             lengths,
+            target_n=mask.reshape(b * g, t).sum(1),
             max_len=prompt_mask.shape[1] + t,
             num_minibatches=update.num_minibatches,
             micro_batch_tokens=update.micro_batch_tokens,
@@ -393,7 +396,13 @@ def make_rl_step(
             width_multiple=update.width_multiple,
             **shared,
         )
-        return plan.device_arrays(), plan.shape
+        # C (the LM head's columns per row) never shrinks for a shape: a wider C is always
+        # valid, so a later batch with fewer completion tokens per row reuses the program.
+        shape = plan.shape
+        rest = dataclasses.replace(shape, targets=None)
+        targets = max(shape.targets, widest_targets.get(rest, 0))
+        widest_targets[rest] = targets
+        return plan.device_arrays(), dataclasses.replace(shape, targets=targets)
 
     def dispatch(
         state: st.TrainState, groups: Groups

@@ -185,19 +185,24 @@ class PackedShared(NamedTuple):
 
 class PackedMicro(NamedTuple):
     """One micro-batch slot of a packed update: ``int32[rows, W]`` packed rows and its index
-    (``prefix_ids_rw``: shared prompts only, :class:`~jaxrl_llm.train.packing.Packed`)."""
+    (``prefix_ids_rw``: shared prompts only; ``targets_rc``: each row's completion columns,
+    ``int32[rows, C]``, −1 padded, when the plan set ``PackShape.targets``;
+    :class:`~jaxrl_llm.train.packing.Packed`)."""
 
     tokens_rw: jax.Array
     segment_ids_rw: jax.Array
     positions_rw: jax.Array
     slot: jax.Array
     prefix_ids_rw: jax.Array | None = None
+    targets_rc: jax.Array | None = None
 
     @classmethod
     def of(cls, packed: pk.Packed, slot: jax.Array, take: Callable) -> PackedMicro:
         """Slot ``slot`` of ``packed``, each array through ``take`` (e.g. a dynamic index)."""
-        tokens, segments, positions, prefix = (None if x is None else take(x) for x in packed)
-        return cls(tokens, segments, positions, slot, prefix)
+        tokens, segments, positions, prefix, targets = (
+            None if x is None else take(x) for x in packed
+        )
+        return cls(tokens, segments, positions, slot, prefix, targets)
 
 
 def packed_batch(batch: UpdateBatch, plan: pk.PlanArrays, shape: pk.PackShape) -> acc.Ragged:
@@ -205,7 +210,7 @@ def packed_batch(batch: UpdateBatch, plan: pk.PlanArrays, shape: pk.PackShape) -
     (traceable): minibatch j holds sequences ``{i·M + j}``, as the unpacked split."""
     m, k = shape.num_minibatches, shape.slots
     t = batch.mask_nt.shape[1]
-    packed = pk.pack_rows(batch.tokens_nl, batch.input_mask_nl, plan, shape)
+    packed = pk.pack_rows(batch.tokens_nl, batch.input_mask_nl, plan, shape, t)
     micro, row, col, valid = pk.unpack_index(batch.input_mask_nl, plan, t)
     by_mb = lambda x: None if x is None else acc.strided_split(x, m, 1)[:, 0]
     fields = batch._replace(tokens_nl=None, input_mask_nl=None)
@@ -217,7 +222,7 @@ def packed_batch(batch: UpdateBatch, plan: pk.PlanArrays, shape: pk.PackShape) -
         valid_nt=by_mb(valid),
     )
     del micro, row
-    rw = lambda x: x.reshape(m, k, shape.rows, shape.width)
+    rw = lambda x: x.reshape(m, k, *x.shape[1:])
     slots = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32)[None], (m, k))
     micro_batches = PackedMicro.of(packed, slots, rw)
     return acc.Ragged(shared, micro_batches, jnp.asarray(plan.count_m, jnp.int32))
@@ -237,6 +242,30 @@ def packed_hidden(
         prefix_ids_bt=micro.prefix_ids_rw,
     )
     return h
+
+
+def packed_target_logprobs(
+    lm: nnx.Module, h_rwd: jax.Array, micro: PackedMicro, **kwargs: Any
+) -> tuple[jax.Array, ...]:
+    """:func:`~jaxrl_llm.models.logprobs.hidden_logprobs` of the packed rows' tokens, each
+    output ``f32[rows, W]`` at its token's (target) column, 0 in column 0.
+
+    With ``micro.targets_rc`` the LM head runs only on the states before each row's C
+    completion columns (gathered), and the outputs go back to those columns (0 on the other
+    columns: prompt tokens, padding), as the unpacked path, which starts at the completion;
+    without it, on every column. ``kwargs`` go to ``hidden_logprobs`` (a tuple of one
+    output unless ``with_entropy``)."""
+    if micro.targets_rc is None:
+        out = hidden_logprobs(lm, h_rwd[:, :-1], micro.tokens_rw[:, 1:], **kwargs)
+        return tuple(map(pk.predictions_to_targets, out if isinstance(out, tuple) else (out,)))
+    rows, w = micro.tokens_rw.shape
+    col_rc = jnp.maximum(micro.targets_rc, 1)  # padding reads column 1: computed, dropped
+    h_rcd = jnp.take_along_axis(h_rwd, (col_rc - 1)[:, :, None], axis=1)
+    out = hidden_logprobs(lm, h_rcd, jnp.take_along_axis(micro.tokens_rw, col_rc, axis=1), **kwargs)
+    back = jnp.where(micro.targets_rc >= 0, micro.targets_rc, w)
+    row_r1 = jnp.arange(rows)[:, None]
+    scatter = lambda y_rc: jnp.zeros((rows, w), y_rc.dtype).at[row_r1, back].set(y_rc, mode="drop")
+    return tuple(map(scatter, out if isinstance(out, tuple) else (out,)))
 
 
 def _unpack_micro(
@@ -429,22 +458,21 @@ def policy_sums_fn(
         shared, micro = mb
         model = model_of(params)
         h_rwd = packed_hidden(model.model, micro, _packed_keys(shared.fields, micro))
-        out = hidden_logprobs(
+        outs = packed_target_logprobs(
             model,
-            h_rwd[:, :-1],
-            micro.tokens_rw[:, 1:],
+            h_rwd,
+            micro,
             temperature=temperature,
             chunk_size=chunk_size,
             with_entropy=with_entropy,
         )
-        outs = out if with_entropy else (out,)
         fields = shared.fields
         # Tokens outside this micro-batch read π_old (ratio 1, finite): masked, they add 0.
         fill = 0.0 if fields.logp_old_nt is None else fields.logp_old_nt
-        logp = _unpack_micro(shared, micro, pk.predictions_to_targets(outs[0]), fill)
+        logp = _unpack_micro(shared, micro, outs[0], fill)
         entropy = None
         if with_entropy:
-            entropy = _unpack_micro(shared, micro, pk.predictions_to_targets(outs[1]))
+            entropy = _unpack_micro(shared, micro, outs[1])
         mask = fields.mask_nt & (shared.slot_n == micro.slot)[:, None]
         return _policy_terms(obj, fields, logp, entropy, mask, tis_cap, scales)
 
@@ -810,6 +838,7 @@ __all__ = [
     "make_update_step",
     "packed_batch",
     "packed_hidden",
+    "packed_target_logprobs",
     "packed_values",
     "policy_sums_fn",
 ]

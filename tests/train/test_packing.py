@@ -108,6 +108,44 @@ def test_plan_properties_and_round_trip(num_minibatches, budget, multiple):
     assert 0.0 <= plan.padding_fraction() < 1.0
 
 
+@pytest.mark.parametrize(("num_minibatches", "budget"), [(1, None), (2, 64)])
+def test_targets_list_each_rows_completion_columns(num_minibatches, budget):
+    """``PackShape.targets`` is the most completion tokens of a row (bucketed), and
+    ``Packed.targets`` lists each row's completion columns in order, −1 after them."""
+    n, p, t = 24, 6, 20
+    tokens, input_mask = ragged(3, n, p, t)
+    lengths, target = input_mask.sum(1), input_mask[:, p:].sum(1)
+    plan = pk.make_plan(
+        lengths,
+        max_len=p + t,
+        num_minibatches=num_minibatches,
+        micro_batch_tokens=budget,
+        target_n=target,
+    )
+    s = plan.shape
+    packed = pk.pack_rows(tokens, input_mask, plan.device_arrays(), s, t)
+    got = np.asarray(packed.targets)
+    assert got.shape == (s.num_micro, s.rows, s.targets)
+    want: dict[tuple[int, int], list[int]] = {}
+    for i in range(n):  # sequence i's completion: its last target[i] real tokens
+        first = plan.offset_n[i] + lengths[i] - target[i]
+        cols = range(first, plan.offset_n[i] + lengths[i])
+        want.setdefault((plan.micro_n[i], plan.row_n[i]), []).extend(cols)
+    most = max(len(v) for v in want.values())
+    assert s.targets == min(-(-most // (s.width // 4)) * (s.width // 4), s.width)
+    for m, r in itertools.product(range(s.num_micro), range(s.rows)):
+        cols = sorted(want.get((m, r), []))
+        np.testing.assert_array_equal(got[m, r], cols + [-1] * (s.targets - len(cols)))
+    # The listed columns hold exactly the completion tokens.
+    toks = np.asarray(packed.tokens)
+    listed = [toks[m, r, c] for m, r in np.ndindex(got.shape[:2]) for c in got[m, r] if c >= 0]
+    assert sorted(listed) == sorted(tokens[:, p:][input_mask[:, p:]].tolist())
+    with pytest.raises(ValueError, match="completion_len"):
+        pk.pack_rows(tokens, input_mask, plan.device_arrays(), s)
+    with pytest.raises(ValueError, match="target_n"):
+        pk.make_plan(lengths, max_len=p + t, target_n=lengths)  # no prompt token left
+
+
 def test_shift_to_targets():
     y = np.arange(12).reshape(2, 6)
     np.testing.assert_array_equal(np.asarray(pk.shift_to_targets(y))[:, 1:], y[:, :-1])

@@ -55,7 +55,7 @@ def test_plan_places_each_prompt_once_and_every_branch_after_it(minibatches, bud
     s = plan.shape
     assert s.shared
     packed = pk.pack_rows(tokens, input_mask, plan.device_arrays(), s)
-    toks, seg, pos, pre = (np.asarray(x) for x in packed)
+    toks, seg, pos, pre = (np.asarray(x) for x in packed[:4])
     n = b * g
     lengths = input_mask.sum(1)
     shared_any = False

@@ -228,24 +228,30 @@ KL_RECIPES = ("grpo", "dapo", "gspo", "dr_grpo")
 # packing-invariant by construction (documented in core.policy_losses.clip_cov_loss). With one
 # micro-batch per minibatch packed still equals unpacked, which is what they are tested on.
 MICRO_BATCH_DEPENDENT = ("clip_cov", "kl_cov")
-PACK_CASES = [(name, None) for name in ONLINE] + [
-    ("grpo", mode) for mode in _rc.AGGREGATIONS if mode != "seq-mean-token-mean"
+PACK_CASES = [(name, None, True) for name in ONLINE] + [
+    ("grpo", mode, True) for mode in _rc.AGGREGATIONS if mode != "seq-mean-token-mean"
 ]
+PACK_CASES += [("ppo", None, False), ("grpo", "seq-mean-token-sum", False)]  # LM head everywhere
 
 
-def packed_of(batch, *, num_minibatches=1, budget=None):
-    lengths = np.asarray(batch.input_mask_nl).sum(1)
+def packed_of(batch, *, num_minibatches=1, budget=None, targets=True):
+    """The packed batch as the trainer builds it (``targets``: the LM head on the completion
+    columns only, ``PackShape.targets``; False: on every column of the rows)."""
+    input_mask = np.asarray(batch.input_mask_nl)
+    t = batch.mask_nt.shape[1]
     plan = _pk.make_plan(
-        lengths,
+        input_mask.sum(1),
         max_len=batch.tokens_nl.shape[1],
         num_minibatches=num_minibatches,
         micro_batch_tokens=budget,
+        target_n=input_mask[:, -t:].sum(1) if targets else None,
     )
+    assert (plan.shape.targets is not None) == targets
     return plan, up.packed_batch(batch, plan.device_arrays(), plan.shape)
 
 
-@pytest.mark.parametrize(("name", "mode"), PACK_CASES)
-def test_packed_update_equals_unpacked(name, mode):
+@pytest.mark.parametrize(("name", "mode", "targets"), PACK_CASES)
+def test_packed_update_equals_unpacked(name, mode, targets):
     """Loss, metrics and gradients of a packed update (two minibatches, token-budget
     micro-batches, ≥ 2 micro-batches each) equal the unpacked update's, with π_old, π_ref, the
     sampler's log-probs (TIS for the on-policy losses) and PPO's values given."""
@@ -263,7 +269,9 @@ def test_packed_update_equals_unpacked(name, mode):
     # Clip-/KL-Cov choose tokens by each micro-batch's statistics (not additive over
     # micro-batches, core.policy_losses): packed equals unpacked with whole minibatches.
     additive = name not in MICRO_BATCH_DEPENDENT
-    plan, packed = packed_of(batch, num_minibatches=2, budget=16 if additive else None)
+    plan, packed = packed_of(
+        batch, num_minibatches=2, budget=16 if additive else None, targets=targets
+    )
     assert int(np.min(plan.count_m)) >= (2 if additive else 1)
     kw = dict(critic_graphdef=cgd, critic_tx=ctx if cgd is not None else None, tis_cap=2.0)
     flat = up.make_update_step(rec, gd, tx, num_minibatches=2, **kw)
