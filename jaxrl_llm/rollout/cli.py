@@ -54,6 +54,20 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
         choices=["float32", "bfloat16"],
         help="compute dtype (default: float32 on CPU, bfloat16 on accelerators)",
     )
+    p.add_argument(
+        "--engine",
+        default="auto",
+        choices=["auto", "paged", "static"],
+        help="sampler (docs/rollout.md): paged (continuous batching over a paged KV cache), "
+        "static (one dense batch) or auto (default: rollout.generate's choice)",
+    )
+    p.add_argument(
+        "--paged-attention",
+        default="auto",
+        choices=["auto", "reference", "pallas_gpu", "ragged_tpu"],
+        help="the paged engine's attention: auto (the platform's kernel where it serves the "
+        "model, else reference), reference, pallas_gpu or ragged_tpu",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     p.set_defaults(func=run_generate)
     return p
@@ -96,6 +110,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import jax
 
     from jaxrl_llm import models
+    from jaxrl_llm.rollout import paged
     from jaxrl_llm.rollout.engine import generate
     from jaxrl_llm.rollout.text import decode_completions, encode_prompts
 
@@ -135,6 +150,8 @@ def run_generate(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
+            engine=args.engine,
+            paged_options=paged.PagedOptions(attention=args.paged_attention),
         )
         out = jax.device_get(out)
         seconds = time.perf_counter() - start

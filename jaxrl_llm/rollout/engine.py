@@ -484,8 +484,13 @@ def generate(
       max_new_tokens_bg: optional ``int[B, G]`` per-sample budgets, each in
         ``[1, max_new_tokens]``: sample ``g`` of prompt ``b`` stops after that many tokens
         (``truncated`` when it got there without a stop id). ``None``: ``max_new_tokens``.
-      engine: ``"static"`` (one dense batch, ``P + T`` cache slots per row, this module) or
-        ``"paged"`` (continuous batching over a paged KV cache, ``paged.py``). On a mesh
+      engine: ``"static"`` (one dense batch, ``P + T`` cache slots per row, this module),
+        ``"paged"`` (continuous batching over a paged KV cache, ``paged.py``) or ``"auto"``:
+        :func:`choose_engine`, paged unless every row must run exactly ``max_new_tokens`` (no
+        stop ids, no per-sample budgets); what the trainer, ``evaluate`` and ``jaxrl-llm
+        generate`` use by default (``rollout.engine``). The function's own default stays
+        ``"static"``: the engines draw different tokens for the same key, and a caller's
+        samples for a key do not change under it. On a mesh
         whose ``data`` × ``fsdp`` size D is > 1 the paged engine is data-parallel
         (``paged_dp.py``): D engines, each with its own scheduler, page pool and allocator,
         one per data shard on that shard's devices (weights tensor-parallel within it), the
@@ -533,8 +538,7 @@ def generate(
     )
     stop = _stop_ids(stop_token_ids, config)
     budgets_bg = _check_budgets(max_new_tokens_bg, ids.shape[0], num_samples, max_new_tokens)
-    if engine not in ("static", "paged"):
-        raise ValueError(f"generate: engine must be 'static' or 'paged', got {engine!r}")
+    engine = choose_engine(engine, can_stop_early=bool((stop >= 0).any()) or budgets_bg is not None)
     mesh = _mesh_of(params)
     if engine == "paged":
         if budgets_bg is None:
@@ -576,6 +580,29 @@ def generate(
         graphdef, params, ids, mask, rng, temperature, top_p, stop, budgets_bg, static, mesh
     )
     return (out, None) if return_stats else out
+
+
+ENGINES: tuple[str, ...] = ("auto", "paged", "static")
+"""The values of ``generate(engine=...)`` and ``rollout.engine``."""
+
+
+def choose_engine(engine: str, *, can_stop_early: bool) -> str:
+    """The engine ``engine`` names, ``"auto"`` resolved: ``"paged"`` when sequences can end
+    at different times (stop ids, per-sample budgets), where continuous batching refills the
+    slots they free and the dense engine would run every row to the longest; ``"static"``
+    when every row runs exactly ``max_new_tokens``, where there is nothing to refill and the
+    one dense batch was measured faster (BENCHMARKS.md "Rollout engines": the fixed
+    workload, 32 prompts × 64 tokens, static 1.15–1.3x paged on CPU; long-tail budgets:
+    paged 2.5x static).
+
+    Raises:
+      ValueError: ``engine`` is not one of :data:`ENGINES`.
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"generate: engine must be one of {ENGINES}, got {engine!r}")
+    if engine != "auto":
+        return engine
+    return "paged" if can_stop_early else "static"
 
 
 def _check_budgets(

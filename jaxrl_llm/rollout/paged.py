@@ -119,7 +119,9 @@ class PagedOptions:
         to hold a longest prompt plus ``max_new_tokens`` (the static engine's memory for
         ``num_slots`` rows), plus the trash page. The pool is allocated at this size; a
         smaller value caps KV memory (admission then waits until a prompt's worst case fits).
-      steps_per_dispatch: decode steps per compiled dispatch (host visits once per k tokens).
+      steps_per_dispatch: the most decode steps per compiled dispatch (the host visits once
+        per k tokens); a dispatch returns earlier when G slots free up for waiting prompts, or
+        when the live rows fit half its row bucket (none waiting).
       prefill_chunk: longest prefill chunk in tokens (a power of two); longer prompts are
         prefilled in several chunks.
       attention: the attention backend (``pages.ATTENTION_BACKENDS``): ``"reference"`` (plain
@@ -136,7 +138,7 @@ class PagedOptions:
     page_size: int = 16
     num_slots: int | None = None
     num_pages: int | None = None
-    steps_per_dispatch: int = 8
+    steps_per_dispatch: int = 64
     prefill_chunk: int = 256
     attention: str = "auto"
 

@@ -1522,10 +1522,16 @@ def _tpu_stand_ins(
 
 def _notes(config: Any) -> tuple[str, ...]:
     """What the plan does not cover for this config."""
-    if getattr(config.rollout, "engine", "static") == "paged":
+    from jaxrl_llm.rollout.engine import choose_engine
+
+    rollout = config.rollout
+    if rollout is None:
+        return ()
+    stop = rollout.stop_token_ids  # None: the model's EOS
+    if choose_engine(rollout.engine, can_stop_early=stop is None or len(stop) > 0) == "paged":
         return (
-            "rollout.engine = paged: the rollout planned is the static engine's (the paged "
-            "engine's page pool and programs are not planned)",
+            f"rollout.engine = {rollout.engine} (paged): the rollout planned is the static "
+            "engine's (the paged engine's page pool and programs are not planned)",
         )
     return ()
 

@@ -47,6 +47,7 @@ from jaxrl_llm.config import (
 )
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.recipe import REFERENCE_LOGPROBS, AnyRecipe, PreferenceRecipe, Recipe
+from jaxrl_llm.rollout.engine import choose_engine
 from jaxrl_llm.train import data as run_data
 from jaxrl_llm.train import models as train_models
 from jaxrl_llm.train import packing as packing_lib
@@ -77,7 +78,8 @@ class Sampler:
       top_p: nucleus mass (1: all).
       stop_ids: token ids that end a completion.
       cache_dtype: the KV cache's dtype (None: the model's).
-      engine: the rollout engine, ``"static"`` or ``"paged"`` (``rollout.generate``).
+      engine: the rollout engine, ``"static"`` or ``"paged"`` (``rollout.generate``;
+        ``rollout.engine: auto`` resolved by ``rollout.engine.choose_engine``).
       paged_attention: the paged engine's attention backend (``PagedOptions.attention``).
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).
@@ -765,7 +767,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         top_p=r.top_p,
         stop_ids=tuple(stop_ids),
         cache_dtype=None if r.cache_dtype == "auto" else jnp.dtype(r.cache_dtype),
-        engine=r.engine,
+        engine=choose_engine(r.engine, can_stop_early=bool(stop_ids)),
         paged_attention=r.paged_attention,
         mask_truncated=r.mask_truncated_completions,
         full_logprobs=r.full_logprobs,

@@ -73,3 +73,25 @@ def test_generate_reports_bad_arguments(tiny_checkpoint, tmp_path, capsys):
     args = parse("--model", str(tiny_checkpoint), "--prompt", "Hi", "--top-p", "1.5")
     assert run_generate(args) == 2
     assert "--top-p 1.5: expected a number in (0, 1]" in capsys.readouterr().err
+
+
+def test_generate_engines_agree_and_the_choices_are_the_libraries(tiny_checkpoint, capsys):
+    from jaxrl_llm.rollout import engine, pages
+
+    greedy = ("--model", str(tiny_checkpoint), "--prompt", "Hi", "--prompt", "What is 2 + 3?")
+    greedy += ("--max-new-tokens", "6", "--temperature", "0", "--json")
+    texts = {}
+    for name in ("static", "paged", "auto"):
+        assert run_generate(parse(*greedy, "--engine", name)) == 0
+        texts[name] = [
+            json.loads(line)["completion"] for line in capsys.readouterr().out.split("\n") if line
+        ]
+    assert texts["static"] == texts["paged"] == texts["auto"]
+    assert parse(*greedy).engine == "auto" and parse(*greedy).paged_attention == "auto"
+    parser = argparse.ArgumentParser(prog="jaxrl-llm")
+    sub = add_generate_parser(parser.add_subparsers(dest="command", required=True))
+    choices = {a.dest: a.choices for a in sub._actions if a.choices}
+    assert tuple(sorted(choices["engine"])) == tuple(sorted(engine.ENGINES))
+    assert tuple(sorted(choices["paged_attention"])) == tuple(sorted(pages.ATTENTION_BACKENDS))
+    with pytest.raises(SystemExit):
+        parse(*greedy, "--engine", "vllm")

@@ -256,7 +256,7 @@ def test_bad_input_is_a_clear_error(tiny_pair):
         rollout.generate(model, ids, mask, max_new_tokens_bg=[8, 8], **kw)
     with pytest.raises(ValueError, match="longer than the model's context"):
         rollout.generate(model, ids, mask, **{**kw, "max_new_tokens": 250})
-    with pytest.raises(ValueError, match="engine must be 'static' or 'paged'"):
+    with pytest.raises(ValueError, match=r"engine must be one of \('auto', 'paged', 'static'\)"):
         rollout.generate(model, ids, mask, **{**kw, "engine": "vllm"})
     with pytest.raises(ValueError, match="prefill_chunk must be a power of two"):
         rollout.generate(model, ids, mask, paged_options=paged.PagedOptions(prefill_chunk=24), **kw)
@@ -342,7 +342,12 @@ def test_rollout_engine_config_reaches_the_sampler():
     from tests.train import helpers as H
 
     small = ("rollout.prompts_per_step=2", "rollout.num_samples=2", "data.eval_size=4")
-    assert S.resolve(H.config("tiny.yaml", *small)).sampler.engine == "static"
+    engine = lambda *o: S.resolve(H.config("tiny.yaml", *small, *o)).sampler.engine
+    # auto (the default): paged, as completions stop at EOS; static when none can stop early.
+    assert engine() == "paged"
+    assert engine("rollout.stop_token_ids=[]") == "static"
+    assert engine("rollout.engine=static") == "static"
+    assert engine("rollout.engine=paged", "rollout.stop_token_ids=[]") == "paged"
     setup = S.resolve(H.config("tiny.yaml", *small, "rollout.engine=paged"))
     assert setup.sampler.engine == "paged" and setup.sampler.greedy().engine == "paged"
     with pytest.raises(ConfigError, match="engine"):

@@ -385,7 +385,10 @@ def _fake_plan(reference=1, critic=0):
 
 
 def test_a_paged_rollout_is_noted_as_not_planned():
-    assert P._notes(load_config(TINY)) == ()
+    assert P._notes(load_config(TINY, ["rollout.engine=static"])) == ()
+    assert P._notes(load_config(TINY, ["rollout.stop_token_ids=[]"])) == ()  # auto: static
+    (auto,) = P._notes(load_config(TINY))
+    assert auto.startswith("rollout.engine = auto (paged)")
     (note,) = P._notes(load_config(TINY, ["rollout.engine=paged"]))
     assert "paged engine's page pool and programs are not planned" in note
     text = P.format_plan(dataclasses.replace(_fake_plan(), notes=(note,)))
@@ -794,7 +797,8 @@ def test_split_plan_on_a_multi_host_tpu_topology():
     assert plan.mesh == {"data": 12, "fsdp": 1, "tensor": 1} and sp.mesh["data"] == 4
     assert sp.parameters.per_device == plan.parameters.per_device == plan.parameters.total  # dp
     assert plan.rollout.arguments >= sp.copy and plan.fits is True
-    (note,) = plan.notes
+    paged, note = plan.notes  # rollout.engine auto -> paged (EOS stops), then the split's
+    assert paged.startswith("rollout.engine = auto (paged)")
     assert "v5e:2x6 slice of its own" in note and "devices 0..3" in note
 
 
