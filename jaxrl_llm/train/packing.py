@@ -129,10 +129,10 @@ class PackShape:
       rows: rows per micro-batch.
       width: W, tokens per row (bucketed; ≤ L without shared prompts).
       shared: the plan shares prompts (the packed rows carry ``prefix_ids``).
-      targets: C, the most completion tokens of any one row (rounded up to a quarter of W,
-        ≤ W: few shapes), when the plan
-        knows them (``make_plan(target_n=...)``): the LM head then runs on C gathered states
-        per row (the packed rows carry ``targets``), not on all W; None: on every column.
+      targets: C, the most completion tokens of any one row, rounded up to a quarter of W
+        (≤ W; few shapes), when the plan knows them (``make_plan(target_n=...)``): the LM
+        head then runs on C gathered states per row (the packed rows carry ``targets``), not
+        on all W; None: on every column.
     """
 
     num_minibatches: int
@@ -427,10 +427,14 @@ def make_plan(
     targets = None
     if target_n is not None:
         target_n = np.asarray(target_n, np.int64)
-        if target_n.shape != (n,) or (target_n < 0).any() or (target_n >= lengths_n).any():
+        if target_n.shape != (n,):
+            raise ValueError(f"make_plan: target_n must be [N] = [{n}], got {target_n.shape}")
+        bad = np.flatnonzero((target_n < 0) | (target_n >= lengths_n))
+        if bad.size:
+            i = int(bad[0])
             raise ValueError(
-                f"make_plan: target_n must be [N] = [{n}] counts in [0, length) (a sequence "
-                f"keeps at least one prompt token), got {target_n!r}"
+                f"make_plan: target_n[{i}] = {int(target_n[i])} must be in [0, length "
+                f"{int(lengths_n[i])}) (a sequence keeps at least one prompt token)"
             )
         per_row = np.zeros((num_minibatches * slots, rows), np.int64)
         np.add.at(per_row, (micro_n, row_n), target_n)
@@ -454,7 +458,14 @@ class Packed(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, tokens, segment_ids, positions, prefix_ids=None, targets=None) -> Packed:  # noqa: ANN001
+    def __new__(
+        cls,
+        tokens: Any,
+        segment_ids: Any,
+        positions: Any,
+        prefix_ids: Any = None,
+        targets: Any = None,
+    ) -> Packed:
         return super().__new__(cls, (tokens, segment_ids, positions, prefix_ids, targets))
 
     tokens = property(lambda self: self[0])
