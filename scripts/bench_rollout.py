@@ -28,7 +28,9 @@ timed call (the paged engine's decode programs of new page-table widths) is meas
 (``jax.monitoring`` trace + lowering + backend-compile events) and subtracted.
 Reports useful tokens/s, compile seconds and the peak KV-cache bytes (static: the dense
 ``[L, N, P + T, K, Dh]`` keys and values; paged: the peak pages held x page bytes).
-``--lt-torch`` adds transformers' ``generate`` (static batch to the longest budget).
+``--lt-torch`` adds transformers' ``generate`` (static batch to the longest budget) and its
+continuous batching (``init_continuous_batching``, ``generate_batch``'s manager, per-request
+budgets).
 
     OMP_WAIT_POLICY=PASSIVE python scripts/bench_rollout.py --paged \
         --out bench_results/bench_rollout_paged.json
@@ -286,6 +288,53 @@ def paged_main(args) -> None:
         print(json.dumps(row), flush=True)
         return row
 
+    def torch_batch_row(ids, mask, g, t, budgets):
+        """transformers' continuous batching (``init_continuous_batching``, the manager behind
+        ``generate_batch``, which takes per-request budgets): every sample a request with its
+        own ``max_new_tokens`` and no stop id, all queued at once; the manager's start-up and
+        warm-up are not timed."""
+        import torch
+        import transformers
+
+        torch.set_num_threads(args.torch_threads)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation="paged|sdpa"
+        ).eval()
+        config = transformers.GenerationConfig(
+            do_sample=True,
+            top_k=0,
+            temperature=1.0,
+            max_new_tokens=t,
+            eos_token_id=None,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        prompts = [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
+        manager = hf.init_continuous_batching(generation_config=config)
+        manager.start()
+        try:
+            start = time.perf_counter()
+            requests = [
+                manager.add_request(prompts[b], max_new_tokens=int(budgets[b, i]), eos_token_id=-1)
+                for b in range(len(prompts))
+                for i in range(g)
+            ]
+            made = sum(
+                len(manager.get_result(request_id=r, timeout=3600).generated_tokens)
+                for r in requests
+            )
+            seconds = time.perf_counter() - start
+        finally:
+            manager.stop(block=True)
+        assert made == int(budgets.sum()), (made, int(budgets.sum()))
+        row = {
+            "engine": "transformers_continuous_batching",
+            "seconds": round(seconds, 2),
+            "useful_tokens": made,
+            "useful_tokens_per_s": round(made / seconds, 1),
+        }
+        print(json.dumps(row), flush=True)
+        return row
+
     workloads = []
     if args.fixed_prompts:
         ids, mask = rollout.encode_prompts(tokenizer, make_prompts(args.fixed_prompts))
@@ -314,6 +363,7 @@ def paged_main(args) -> None:
         ]
         if name == "long_tail" and args.lt_torch:
             rows.append(torch_row(ids, mask, g, t, budgets))
+            rows.append(torch_batch_row(ids, mask, g, t, budgets))
         static = rows[1]["useful_tokens_per_s"]
         for row in rows:
             row["vs_static"] = round(row["useful_tokens_per_s"] / static, 2)

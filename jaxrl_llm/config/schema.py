@@ -131,8 +131,7 @@ class RolloutConfig:
     stop_token_ids: tuple[int, ...] | None = None
     # KV-cache dtype; auto is the compute dtype.
     cache_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    # Sampler: paged (continuous batching over a paged KV cache), static (one dense batch) or
-    # auto: paged unless no completion can stop early (stop_token_ids = []); docs/rollout.md.
+    # Sampler: auto (paged unless stop_token_ids = []), paged, static; docs/rollout.md.
     engine: Literal["auto", "paged", "static"] = "auto"
     # Paged engine's attention: auto (the TPU/GPU kernel, else reference); docs/rollout.md.
     paged_attention: Literal["auto", "reference", "pallas_gpu", "ragged_tpu"] = "auto"

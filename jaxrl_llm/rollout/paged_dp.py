@@ -224,10 +224,14 @@ def run_shards(
             )
         counts = np.asarray(multihost_utils.process_allgather(np.int64(b_count))).reshape(-1)
         offset = int(counts[: jax.process_index()].sum())
+        key_data = np.asarray(jax.random.key_data(rng))
         multihost_utils.assert_equal(
-            np.asarray(jax.random.key_data(rng)),
+            key_data,
             "generate(engine='paged'): processes passed different rng keys; pass the same key",
         )
+        # A key replicated over every process's devices (the trainer's) cannot be put on one
+        # shard's devices as it is: rebuild it from its data on this host.
+        rng = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(rng))
     if seq_ids_bg is None:
         seq_ids_bg = (offset + np.arange(b_count))[:, None] * g + np.arange(g)[None]
     seq_ids_bg = np.asarray(seq_ids_bg, np.int32)
