@@ -308,8 +308,15 @@ def paged_main(args) -> None:
             eos_token_id=None,
             pad_token_id=tokenizer.pad_token_id,
         )
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
         prompts = [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
-        manager = hf.init_continuous_batching(generation_config=config)
+        hints = WorkloadHints(  # as generate_batch sizes its manager
+            max_prompt_length=max(map(len, prompts)),
+            max_generated_length=t,
+            num_requests=len(prompts) * g,
+        )
+        manager = hf.init_continuous_batching(generation_config=config, workload_hints=hints)
         manager.start()
         try:
             start = time.perf_counter()
@@ -318,10 +325,16 @@ def paged_main(args) -> None:
                 for b in range(len(prompts))
                 for i in range(g)
             ]
-            made = sum(
-                len(manager.get_result(request_id=r, timeout=3600).generated_tokens)
-                for r in requests
-            )
+            done: dict[str, int] = {}
+            while len(done) < len(requests):  # results arrive as requests finish
+                result = manager.get_result(timeout=3600)
+                if result is None:
+                    raise RuntimeError(
+                        f"transformers' continuous batching returned {len(done)} of "
+                        f"{len(requests)} requests within the timeout"
+                    )
+                done[result.request_id] = len(result.generated_tokens)
+            made = sum(done.values())
             seconds = time.perf_counter() - start
         finally:
             manager.stop(block=True)
@@ -347,7 +360,9 @@ def paged_main(args) -> None:
     for name, ids, mask, g, t, budgets in workloads:
         slots = args.lt_slots if name == "long_tail" else 0
         options = rollout.paged.PagedOptions(
-            num_slots=slots or None, steps_per_dispatch=args.steps_per_dispatch
+            num_slots=slots or None,
+            steps_per_dispatch=args.steps_per_dispatch
+            or rollout.paged.PagedOptions().steps_per_dispatch,
         )
         options = rollout.paged.resolve_options(
             options,
@@ -404,7 +419,7 @@ def main() -> None:
     ap.add_argument("--lt-samples", type=int, default=4)
     ap.add_argument("--lt-torch", action="store_true", help="--paged: add transformers")
     ap.add_argument("--lt-slots", type=int, default=0, help="long-tail decode slots (0: default)")
-    ap.add_argument("--steps-per-dispatch", type=int, default=8)
+    ap.add_argument("--steps-per-dispatch", type=int, default=0, help="0: PagedOptions' default")
     args = ap.parse_args()
     if args.paged:
         if args.out == "bench_results/bench_rollout.json":

@@ -59,7 +59,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
         default="auto",
         choices=["auto", "paged", "static"],
         help="sampler (docs/rollout.md): paged (continuous batching over a paged KV cache), "
-        "static (one dense batch) or auto (default: rollout.generate's choice)",
+        "static (one dense batch) or auto (the default: paged, as completions stop at EOS)",
     )
     p.add_argument(
         "--paged-attention",
