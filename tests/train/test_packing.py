@@ -24,6 +24,23 @@ def ragged(seed: int, n: int, p: int, t: int):
     return tokens, input_mask
 
 
+N, P, T = 24, 6, 20  # sequences, prompt and completion widths of ragged_plan
+
+
+def ragged_plan(seed: int, num_minibatches: int, budget: int | None, *, targets=False, **kw):
+    """``ragged(seed, N, P, T)`` and its plan (``targets``: with ``target_n``)."""
+    tokens, input_mask = ragged(seed, N, P, T)
+    plan = pk.make_plan(
+        input_mask.sum(1),
+        max_len=P + T,
+        num_minibatches=num_minibatches,
+        micro_batch_tokens=budget,
+        target_n=input_mask[:, P:].sum(1) if targets else None,
+        **kw,
+    )
+    return tokens, input_mask, plan
+
+
 def test_bucket_values():
     assert [pk.bucket(i) for i in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
     assert pk.bucket(3, minimum=8) == 8
@@ -55,16 +72,9 @@ def test_first_fit_decreasing_is_valid_and_tight():
     ("num_minibatches", "budget", "multiple"), [(1, None, 1), (2, None, 2), (2, 96, 1), (1, 32, 4)]
 )
 def test_plan_properties_and_round_trip(num_minibatches, budget, multiple):
-    n, p, t = 24, 6, 20
-    tokens, input_mask = ragged(1, n, p, t)
+    n, p, t = N, P, T
+    tokens, input_mask, plan = ragged_plan(1, num_minibatches, budget, row_multiple=multiple)
     lengths = input_mask.sum(1)
-    plan = pk.make_plan(
-        lengths,
-        max_len=p + t,
-        num_minibatches=num_minibatches,
-        micro_batch_tokens=budget,
-        row_multiple=multiple,
-    )
     s = plan.shape
     assert s.width == min(pk.bucket(lengths.max(), minimum=8), p + t)
     assert s.rows % multiple == 0
@@ -110,18 +120,11 @@ def test_plan_properties_and_round_trip(num_minibatches, budget, multiple):
 
 @pytest.mark.parametrize(("num_minibatches", "budget"), [(1, None), (2, 64)])
 def test_targets_list_each_rows_completion_columns(num_minibatches, budget):
-    """``PackShape.targets`` is the most completion tokens of a row (bucketed), and
-    ``Packed.targets`` lists each row's completion columns in order, −1 after them."""
-    n, p, t = 24, 6, 20
-    tokens, input_mask = ragged(3, n, p, t)
+    """``PackShape.targets`` is the most completion tokens of a row (rounded up to a quarter
+    of W), and ``Packed.targets`` lists each row's completion columns in order, −1 after."""
+    n, p, t = N, P, T
+    tokens, input_mask, plan = ragged_plan(3, num_minibatches, budget, targets=True)
     lengths, target = input_mask.sum(1), input_mask[:, p:].sum(1)
-    plan = pk.make_plan(
-        lengths,
-        max_len=p + t,
-        num_minibatches=num_minibatches,
-        micro_batch_tokens=budget,
-        target_n=target,
-    )
     s = plan.shape
     packed = pk.pack_rows(tokens, input_mask, plan.device_arrays(), s, t)
     got = np.asarray(packed.targets)
