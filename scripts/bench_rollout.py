@@ -295,6 +295,7 @@ def paged_main(args) -> None:
         warm-up are not timed."""
         import torch
         import transformers
+        from transformers.generation.continuous_batching.utils import WorkloadHints
 
         torch.set_num_threads(args.torch_threads)
         hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -308,8 +309,6 @@ def paged_main(args) -> None:
             eos_token_id=None,
             pad_token_id=tokenizer.pad_token_id,
         )
-        from transformers.generation.continuous_batching.utils import WorkloadHints
-
         prompts = [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
         hints = WorkloadHints(  # as generate_batch sizes its manager
             max_prompt_length=max(map(len, prompts)),

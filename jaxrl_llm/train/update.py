@@ -255,17 +255,22 @@ def packed_target_logprobs(
     columns: prompt tokens, padding), as the unpacked path, which starts at the completion;
     without it, on every column. ``kwargs`` go to ``hidden_logprobs`` (a tuple of one
     output unless ``with_entropy``)."""
+
+    def outputs(h: jax.Array, y: jax.Array) -> tuple[jax.Array, ...]:
+        out = hidden_logprobs(lm, h, y, **kwargs)
+        return out if isinstance(out, tuple) else (out,)
+
     if micro.targets_rc is None:
-        out = hidden_logprobs(lm, h_rwd[:, :-1], micro.tokens_rw[:, 1:], **kwargs)
-        return tuple(map(pk.predictions_to_targets, out if isinstance(out, tuple) else (out,)))
+        out = outputs(h_rwd[:, :-1], micro.tokens_rw[:, 1:])
+        return tuple(map(pk.predictions_to_targets, out))
     rows, w = micro.tokens_rw.shape
     col_rc = jnp.maximum(micro.targets_rc, 1)  # padding reads column 1: computed, dropped
     h_rcd = jnp.take_along_axis(h_rwd, (col_rc - 1)[:, :, None], axis=1)
-    out = hidden_logprobs(lm, h_rcd, jnp.take_along_axis(micro.tokens_rw, col_rc, axis=1), **kwargs)
+    out = outputs(h_rcd, jnp.take_along_axis(micro.tokens_rw, col_rc, axis=1))
     back = jnp.where(micro.targets_rc >= 0, micro.targets_rc, w)
     row_r1 = jnp.arange(rows)[:, None]
     scatter = lambda y_rc: jnp.zeros((rows, w), y_rc.dtype).at[row_r1, back].set(y_rc, mode="drop")
-    return tuple(map(scatter, out if isinstance(out, tuple) else (out,)))
+    return tuple(map(scatter, out))
 
 
 def _unpack_micro(
