@@ -627,6 +627,229 @@ def resolve_options(
     return dataclasses.replace(o, num_slots=slots, num_pages=pages)
 
 
+# ---------------------------------------------------------------------------------------------
+# The compiled programs' shapes: what ``run`` passes, and what ``jaxrl-llm plan`` lowers.
+
+
+def _table_step(page_size: int) -> int:
+    """Pages of :data:`_MIN_TABLE_TOKENS` tokens: the page tables' width step."""
+    return _ceil_div(_MIN_TABLE_TOKENS, page_size)
+
+
+def max_table_width(longest_prompt: int, max_new_tokens: int, page_size: int) -> int:
+    """The widest decode page table: ``⌈P + T⌉`` pages (``P`` the longest prompt), rounded up
+    to a multiple of :data:`_MIN_TABLE_TOKENS` tokens' pages."""
+    step = _table_step(page_size)
+    return _ceil_div(_ceil_div(longest_prompt + max_new_tokens, page_size), step) * step
+
+
+def decode_table_width(pages: int, page_size: int, max_width: int) -> int:
+    """A decode dispatch's page-table width for rows holding up to ``pages`` pages: the next
+    multiple of :data:`_MIN_TABLE_TOKENS` tokens' pages, at most ``max_width``.
+
+    Multiples rather than powers of two: attention reads the whole width, and a 550-token
+    context would otherwise read 1024 slots."""
+    step = _table_step(page_size)
+    return min(max(_ceil_div(pages, step), 1) * step, max_width)
+
+
+def slot_bucket(live: int, num_slots: int) -> int:
+    """A decode dispatch's rows for ``live`` live slots: the next power of two, at least
+    :data:`_MIN_SLOT_BUCKET`, at most ``num_slots``."""
+    return min(num_slots, max(_next_pow2(live), _MIN_SLOT_BUCKET))
+
+
+def prefill_rows(prompts: int) -> int:
+    """A prefill call's rows for ``prompts`` prompts: the next power of two, at most
+    :data:`_PREFILL_ROWS`."""
+    return min(_next_pow2(prompts), _PREFILL_ROWS)
+
+
+def max_prefill_group(num_prompts: int, num_samples: int, num_slots: int) -> int:
+    """The most prompts ``run`` admits (and prefills) together: at most :data:`_PREFILL_ROWS`,
+    the prompts there are, and ``num_slots // G`` (a prompt's G samples take G free slots)."""
+    return max(1, min(_PREFILL_ROWS, num_prompts, num_slots // num_samples))
+
+
+def prefill_chunk_shape(
+    start: int, tokens: int, prefill_chunk: int, page_size: int, kernel: KernelSpec | None
+) -> tuple[int, int]:
+    """``(width, table_pages)`` of the prefill chunk at prompt offset ``start`` whose longest
+    row has ``tokens`` tokens in it: the width bucket (:func:`_chunk_width`, at most
+    ``prefill_chunk``) and the page table's width, covering ``start + width`` tokens (the chunk
+    is written first and read from the pool too; with a kernel, in multiples of
+    :data:`_MIN_TABLE_TOKENS` tokens)."""
+    width = min(prefill_chunk, _chunk_width(tokens))
+    pages = _ceil_div(start + width, page_size)
+    if kernel is not None:
+        step = _table_step(page_size)
+        pages = _ceil_div(pages, step) * step
+    return width, pages
+
+
+def _make_static(
+    options: PagedOptions,
+    kernel: KernelSpec | None,
+    *,
+    greedy: bool,
+    top_k: int,
+    top_p: float,
+    pad_token_id: int,
+    full_logprobs: bool,
+) -> _Static:
+    """The programs' static settings for a run with these (resolved) options."""
+    return _Static(
+        greedy,
+        top_k,
+        top_p < 1.0,
+        pad_token_id,
+        options.page_size,
+        options.steps_per_dispatch,
+        bool(full_logprobs),
+        kernel=kernel,
+    )
+
+
+class ProgramArgs(NamedTuple):
+    """One paged program's abstract call (:func:`worst_case_programs`): ``fn.lower(graphdef,
+    *args, static=static)`` with ``fn`` :func:`_prefill` or :func:`_decode`. ``rows``: its row
+    bucket; ``tokens``: the prefill chunk's width or the decode dispatch's steps;
+    ``table_pages``: its page table's width."""
+
+    fn: Any
+    args: tuple
+    static: _Static
+    rows: int
+    tokens: int
+    table_pages: int
+
+
+class WorstCase(NamedTuple):
+    """:func:`worst_case_programs`: the abstract pool and the largest prefill and decode
+    calls a run makes."""
+
+    pool: PagePool
+    prefill: ProgramArgs
+    decode: ProgramArgs
+
+
+def worst_case_programs(
+    cfg: Any,
+    params: Params,
+    options: PagedOptions,
+    kernel: KernelSpec | None,
+    *,
+    num_prompts: int,
+    num_samples: int,
+    longest_prompt: int,
+    max_new_tokens: int,
+    greedy: bool,
+    top_k: int,
+    top_p: float,
+    pad_token_id: int,
+    cache_dtype: jnp.dtype,
+    num_stop_ids: int,
+    full_logprobs: bool = False,
+    sharding: jax.sharding.Sharding | None = None,
+) -> WorstCase:
+    """The largest :func:`_prefill` and :func:`_decode` calls :func:`run` makes for
+    ``num_prompts`` prompts of at most ``longest_prompt`` tokens, G = ``num_samples``, T =
+    ``max_new_tokens``, as abstract arguments (``jax.ShapeDtypeStruct``; nothing allocated):
+    the shapes come from the helpers ``run`` itself uses.
+
+    ``params``: the abstract parameters as the programs get them (compute dtype, on the
+    engine's devices); ``options`` resolved (:func:`resolve_options`); ``kernel``:
+    :func:`attention_kernel`'s; ``num_stop_ids``: the stop ids' padded length (a multiple of
+    8, ``engine._stop_ids``); ``sharding``: where the pool and the other arguments live (run:
+    replicated over the engine's mesh).
+
+    - the pool: :func:`pages.init_pool` of ``options.num_pages`` pages;
+    - decode: the slot bucket of every slot live (``num_slots`` rows, or the sequences' bucket
+      when there are fewer) over the page table of a longest context, the prompt and
+      ``max_new_tokens − 1`` tokens (:func:`decode_table_width`);
+    - prefill: :func:`max_prefill_group` prompts in :func:`prefill_rows` rows; of the longest
+      prompt's chunks (:func:`prefill_chunk_shape`), the one with the largest
+      ``width × table pages`` (its attention scores' size; one chunk unless the prompt is
+      longer than ``prefill_chunk``).
+    """
+    g, ps = num_samples, options.page_size
+
+    def sds(shape: tuple[int, ...], dtype: Any = jnp.int32) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+    pool = jax.eval_shape(
+        lambda: pages_lib.init_pool(
+            kernel,
+            cfg.num_layers,
+            options.num_pages,
+            ps,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cache_dtype,
+        )
+    )
+    pool = jax.tree.map(lambda x: sds(x.shape, x.dtype), pool)
+    static = _make_static(
+        options,
+        kernel,
+        greedy=greedy,
+        top_k=top_k,
+        top_p=top_p,
+        pad_token_id=pad_token_id,
+        full_logprobs=full_logprobs,
+    )
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    rng, f32, i32 = sds(key.shape, key.dtype), sds((), jnp.float32), sds(())
+
+    # Every slot live (or every sequence, when there are fewer), each holding its longest
+    # context: the prompt and all but the last of its T tokens (the last is never fed).
+    n = slot_bucket(min(options.num_slots, num_prompts * g), options.num_slots)
+    held = _ceil_div(longest_prompt + max_new_tokens - 1, ps)
+    width = decode_table_width(held, ps, max_table_width(longest_prompt, max_new_tokens, ps))
+    state = _SlotState(
+        *(sds((n,), bool if f == "alive_n" else jnp.int32) for f in _SlotState._fields)
+    )
+    decode_args = (
+        params,
+        pool,
+        sds((n, width)),
+        state,
+        rng,
+        f32,
+        f32,
+        sds((num_stop_ids,)),
+        i32,
+        i32,
+    )
+    decode = ProgramArgs(_decode, decode_args, static, n, options.steps_per_dispatch, width)
+
+    r = prefill_rows(max_prefill_group(num_prompts, g, options.num_slots))
+    chunk = options.prefill_chunk
+    shapes = [
+        prefill_chunk_shape(start, min(chunk, longest_prompt - start), chunk, ps, kernel)
+        for start in range(0, longest_prompt, chunk)
+    ]
+    c, cover = max(shapes, key=lambda wp: wp[0] * wp[1])
+    prefill_args = (
+        params,
+        pool,
+        sds((r, c)),
+        sds((r, c), bool),
+        sds((r,)),
+        sds((r, cover)),
+        sds((r, c, g)),
+        sds((r, c)),
+        sds((r,)),
+        sds((r, g)),
+        sds((r, g)),
+        rng,
+        f32,
+        f32,
+    )
+    prefill = ProgramArgs(_prefill, prefill_args, static, r, c, cover)
+    return WorstCase(pool, prefill, decode)
+
+
 def run(
     graphdef: nnx.GraphDef,
     mesh: jax.sharding.Mesh | None,
@@ -676,8 +899,14 @@ def run(
         pool = jax.device_put(pool, NamedSharding(mesh, jax.sharding.PartitionSpec()))
     page_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool)) // options.num_pages
     alloc = PageAllocator(options.num_pages)
-    static = _Static(
-        greedy, top_k, top_p < 1.0, pad_token_id, ps, k, bool(full_logprobs), kernel=kernel
+    static = _make_static(
+        options,
+        kernel,
+        greedy=greedy,
+        top_k=top_k,
+        top_p=top_p,
+        pad_token_id=pad_token_id,
+        full_logprobs=full_logprobs,
     )
     temp, topp = np.float32(temperature or 1.0), np.float32(top_p)
     stop_ids = np.asarray(stop_ids, np.int32)
@@ -710,16 +939,7 @@ def run(
     remaining = np.zeros((slots,), np.int32)
     gen_pos = np.zeros((slots,), np.int32)
     seq_id = np.zeros((slots,), np.int32)
-    step_width = _ceil_div(_MIN_TABLE_TOKENS, ps)
-    max_pages = _ceil_div(max(len(p) for p in prompts) + max_new_tokens, ps)
-    max_width = _ceil_div(max_pages, step_width) * step_width
-
-    def table_width(pages: int) -> int:
-        """Page-table width bucket: the next multiple of 128 tokens' pages (<= max_width).
-
-        Multiples rather than powers of two: attention reads the whole width, and a 550-token
-        context would otherwise read 1024 slots."""
-        return min(max(_ceil_div(pages, step_width), 1) * step_width, max_width)
+    max_width = max_table_width(max(len(p) for p in prompts), max_new_tokens, ps)
 
     pending = deque(range(b_count))
     finished: dict[int, _Seq] = {}
@@ -760,19 +980,17 @@ def run(
         start = 0
         while len(first) < len(group):
             rows_b = [b for b in group if len(prompts[b]) > start]
-            rows = min(_next_pow2(len(rows_b)), _PREFILL_ROWS)
+            rows = prefill_rows(len(rows_b))
             length_r = [min(chunk, len(prompts[b]) - start) for b in rows_b]
-            width_c = min(chunk, _chunk_width(max(length_r)))
+            # The chunk is written first and read from the pool too: the table covers
+            # start + width_c (the reference exactly, the kernels in multiples of 128
+            # tokens). Chunk widths are bucketed and start is a multiple of the chunk: a few
+            # table widths.
+            width_c, cover = prefill_chunk_shape(start, max(length_r), chunk, ps, kernel)
             tok = np.zeros((rows, width_c), np.int32)
             valid = np.zeros((rows, width_c), bool)
             wpage = np.full((rows, width_c, g), TRASH_PAGE, np.int32)
             woff = np.zeros((rows, width_c), np.int32)
-            # The chunk is written first and read from the pool too: cover start + width_c
-            # (the reference exactly, the kernels in multiples of 128 tokens). Chunk widths
-            # are bucketed and start is a multiple of the chunk: a few table widths.
-            cover = _ceil_div(start + width_c, ps)
-            if kernel is not None:
-                cover = _ceil_div(cover, step_width) * step_width
             table = np.full((rows, cover), TRASH_PAGE, np.int32)
             last = np.zeros((rows,), np.int32)
             ids = np.zeros((rows, g), np.int32)
@@ -863,12 +1081,12 @@ def run(
                     seq.pages += alloc.take(extra)
                     seq.reserved -= extra
                 needed = max(needed, len(seq.pages))
-            width = table_width(needed)
+            width = decode_table_width(needed, ps, max_width)
             # The live slots, packed into the smallest slot bucket that holds them (a
             # sequence's tokens do not depend on its row): the long tail of a batch decodes
             # at the width of what is left, not of num_slots.
             live = np.flatnonzero(alive)
-            bucket = min(slots, max(_next_pow2(len(live)), _MIN_SLOT_BUCKET))
+            bucket = slot_bucket(len(live), slots)
             rows_j = np.concatenate([live, np.flatnonzero(~alive)[: bucket - len(live)]])
             table = np.full((bucket, width), TRASH_PAGE, np.int32)
             for j, slot in enumerate(rows_j[: len(live)]):

@@ -171,6 +171,21 @@ def shard_params(params: Params, mesh: Mesh, shards: Sequence[Mesh]) -> list[Par
     return out
 
 
+def abstract_shard_params(params: Params, mesh: Mesh, shard: Mesh) -> Params:
+    """:func:`shard_params` in shapes: the abstract ``params`` (``jax.ShapeDtypeStruct``s on
+    ``mesh``) as one data shard's engine gets them on ``shard`` (each leaf's spec without the
+    batch axes; a leaf not on ``mesh``, replicated). For ``jaxrl-llm plan``."""
+
+    def one(x: Any) -> jax.ShapeDtypeStruct:
+        s = getattr(x, "sharding", None)
+        spec = PartitionSpec()
+        if isinstance(s, NamedSharding) and s.mesh == mesh:
+            spec = _without_batch_axes(s.spec, mesh)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(shard, spec))
+
+    return jax.tree.map(one, params)
+
+
 def split_rows(b: int, d: int) -> list[slice]:
     """``b`` prompts over ``d`` shards, contiguous: the first ``b mod d`` get one more."""
     sizes = [b // d + (i < b % d) for i in range(d)]
@@ -330,6 +345,7 @@ def run(
 
 __all__ = [
     "DataParallelStats",
+    "abstract_shard_params",
     "data_shard_meshes",
     "is_data_parallel",
     "run",

@@ -6,7 +6,10 @@ The run's models and state are built as abstract shapes only (``nnx.eval_shape``
 is read and no buffer allocated, so a 70B config plans on a laptop. The programs a run
 executes are then lowered and compiled for the target's devices:
 
-    rollout       the sampler's one jit (prefill + ``T - 1`` decode steps over a KV cache of
+    rollout       the sampler of the engine the run resolves (:func:`rollout_engine`): the
+                  paged engine's largest prefill and decode calls over its page pool
+                  (:func:`plan_paged_rollout`, :mod:`jaxrl_llm.rollout.paged`), or the static
+                  engine's one jit (prefill + ``T - 1`` decode steps over a KV cache of
                   ``P + T`` slots for ``B·G`` rows; :mod:`jaxrl_llm.rollout.engine`)
     update        the fused RL step (π_old / π_ref / V forward passes, the advantage chain, the
                   epochs × minibatches × micro-batches update; :func:`~jaxrl_llm.train.step.
@@ -834,6 +837,228 @@ def lower_rollout(
     return lowered, kv
 
 
+def rollout_engine(config: Any) -> str:
+    """The engine the run's rollout (and its evaluation) samples with: ``rollout.engine``, with
+    ``auto`` resolved as the trainer resolves it (:func:`jaxrl_llm.train.setup._sampler`:
+    paged when completions can stop early, i.e. unless ``rollout.stop_token_ids: []``; the
+    EOS of ``null`` is assumed to exist). DPO (no ``rollout``): the static engine."""
+    from jaxrl_llm.rollout.engine import choose_engine
+
+    r = config.rollout
+    if r is None:
+        return "static"
+    stop = r.stop_token_ids  # None: the model's EOS
+    return choose_engine(r.engine, can_stop_early=stop is None or len(stop) > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedRollout:
+    """The paged engine as planned (:func:`plan_paged_rollout`), per engine.
+
+    Attributes:
+      engines: paged engines, one per data shard of the mesh (``paged_dp``; 1 without data
+        parallelism), each with its own pool on its own devices.
+      prompts: prompts of the largest shard (its engine is the one planned).
+      options: the :class:`~jaxrl_llm.rollout.paged.PagedOptions` that engine resolves
+        (``num_slots``, ``num_pages``, ``page_size``, ...).
+      attention: the attention backend compiled (``reference``, ``ragged_tpu``, ...).
+      pool: the preallocated page pool's bytes (per device: one engine's whole pool,
+        replicated over its devices; ``total``: the ``engines`` pools).
+      prefill: the largest prefill call, ``prefill_rows`` rows × ``prefill_tokens`` tokens over
+        a ``prefill_table_pages``-page table.
+      decode: the largest decode dispatch, ``decode_rows`` slots × ``steps_per_dispatch`` steps
+        over a ``decode_table_pages``-page table.
+    """
+
+    engines: int
+    prompts: int
+    options: Any
+    attention: str
+    pool: Bytes
+    prefill: Program
+    decode: Program
+    prefill_rows: int
+    prefill_tokens: int
+    prefill_table_pages: int
+    decode_rows: int
+    decode_table_pages: int
+
+    @property
+    def program(self) -> Program:
+        """The larger of the two (by its bytes less its resident arguments; the decode on a
+        tie): the one the plan's rollout peak is of."""
+        d, p = self.decode, self.prefill
+        return p if p.bytes - p.resident > d.bytes - d.resident else d
+
+    def describe(self) -> str:
+        """``paged engine (decode 64 slots, 129 pages of 16 tokens, ...)`` for the table."""
+        o = self.options
+        per = (
+            f" per engine, {self.engines} engines (one per data shard)" if self.engines > 1 else ""
+        )
+        return (
+            f"paged engine (decode {self.decode_rows} slots over {self.decode_table_pages}-page "
+            f"tables, prefill {self.prefill_rows}x{self.prefill_tokens} tokens; a pool "
+            f"of {o.num_pages} pages of {o.page_size} tokens{per}; {self.attention} attention; "
+            f"planned: the {'decode' if self.program is self.decode else 'prefill'})"
+        )
+
+
+def plan_paged_rollout(
+    run: AbstractRun,
+    config: Any,
+    target: Target,
+    *,
+    name: str = "rollout",
+    prompts: int | None = None,
+    num_samples: int | None = None,
+    max_new_tokens: int | None = None,
+    greedy: bool | None = None,
+    mesh: jax.sharding.Mesh | None = None,
+    resident: bool = True,
+    full_logprobs: bool = False,
+) -> tuple[PagedRollout, tuple[str, ...]]:
+    """The paged engine's programs (:mod:`jaxrl_llm.rollout.paged`) for the run's B prompts,
+    G samples, T new tokens (``rollout.*`` or the evaluation's, as :func:`lower_rollout`),
+    compiled for the target: its page pool and its largest ``_prefill`` and ``_decode`` calls
+    (:func:`~jaxrl_llm.rollout.paged.worst_case_programs`), as ``generate(engine="paged")``
+    runs them in the trainer (``collect.sample_completions``):
+
+    - on a mesh whose ``data`` × ``fsdp`` size D is > 1, one engine per data shard
+      (:mod:`~jaxrl_llm.rollout.paged_dp`): the largest shard's ``⌈B / D⌉`` prompts, on its
+      sub-mesh, the parameters resharded without the batch axes
+      (:func:`~jaxrl_llm.rollout.paged_dp.abstract_shard_params`: a gathered copy under FSDP);
+      else one engine on the mesh;
+    - the options :func:`~jaxrl_llm.rollout.paged.resolve_options` gives for the engine's
+      ``prompts · G`` sequences, the longest prompt ``data.max_prompt_length`` tokens (the
+      engine takes prompts unpadded; longer ones are dropped by the data pipeline) and
+      ``rollout.paged_attention``;
+    - the attention of :func:`~jaxrl_llm.rollout.paged.attention_kernel` for the target's
+      platform (TPU: ``ragged_tpu`` under ``auto`` on a one-device engine; CPU estimates of
+      GPUs: the reference, noted);
+    - the parameters in the compute dtype (``generate`` casts wider weights first), the pool
+      and the rest replicated over the engine's devices, the pool donated;
+      ``full_logprobs``: ``rollout.full_logprobs`` (the training rollout's; not evaluation's).
+
+    Each program's ``resident``: the bytes of its parameter argument that are the run's own
+    buffers (neither cast nor resharded; 0 with ``resident=False``, a merged LoRA copy). Not
+    counted: under FSDP with weights stored wider than the compute dtype, the cast copy of the
+    sharded weights that ``generate`` holds while the gathered one runs (``1/D`` of it).
+    Returns the :class:`PagedRollout` and notes for the table.
+
+    Raises:
+      PlanError: the paged options the run would resolve are refused (the engine's message).
+    """
+    from jaxrl_llm.models import sharding as shd
+    from jaxrl_llm.rollout import engine, paged, paged_dp
+    from jaxrl_llm.rollout import pages as pages_lib
+
+    r = config.rollout
+    mesh, cfg = mesh or run.models.mesh, run.model_config
+    b = prompts or r.prompts_per_step
+    g, t = num_samples or r.num_samples, max_new_tokens or r.max_new_tokens
+    greedy = r.temperature == 0.0 if greedy is None else greedy
+    top_k, top_p = (0, 1.0) if greedy else (r.top_k, r.top_p)  # Sampler.greedy()
+    longest = config.data.max_prompt_length
+    cache_dtype = _cache_dtype(r.cache_dtype, cfg, target)
+    dp = shd.data_parallel_size(mesh)
+    engines, on, per_engine = 1, mesh, b
+    graphdef, params = run.sampler
+    dtype = jnp.dtype(cfg.dtype)
+
+    def cast(x: Any) -> Any:  # engine._cast_params
+        wider = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dtype.itemsize
+        return jax.ShapeDtypeStruct(x.shape, dtype if wider else x.dtype, sharding=x.sharding)
+
+    args = jax.tree.map(cast, params)
+    if dp > 1:
+        on = paged_dp.data_shard_meshes(mesh)[0]
+        rows = paged_dp.split_rows(b, dp)
+        per_engine, engines = rows[0].stop - rows[0].start, sum(s.stop > s.start for s in rows)
+        args = paged_dp.abstract_shard_params(args, mesh, on)
+    # The parameter argument's leaves that are the run's own buffers: not cast, not resharded.
+    kept = sum(
+        _leaf_bytes(a)[1]
+        for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(args), strict=True)
+        if x.dtype == a.dtype and _leaf_bytes(x)[1] == _leaf_bytes(a)[1]
+    )
+    kept = int(kept) if resident else 0
+    try:
+        options = paged.resolve_options(
+            paged.PagedOptions(attention=r.paged_attention),
+            num_seqs=per_engine * g,
+            num_samples=g,
+            longest_prompt=longest,
+            max_new_tokens=t,
+        )
+        platform = {"tpu": "tpu", "local": jax.default_backend()}.get(target.platform, "cpu")
+        kernel = paged.attention_kernel(cfg, options, cache_dtype, mesh=on, platform=platform)
+    except ValueError as e:
+        raise PlanError(f"rollout (paged engine): {e}") from None
+    notes: tuple[str, ...] = ()
+    if target.estimate and target.accelerator:
+        windows = tuple(cfg.window(i) for i in range(cfg.num_layers))
+        on_gpu = "reference"
+        with contextlib.suppress(ValueError):
+            on_gpu = pages_lib.resolve_attention(
+                options.attention,
+                platform="gpu",
+                num_heads=cfg.num_heads,
+                num_kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                windows=windows,
+                cache_dtype=cache_dtype,
+            )
+        if on_gpu != "reference" and on.size == 1:
+            notes = (
+                "the paged engine's programs are compiled with the reference attention on CPU; "
+                f"on the GPUs they would run {on_gpu} (the same pool bytes; its temporaries "
+                "are not estimated)",
+            )
+    rep = jax.sharding.NamedSharding(on, jax.sharding.PartitionSpec())
+    worst = paged.worst_case_programs(
+        cfg,
+        args,
+        options,
+        kernel,
+        num_prompts=per_engine,
+        num_samples=g,
+        longest_prompt=longest,
+        max_new_tokens=t,
+        greedy=greedy,
+        top_k=0 if top_k >= cfg.vocab_size else top_k,
+        top_p=top_p,
+        pad_token_id=engine._pad_id(cfg),
+        cache_dtype=cache_dtype,
+        num_stop_ids=engine._stop_ids(tuple(r.stop_token_ids or ()), cfg).shape[0],
+        full_logprobs=full_logprobs,
+        sharding=rep,
+    )
+    compiled = {}
+    for which, call in (("prefill", worst.prefill), ("decode", worst.decode)):
+        with jax.set_mesh(on):
+            lowered = call.fn.lower(graphdef, *call.args, static=call.static)
+        compiled[which] = _program(name, lowered, resident=kept)
+    pool = tree_bytes(worst.pool).per_device
+    return (
+        PagedRollout(
+            engines=engines,
+            prompts=per_engine,
+            options=options,
+            attention="reference" if kernel is None else kernel.name,
+            pool=Bytes(pool * engines, pool, pool if on.size > 1 else 0),
+            prefill=compiled["prefill"],
+            decode=compiled["decode"],
+            prefill_rows=worst.prefill.rows,
+            prefill_tokens=worst.prefill.tokens,
+            prefill_table_pages=worst.prefill.table_pages,
+            decode_rows=worst.decode.rows,
+            decode_table_pages=worst.decode.table_pages,
+        ),
+        notes,
+    )
+
+
 def lower_step(run: AbstractRun, config: Any, recipe: Any, *, platform: str | None = None) -> Any:
     """The fused RL step (:func:`jaxrl_llm.train.step.make_rl_step`) lowered for the run's
     abstract state and worst-case groups. ``platform``: the target's (``"tpu"``, ``"gpu"``),
@@ -968,6 +1193,14 @@ class Plan:
     programs: tuple[Program, ...] = ()
     notes: tuple[str, ...] = ()
     split: RolloutSide | None = None
+    paged: PagedRollout | None = None
+    eval_paged: PagedRollout | None = None
+
+    @property
+    def rollout_engine(self) -> str:
+        """``"paged"`` or ``"static"``: the engine whose programs the rollout is (``paged``:
+        :class:`PagedRollout`, ``rollout`` its larger program, ``kv_cache`` its pool)."""
+        return "paged" if self.paged is not None else "static"
 
     @property
     def state(self) -> int:
@@ -986,8 +1219,16 @@ class Plan:
         """The resident state plus the sampler's temporaries and outputs (its parameters are
         the state's, unless it samples from a merged copy, which is counted; its other
         inputs, the prompts, are counted too). Split placement: on a rollout device, the
-        rollout's copy (:class:`RolloutSide`) in place of the train state."""
+        rollout's copy (:class:`RolloutSide`) in place of the train state.
+
+        The paged engine: ``state + arguments − resident + outputs − aliased + temporaries``
+        of its larger program (:attr:`PagedRollout.program`), its ``resident`` the parameter
+        bytes that are the state's (or the rollout copy's) own buffers, the page pool an
+        argument donated to the output."""
         r = self.rollout
+        if self.paged is not None:
+            base = self.split.copy if self.split is not None else self.state
+            return base + r.bytes - r.resident
         if self.split is not None:
             others = r.arguments - self.split.sampler
             return self.split.copy + max(others, 0) + r.outputs + r.temporaries
@@ -1140,6 +1381,9 @@ class Plan:
                 **{p.name: prog(p) for p in self.programs},
             },
             "peak_program": self.peak_program,
+            "rollout_engine": self.rollout_engine,
+            "paged": None if self.paged is None else _paged_dict(self.paged),
+            "eval_paged": None if self.eval_paged is None else _paged_dict(self.eval_paged),
             "flops_per_step": {
                 "update_xla_loop_bodies_once": self.update.flops,
                 "rollout_xla_loop_bodies_once": self.rollout.flops,
@@ -1153,6 +1397,14 @@ class Plan:
             "seconds": self.seconds,
             "notes": list(self.notes),
         }
+
+
+def _paged_dict(paged: PagedRollout) -> dict[str, Any]:
+    out = dataclasses.asdict(paged)
+    for which in ("prefill", "decode"):
+        out[which]["bytes"] = getattr(paged, which).bytes
+    out["planned"] = "decode" if paged.program is paged.decode else "prefill"
+    return out
 
 
 def _mib(n: int) -> str:
@@ -1178,6 +1430,7 @@ def format_plan(plan: Plan) -> str:
             else ""
         ),
         "mesh " + ", ".join(f"{k}={v}" for k, v in plan.mesh.items()) + f" (preset {plan.preset})",
+        *_engine_lines(plan),
         "",
         f"{'per device':<34}{'bytes':>14}{'of which replicated':>22}",
     ]
@@ -1195,6 +1448,7 @@ def format_plan(plan: Plan) -> str:
             + ", ".join(f"{k}={v}" for k, v in sp.mesh.items())
             + f" (preset {sp.preset}) on {math.prod(sp.mesh.values())} of the {sp.devices} "
             "rollout devices",
+            *_engine_lines(plan),
             "",
             f"{'train devices, per device':<34}{'bytes':>14}{'of which replicated':>22}",
         ]
@@ -1257,6 +1511,22 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _engine_lines(plan: Plan) -> list[str]:
+    """Which rollout engine was planned (online runs), and the evaluation's if paged."""
+    if not plan.kv_cache.total:
+        return []
+    if plan.paged is None:
+        return ["rollout: static engine (one dense batch, P + T KV slots per row)"]
+    lines = [f"rollout: {plan.paged.describe()}"]
+    if plan.eval_paged is not None:
+        lines.append(f"eval rollout: {plan.eval_paged.describe()}")
+    return lines
+
+
+def _kv_label(plan: Plan) -> str:
+    return "KV cache (paged pool)" if plan.paged is not None else "KV cache (rollout)"
+
+
 def _state_rows(plan: Plan, row: Any) -> None:
     """The train state's rows: parameters (or adapters), the frozen base, the optimizer, the
     reference and the critic."""
@@ -1290,7 +1560,7 @@ def _split_rows(plan: Plan, lines: list[str], row: Any) -> None:
         row("frozen base (rollout copy)", sp.frozen)
     if sp.merged_copy.total:
         row("merged copy (sampled)", sp.merged_copy)
-    row("KV cache (rollout)", plan.kv_cache)
+    row(_kv_label(plan), plan.kv_cache)
     row("rollout temporaries (XLA)", plan.rollout.temporaries)
     row("rollout peak (copy + rollout)", plan.rollout_peak)
     row("weight sync peak (old + new copy)", plan.peaks["weight sync"])
@@ -1303,7 +1573,7 @@ def _colocated_rows(plan: Plan, row: Any) -> None:
         row("merged copy (rollout)", plan.merged_copy)
     row("step batch" + (" (groups)" if plan.kv_cache.total else " (pairs)"), plan.batch)
     if plan.kv_cache.total:
-        row("KV cache (rollout)", plan.kv_cache)
+        row(_kv_label(plan), plan.kv_cache)
     if plan.kv_cache.total:
         row("rollout temporaries (XLA)", plan.rollout.temporaries)
     row("update temporaries (XLA)", plan.update.temporaries)
@@ -1385,7 +1655,7 @@ def plan_run(config: Any, target: Target) -> Plan:
     model_cfg = model_config(config.model, accelerator=target.accelerator)
     devices = devices or target_devices(target)
     on = placement.train_devices if split else devices
-    notes = _notes(config)
+    notes: tuple[str, ...] = ()
     if split and target.platform == "tpu":
         placement, on, said = _tpu_stand_ins(
             placement, math.prod(sizes.values()), devices, target, fraction
@@ -1411,21 +1681,40 @@ def plan_run(config: Any, target: Target) -> Plan:
             merged_copy=tree_bytes(merged_copy),
         )
         rollout_run = dataclasses.replace(run, sampler=sampler)
-        rollout_lowered, kv = lower_rollout(rollout_run, config, target, mesh=rollout_mesh)
     else:
-        rollout_lowered, kv = lower_rollout(run, config, target)
-    rollout = _program("rollout", rollout_lowered)
+        rollout_run = run
+    merged = run.models.merge_for_sampling and run.models.frozen is not None
+    paged = paged_eval = None
+    if rollout_engine(config) == "paged":
+        paged, said = plan_paged_rollout(
+            rollout_run,
+            config,
+            target,
+            mesh=rollout_mesh,
+            resident=split or not merged,  # split: the merged copy is the rollout copy's
+            full_logprobs=config.rollout.full_logprobs,
+        )
+        rollout, kv = paged.program, paged.pool
+        notes += said
+    else:
+        rollout_lowered, kv = lower_rollout(rollout_run, config, target, mesh=rollout_mesh)
+        rollout = _program("rollout", rollout_lowered)
     # LoRA: the frozen base is both the reference and the base argument, one buffer at run time
     lora_ref = run.models.frozen is not None and run.models.ref_params is run.models.frozen
     shared = tree_bytes(run.models.frozen).per_device if lora_ref else 0
     lowered = lower_step(run, config, recipe, platform=target.platform)
     update = _program("update", lowered, shared=shared)
     s = run.state
-    merged = run.models.merge_for_sampling and run.models.frozen is not None
     resident = 0 if merged else tree_bytes(run.sampler[1]).per_device
     programs = []
     evaluation = _eval_shape(config)
-    if evaluation is not None:
+    if evaluation is not None and paged is not None:  # the evaluation samples as the rollout
+        paged_eval, said = plan_paged_rollout(
+            run, config, target, name="eval rollout", resident=not merged, **evaluation
+        )
+        programs.append(paged_eval.program)
+        notes += tuple(n for n in said if n not in notes)
+    elif evaluation is not None:
         lowered, _ = lower_rollout(run, config, target, **evaluation)
         programs.append(_program("eval rollout", lowered, resident=resident))
     n_params = run.num_parameters
@@ -1453,6 +1742,8 @@ def plan_run(config: Any, target: Target) -> Plan:
         programs=tuple(programs),
         notes=notes,
         split=side,
+        paged=paged,
+        eval_paged=paged_eval,
     )
 
 
@@ -1518,22 +1809,6 @@ def _tpu_stand_ins(
             + ", as libtpu's deviceless compiler refuses the carved chips (plan._tpu_stand_ins)"
         ]
     return placement, train, tuple(notes)
-
-
-def _notes(config: Any) -> tuple[str, ...]:
-    """What the plan does not cover for this config."""
-    from jaxrl_llm.rollout.engine import choose_engine
-
-    rollout = config.rollout
-    if rollout is None:
-        return ()
-    stop = rollout.stop_token_ids  # None: the model's EOS
-    if choose_engine(rollout.engine, can_stop_early=stop is None or len(stop) > 0) == "paged":
-        return (
-            f"rollout.engine = {rollout.engine} (paged): the rollout planned is the static "
-            "engine's (the paged engine's page pool and programs are not planned)",
-        )
-    return ()
 
 
 def _plan_offline(
@@ -1965,6 +2240,7 @@ __all__ = [
     "AbstractRun",
     "Bytes",
     "Chip",
+    "PagedRollout",
     "Plan",
     "PlanError",
     "Program",
@@ -1983,10 +2259,12 @@ __all__ = [
     "parse_bytes",
     "parse_target",
     "plan_in_subprocess",
+    "plan_paged_rollout",
     "plan_run",
     "preflight",
     "quiet_cpu_platform",
     "rollout_copy",
+    "rollout_engine",
     "run_cli",
     "slice_names",
     "suggestions",

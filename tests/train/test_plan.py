@@ -314,13 +314,17 @@ def test_tiny_lora_plan_compiles_the_lora_step_with_the_frozen_base():
         + plan.update.temporaries
     )
     assert plan.update.aliased >= _nbytes(state.params) + _nbytes(state.opt_state)
-    # The sampler runs the base joined with the adapters: both resident, not counted twice.
-    assert plan.rollout.arguments >= _nbytes(models.frozen) + _nbytes(state.params)
+    # The sampler (the paged engine: rollout.engine auto, an EOS) runs the base joined with
+    # the adapters: both resident, not counted twice; its page pool is donated.
+    assert plan.rollout_engine == "paged"
+    assert plan.rollout.resident == _nbytes(models.frozen) + _nbytes(state.params)
+    assert plan.rollout.arguments >= plan.rollout.resident + plan.kv_cache.per_device
     assert (
         plan.rollout_peak
         == plan.state
         + (plan.rollout.arguments - _nbytes(models.frozen) - _nbytes(state.params))
         + plan.rollout.outputs
+        - plan.rollout.aliased
         + plan.rollout.temporaries
     )
     n = plan.model["parameters"]
@@ -384,15 +388,180 @@ def _fake_plan(reference=1, critic=0):
     )
 
 
-def test_a_paged_rollout_is_noted_as_not_planned():
-    assert P._notes(load_config(TINY, ["rollout.engine=static"])) == ()
-    assert P._notes(load_config(TINY, ["rollout.stop_token_ids=[]"])) == ()  # auto: static
-    (auto,) = P._notes(load_config(TINY))
-    assert auto.startswith("rollout.engine = auto (paged)")
-    (note,) = P._notes(load_config(TINY, ["rollout.engine=paged"]))
-    assert "paged engine's page pool and programs are not planned" in note
-    text = P.format_plan(dataclasses.replace(_fake_plan(), notes=(note,)))
-    assert text.endswith("note: " + note)
+def test_the_rollout_engine_planned_is_the_trainers():
+    assert P.rollout_engine(load_config(TINY, ["rollout.engine=static"])) == "static"
+    assert P.rollout_engine(load_config(TINY, ["rollout.stop_token_ids=[]"])) == "static"  # auto
+    assert P.rollout_engine(load_config(TINY)) == "paged"  # auto, the EOS stops
+    assert P.rollout_engine(load_config(TINY, ["rollout.stop_token_ids=[7]"])) == "paged"
+    assert P.rollout_engine(load_config(TINY, ["rollout.engine=paged"])) == "paged"
+    dpo = load_config("configs/algorithms/dpo.yaml", ["model.path=tiny-random"])
+    assert P.rollout_engine(dpo) == "static"  # setup._eval_plan: the static sampler
+    text = P.format_plan(dataclasses.replace(_fake_plan(), notes=("a note",)))
+    assert text.endswith("note: a note")
+
+
+def _paged_rollout(overrides=(), **shape):
+    """The tiny run's paged rollout planned alone (no update compiled), on one device."""
+    config = load_config(TINY, list(overrides))
+    recipe = build_recipe(config)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    cfg = P.model_config(config.model, accelerator=False)
+    run = P.abstract_run(config, recipe, mesh, cfg)
+    target = P.parse_target(devices=1)
+    paged, _ = P.plan_paged_rollout(run, config, target, **shape)
+    return config, cfg, paged
+
+
+def _shapes(tree):
+    return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
+
+
+def test_paged_worst_case_shapes_are_what_run_passes(monkeypatch):
+    """A real paged run of the tiny model with the worst case (every prompt as long as
+    data.max_prompt_length, every completion T tokens): the largest _prefill and _decode calls
+    it makes have the shapes the plan lowers, and its pool the planned one's."""
+    from flax import nnx
+
+    from jaxrl_llm import models
+    from jaxrl_llm.rollout import engine
+    from jaxrl_llm.rollout import paged as paged_lib
+
+    config, cfg, planned = _paged_rollout()
+    b, g, t, p = 2, 2, 8, config.data.max_prompt_length
+    seen = {"_prefill": [], "_decode": []}
+    for name in seen:
+        fn = getattr(paged_lib, name)
+
+        def record(graphdef, *args, fn=fn, name=name, **kw):
+            seen[name].append(_shapes(args[1:]))  # past the parameters
+            return fn(graphdef, *args, **kw)
+
+        monkeypatch.setattr(paged_lib, name, record)
+    graphdef, params = nnx.split(models.CausalLM(cfg, rngs=nnx.Rngs(0)))
+    prompts = [np.arange(3, 3 + p, dtype=np.int32) % cfg.vocab_size for _ in range(b)]
+    _, stats = paged_lib.run(
+        graphdef,
+        None,
+        nnx.to_pure_dict(params),
+        prompts,
+        np.full((b, g), t, np.int32),
+        rng=jax.random.key(0),
+        temperature=1.0,
+        top_p=1.0,
+        greedy=False,
+        top_k=0,
+        stop_ids=engine._stop_ids((), cfg),  # no stop: every completion T tokens
+        pad_token_id=0,
+        cache_dtype=np.dtype("float32"),
+        max_new_tokens=t,
+        options=planned.options,
+    )
+    worst = paged_lib.worst_case_programs(
+        cfg,
+        nnx.to_pure_dict(params),
+        planned.options,
+        None,
+        num_prompts=b,
+        num_samples=g,
+        longest_prompt=p,
+        max_new_tokens=t,
+        greedy=False,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=0,
+        cache_dtype=np.dtype("float32"),
+        num_stop_ids=8,
+    )
+    assert max(seen["_prefill"], key=lambda a: a[1][0][0] * a[1][0][1]) == _shapes(
+        worst.prefill.args[1:]
+    )
+    assert seen["_decode"][0] == _shapes(worst.decode.args[1:])  # every slot live
+    assert (planned.prefill_rows, planned.prefill_tokens, planned.prefill_table_pages) == (
+        2,
+        128,
+        8,
+    )
+    assert (planned.decode_rows, planned.decode_table_pages) == (4, 16)  # 4 slots, 256 tokens
+    assert stats.page_bytes * planned.options.num_pages == planned.pool.per_device
+
+
+@pytest.mark.slow
+def test_paged_plan_kv_is_the_pools_bytes_and_grows_with_its_pages():
+    """The plan's paged KV figure is the real pool's bytes (pages.init_pool with the options
+    the engine resolves), the pool is donated, and the figure grows with the pages the
+    completions need: ⌈(P + T) / page_size⌉ per slot."""
+    from jaxrl_llm.rollout import paged as paged_lib
+    from jaxrl_llm.rollout import pages
+
+    config = load_config(TINY)
+    recipe = build_recipe(config)
+    _models, state = su.build_models(config, recipe)
+    plan = P.plan_run(config, P.parse_target(devices=1, device_memory="1GiB"))
+    cfg = P.model_config(config.model, accelerator=False)
+    options = paged_lib.resolve_options(
+        paged_lib.PagedOptions(attention=config.rollout.paged_attention),
+        num_seqs=2 * 2,
+        num_samples=2,
+        longest_prompt=config.data.max_prompt_length,
+        max_new_tokens=8,
+    )
+    pool = pages.init_pool(
+        None, cfg.num_layers, options.num_pages, 16, cfg.num_kv_heads, cfg.head_dim, "float32"
+    )
+    assert plan.rollout_engine == "paged" and plan.paged.options == options
+    assert (options.num_slots, options.num_pages) == (4, 1 + 4 * 9)  # ⌈(128 + 8) / 16⌉ = 9
+    assert plan.kv_cache == P.Bytes(_nbytes(pool), _nbytes(pool), 0)
+    for prog in (plan.paged.prefill, plan.paged.decode):
+        assert prog.aliased == _nbytes(pool)  # donated: the pool is updated in place
+        assert prog.resident == _nbytes(state.params)  # f32 weights: neither cast nor copied
+        assert prog.arguments >= _nbytes(state.params) + _nbytes(pool)
+    assert plan.rollout is plan.paged.program
+    assert plan.rollout_peak == plan.state + plan.rollout.bytes - plan.rollout.resident
+    (ev,) = plan.programs  # the evaluation samples with the paged engine too (greedy, G = 1)
+    assert ev is plan.eval_paged.program and plan.eval_paged.options.num_slots == 8
+    d = json.loads(json.dumps(plan.to_dict()))
+    assert d["rollout_engine"] == "paged" and d["per_device_bytes"]["kv_cache"]["total"] == (
+        _nbytes(pool)
+    )
+    assert d["paged"]["options"]["num_pages"] == 37 and d["paged"]["planned"] in (
+        "prefill",
+        "decode",
+    )
+    text = P.format_plan(plan)
+    assert "rollout: paged engine (decode 4 slots over 16-page tables" in text
+    assert "a pool of 37 pages of 16 tokens" in text and "KV cache (paged pool)" in text
+    # More new tokens: more pages per slot, the pool (and only the pool) grows linearly.
+    page = _nbytes(pool) // options.num_pages
+    for t in (24, 40):  # ⌈(128 + T) / 16⌉ = 10, 11 pages per slot
+        _, _, longer = _paged_rollout(max_new_tokens=t)
+        assert longer.options.num_pages == 1 + 4 * (-(-(128 + t) // 16))
+        assert longer.pool.per_device == longer.options.num_pages * page
+        assert longer.decode.aliased == longer.pool.per_device
+    # More prompts: more slots (next_pow2(B·G), at most 64), each with its pages.
+    _, _, big = _paged_rollout(["rollout.prompts_per_step=4"])
+    assert big.options.num_slots == 8 and big.pool.per_device == (1 + 8 * 9) * page
+
+
+@pytest.mark.slow
+def test_static_engine_is_planned_as_before():
+    """rollout.engine=static: the static sampler's one program over a KV cache of P + T
+    slots for B·G rows, nothing donated, no paged figures."""
+    config = load_config(TINY, ["rollout.engine=static", "data.eval_size=0"])
+    recipe = build_recipe(config)
+    _models, state = su.build_models(config, recipe)
+    plan = P.plan_run(config, P.parse_target(devices=1, device_memory="1GiB"))
+    cfg = P.model_config(config.model, accelerator=False)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    assert plan.paged is None and plan.rollout_engine == "static"
+    assert plan.kv_cache == P.kv_cache_bytes(cfg, 2 * 2, 128 + 8, "float32", mesh)
+    r = plan.rollout
+    assert r.aliased == 0 and r.resident == 0
+    assert plan.rollout_peak == (
+        plan.state + r.arguments - _nbytes(state.params) + r.outputs + r.temporaries
+    )
+    d = plan.to_dict()
+    assert d["rollout_engine"] == "static" and d["paged"] is None
+    assert "rollout: static engine" in P.format_plan(plan) and not plan.notes
 
 
 def test_candidates_packing_lora_and_offline():
@@ -448,6 +617,32 @@ def test_tiny_plan_on_a_tpu_topology():
     # TPU layouts pad to tiles, so XLA's arguments are at least the unpadded shards.
     assert plan.update.arguments >= plan.state + plan.batch.per_device - 2 * 2 * 8 * 4
     assert plan.update.flops > 0 and plan.fits is True
+    # The rollout is the paged engine's (auto, an EOS): one engine per data shard (2 of the 4
+    # have a prompt), each on one chip with the TPU kernel, its pool in the kernel's layout.
+    from jaxrl_llm.rollout import pages
+
+    pg = plan.paged
+    assert plan.rollout_engine == "paged" and pg.attention == "ragged_tpu"
+    assert (pg.engines, pg.prompts, pg.options.num_slots) == (2, 1, 2)
+    c = P.model_config(config.model, accelerator=True)
+    spec = pages.kernel_spec(
+        "ragged_tpu",
+        num_pages=pg.options.num_pages,
+        page_size=16,
+        head_dim=c.head_dim,
+        window=None,
+        platform="tpu",
+    )
+    pool = jax.eval_shape(
+        lambda: pages.init_pool(
+            spec, c.num_layers, pg.options.num_pages, 16, c.num_kv_heads, c.head_dim, "float32"
+        )
+    )
+    assert plan.kv_cache.per_device == P.tree_bytes(pool).per_device
+    assert pg.decode.flops > 0 and pg.prefill.flops > 0 and pg.decode.aliased > 0
+    # FSDP: each engine runs on a gathered copy of the weights (not the resident shards).
+    assert pg.decode.resident < plan.parameters.per_device
+    assert pg.decode.arguments >= plan.parameters.total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,6 +801,7 @@ SPLIT = [  # 8 devices: 2 rollout (dp over 2) + 6 train (data 3 x fsdp 2)
     "mesh.fsdp=2",
     "rollout.prompts_per_step=6",
     "data.eval_size=0",
+    "rollout.engine=static",  # the static sampler's figures (a paged split: its own test)
 ]
 
 
@@ -707,6 +903,26 @@ def test_split_plan_reports_both_sides_in_the_table_and_the_json(split_plan):
     assert "FITS (both sides; the train devices are the tighter)" in text
 
 
+@pytest.mark.slow
+def test_split_plan_of_the_paged_engine_runs_one_engine_per_rollout_data_shard():
+    """Split placement, rollout.engine auto (paged): the rollout mesh (data 2) runs two paged
+    engines of 3 prompts each, each pool whole on its device, next to the rollout copy."""
+    config = load_config(TINY, [*SPLIT, "rollout.engine=auto"])
+    plan = P.plan_run(config, P.parse_target(devices=8, device_memory="1GiB"))
+    sp, pg = plan.split, plan.paged
+    assert plan.rollout_engine == "paged" and (pg.engines, pg.prompts) == (2, 3)
+    assert (pg.options.num_slots, pg.options.num_pages) == (8, 1 + 8 * 9)  # 3·2 sequences
+    assert plan.kv_cache.per_device == pg.pool.per_device and plan.kv_cache.total == (
+        2 * pg.pool.per_device
+    )
+    assert plan.rollout.resident == sp.parameters.per_device  # dp: the copy, not copied again
+    assert plan.rollout_peak == sp.copy + plan.rollout.bytes - plan.rollout.resident
+    text = P.format_plan(plan)
+    _, rollout_block = text.split("rollout devices, per device")
+    assert "KV cache (paged pool)" in rollout_block
+    assert "per engine, 2 engines (one per data shard)" in text
+
+
 def test_split_plan_fits_only_if_both_sides_fit():
     """No compile: a rollout side over the memory fails the plan even when the update fits."""
     side = P.RolloutSide(2, 6, 1, {"data": 2, "fsdp": 1, "tensor": 1}, "dp", P.Bytes(3, 3, 3))
@@ -797,8 +1013,8 @@ def test_split_plan_on_a_multi_host_tpu_topology():
     assert plan.mesh == {"data": 12, "fsdp": 1, "tensor": 1} and sp.mesh["data"] == 4
     assert sp.parameters.per_device == plan.parameters.per_device == plan.parameters.total  # dp
     assert plan.rollout.arguments >= sp.copy and plan.fits is True
-    paged, note = plan.notes  # rollout.engine auto -> paged (EOS stops), then the split's
-    assert paged.startswith("rollout.engine = auto (paged)")
+    (note,) = plan.notes  # the split's (the paged rollout is planned, not noted)
+    assert plan.rollout_engine == "paged" and plan.paged.engines == 4
     assert "v5e:2x6 slice of its own" in note and "devices 0..3" in note
 
 
