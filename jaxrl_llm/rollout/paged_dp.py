@@ -38,9 +38,10 @@ Multi-process (``jax.process_count() > 1``): as the static engine's contract in
 order; here any number of rows, not necessarily the same on every process) and gets back
 theirs. It runs the engines of the data shards whose devices are all its own (its rows split
 over them as above) with the global sequence ids (its rows' offset in the global batch comes
-from one all-gather of the row counts); no other cross-process traffic but the weights'
-reshard. A data shard whose devices span processes is refused (a clear error): its engine would
-need one scheduler driving two processes.
+from one all-gather of the row counts over the mesh's own devices,
+:func:`process_gather_on`); no other cross-process traffic but the weights' reshard. A data
+shard whose devices span processes is refused (a clear error): its engine would need one
+scheduler driving two processes.
 
 Stats (:class:`DataParallelStats`): the shards' :class:`~jaxrl_llm.rollout.paged.PagedStats`
 summed (peak KV: the sum of the pools' peaks; dispatches and prefills: the sums; pages held
@@ -186,6 +187,35 @@ def abstract_shard_params(params: Params, mesh: Mesh, shard: Mesh) -> Params:
     return jax.tree.map(one, params)
 
 
+def process_gather_on(mesh: Mesh, tree: Any) -> Any:
+    """Every process's ``tree`` of host arrays, stacked in process order (a new leading axis),
+    gathered over ``mesh``'s devices only.
+
+    ``multihost_utils.process_allgather`` gathers over every device of the job. In the async
+    loop a train step may still run on the train devices while the rollout devices sample; two
+    programs with collectives on the same devices at once are not matched across processes
+    (XLA:CPU's gloo aborts: "distributed collective mismatch"). The rollout's own devices are
+    free of the step."""
+    devices = list(mesh.devices.flat)
+    me = jax.process_index()
+    flat = Mesh(np.array(devices), ("devices",))
+    first: dict[int, int] = {}  # each process's first device in the mesh
+    for i, d in enumerate(devices):
+        first.setdefault(d.process_index, i)
+
+    def one(x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        pieces = [jax.device_put(x[None], d) for d in devices if d.process_index == me]
+        whole = jax.make_array_from_single_device_arrays(
+            (len(devices), *x.shape), NamedSharding(flat, PartitionSpec("devices")), pieces
+        )
+        out = jax.jit(lambda a: a, out_shardings=NamedSharding(flat, PartitionSpec()))(whole)
+        rows = np.asarray(out.addressable_data(0))
+        return rows[[first[p] for p in sorted(first)]]
+
+    return jax.tree.map(one, tree)
+
+
 def split_rows(b: int, d: int) -> list[slice]:
     """``b`` prompts over ``d`` shards, contiguous: the first ``b mod d`` get one more."""
     sizes = [b // d + (i < b % d) for i in range(d)]
@@ -230,20 +260,18 @@ def run_shards(
     mine = [d for d in range(d_count) if owners[d] == jax.process_index()]
     offset = 0
     if multi:
-        from jax.experimental import multihost_utils
-
         if not mine:
             raise ValueError(
                 f"generate(engine='paged'): process {jax.process_index()} holds no data shard "
                 f"of the parameters' mesh {dict(mesh.shape)}; every process needs devices on it"
             )
-        counts = np.asarray(multihost_utils.process_allgather(np.int64(b_count))).reshape(-1)
-        offset = int(counts[: jax.process_index()].sum())
         key_data = np.asarray(jax.random.key_data(rng))
-        multihost_utils.assert_equal(
-            key_data,
-            "generate(engine='paged'): processes passed different rng keys; pass the same key",
-        )
+        counts_p, keys_p = process_gather_on(mesh, (np.int64(b_count), key_data))
+        offset = int(counts_p[: jax.process_index()].sum())
+        if not (keys_p == key_data[None]).all():
+            raise ValueError(
+                "generate(engine='paged'): processes passed different rng keys; pass the same key"
+            )
         # A key replicated over every process's devices (the trainer's) cannot be put on one
         # shard's devices as it is: rebuild it from its data on this host.
         rng = jax.random.wrap_key_data(key_data, impl=jax.random.key_impl(rng))
@@ -348,6 +376,7 @@ __all__ = [
     "abstract_shard_params",
     "data_shard_meshes",
     "is_data_parallel",
+    "process_gather_on",
     "run",
     "run_shards",
     "shard_params",

@@ -111,9 +111,13 @@ class Groups(NamedTuple):
     logp_full_bgt: jax.Array | None = None
 
 
+def _spans_processes(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
 def _host(x: Any) -> np.ndarray:
     """A host copy of a (possibly multi-process global) array, for the packing plan."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if _spans_processes(x):
         from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -411,6 +415,12 @@ def make_rl_step(
         JAX's asynchronous dispatch) and a function that waits for the metrics. The async
         loop samples the next batch in between (:mod:`jaxrl_llm.train.asynchronous`)."""
         g_sharding = groups_sharding(groups)
+        if packing and _spans_processes(groups.mask_bgt):
+            # The plan's masks are all-gathered over the train devices: the same devices
+            # (so the same gloo pairs on CPU) as the previous step's collectives, which the
+            # async loop may still be running. Collectives of two programs in flight at once
+            # are not matched across processes; wait for that step first.
+            jax.block_until_ready(state)
         plan, shape = plan_of(groups)
         key = jax.tree.structure(groups), tuple(g_sharding), shape
         if key not in cache:
