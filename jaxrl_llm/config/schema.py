@@ -334,7 +334,7 @@ class LoopConfig:
     # A NaN/inf loss or gradient: raise, or skip the update (counted in train/skipped_steps).
     on_nonfinite: Literal["raise", "skip"] = "raise"
     # Pack sequences (real tokens only) into rows for the forward passes and the update.
-    packing: bool = False
+    packing: bool = True
     # With packing: a prompt's G samples share one copy of it in the rows (auto: where possible).
     shared_prompts: Literal["auto"] | bool = "auto"
     # Plan the run for its devices before loading weights (jaxrl-llm plan); refuse a misfit.

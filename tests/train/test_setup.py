@@ -101,7 +101,11 @@ def test_update_shape_old_logprobs_loop_and_checkpoint_plans(tmp_path):
         "data.eval_size=4",
         run_dir=tmp_path / "run",
     )
-    assert setup.update == S.UpdateShape(epochs=3, num_minibatches=2, micro_batch_size=2)
+    # Packed (the default) with micro_batch_size 2: the per-device budget it implies.
+    u = setup.update
+    assert (u.epochs, u.num_minibatches, u.micro_batch_size, u.packing) == (3, 2, 2, True)
+    assert u.micro_batch_tokens == 2 * (128 + 8)  # configs/tiny.yaml: prompt and completion slots
+    assert u.shared_prompts and u.attn_per_width > 0 and u.width_multiple == 1
     assert setup.update.updates_per_step == 6
     assert setup.old_logprobs == S.OldLogprobs(source="sampler", tis_cap=3.0)
     assert setup.loop == S.LoopPlan(
@@ -121,7 +125,9 @@ def test_update_shape_old_logprobs_loop_and_checkpoint_plans(tmp_path):
 
 def test_defaults_and_run_dir_from_the_config(tmp_path, monkeypatch):
     setup = resolve(*SMALL, f"run_dir={tmp_path / 'from_config'}")
-    assert setup.update == S.UpdateShape(1, 1, None) and setup.update.updates_per_step == 1
+    shape = setup.update
+    assert (shape.epochs, shape.num_minibatches, shape.micro_batch_size) == (1, 1, None)
+    assert shape.packing and shape.micro_batch_tokens is None and shape.updates_per_step == 1
     assert setup.old_logprobs == S.OldLogprobs("recompute", 2.0)  # base.yaml
     assert setup.run_dir == tmp_path / "from_config"
     assert setup.checkpoint.directory == tmp_path / "from_config" / "checkpoints"

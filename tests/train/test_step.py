@@ -46,6 +46,8 @@ SMALL = (
     # a gradient entry near 0 (another summation order) moves that entry by up to 2·lr. A larger
     # ε makes the update Lipschitz in g, so parameters compare at float32 tolerance.
     "optim.adam_eps=1e-3",
+    # The reference checks below build the unpacked step by hand; the packed tests add PACKED.
+    "train.packing=false",
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -580,8 +582,8 @@ def test_packing_config_resolves_and_validates():
     shape = S.update_shape(config)
     longest = config.data.max_prompt_length + config.rollout.max_new_tokens
     assert shape.packing and shape.micro_batch_tokens == 2 * longest  # the implied budget
-    assert not resolve().update.packing  # off by default
-    assert resolve(*PACKED).update.packing
+    assert S.update_shape(H.config("tiny.yaml")).packing  # on by default
+    assert not resolve().update.packing  # SMALL turns it off
     with pytest.raises(ConfigError, match=r"null unless train\.packing is true"):
         H.config("tiny.yaml", *SMALL, "train.packing=false", "optim.micro_batch_tokens=512")
     with pytest.raises(ConfigError, match="at least one longest sequence"):
