@@ -481,3 +481,31 @@ def test_gguf_metadata_agrees_with_the_gguf_package(tmp_path):
     cut.write_bytes(path.read_bytes()[:4096])
     with pytest.raises(ModelLoadError, match=r"cut\.gguf: not a readable GGUF file \(corrupt"):
         hub._gguf_metadata(cut)
+
+
+def _exits_in_a_reward() -> None:
+    import sys
+
+    sys.exit(0)
+
+
+@pytest.mark.parametrize("patched", [False, True])
+def test_a_reward_exit_is_located_at_its_caller_even_when_sys_exit_is_patched(monkeypatch, patched):
+    """wandb replaces ``sys.exit`` with a Python hook once a run has used it (another test in
+    the same worker, in the suite): the reported line is still the reward's, not the hook's."""
+    import sys
+
+    from jaxrl_llm.train.cli import _raise_site
+
+    if patched:
+        builtin = sys.exit
+
+        def exit_hook(code: object = None) -> None:  # what wandb's exit_hooks.exit does
+            builtin(code)
+
+        monkeypatch.setattr(sys, "exit", exit_hook)
+    try:
+        _exits_in_a_reward()
+    except SystemExit as e:
+        frame = _raise_site(e.__traceback__)
+    assert (frame.name, Path(frame.filename).name) == ("_exits_in_a_reward", Path(__file__).name)

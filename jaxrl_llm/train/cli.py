@@ -25,7 +25,7 @@ import argparse
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -99,7 +99,7 @@ def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespac
             print(f"jaxrl-llm {args.command}: {e}", file=sys.stderr)
             cause = e.__cause__
             if cause is not None and cause.__traceback__ is not None and hasattr(e, "reward"):
-                frame = traceback.extract_tb(cause.__traceback__)[-1]
+                frame = _raise_site(cause.__traceback__)
                 print(
                     f"  ({type(cause).__name__} raised at {frame.filename}:{frame.lineno}, "
                     f"in {frame.name})",
@@ -108,6 +108,18 @@ def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespac
             return 2
 
     return wrapped
+
+
+def _raise_site(tb: Any) -> traceback.FrameSummary:
+    """The innermost frame of ``tb``, less a patched ``sys.exit``'s own frames (wandb replaces
+    ``sys.exit`` with a Python hook once a run has used it): the line that called it."""
+    frames = traceback.extract_tb(tb)
+    hook = getattr(sys.exit, "__code__", None)  # None: the builtin, which adds no frame
+    while len(frames) > 1 and hook is not None:
+        if (frames[-1].filename, frames[-1].name) != (hook.co_filename, hook.co_name):
+            break
+        frames.pop()
+    return frames[-1]
 
 
 def _add_distributed_args(p: argparse.ArgumentParser) -> None:
