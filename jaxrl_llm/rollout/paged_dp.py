@@ -187,6 +187,10 @@ def abstract_shard_params(params: Params, mesh: Mesh, shard: Mesh) -> Params:
     return jax.tree.map(one, params)
 
 
+def _identity(x: jax.Array) -> jax.Array:
+    return x
+
+
 def process_gather_on(mesh: Mesh, tree: Any) -> Any:
     """Every process's ``tree`` of host arrays, stacked in process order (a new leading axis),
     gathered over ``mesh``'s devices only.
@@ -209,7 +213,7 @@ def process_gather_on(mesh: Mesh, tree: Any) -> Any:
         whole = jax.make_array_from_single_device_arrays(
             (len(devices), *x.shape), NamedSharding(flat, PartitionSpec("devices")), pieces
         )
-        out = jax.jit(lambda a: a, out_shardings=NamedSharding(flat, PartitionSpec()))(whole)
+        out = jax.jit(_identity, out_shardings=NamedSharding(flat, PartitionSpec()))(whole)
         rows = np.asarray(out.addressable_data(0))
         return rows[[first[p] for p in sorted(first)]]
 
@@ -266,7 +270,7 @@ def run_shards(
                 f"of the parameters' mesh {dict(mesh.shape)}; every process needs devices on it"
             )
         key_data = np.asarray(jax.random.key_data(rng))
-        counts_p, keys_p = process_gather_on(mesh, (np.int64(b_count), key_data))
+        counts_p, keys_p = process_gather_on(mesh, (np.int32(b_count), key_data))
         offset = int(counts_p[: jax.process_index()].sum())
         if not (keys_p == key_data[None]).all():
             raise ValueError(
