@@ -497,13 +497,13 @@ def test_a_reward_exit_is_located_at_its_caller_even_when_sys_exit_is_patched(mo
 
     from jaxrl_llm.train.cli import _raise_site
 
-    if patched:
-        builtin = sys.exit
+    if patched:  # on top of wandb's hook when a tracking test ran first in this worker
+        earlier = sys.exit
 
-        def exit_hook(code: object = None) -> None:  # what wandb's exit_hooks.exit does
-            builtin(code)
+        def exit(code: object = None) -> None:  # what wandb's ExitHooks.exit does
+            earlier(code)
 
-        monkeypatch.setattr(sys, "exit", exit_hook)
+        monkeypatch.setattr(sys, "exit", exit)
     try:
         _exits_in_a_reward()
     except SystemExit as e:

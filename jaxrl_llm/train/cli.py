@@ -111,13 +111,16 @@ def _run(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespac
 
 
 def _raise_site(tb: Any) -> traceback.FrameSummary:
-    """The innermost frame of ``tb``, less a patched ``sys.exit``'s own frames (wandb replaces
-    ``sys.exit`` with a Python hook once a run has used it): the line that called it."""
+    """The innermost frame of ``tb``, less the frames of ``sys.exit`` hooks: the line that
+    called ``sys.exit``. wandb replaces ``sys.exit`` with a Python ``exit`` once a run has used
+    it, and a hook may call an earlier one; the builtin adds no frame. A hook is the current
+    ``sys.exit``'s code or a trailing function named ``exit``."""
     frames = traceback.extract_tb(tb)
-    hook = getattr(sys.exit, "__code__", None)  # None: the builtin, which adds no frame
-    while len(frames) > 1 and hook is not None:
-        if (frames[-1].filename, frames[-1].name) != (hook.co_filename, hook.co_name):
-            break
+    code = getattr(sys.exit, "__code__", None)
+    hook = (code.co_filename, code.co_name) if code is not None else None
+    while len(frames) > 1 and (
+        frames[-1].name == "exit" or hook == (frames[-1].filename, frames[-1].name)
+    ):
         frames.pop()
     return frames[-1]
 
