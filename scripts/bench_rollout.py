@@ -28,9 +28,9 @@ timed call (the paged engine's decode programs of new page-table widths) is meas
 (``jax.monitoring`` trace + lowering + backend-compile events) and subtracted.
 Reports useful tokens/s, compile seconds and the peak KV-cache bytes (static: the dense
 ``[L, N, P + T, K, Dh]`` keys and values; paged: the peak pages held x page bytes).
-``--lt-torch`` adds transformers' ``generate`` (static batch to the longest budget) and its
-continuous batching (``init_continuous_batching``, ``generate_batch``'s manager, per-request
-budgets).
+``--lt-torch`` adds transformers' ``generate`` on both workloads (static batch to the longest
+budget) and, on the long tail, its continuous batching (``init_continuous_batching``,
+``generate_batch``'s manager, per-request budgets).
 
     OMP_WAIT_POLICY=PASSIVE python scripts/bench_rollout.py --paged \
         --out bench_results/bench_rollout_paged.json
@@ -375,12 +375,17 @@ def paged_main(args) -> None:
             run_engine("paged", ids, mask, g, t, budgets, 10, options, per_sample),
             run_engine("static", ids, mask, g, t, budgets, 20, None, per_sample),
         ]
-        if name == "long_tail" and args.lt_torch:
+        if args.lt_torch:
             rows.append(torch_row(ids, mask, g, t, budgets))
-            rows.append(torch_batch_row(ids, mask, g, t, budgets))
+            if name == "long_tail":
+                rows.append(torch_batch_row(ids, mask, g, t, budgets))
         static = rows[1]["useful_tokens_per_s"]
         for row in rows:
             row["vs_static"] = round(row["useful_tokens_per_s"] / static, 2)
+            if args.lt_torch:
+                row["vs_transformers_generate"] = round(
+                    row["useful_tokens_per_s"] / rows[2]["useful_tokens_per_s"], 2
+                )
         result["workloads"][name] = {
             "prompts": int(ids.shape[0]),
             "samples": g,
@@ -416,7 +421,12 @@ def main() -> None:
     ap.add_argument("--fixed-prompts", type=int, default=32, help="--paged: 0 skips")
     ap.add_argument("--lt-prompts", type=int, default=64, help="--paged long-tail; 0 skips")
     ap.add_argument("--lt-samples", type=int, default=4)
-    ap.add_argument("--lt-torch", action="store_true", help="--paged: add transformers")
+    ap.add_argument(
+        "--lt-torch",
+        action="store_true",
+        help="--paged: add transformers (generate on both workloads; continuous batching on"
+        " the long tail)",
+    )
     ap.add_argument("--lt-slots", type=int, default=0, help="long-tail decode slots (0: default)")
     ap.add_argument("--steps-per-dispatch", type=int, default=0, help="0: PagedOptions' default")
     args = ap.parse_args()

@@ -235,6 +235,11 @@ for name, sizes in (("data2_tensor2", dict(data=2, tensor=2)), ("fsdp4", dict(fs
             results[f"{name}/{mode}/{field}"] = np.asarray(getattr(out_, field))
         results[f"{name}/{mode}/engines"] = sum(s is not None for s in stats.shards)
         results[f"{name}/{mode}/pages_at_end"] = stats.pages_in_use_at_end
+try:  # each process its own key: both see the mismatch in the same gather, neither hangs
+    rollout.generate(model, data["ids"][rows], data["mask"][rows], rng=jax.random.key(pid),
+                     max_new_tokens=2, engine="paged")
+except ValueError as e:
+    results["different_keys"] = str(e)
 d = jax.devices()  # process 0's two devices, then process 1's
 mesh = sharding.make_mesh(data=2, tensor=2, devices=[d[0], d[2], d[1], d[3]])
 model = models.from_pretrained(model_dir, mesh=mesh)
@@ -295,4 +300,5 @@ def test_two_processes_get_the_one_device_tokens_of_their_rows(tiny_pair, one_de
             assert engines == ([1, 1] if name == "data2_tensor2" else [2, 2])
             assert all(int(g[f"{name}/{mode}/pages_at_end"]) == 0 for g in got)
     for g in got:
+        assert "processes passed different rng keys" in str(g["different_keys"])
         assert "data shard 0 of the mesh spans processes [0, 1]" in str(g["refused"])
