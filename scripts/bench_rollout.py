@@ -380,12 +380,11 @@ def paged_main(args) -> None:
             if name == "long_tail":
                 rows.append(torch_batch_row(ids, mask, g, t, budgets))
         static = rows[1]["useful_tokens_per_s"]
+        generate = rows[2]["useful_tokens_per_s"] if args.lt_torch else None
         for row in rows:
             row["vs_static"] = round(row["useful_tokens_per_s"] / static, 2)
-            if args.lt_torch:
-                row["vs_transformers_generate"] = round(
-                    row["useful_tokens_per_s"] / rows[2]["useful_tokens_per_s"], 2
-                )
+            if generate:
+                row["vs_transformers_generate"] = round(row["useful_tokens_per_s"] / generate, 2)
         result["workloads"][name] = {
             "prompts": int(ids.shape[0]),
             "samples": g,
