@@ -34,7 +34,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def op_times(trace_dir: str) -> tuple[collections.Counter, dict[str, collections.Counter]]:
     """Thunk microseconds per compiled program and, within each, per op kind."""
     (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
-    events = json.load(gzip.open(path))
+    with gzip.open(path) as f:
+        events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
     per_module: collections.Counter = collections.Counter()
     per_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
