@@ -24,27 +24,24 @@ import json
 import os
 import re
 import tempfile
-import time
 
-from bench_rollout import make_prompts
+from bench_rollout import _time, make_prompts
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
-def op_times(trace_dir: str) -> tuple[collections.Counter, dict[str, collections.Counter]]:
+def op_times(trace_dir: str) -> dict[str, collections.Counter]:
     """Thunk microseconds per compiled program and, within each, per op kind."""
     (path,) = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
     with gzip.open(path) as f:
         events = json.load(f)
     events = events["traceEvents"] if isinstance(events, dict) else events
-    per_module: collections.Counter = collections.Counter()
     per_kind: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for e in events:
         module = e.get("args", {}).get("hlo_module")
         if e.get("ph") == "X" and module:
-            per_module[module] += e["dur"]
             per_kind[module][re.sub(r"\.\d+$", "", e["name"])] += e["dur"]
-    return per_module, per_kind
+    return per_kind
 
 
 def main() -> None:
@@ -83,9 +80,7 @@ def main() -> None:
     best = {}
     for r in range(args.rounds):
         for t in (1, 16, 64):
-            start = time.perf_counter()
-            run(t, 10 + r)
-            best[t] = min(best.get(t, float("inf")), time.perf_counter() - start)
+            best[t] = min(best.get(t, float("inf")), _time(lambda t=t, r=r: run(t, 10 + r)))
     step_ms = (best[64] - best[16]) / 48 * 1e3
     print(
         f"{args.engine}: prompts {ids.shape}; 1 token {best[1]:.3f} s, 16 {best[16]:.3f} s, "
@@ -98,10 +93,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as trace_dir:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             run(64, 99)
-        per_module, per_kind = op_times(trace_dir)
-    for module, us in per_module.most_common(4):
-        kinds = ", ".join(f"{k} {v / 1e6:.3f}" for k, v in per_kind[module].most_common(8))
-        print(f"  {module}: {us / 1e6:.3f} s of thunks ({kinds})")
+        per_kind = op_times(trace_dir)
+    for module, kinds in sorted(per_kind.items(), key=lambda mk: -mk[1].total())[:4]:
+        top = ", ".join(f"{k} {v / 1e6:.3f}" for k, v in kinds.most_common(8))
+        print(f"  {module}: {kinds.total() / 1e6:.3f} s of thunks ({top})")
 
 
 if __name__ == "__main__":
