@@ -96,6 +96,7 @@ def smollm2_tokenizer(smollm2_path):
 # file name on); only the order uses them.
 _LONG_S = {
     "test_faults.py::test_kill_9_at_20_moments_then_resume_ends_with_the_same_parameters": 191,
+    "test_paged.py::test_smollm2_greedy_equals_transformers_generate": 120,
     "test_async.py::test_kill_9_during_an_async_run_then_resume_ends_with_the_same_state": 101,
     "test_multiprocess.py::test_two_processes_end_with_the_parameters_of_one": 92,
     "test_end_to_end.py::test_quickstart_two_steps_with_the_default_model": 65,

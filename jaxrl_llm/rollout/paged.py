@@ -25,8 +25,8 @@ compiles a handful of programs and a second run with the same buckets compiles n
 
 Model. No second model definition: both programs run the model's own
 :class:`~jaxrl_llm.models.transformer.DecoderLayer` modules with an ``attend`` callable. On the
-reference path (:func:`forward_paged`) the stacked layer is sliced into per-layer modules once
-per compiled call (``decode.unstack_layers``, outside the decode loop) and run unrolled, each
+reference path (:func:`forward_paged`) the stacked layer's weights are sliced into per-layer
+copies once per :func:`run` (:func:`layer_params`, passed to every call) and run unrolled, each
 layer with its own pool buffer: it writes its new keys/values there first (in place) and then
 attends over its gathered pages (:func:`~jaxrl_llm.rollout.pages.paged_attention_written`).
 So LoRA adapters and quantised kernels (``_Proj``), q/k norms, biases, RoPE schedules and
@@ -211,8 +211,8 @@ def forward_paged(
     values written at ``(write_page_bt, write_off_bt)`` (``[B, T]``, or ``[B, T, G]`` for the G
     copies of a prefill chunk, the offsets of the same shape; padding at the trash page).
     Positions are ``ctx_len_b + t``; ``table_bw`` must cover ``[0, ctx_len_b + T)``.
-    The layers are the model's own modules, ``layers`` = :func:`decode.unstack_layers` of its
-    stacked layer (sliced once per compiled call, outside any decode loop), run unrolled
+    The layers are the model's own modules on per-layer weights (:func:`layer_params`, sliced
+    once per :func:`run`), run unrolled
     (as ``decode.py``), each layer with its own pool buffer: it first writes its new
     keys/values into that buffer (in place) and then attends over its gathered pages
     (:func:`pages.paged_attention_written`), the order of the kernels and of the static
@@ -416,10 +416,34 @@ def _pick(
     return token_n, logp_n, full_n
 
 
+LayerParams = tuple[Params, ...]
+
+
+@jax.jit
+def layer_params(params: Params) -> LayerParams:
+    """The stacked ``[L, ...]`` decoder layer's parameters (``params["model"]["layers"]``) as
+    ``L`` per-layer trees (copies), for the reference path's :func:`_prefill` and
+    :func:`_decode`. :func:`run` slices them once and passes them to every call: a program that
+    slices the stacked weights itself copies them again in each call (measured on XLA:CPU:
+    BENCHMARKS.md, "Rollout engines")."""
+    stacked = params["model"]["layers"]
+    num_layers = jax.tree.leaves(stacked)[0].shape[0]
+    return tuple(jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers))
+
+
+def _layers(lm: CausalLM, layers_l: LayerParams | None) -> tuple[DecoderLayer, ...]:
+    """Per-layer modules: of ``layers_l`` (:func:`layer_params`) when given, else sliced here."""
+    if layers_l is None:
+        return unstack_layers(lm.model.layers)
+    layer_def = nnx.graphdef(lm.model.layers)
+    return tuple(nnx.merge(layer_def, state) for state in layers_l)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"), donate_argnames=("pool",))
 def _prefill(
     graphdef: nnx.GraphDef,
     params: Params,
+    layers_l: LayerParams | None,
     pool: PagePool,
     tokens_rc: jax.Array,
     valid_rc: jax.Array,
@@ -439,7 +463,8 @@ def _prefill(
     """One prefill chunk of R prompts: writes it for each prompt's G samples and samples their
     first token from the logits at ``last_index_r`` (used by the caller where the prompt ends),
     with the keys of sequence ``seq_id_rg`` at completion index ``pos_rg`` (0 but in partial
-    rollouts)."""
+    rollouts). ``layers_l``: :func:`layer_params` of ``params`` (the reference path; None:
+    sliced in this call), None on a kernel path."""
     lm: CausalLM = nnx.merge(graphdef, params)
     r, g = seq_id_rg.shape
     off_rcg = jnp.broadcast_to(write_off_rc[:, :, None], write_page_rcg.shape)
@@ -448,7 +473,7 @@ def _prefill(
             lm, pool, tokens_rc, ctx_len_r, table_rw, write_page_rcg, off_rcg, static.kernel
         )
     else:
-        layers = unstack_layers(lm.model.layers)
+        layers = _layers(lm, layers_l)
         h_rcd, pool = forward_paged(
             lm, layers, pool, tokens_rc, ctx_len_r, table_rw, write_page_rcg, off_rcg
         )
@@ -475,6 +500,7 @@ class _SlotState(NamedTuple):
 def _decode(
     graphdef: nnx.GraphDef,
     params: Params,
+    layers_l: LayerParams | None,
     pool: PagePool,
     table_nw: jax.Array,
     state: _SlotState,
@@ -491,13 +517,13 @@ def _decode(
     valid, full logps or None)``, the last four ``[k, N]``. Returns early, after the step in which
     ``refill_at`` of the slots have finished (the host has prompts waiting for that many
     slots; a large value: never), or in which the live slots drop to ``shrink_at`` (they fit
-    the next smaller slot bucket; -1: never)."""
+    the next smaller slot bucket; -1: never). ``layers_l`` as in :func:`_prefill`."""
     lm: CausalLM = nnx.merge(graphdef, params)
     k, n = static.steps, table_nw.shape[0]
     ps = static.page_size
     rows = jnp.arange(n)
-    # The reference path runs the layers unrolled on per-layer weights, sliced once here.
-    layers = unstack_layers(lm.model.layers) if static.kernel is None else None
+    # The reference path runs the layers unrolled on per-layer weights.
+    layers = _layers(lm, layers_l) if static.kernel is None else None
 
     def step(carry: tuple) -> tuple:
         i, (pool, dense), st, tok_kn, logp_kn, valid_kn, full_kn = carry
@@ -800,6 +826,7 @@ def worst_case_programs(
     )
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng, f32, i32 = sds(key.shape, key.dtype), sds((), jnp.float32), sds(())
+    layers_l = None if kernel is not None else jax.eval_shape(layer_params, params)
 
     # Every slot live (or every sequence, when there are fewer), each holding its longest
     # context: the prompt and all but the last of its T tokens (the last is never fed).
@@ -811,6 +838,7 @@ def worst_case_programs(
     )
     decode_args = (
         params,
+        layers_l,
         pool,
         sds((n, width)),
         state,
@@ -832,6 +860,7 @@ def worst_case_programs(
     c, cover = max(shapes, key=lambda wp: wp[0] * wp[1])
     prefill_args = (
         params,
+        layers_l,
         pool,
         sds((r, c)),
         sds((r, c), bool),
@@ -897,6 +926,7 @@ def run(
     )
     if mesh is not None:
         pool = jax.device_put(pool, NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    layers_l = layer_params(params) if kernel is None else None  # once per run
     page_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool)) // options.num_pages
     alloc = PageAllocator(options.num_pages)
     static = _make_static(
@@ -1007,6 +1037,7 @@ def run(
             pool, tok_rg, logp_rg, full_rg = _prefill(
                 graphdef,
                 params,
+                layers_l,
                 pool,
                 tok,
                 valid,
@@ -1105,6 +1136,7 @@ def run(
             pool, state, tok_kn, logp_kn, valid_kn, full_kn = _decode(
                 graphdef,
                 params,
+                layers_l,
                 pool,
                 table,
                 state,

@@ -719,7 +719,8 @@ class Program:
 
     ``bytes = arguments + outputs − aliased + temporaries`` is what it needs on one device while
     it runs; ``flops`` as XLA counts them (a loop body once). ``resident``: the bytes of its
-    arguments that belong to the resident train state (set for the extra programs).
+    arguments that belong to the resident train state (set for the extra programs), less the
+    bytes it holds that are not its arguments (the paged engine's stacked layer weights).
     ``shared``: argument bytes XLA counts twice that are one buffer at run time (LoRA's frozen
     base, passed to the RL step as the reference and as the base), left out of ``bytes``.
     """
@@ -941,7 +942,9 @@ def plan_paged_rollout(
       ``full_logprobs``: ``rollout.full_logprobs`` (the training rollout's; not evaluation's).
 
     Each program's ``resident``: the bytes of its parameter argument that are the run's own
-    buffers (neither cast nor resharded; 0 with ``resident=False``, a merged LoRA copy). Not
+    buffers (neither cast nor resharded; 0 with ``resident=False``, a merged LoRA copy), less,
+    on the reference path, the per-layer copies of the layer weights it takes instead of the
+    stacked ones (:func:`~jaxrl_llm.rollout.paged.layer_params`, made once per run). Not
     counted: under FSDP with weights stored wider than the compute dtype, the cast copy of the
     sharded weights that ``generate`` holds while the gathered one runs (``1/D`` of it).
     Returns the :class:`PagedRollout` and notes for the table.
@@ -1034,11 +1037,17 @@ def plan_paged_rollout(
         full_logprobs=full_logprobs,
         sharding=rep,
     )
+    # On the reference path the programs take run's per-layer copies of the stacked layer
+    # weights (paged.layer_params, an argument), not the stacked ones (XLA drops them), which
+    # stay held while they run, resident or as generate's cast copy: so the copies' bytes
+    # (those of the stacked weights) come off the resident ones.
+    layers_l = worst.decode.args[1]
+    copies = 0 if layers_l is None else tree_bytes(layers_l).per_device
     compiled = {}
     for which, call in (("prefill", worst.prefill), ("decode", worst.decode)):
         with jax.set_mesh(on):
             lowered = call.fn.lower(graphdef, *call.args, static=call.static)
-        compiled[which] = _program(name, lowered, resident=kept)
+        compiled[which] = _program(name, lowered, resident=kept - copies)
     pool = tree_bytes(worst.pool).per_device
     return (
         PagedRollout(

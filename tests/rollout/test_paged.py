@@ -4,6 +4,7 @@ the trainer's log-probs, page accounting, bad input, compile reuse, sharded para
 Pallas GPU kernel's wiring."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -385,3 +386,56 @@ def test_smollm2_greedy_equals_transformers_generate(smollm2, smollm2_hf, smollm
                 pad_token_id=tok.pad_token_id,
             )[0, len(prompt) :].tolist()
         assert tokens[i][valid[i]].tolist() == ref, f"prompt {i}"
+
+
+def _parameter_shapes(compiled) -> set[str]:
+    """The shapes (``f32[3,40,88]``) of a compiled program's entry parameters."""
+    hlo = compiled.as_text()
+    entry = hlo[hlo.index("\nENTRY") :]
+    return set(re.findall(r"= (\w+\[[\d,]*\])\S* parameter\(", entry.split("\n}\n")[0]))
+
+
+def test_programs_take_the_layer_weights_sliced_once_per_run():
+    """run slices the stacked [L, ...] layer weights once (paged.layer_params) and passes the
+    per-layer copies to every _prefill and _decode call, so no call copies them again: the
+    compiled programs take the per-layer copies, not the stacked weights (XLA drops an unused
+    argument). Without the copies (layers_l None) they take the stacked weights. (That run
+    passes these arguments: test_paged_worst_case_shapes_are_what_run_passes in
+    tests/train/test_plan.py.)"""
+    from flax import nnx
+
+    from jaxrl_llm import models
+    from jaxrl_llm.models.tiny import tiny_random_config
+    from jaxrl_llm.rollout import engine
+
+    cfg = tiny_random_config(vocab_size=96, num_layers=3, hidden_size=40, intermediate_size=88)
+    graphdef, state = nnx.split(models.CausalLM(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(state)
+    shape = dict(num_samples=2, longest_prompt=8, max_new_tokens=8)
+    options = paged.resolve_options(SMALL, num_seqs=4, **shape)
+    worst = paged.worst_case_programs(
+        cfg,
+        params,
+        options,
+        None,
+        num_prompts=2,
+        **shape,
+        greedy=True,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=0,
+        cache_dtype=jnp.float32,
+        num_stop_ids=engine._stop_ids((), cfg).shape[0],
+    )
+    leaves = jax.tree.leaves(params["model"]["layers"])
+    stacked = {f"f32[{','.join(map(str, x.shape))}]" for x in leaves}
+    per_layer = {f"f32[{','.join(map(str, x.shape[1:]))}]" for x in leaves}
+    for call in (worst.prefill, worst.decode):
+        layers_l = call.args[1]
+        assert len(layers_l) == cfg.num_layers
+        for given in (layers_l, None):
+            args = (call.args[0], given, *call.args[2:])
+            taken = _parameter_shapes(call.fn.lower(graphdef, *args, static=call.static).compile())
+            assert bool(taken & stacked) == (given is None), (call.fn.__name__, sorted(taken))
+            if given is not None:
+                assert per_layer <= taken

@@ -317,12 +317,15 @@ def test_tiny_lora_plan_compiles_the_lora_step_with_the_frozen_base():
     # The sampler (the paged engine: rollout.engine auto, an EOS) runs the base joined with
     # the adapters: both resident, not counted twice; its page pool is donated.
     assert plan.rollout_engine == "paged"
-    assert plan.rollout.resident == _nbytes(models.frozen) + _nbytes(state.params)
+    # Less the per-layer copies of the layer weights the paged programs take instead of the
+    # stacked ones (paged.layer_params), which stay held.
+    copies = _nbytes(models.frozen["model"]["layers"]) + _nbytes(state.params["model"]["layers"])
+    assert plan.rollout.resident == _nbytes(models.frozen) + _nbytes(state.params) - copies
     assert plan.rollout.arguments >= plan.rollout.resident + plan.kv_cache.per_device
     assert (
         plan.rollout_peak
         == plan.state
-        + (plan.rollout.arguments - _nbytes(models.frozen) - _nbytes(state.params))
+        + (plan.rollout.arguments - _nbytes(models.frozen) - _nbytes(state.params) + copies)
         + plan.rollout.outputs
         - plan.rollout.aliased
         + plan.rollout.temporaries
@@ -472,7 +475,7 @@ def test_paged_worst_case_shapes_are_what_run_passes(monkeypatch):
         cache_dtype=np.dtype("float32"),
         num_stop_ids=8,
     )
-    assert max(seen["_prefill"], key=lambda a: a[1][0][0] * a[1][0][1]) == _shapes(
+    assert max(seen["_prefill"], key=lambda a: a[2][0][0] * a[2][0][1]) == _shapes(
         worst.prefill.args[1:]
     )
     assert seen["_decode"][0] == _shapes(worst.decode.args[1:])  # every slot live
@@ -511,10 +514,11 @@ def test_paged_plan_kv_is_the_pools_bytes_and_grows_with_its_pages():
     assert plan.rollout_engine == "paged" and plan.paged.options == options
     assert (options.num_slots, options.num_pages) == (4, 1 + 4 * 9)  # ⌈(128 + 8) / 16⌉ = 9
     assert plan.kv_cache == P.Bytes(_nbytes(pool), _nbytes(pool), 0)
+    layers = _nbytes(state.params["model"]["layers"])  # taken as per-layer copies instead
     for prog in (plan.paged.prefill, plan.paged.decode):
         assert prog.aliased == _nbytes(pool)  # donated: the pool is updated in place
-        assert prog.resident == _nbytes(state.params)  # f32 weights: neither cast nor copied
-        assert prog.arguments >= _nbytes(state.params) + _nbytes(pool)
+        assert prog.resident == _nbytes(state.params) - layers  # f32 weights: not cast
+        assert prog.arguments >= _nbytes(state.params) + _nbytes(pool)  # the copies, not stacked
     assert plan.rollout is plan.paged.program
     assert plan.rollout_peak == plan.state + plan.rollout.bytes - plan.rollout.resident
     (ev,) = plan.programs  # the evaluation samples with the paged engine too (greedy, G = 1)
@@ -915,7 +919,10 @@ def test_split_plan_of_the_paged_engine_runs_one_engine_per_rollout_data_shard()
     assert plan.kv_cache.per_device == pg.pool.per_device and plan.kv_cache.total == (
         2 * pg.pool.per_device
     )
-    assert plan.rollout.resident == sp.parameters.per_device  # dp: the copy, not copied again
+    _models, state = su.build_models(config, build_recipe(config))
+    layers = _nbytes(state.params["model"]["layers"])
+    # dp: the rollout copy, not copied again, less the per-layer copies of its layer weights
+    assert plan.rollout.resident == sp.parameters.per_device - layers
     assert plan.rollout_peak == sp.copy + plan.rollout.bytes - plan.rollout.resident
     text = P.format_plan(plan)
     _, rollout_block = text.split("rollout devices, per device")
