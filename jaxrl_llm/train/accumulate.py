@@ -74,6 +74,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm.train import hostmem
+
 Pair = tuple[jax.Array, jax.Array]
 """A ``(sum, denominator)`` pair; its value is ``sum / max(denominator, 1)``."""
 SumsFn = Callable[[Any, Any], tuple[jax.Array, dict[str, Pair]]]
@@ -441,8 +443,9 @@ def jit_step(
     ``jax.set_mesh(mesh)``; the state and the batch are first moved to those layouts (a no-op for
     arrays already in place). Without a mesh: a plain donating ``jax.jit``.
     """
+    options = hostmem.update_compiler_options(mesh)  # XLA:CPU: the smaller peak
     if mesh is None:
-        jitted = jax.jit(step_fn, donate_argnums=0)
+        jitted = jax.jit(step_fn, donate_argnums=0, compiler_options=options)
         return lambda state, batch: jitted(state, batch, *consts)
     if state_sharding is None:
         raise ValueError("jit_step: a mesh needs the state_sharding")
@@ -468,6 +471,7 @@ def jit_step(
                 in_shardings=(state_sharding, batch_sharding, *const_shardings),
                 out_shardings=(state_sharding, rep),
                 donate_argnums=0,
+                compiler_options=options,
             )
         # Committed arrays laid out otherwise (e.g. replicated log-probs) are moved first: jit
         # refuses a mismatch. Both are no-ops for arrays already in place.

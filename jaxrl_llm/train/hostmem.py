@@ -54,6 +54,23 @@ def peak_rss_gib() -> float:
     return peak / 2**30 if sys.platform == "darwin" else peak / 2**20  # bytes / KiB
 
 
+#: XLA:CPU's memory-optimised instruction scheduler, for the update programs. XLA:CPU's default
+#: scheduler keeps the layer scan's stacked zero gradient buffers (0.5 GiB for SmolLM2-135M in
+#: float32) live from before the forward pass; this one schedules them later. On the GRPO
+#: benchmark (``scripts/bench_train_step.py``): update temporaries 1.22 -> 1.09 GiB
+#: (``jaxrl-llm plan``), peak RSS 3.95 -> 3.84 GiB, the quickstart's 3.75 -> 3.68 GiB, at the
+#: same step time (BENCHMARKS.md, "Packed, token-budget updates").
+CPU_UPDATE_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+
+
+def update_compiler_options(mesh: jax.sharding.Mesh | None) -> dict[str, str] | None:
+    """``jax.jit(compiler_options=...)`` for an update program on ``mesh`` (None: the default
+    device): :data:`CPU_UPDATE_COMPILER_OPTIONS` where its devices are CPUs, where device
+    memory is host memory; None elsewhere (GPU and TPU schedulers are left as XLA sets them)."""
+    device = mesh.devices.flat[0] if mesh is not None else jax.devices()[0]
+    return dict(CPU_UPDATE_COMPILER_OPTIONS) if device.platform == "cpu" else None
+
+
 def _after_compile(event: str, duration_secs: float, **_) -> None:
     if event == BACKEND_COMPILE_EVENT:
         release_free_heap()
@@ -66,4 +83,10 @@ def release_after_compiles() -> None:
         jax.monitoring.register_event_duration_secs_listener(_after_compile)
 
 
-__all__ = ["peak_rss_gib", "release_after_compiles", "release_free_heap"]
+__all__ = [
+    "CPU_UPDATE_COMPILER_OPTIONS",
+    "peak_rss_gib",
+    "release_after_compiles",
+    "release_free_heap",
+    "update_compiler_options",
+]

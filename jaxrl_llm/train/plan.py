@@ -1834,7 +1834,7 @@ def _plan_offline(
     (:func:`jaxrl_llm.train.update.make_dpo_step`) and, with held-out prompts, the greedy
     evaluation sampler; ``N = preference.pairs_per_step`` pairs of ``P + T`` tokens, ``T`` the
     longest answer padded to the trainer's multiple."""
-    from jaxrl_llm.train import forward
+    from jaxrl_llm.train import forward, hostmem
     from jaxrl_llm.train import setup as su
     from jaxrl_llm.train import state as st
     from jaxrl_llm.train import update as up
@@ -1902,6 +1902,7 @@ def _plan_offline(
         ),
         out_shardings=(models_.state_sharding, st.replicated(mesh)),
         donate_argnums=0,
+        compiler_options=hostmem.update_compiler_options(mesh),
     )
     with jax.set_mesh(mesh):
         update_program = _program("update", jitted.lower(run.state, batch, *consts))

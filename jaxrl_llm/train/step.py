@@ -59,7 +59,7 @@ from jaxrl_llm import recipe as rc
 from jaxrl_llm.core import kl as _kl
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.recipe import Recipe
-from jaxrl_llm.train import forward
+from jaxrl_llm.train import forward, hostmem
 from jaxrl_llm.train import models as tm
 from jaxrl_llm.train import packing as pk
 from jaxrl_llm.train import state as st
@@ -360,6 +360,7 @@ def make_rl_step(
         return state, jnp.stack([jnp.asarray(metrics[k], jnp.float32) for k in names])
 
     rep = st.replicated(mesh)
+    compiler_options = hostmem.update_compiler_options(mesh)  # XLA:CPU: the smaller peak
     ref_params = models.ref_params
     ref_sharding = None
     if ref_params is not None:
@@ -429,6 +430,7 @@ def make_rl_step(
                 in_shardings=(sharding, g_sharding, ref_sharding, frozen_sharding, rep),
                 out_shardings=(sharding, rep),
                 donate_argnums=0,
+                compiler_options=compiler_options,
             )
             cache[key] = (jitted, [])
         jitted, names = cache[key]
@@ -459,6 +461,7 @@ def make_rl_step(
             in_shardings=(sharding, groups_sharding(groups), ref_sharding, frozen_sharding, rep),
             out_shardings=(sharding, rep),
             donate_argnums=0,
+            compiler_options=compiler_options,
         )
         with jax.set_mesh(mesh):
             lowered = jitted.lower(state, groups, ref_params, frozen, plan)

@@ -88,3 +88,43 @@ def test_jax_still_reports_the_backend_compile_event():
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert hostmem.BACKEND_COMPILE_EVENT in seen
+
+
+def test_update_compiler_options_are_for_cpu_meshes_only():
+    import jax
+    import numpy as np
+
+    cpu = jax.sharding.Mesh(np.array(jax.devices("cpu")[:1]), ("data",))
+    assert hostmem.update_compiler_options(cpu) == hostmem.CPU_UPDATE_COMPILER_OPTIONS
+    assert hostmem.update_compiler_options(None) == hostmem.CPU_UPDATE_COMPILER_OPTIONS
+
+    class Accelerator:
+        platform = "tpu"
+
+    tpu = type("Mesh", (), {"devices": np.array([Accelerator()], dtype=object)})()
+    assert hostmem.update_compiler_options(tpu) is None
+
+
+def test_the_update_programs_are_compiled_with_the_cpu_options(monkeypatch):
+    """Both update jits (the RL step's and ``accumulate.jit_step``'s, on a mesh and without)
+    hand the options to XLA: an invalid scheduler name makes their compile fail naming it."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxrl_llm.train import accumulate as acc
+    from jaxrl_llm.train.step import make_rl_step
+    from tests.train import test_step as T
+
+    monkeypatch.setattr(
+        hostmem, "CPU_UPDATE_COMPILER_OPTIONS", {"xla_cpu_scheduler_type": "NOT_A_SCHEDULER"}
+    )
+    setup = T.resolve()
+    step = make_rl_step(setup.recipe, setup.models, setup.update)
+    with pytest.raises(Exception, match="xla_cpu_scheduler_type"):
+        step(T.copy(setup.state), T.make_groups(setup, 0))
+    mesh = setup.models.mesh
+    on_mesh = {"mesh": mesh, "state_sharding": NamedSharding(mesh, PartitionSpec())}
+    for kw in ({}, on_mesh):
+        jitted = acc.jit_step(lambda s, b: (s + b, {}), **kw)
+        with pytest.raises(Exception, match="xla_cpu_scheduler_type"):
+            jitted(jnp.zeros(3), jnp.ones(3))
