@@ -102,15 +102,57 @@ def segment_mask(
     return same_bts & (segment_ids_bt != 0)[:, :, None]
 
 
+QUERY_BLOCK = 128
+"""The query block of the models' cache-free forward passes (:func:`reference_attention` with
+``causal=True``): rows of at least twice this many tokens are computed block by block. Measured
+(``scripts/bench_attention_blocks.py``, two SmolLM2-shaped layers, 2 rows, forward+backward,
+float32, no remat): rows of 512 tokens 309 -> 212 MiB of XLA temporaries and 1.18x faster,
+rows of 2,048 tokens 2,739 -> 1,172 MiB and 1.64x faster (BENCHMARKS.md, "Packed, token-budget
+updates")."""
+
+
 def reference_attention(
-    q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, allowed_bts: jax.Array
+    q_bthd: jax.Array,
+    k_bskd: jax.Array,
+    v_bskd: jax.Array,
+    allowed_bts: jax.Array,
+    *,
+    causal: bool = False,
+    query_block: int | None = None,
 ) -> jax.Array:
     """``softmax(q k^T / sqrt(Dh)) v`` over allowed keys; query head ``h`` reads kv head ``h // G``.
 
     ``allowed_bts`` is bool ``[B or 1, T, S]`` (:func:`attention_mask`). Scores and softmax are
     float32. A query with no allowed key (a padding position) gets a uniform average instead of
     NaN; its output is never used.
+
+    ``query_block``: with ``T >= 2 * query_block``, the queries are computed in blocks of that
+    many, each block under ``jax.checkpoint``: only one block's ``[T_block, S]`` scores are live
+    at a time, forward and backward (the backward recomputes a block's softmax instead of
+    keeping the whole ``[T, S]`` one). ``causal``: the caller promises that key ``s`` is never
+    allowed for query ``t < s`` (self-attention, ``S == T``, as every cache-free forward pass);
+    block ``[t0, t1)`` then reads only keys ``< t1``, which skips the masked upper triangle's
+    scores (about ``(n - 1) / 2n`` of them for ``n`` blocks). Each query's softmax is over the
+    same allowed keys, so the result equals the unblocked one to float rounding.
     """
+    t, s = q_bthd.shape[1], k_bskd.shape[1]
+    if query_block is None or t < 2 * query_block:
+        return _attend(q_bthd, k_bskd, v_bskd, allowed_bts)
+    if causal and s != t:
+        raise ValueError(f"causal query blocks need as many keys as queries (S={s}, T={t})")
+    block = jax.checkpoint(_attend)
+    outs = []
+    for t0 in range(0, t, query_block):
+        t1 = min(t0 + query_block, t)
+        s1 = t1 if causal else s
+        allowed = allowed_bts[:, t0:t1, :s1]
+        outs.append(block(q_bthd[:, t0:t1], k_bskd[:, :s1], v_bskd[:, :s1], allowed))
+    return jnp.concatenate(outs, axis=1)
+
+
+def _attend(
+    q_bthd: jax.Array, k_bskd: jax.Array, v_bskd: jax.Array, allowed_bts: jax.Array
+) -> jax.Array:
     b, t, h, hd = q_bthd.shape
     kv_heads = k_bskd.shape[2]
     q_btkgd = q_bthd.reshape(b, t, kv_heads, h // kv_heads, hd) * jnp.asarray(

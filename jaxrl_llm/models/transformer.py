@@ -578,7 +578,13 @@ class Decoder(nnx.Module):
             else:  # a shared prefix sits further back in the row than in its sequence
                 in_window = positions_bt[:, None, :] > positions_bt[:, :, None] - window
             allowed_bts = base_bts & in_window
-            return functools.partial(attention_lib.reference_attention, allowed_bts=allowed_bts)
+            return functools.partial(
+                attention_lib.reference_attention,
+                allowed_bts=allowed_bts,
+                # cache-free: self-attention within the rows, causal in row slots
+                causal=cache is None,
+                query_block=attention_lib.QUERY_BLOCK if cache is None else None,
+            )
 
         if cache is None:
 

@@ -65,6 +65,49 @@ def test_reference_segments_equal_separate_sequences(window, heads):
         start += n
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_query_blocks_equal_the_whole_softmax_values_and_gradients(causal):
+    """Blocks of 4 queries over a row of 14 (three packed sequences, a window of 5 in one
+    case), each rematerialised and, causal, reading only the keys up to its end: the same
+    outputs and q/k/v gradients as the unblocked reference."""
+    q, k, v = _qkv(jax.random.key(3), 2, WIDTH, 4, 2, 8)
+    seg = jnp.asarray(np.concatenate([_segment_ids(), _segment_ids((14,))]))
+    window = 5 if causal else None
+    allowed = attn.attention_mask(WIDTH, WIDTH, window=window, segment_ids_bt=seg)
+    if not causal:  # a mask that reads later keys too: segments only
+        allowed = attn.segment_mask(seg)
+    cotangent = jax.random.normal(jax.random.key(4), q.shape)
+
+    def loss(q, k, v, block):
+        out = attn.reference_attention(q, k, v, allowed, causal=causal, query_block=block)
+        return jnp.sum(out * cotangent), out
+
+    (_, whole), g_whole = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v, None)
+    blocked_fn = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True), static_argnums=3)
+    (_, blocked), g_blocked = blocked_fn(q, k, v, 4)
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(whole), rtol=1e-5, atol=1e-6)
+    for a, b in zip(g_blocked, g_whole, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    # Four blocks: 4 + 4 + 4 + 2 queries; causal blocks read 4, 8, 12 and 14 keys.
+    hlo = blocked_fn.lower(q, k, v, 4).as_text()
+    widths = (4, 8, 12, 14) if causal else (14,)
+    for s in widths:
+        assert f"tensor<2x2x4x2x{s}xf32>" in hlo or f"tensor<2x2x2x2x{s}xf32>" in hlo, s
+    assert "tensor<2x2x14x2x14xf32>" not in hlo  # no whole [T, S] score block
+
+
+def test_query_blocks_only_from_twice_the_block_and_causal_needs_self_attention():
+    q, k, v = _qkv(jax.random.key(5), 1, 7, 2, 2, 4)
+    allowed = attn.attention_mask(7, 7)
+    whole = attn.reference_attention(q, k, v, allowed)
+    same = attn.reference_attention(q, k, v, allowed, causal=True, query_block=4)  # 7 < 2 * 4
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(whole))
+    with pytest.raises(ValueError, match="causal query blocks need as many keys as queries"):
+        attn.reference_attention(
+            q, k[:, :6], v[:, :6], allowed[:, :, :6], causal=True, query_block=2
+        )
+
+
 def test_segment_positions_restart_per_segment():
     seg = jnp.asarray([[1, 1, 1, 2, 2, 3, 0, 0], [0, 0, 1, 1, 1, 1, 1, 1]], jnp.int32)
     want = [[0, 1, 2, 0, 1, 0, 0, 0], [0, 0, 0, 1, 2, 3, 4, 5]]
@@ -112,6 +155,32 @@ def test_causal_lm_packed_row_equals_separate_rows(name):
             atol=1e-5,
         )
         start += n
+
+
+@pytest.mark.parametrize("name", sorted(TINY_CONFIGS))
+def test_causal_lm_query_blocks_equal_whole_rows(name, monkeypatch):
+    """The model's cache-free forward passes run the reference attention in query blocks
+    (``attention.QUERY_BLOCK``): blocks of 4 over a packed row of 14 give the logits and
+    parameter gradients of the whole-row softmax (windows and remat included)."""
+    seg_bt = jnp.asarray(_segment_ids())
+    tokens = jnp.where(seg_bt > 0, jax.random.randint(jax.random.key(2), (1, WIDTH), 3, 97), 0)
+
+    def run(block: int):
+        monkeypatch.setattr(attn, "QUERY_BLOCK", block)
+        model = _tiny(**TINY_CONFIGS[name], remat="full")
+        graphdef, params = nnx.split(model)
+
+        def loss(params):
+            logits = nnx.merge(graphdef, params)(tokens, segment_ids_bt=seg_bt)
+            return jnp.sum(jax.nn.log_softmax(logits)[..., 5] * (seg_bt > 0)), logits
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (_, whole), g_whole = run(10**6)
+    (_, blocked), g_blocked = run(4)
+    np.testing.assert_allclose(np.asarray(blocked), np.asarray(whole), rtol=1e-5, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g_blocked), jax.tree.leaves(g_whole), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
 
 
 def test_unpacked_call_is_unchanged_by_all_ones_segments():
