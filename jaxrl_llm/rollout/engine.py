@@ -591,9 +591,10 @@ def choose_engine(engine: str, *, can_stop_early: bool) -> str:
     at different times (stop ids, per-sample budgets), where continuous batching refills the
     slots they free and the dense engine would run every row to the longest; ``"static"``
     when every row runs exactly ``max_new_tokens``, where there is nothing to refill and the
-    one dense batch was measured faster (BENCHMARKS.md "Rollout engines": the fixed
-    workload, 32 prompts × 64 tokens, static 1.15–1.3x paged on CPU; long-tail budgets:
-    paged 2.5x static).
+    one dense batch is as fast and holds less (BENCHMARKS.md "Rollout engines": the fixed
+    workload, 32 prompts × 64 tokens, paged 1.01x static on CPU since the paged engine slices
+    its layer weights once per run, 0.82x before; the quickstart's 24-token rollouts 4.6–4.7 s
+    static, 4.7–5.3 s paged, +0.1 GiB peak RSS; long-tail budgets: paged 2.7x static).
 
     Raises:
       ValueError: ``engine`` is not one of :data:`ENGINES`.
