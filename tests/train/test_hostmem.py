@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -128,3 +129,23 @@ def test_the_update_programs_are_compiled_with_the_cpu_options(monkeypatch):
         jitted = acc.jit_step(lambda s, b: (s + b, {}), **kw)
         with pytest.raises(Exception, match="xla_cpu_scheduler_type"):
             jitted(jnp.zeros(3), jnp.ones(3))
+
+
+@pytest.mark.skipif(hostmem.heap_bytes_in_use() is None, reason="needs glibc >= 2.33 (mallinfo2)")
+def test_peak_heap_growth_sees_a_buffer_that_is_freed_before_the_call_returns():
+    """A 64 MiB buffer allocated and freed inside the call (never touched, so no resident
+    page) is in the peak growth; one that existed before the call is not."""
+    import numpy as np
+
+    before = np.empty(16 * 2**20, np.uint8)  # exists before: not growth
+
+    def allocate_and_free():
+        buffer = np.empty(64 * 2**20, np.uint8)  # malloc'ed, pages never touched
+        time.sleep(0.05)  # the sampler runs while it lives
+        del buffer
+        return "done"
+
+    result, growth = hostmem.peak_heap_growth(allocate_and_free)
+    assert result == "done"
+    assert 64 * 2**20 <= growth < 64 * 2**20 + 8 * 2**20, growth
+    del before

@@ -2,8 +2,11 @@
 
 The issue's "within 10% of the measured peak" needs a device that reports its memory
 (``device.memory_stats()``); CPU devices report none, so on CPU the plan is checked against
-what can be counted exactly instead: the real state's arrays (parameters, optimizer,
-reference) and XLA's argument bytes (the state, reference and batch the step takes).
+what can be counted exactly: the real state's arrays (parameters, optimizer, reference) and
+XLA's argument bytes (the state, reference and batch the step takes); and the tiny update's
+planned peak against the bytes the process allocates while the trainer's step runs (glibc
+``mallinfo2``, :func:`jaxrl_llm.train.hostmem.peak_heap_growth`), which on XLA:CPU exceeds the
+plan by more than 10% (run-time scratch of XLA:CPU's YNNPACK dots; see that test).
 """
 
 import dataclasses
@@ -18,8 +21,10 @@ import pytest
 from jaxrl_llm import cli
 from jaxrl_llm.config import build_recipe, load_config
 from jaxrl_llm.models import sharding as shd
+from jaxrl_llm.train import hostmem
 from jaxrl_llm.train import plan as P
 from jaxrl_llm.train import setup as su
+from jaxrl_llm.train.step import Groups, make_rl_step
 
 TINY = "configs/tiny.yaml"
 GiB = 2**30
@@ -286,6 +291,85 @@ def test_tiny_plan_on_one_cpu_device_agrees_with_xla_and_the_state():
         ["model.lora.rank=16", "model.lora.quantize=none"],
         ["model.lora.rank=16", "model.lora.quantize=nf4"],
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    hostmem.heap_bytes_in_use() is None,
+    reason="counting allocated bytes needs glibc >= 2.33 (mallinfo2); CPU devices report none",
+)
+def test_tiny_update_peak_against_the_bytes_the_trainers_step_allocates():
+    """The plan's update peak of the tiny config on one CPU device against the trainer's step
+    (the same program: XLA's memory figures are the plan's) run on the plan's worst-case
+    batch, measured as
+
+        measured = bytes of its argument arrays + peak growth of the C heap's bytes in use
+                   (glibc mallinfo2 uordblks + hblkhd, sampled while the step runs)
+
+    The issue's 10% does not hold on XLA:CPU, and this test does not claim it. XLA's own
+    buffers are all there: the step allocates ``outputs − aliased + temporaries`` (63.9 MiB
+    under the suite's flags) as one block for the whole run. On top of it XLA:CPU's YNNPACK
+    dot fusions allocate their own scratch at run time (``slinky::raw_buffer::allocate``
+    under ``ynn_invoke_runtime``: 6 and 12 MiB blocks, the tied 49152 × 64 embedding's size
+    and half of it), which no buffer assignment counts: 24-33 MiB at once on 2 cores, so
+    measured / planned = 1.21-1.29 (plan 113.0 MiB; 2 cores, jax 0.10.2). Turning YNNPACK off
+    (``--xla_cpu_experimental_ynn_fusion_type=``) leaves 15-21 MiB of other dot scratch, at
+    1.13-1.17. What is checked: the plan is not above the measured peak by more than 10%, and
+    not below it by more than 40% (the scratch; it may grow with the number of threads), and a
+    plan that left out the temporaries would be far outside that band.
+    """
+    config = load_config(TINY)
+    recipe = build_recipe(config)
+    plan = P.plan_run(config, P.parse_target(devices=1, device_memory="1GiB"))
+    models, state = su.build_models(config, recipe)
+    r = config.rollout
+    b, g, t, p = r.prompts_per_step, r.num_samples, r.max_new_tokens, 128  # the plan's worst case
+    vocab = P.model_config(config.model, accelerator=False).vocab_size
+    rng = np.random.default_rng(0)
+    host = Groups(
+        prompt_ids_bp=rng.integers(3, vocab, (b, p), dtype=np.int32),
+        prompt_mask_bp=np.ones((b, p), bool),
+        tokens_bgt=rng.integers(3, vocab, (b, g, t), dtype=np.int32),
+        mask_bgt=np.ones((b, g, t), bool),
+        logp_sampler_bgt=-rng.random((b, g, t), dtype=np.float32),
+        reward_bg=rng.standard_normal((b, g)).astype(np.float32),
+        member_bg=np.ones((b, g), bool),
+    )
+    # On the step's own shardings, so that its device_put is a no-op inside the measurement.
+    groups = jax.tree.map(lambda x: jax.device_put(x, models.batch_sharding(x.ndim)), host)
+    step = make_rl_step(
+        recipe,
+        models,
+        su.update_shape(config),
+        temperature=r.temperature or 1.0,
+        old_logprobs=su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
+    )
+    state, _ = step(state, groups)  # compiles
+    mem = step.lower(state, groups).compile().memory_analysis()
+    u = plan.update
+    assert (mem.argument_size_in_bytes, mem.output_size_in_bytes) == (u.arguments, u.outputs)
+    assert (mem.alias_size_in_bytes, mem.temp_size_in_bytes) == (u.aliased, u.temporaries)
+
+    def run_step():
+        nonlocal state
+        state, metrics = step(state, groups)
+        jax.block_until_ready(state)
+        return metrics
+
+    growths = []
+    for _ in range(3):
+        metrics, growth = hostmem.peak_heap_growth(run_step)
+        assert np.isfinite(metrics["actor/loss"])
+        growths.append(growth)
+    arguments = _nbytes(state) + _nbytes(models.ref_params) + _nbytes(groups)
+    # XLA drops the arguments the program does not read (the sampler's log-probs).
+    assert 0 <= arguments - u.arguments <= plan.batch.per_device
+    measured = arguments + max(growths)
+    ratio = measured / plan.update_peak
+    numbers = f"measured {measured / 2**20:.1f} MiB / planned {plan.update_peak / 2**20:.1f} MiB"
+    assert 0.9 <= ratio <= 1.4, f"{numbers} = {ratio:.3f} (growths {growths})"
+    # The band is narrow enough to catch a plan without the temporaries (about 2.3x here).
+    assert measured > 1.4 * (plan.update_peak - u.temporaries), numbers
 
 
 @pytest.mark.slow
