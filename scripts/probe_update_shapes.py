@@ -44,9 +44,9 @@ def main() -> None:
     import numpy as np
 
     from jaxrl_llm.config.validation import load_config
-    from jaxrl_llm.train import hostmem
+    from jaxrl_llm.train import hostmem, loop
     from jaxrl_llm.train import setup as su
-    from jaxrl_llm.train.step import Groups, make_rl_step
+    from jaxrl_llm.train.step import Groups
 
     sys.path.insert(0, str(Path(__file__).parent))
     from _bench_common import machine_info
@@ -55,13 +55,7 @@ def main() -> None:
     hostmem.release_after_compiles()
     config = load_config(args.config, ["data.eval_size=0", *args.overrides])
     setup = su.resolve(config, run_dir=tempfile.mkdtemp(prefix="probe_shapes_"))
-    step = make_rl_step(
-        setup.recipe,
-        setup.models,
-        setup.update,
-        temperature=setup.sampler.temperature,
-        old_logprobs=setup.old_logprobs,
-    )
+    step = loop._rl_step(setup)  # the training loop's own RL step
     state = setup.state
     b, g, t = setup.loop.batch_size, setup.sampler.num_samples, setup.sampler.max_new_tokens
     vocab = setup.policy().config.vocab_size

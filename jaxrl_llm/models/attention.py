@@ -107,8 +107,9 @@ QUERY_BLOCK = 128
 ``causal=True``): rows of at least twice this many tokens are computed block by block. Measured
 (``scripts/bench_attention_blocks.py``, two SmolLM2-shaped layers, 2 rows, forward+backward,
 float32, no remat): rows of 512 tokens 309 -> 212 MiB of XLA temporaries and 1.18x faster,
-rows of 2,048 tokens 2,739 -> 1,172 MiB and 1.64x faster (BENCHMARKS.md, "Packed, token-budget
-updates")."""
+rows of 2,048 tokens 2,739 -> 1,172 MiB and 1.64x faster on a 2-core AMD EPYC Zen 4 (AVX-512);
+1.13x and 1.88x faster, the same memory, on a Zen 3 (AVX2 only) (BENCHMARKS.md, "Packed,
+token-budget updates")."""
 
 
 def reference_attention(

@@ -150,7 +150,9 @@ def peak_heap_growth(fn: Callable[[], T], *, interval_s: float = 0.0) -> tuple[T
 #: float32) live from before the forward pass; this one schedules them later. On the GRPO
 #: benchmark (``scripts/bench_train_step.py``): update temporaries 1.22 -> 1.09 GiB
 #: (``jaxrl-llm plan``), peak RSS 3.95 -> 3.84 GiB, the quickstart's 3.75 -> 3.68 GiB, at the
-#: same step time (BENCHMARKS.md, "Packed, token-budget updates").
+#: same step time on a 2-core AMD EPYC Zen 4 (AVX-512); the quickstart's 3.77 -> 3.68-3.70 GiB,
+#: also at the same update time, on a Zen 3 (AVX2) (BENCHMARKS.md, "Packed, token-budget
+#: updates").
 CPU_UPDATE_COMPILER_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
 
 

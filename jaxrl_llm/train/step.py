@@ -409,6 +409,17 @@ def make_rl_step(
         widest_targets[rest] = targets
         return plan.device_arrays(), dataclasses.replace(shape, targets=targets)
 
+    def jit_for(shape: pk.PackShape | None, g_sharding: Groups) -> Callable:
+        """The donating jit of the step for one packed shape (None: unpacked) and batch
+        layout; on CPU with the memory-optimised schedule (:mod:`~jaxrl_llm.train.hostmem`)."""
+        return jax.jit(
+            functools.partial(step, shape=shape),
+            in_shardings=(sharding, g_sharding, ref_sharding, frozen_sharding, rep),
+            out_shardings=(sharding, rep),
+            donate_argnums=0,
+            compiler_options=compiler_options,
+        )
+
     def dispatch(
         state: st.TrainState, groups: Groups
     ) -> tuple[st.TrainState, Callable[[], dict[str, float]]]:
@@ -425,14 +436,7 @@ def make_rl_step(
         plan, shape = plan_of(groups)
         key = jax.tree.structure(groups), tuple(g_sharding), shape
         if key not in cache:
-            jitted = jax.jit(
-                functools.partial(step, shape=shape),
-                in_shardings=(sharding, g_sharding, ref_sharding, frozen_sharding, rep),
-                out_shardings=(sharding, rep),
-                donate_argnums=0,
-                compiler_options=compiler_options,
-            )
-            cache[key] = (jitted, [])
+            cache[key] = (jit_for(shape, g_sharding), [])
         jitted, names = cache[key]
         state = jax.device_put(state, sharding)
         groups = jax.device_put(groups, g_sharding)
@@ -456,13 +460,7 @@ def make_rl_step(
         be sharded ``jax.ShapeDtypeStruct``s; with packing the masks must be host arrays, the
         plan reads them): :mod:`jaxrl_llm.train.plan` compiles it for a target's devices."""
         plan, shape = plan_of(groups)
-        jitted = jax.jit(
-            functools.partial(step, shape=shape),
-            in_shardings=(sharding, groups_sharding(groups), ref_sharding, frozen_sharding, rep),
-            out_shardings=(sharding, rep),
-            donate_argnums=0,
-            compiler_options=compiler_options,
-        )
+        jitted = jit_for(shape, groups_sharding(groups))
         with jax.set_mesh(mesh):
             lowered = jitted.lower(state, groups, ref_params, frozen, plan)
         traced_names.pop()  # the metric names of this trace; call() pops only its own
