@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jaxrl_llm.models import attention as attention_lib
-from jaxrl_llm.models import sharding
+from jaxrl_llm.models import grad_accumulation, sharding
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.rope import apply_rope, rope_cos_sin, rope_frequencies
 
@@ -419,6 +419,10 @@ def scan_layers(
         layer_state, x_l = per_layer
         return body(nnx.merge(graphdef, layer_state), carry, x_l)
 
+    if remat == "full":  # inside a micro-batch loop, the gradient may go into its accumulator
+        fused = grad_accumulation.scan(step, carry, state, xs)
+        if fused is not None:
+            return fused
     if remat != "none":
         step = jax.checkpoint(step, policy=_REMAT_POLICIES[remat])
     return jax.lax.scan(step, carry, (state, xs))

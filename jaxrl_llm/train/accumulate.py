@@ -34,6 +34,13 @@ through the loop: each iteration differentiates its own micro-batch and adds the
 per-minibatch data every micro-batch sees (e.g. the ``[n, T]`` masks and advantages) and the
 stacked slots. Exactness is unchanged: the denominator still comes from the whole minibatch.
 
+Fused accumulation. Each micro-batch's gradient is taken inside
+:func:`~jaxrl_llm.models.grad_accumulation.accumulating_into` the running sum: a model whose
+layer scan is rematerialised (``remat="full"``) adds its layers' gradients into the
+accumulator inside its backward pass, so the micro-batch's stacked layer gradient is never a
+second gradient-sized buffer beside the sum; the other leaves are added after the gradient.
+The sums are the same either way (tested against the plain accumulation).
+
 Non-finite updates. A non-finite gradient (one NaN/inf anywhere makes its global norm
 non-finite) or loss sum skips that trainee's update with a ``lax.cond`` inside the jit: its
 parameters and optimizer state are kept bit for bit, and ``update/nonfinite`` counts the skipped
@@ -74,6 +81,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm.models import grad_accumulation
 from jaxrl_llm.train import hostmem
 
 Pair = tuple[jax.Array, jax.Array]
@@ -218,11 +226,41 @@ def _sums(trainee: Trainee, context: Any) -> SumsFn:
     return lambda params, micro: trainee.sums(params, micro, context)
 
 
+def _grad_into(
+    sums: Callable[[Any, Any], tuple[jax.Array, dict[str, Pair]]],
+    params: Any,
+    micro: Any,
+    acc: Any,
+) -> tuple[tuple[jax.Array, dict[str, Pair]], Any]:
+    """``((loss_sum, metric pairs), acc + ∇ loss_sum)`` of one micro-batch, float32.
+
+    Rematerialised layer stacks add their gradients into ``acc`` inside the backward pass
+    (:mod:`jaxrl_llm.models.grad_accumulation`), so their micro-batch gradient is never a
+    second gradient-sized buffer beside ``acc``; every other leaf is added here.
+    """
+    added: list[set[int]] = []
+
+    def into(p: Any) -> tuple[jax.Array, dict[str, Pair]]:
+        with grad_accumulation.accumulating_into(p, acc) as fused:
+            added.append(fused)
+            return sums(p, micro)
+
+    out, grads = jax.value_and_grad(into, has_aux=True)(params)
+    fused = added[0]
+    acc_leaves, treedef = jax.tree.flatten(acc)
+    summed = [
+        g.astype(jnp.float32) if i in fused else a + g.astype(jnp.float32)
+        for i, (a, g) in enumerate(zip(acc_leaves, treedef.flatten_up_to(grads), strict=True))
+    ]
+    return out, treedef.unflatten(summed)
+
+
 def _accumulate(
     trainee: Trainee, params: Any, mb: Any, constrain: Callable[[Any], Any], context: Any = None
 ) -> tuple[jax.Array, dict[str, Pair], Any]:
     """Σ over the K micro-batches of ``mb`` of (loss_sum, metric pairs, ∇ loss_sum)."""
-    grad_fn = jax.value_and_grad(_sums(trainee, context), has_aux=True)
+    sums = _sums(trainee, context)
+    grad_fn = jax.value_and_grad(sums, has_aux=True)
     num_micro = jax.tree.leaves(mb)[0].shape[0]
     if num_micro == 1:
         (loss, aux), grads = grad_fn(params, constrain(_first(mb)))
@@ -231,9 +269,9 @@ def _accumulate(
     def body(
         carry: tuple[jax.Array, dict[str, Pair], Any], micro: Any
     ) -> tuple[tuple[jax.Array, dict[str, Pair], Any], None]:
-        (loss, aux), grads = grad_fn(params, constrain(micro))
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        return _add(carry, (loss, aux, grads)), None
+        loss, aux, acc = carry
+        (d_loss, d_aux), acc = _grad_into(sums, params, constrain(micro), acc)
+        return (loss + d_loss, _add(aux, d_aux), acc), None
 
     (loss_shape, aux_shape), grad_shape = jax.eval_shape(grad_fn, params, _first(mb))
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
@@ -254,7 +292,8 @@ def _accumulate_ragged(
     """Σ over the first ``mb.count`` micro-batch slots of (loss_sum, metric pairs, ∇ loss_sum):
     a loop with a traced trip count (the slots beyond it are not computed); one slot is one
     gradient, no loop."""
-    grad_fn = jax.value_and_grad(_sums(trainee, context), has_aux=True)
+    sums = _sums(trainee, context)
+    grad_fn = jax.value_and_grad(sums, has_aux=True)
     micro_at = lambda k: constrain(jax.tree.map(lambda x: x[k], mb.micro))
     if jax.tree.leaves(mb.micro)[0].shape[0] == 1:
         # One slot, so count == 1: no loop and no zero-initialised accumulator, whose extra
@@ -269,9 +308,9 @@ def _accumulate_ragged(
         grads0 = jax.lax.with_sharding_constraint(grads0, trainee.param_sharding)
 
     def body(k: jax.Array, carry: tuple[jax.Array, dict[str, Pair], Any]) -> tuple:
-        (loss, aux), grads = grad_fn(params, (mb.shared, micro_at(k)))
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        return _add(carry, (loss, aux, grads))
+        loss, aux, acc = carry
+        (d_loss, d_aux), acc = _grad_into(sums, params, (mb.shared, micro_at(k)), acc)
+        return loss + d_loss, _add(aux, d_aux), acc
 
     init = (zeros(loss_shape), zeros(aux_shape), grads0)
     return jax.lax.fori_loop(0, jnp.asarray(mb.count, jnp.int32), body, init)

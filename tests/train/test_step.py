@@ -379,6 +379,18 @@ def test_sampler_logprobs_with_truncated_importance_sampling():
             id="grpo-groups-split-fsdp",
         ),
         pytest.param(
+            # The same with remat: the layer scan's backward pass adds into the micro-batch
+            # gradient accumulators (models/grad_accumulation), sharded over fsdp.
+            (
+                "rollout.prompts_per_step=8",
+                "rollout.num_samples=2",
+                "optim.micro_batch_size=8",
+                "model.remat=full",
+            ),
+            ("mesh.data=4", "mesh.fsdp=2", "mesh.preset=fsdp"),
+            id="grpo-remat-fused-accumulation-fsdp",
+        ),
+        pytest.param(
             # B = 2 prompts on 8 shards: the groups are replicated, the N = 8 rows split; the
             # π_old pass, the KL in the reward and the batch whitening see the global batch.
             ("algorithm.name=reinforce_pp", "algorithm.hparams.beta=0.05"),
