@@ -425,7 +425,12 @@ def test_tiny_lora_plan_compiles_the_lora_step_with_the_frozen_base():
 
 @pytest.mark.slow
 def test_dpo_plan_has_the_reference_pass_and_the_update():
-    overrides = ["model.path=tiny-random", "model.dtype=float32", "data.eval_size=0"]
+    overrides = [
+        "model.path=tiny-random",
+        "model.dtype=float32",
+        "model.remat=none",
+        "data.eval_size=0",
+    ]
     config = load_config("configs/algorithms/dpo.yaml", overrides)
     recipe = build_recipe(config)
     models, state = su.build_models(config, recipe)
