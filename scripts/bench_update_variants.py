@@ -89,17 +89,11 @@ def main() -> None:
                 seconds[name][shape].append(round(run(name, groups), 2))
             print(r, shape, {n: seconds[n][shape][-1] for n in runs}, flush=True)
     base = next(iter(runs))
-    summary = {
-        name: {
-            shape: {"median_s": statistics.median(v), "vs_first": None}
-            for shape, v in by_shape.items()
-        }
-        for name, by_shape in seconds.items()
+    median = {n: {s: statistics.median(v) for s, v in by.items()} for n, by in seconds.items()}
+    summary = {  # vs_first > 1: faster than the first variant
+        n: {s: {"median_s": m, "vs_first": round(median[base][s] / m, 3)} for s, m in by.items()}
+        for n, by in median.items()
     }
-    for name in runs:
-        for shape in batches:
-            ratio = summary[base][shape]["median_s"] / summary[name][shape]["median_s"]
-            summary[name][shape]["vs_first"] = round(ratio, 3)  # > 1: faster than the first
     machine["load_avg_after"] = os.getloadavg()
     result = {"machine": machine, "command": " ".join(sys.argv), "seconds": seconds}
     result["summary"] = summary

@@ -73,30 +73,24 @@ def accumulating_into(params: Any, acc: Any) -> Iterator[set[int]]:
         _SINK.reset(token)
 
 
-def _claim(state_leaves: Sequence[Any]) -> list[int] | None:
-    """The sink indices of ``state_leaves`` if a fused scan may take them all, else None."""
-    sink = _SINK.get()
-    if sink is None:
-        return None
+def _is_inexact(x: Any) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _match(sink: _Sink, state_leaves: Sequence[Any]) -> list[int] | None:
+    """The sink indices of ``state_leaves`` if a fused scan may take them all, else None:
+    every leaf floating-point, one of the differentiated arrays, its accumulator not yet
+    handed out and of its shape and dtype."""
     found = []
     for leaf in state_leaves:
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-            return None  # the fused scan differentiates floating-point leaves only
-        i = sink.index.get(id(leaf))
+        i = sink.index.get(id(leaf)) if _is_inexact(leaf) else None
         if i is None or i in sink.handed:
             return None
         a = sink.acc[i]
         if a.shape != leaf.shape or a.dtype != leaf.dtype:
             return None
         found.append(i)
-    if not found:
-        return None
-    sink.handed.update(found)
-    return found
-
-
-def _inexact(tree: Any) -> bool:
-    return any(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in jax.tree.leaves(tree))
+    return found or None
 
 
 def scan(
@@ -113,26 +107,25 @@ def scan(
     ``step`` is not saved per layer: the backward pass recomputes each layer from its input
     carry (``remat="full"``'s cost), then adds its weight gradients into ``acc[l]``.
     """
-    if _SINK.get() is None:
+    sink = _SINK.get()
+    if sink is None:
         return None
-    leaves, treedef = jax.tree.flatten(state)
-    if _inexact(xs):
+    if any(map(_is_inexact, jax.tree.leaves(xs))):
         return None  # per-layer float inputs would need their own cotangents
-    if not all(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in jax.tree.leaves(carry)):
+    if not all(map(_is_inexact, jax.tree.leaves(carry))):
         return None  # an integer carry would need float0 cotangents in the reverse scan
-    first = jax.tree.map(lambda x: x[0], (state, xs))
-    ys_shape = jax.eval_shape(step, carry, first)[1]
-    if jax.tree.leaves(ys_shape) and not all(
-        jnp.issubdtype(s.dtype, jnp.inexact) for s in jax.tree.leaves(ys_shape)
-    ):
-        return None
-    claimed = _claim(leaves)
+    leaves, treedef = jax.tree.flatten(state)
+    claimed = _match(sink, leaves)
     if claimed is None:
         return None
-    sink = _SINK.get()
-    assert sink is not None
+    first = jax.tree.map(lambda x: x[0], (state, xs))
+    converted, consts = jax.closure_convert(step, carry, first)  # the one trace of ``step``
+    if not all(
+        map(_is_inexact, jax.tree.leaves(jax.eval_shape(converted, carry, first, *consts)[1]))
+    ):
+        return None  # integer per-layer outputs, likewise
+    sink.handed.update(claimed)
     acc = [sink.acc[i] for i in claimed]
-    converted, consts = jax.closure_convert(step, carry, first)
 
     def step_of(c: Any, layer: list[jax.Array], x: Any, k: Sequence[jax.Array]) -> Any:
         return converted(c, (jax.tree.unflatten(treedef, layer), x), *k)
