@@ -1,4 +1,9 @@
-"""What every benchmark records about the machine it ran on (imported by scripts/bench_*.py)."""
+"""What every benchmark records about the machine it ran on (imported by scripts/bench_*.py).
+
+Importing it pins JAX to the CPU as the ``jaxrl-llm`` CLI does when ``libtpu`` is installed on a
+machine without a TPU (``quiet_cpu_platform``): no libtpu initialisation warnings, and no
+libtpu memory in the scripts' resident-set figures. It changes nothing on a TPU or GPU machine.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,47 @@ import platform
 
 import jax
 
+from jaxrl_llm.train.plan import quiet_cpu_platform
+
+quiet_cpu_platform()
+
+# The instruction-set extensions that move a CPU's matmul peak (XLA:CPU and torch pick their
+# kernels by them): recorded beside every figure, as `lscpu`'s flags.
+_ISA_PREFIXES = ("avx", "amx", "fma", "f16c")
+
+
+def cpu_info(path: str = "/proc/cpuinfo") -> dict:
+    """The CPU's model name, family and model numbers (``lscpu``'s "Model name", "CPU family",
+    "Model") and its vector/matrix extensions (``avx*``, ``amx*``, ``fma``, ``f16c`` of its
+    flags), from the first processor of ``/proc/cpuinfo``; empty where there is none."""
+    fields: dict[str, str] = {}
+    try:
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    break  # the end of the first processor's block
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        return {}
+    flags = fields.get("flags", "").split()
+    return {
+        "model_name": fields.get("model name"),
+        "family": fields.get("cpu family"),
+        "model": fields.get("model"),
+        "isa": sorted(f for f in flags if f.startswith(_ISA_PREFIXES)),
+    }
+
 
 def machine_info() -> dict:
-    """Backend, device, cores, processor, jax version and the load average before the run."""
+    """Backend, device, cores, the CPU (:func:`cpu_info`), jax version and the load average
+    before the run."""
     return {
         "backend": jax.default_backend(),
         "device": str(jax.devices()[0]),
         "cpu_count": os.cpu_count(),
         "machine": platform.processor() or platform.machine(),
+        "cpu": cpu_info(),
         "jax": jax.__version__,
         "load_avg_before": os.getloadavg(),
     }
