@@ -38,19 +38,15 @@ def main() -> None:
     ap.add_argument("--out", default="bench_results/update_variants.json")
     args = ap.parse_args()
 
-    from jaxrl_llm.train.plan import quiet_cpu_platform
-
-    quiet_cpu_platform()
+    sys.path.insert(0, str(Path(__file__).parent))
     import numpy as np
+    from _bench_common import machine_info  # importing it pins JAX to the CPU, as the CLI does
+    from probe_update_shapes import synthetic_groups
 
     from jaxrl_llm.config.validation import load_config
     from jaxrl_llm.models import grad_accumulation
     from jaxrl_llm.train import hostmem, loop
     from jaxrl_llm.train import setup as su
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _bench_common import machine_info
-    from probe_update_shapes import synthetic_groups
 
     machine = machine_info()
     hostmem.release_after_compiles()

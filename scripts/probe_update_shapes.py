@@ -71,18 +71,14 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = ap.parse_args()
 
-    from jaxrl_llm.train.plan import quiet_cpu_platform
-
-    quiet_cpu_platform()  # as the CLI: CPU, no libtpu initialisation
+    sys.path.insert(0, str(Path(__file__).parent))
     import numpy as np
+    from _bench_common import machine_info  # importing it pins JAX to the CPU, as the CLI does
 
     from jaxrl_llm.config.validation import load_config
     from jaxrl_llm.models import grad_accumulation
     from jaxrl_llm.train import hostmem, loop
     from jaxrl_llm.train import setup as su
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _bench_common import machine_info
 
     machine = machine_info()  # the load average before the run
     if args.plain_accumulation:  # the A/B of the fused accumulation: every trace falls back
