@@ -332,6 +332,36 @@ def test_bad_input(case, paths, tmp_path, capsys, monkeypatch):
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
 
 
+@pytest.mark.parametrize("hidden", ["torch", "gguf", "accelerate"])
+def test_a_gguf_without_its_loader_packages_names_them(hidden, tmp_path, capsys, monkeypatch):
+    """A plain install (no `test` extra) lacks torch, gguf and accelerate, which transformers'
+    GGUF loader needs: the default model's first conversion, `generate` and a GGUF model path
+    each say which package is missing and how to install it, and write nothing."""
+    import sys
+
+    from jaxrl_llm import models
+    from jaxrl_llm.models.default import smollm2_gguf_path
+
+    try:
+        gguf_path = smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    monkeypatch.setenv("JAXRL_LLM_CACHE", str(tmp_path / "cache"))  # not converted yet
+    monkeypatch.setitem(sys.modules, hidden, None)  # find_spec and import now fail, as uninstalled
+    expect = (str(gguf_path), f"needs {hidden}, not installed", "pip install", "model.path")
+    for argv in (
+        ["train", "--config", TINY, "--run-dir", str(tmp_path / "run"), "model.path=default"],
+        ["generate", "--prompt", "Hi", "--max-new-tokens", "2"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and all(f in err for f in expect), err
+    with pytest.raises(ModelLoadError, match=f"needs {hidden}, not installed"):
+        models.from_pretrained(gguf_path)
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.json"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_the_good_folder_loads(paths):
     """The broken folders are broken copies of a folder that loads (so each case tests one
     fault)."""

@@ -62,10 +62,11 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     Written to a temporary folder and renamed into place, so a crash or a concurrent caller
     never sees a half-written model.
     """
+    gguf_path, out = Path(gguf_path), Path(out_dir)
+    weights.require_gguf_loader(gguf_path)
     import torch
     import transformers
 
-    gguf_path, out = Path(gguf_path), Path(out_dir)
     folder, name = str(gguf_path.parent), gguf_path.name
     model = transformers.AutoModelForCausalLM.from_pretrained(
         folder, gguf_file=name, dtype=torch.float32, trust_remote_code=False

@@ -221,6 +221,7 @@ def _read_hf_config(folder: Path, gguf_file: str | None) -> transformers.Pretrai
             )
     else:
         _gguf_metadata(folder / gguf_file)  # a clear error for a file that is not GGUF
+        weights.require_gguf_loader(folder / gguf_file)  # and for a missing torch / gguf
     try:
         return AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
     except Exception as e:
@@ -272,7 +273,8 @@ def _weights_reader(folder: Path, gguf_file: str | None, allow_pickle: bool, hea
 
 
 def _gguf_reader(folder: Path, gguf_file: str, head: str) -> weights.DictReader:
-    """Dequantises a GGUF file with transformers (needs the ``gguf`` and ``torch`` packages)."""
+    """Dequantises a GGUF file with transformers (needs ``gguf``, ``torch`` and ``accelerate``)."""
+    weights.require_gguf_loader(folder / gguf_file)
     import transformers
 
     cls = (

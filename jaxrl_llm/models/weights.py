@@ -16,6 +16,7 @@ memory one tensor at a time and bf16 works without torch.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -117,6 +118,24 @@ class ModelLoadError(ValueError):
     """A model folder or file that cannot be read: the message names the path, the file, what
     is wrong and what was expected (invalid config.json, a truncated or corrupt safetensors
     file, a tensor of the wrong shape or missing, an unreadable GGUF, no tokenizer, ...)."""
+
+
+# transformers' GGUF loader needs these; none is a dependency of jaxrl_llm itself (the `test`
+# extra installs them), so a plain install reads HF folders but cannot dequantise a GGUF file.
+GGUF_LOADER_PACKAGES = {"torch": "torch==2.13.0", "gguf": "gguf>=0.10", "accelerate": "accelerate"}
+
+
+def require_gguf_loader(gguf_path: str | os.PathLike) -> None:
+    """Raises ModelLoadError naming the file, every package GGUF loading lacks, and the fix."""
+    missing = {n: pin for n, pin in GGUF_LOADER_PACKAGES.items() if not importlib.util.find_spec(n)}
+    if missing:
+        pins = " ".join(f'"{pin}"' for pin in missing.values())
+        raise ModelLoadError(
+            f"{gguf_path}: reading a GGUF checkpoint (the default model ships as one) uses "
+            f"transformers' GGUF loader, which needs {', '.join(missing)}, not installed here; "
+            f"install with `pip install {pins}` (or the `test` extra), or set model.path to an "
+            "HF model folder"
+        )
 
 
 #: The largest safetensors JSON header read (the format's own reference reader caps it at
