@@ -4,9 +4,9 @@
     python scripts/bench_accelerator.py --tiny --out /tmp/bench.json     # CPU, tiny shapes
 
 Four parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
-which cannot be reset, is that part's own peak); all shapes are random weights from a
-``config.json`` (``configs/models/llama-3.2-1b``: Llama-3.2-1B's published shapes, 1.236 B
-parameters), so nothing is downloaded:
+which cannot be reset, is that part's own peak), run in the order of :data:`PARTS`; all shapes
+are random weights from a ``config.json`` (``configs/models/llama-3.2-1b``: Llama-3.2-1B's
+published shapes, 1.236 B parameters), so nothing is downloaded:
 
 ``plan``     :func:`jaxrl_llm.train.plan.plan_run` of a GRPO run (``--config``, default the
              1B model, 8 prompts x 8 samples x 256 tokens, FSDP over ``--devices``) for this
@@ -22,14 +22,22 @@ parameters), so nothing is downloaded:
              mean over the tokens) on ``[B, S]`` tokens; model FLOPs per token (PaLM,
              Chowdhery et al. 2022, app. B): ``6·N + 12·L·H·Dh·S`` with ``N`` the parameters in
              matmuls; MFU = FLOP/s over the chip's dense bf16 peak (:data:`CHIPS`).
-``decode``   the sampler (:func:`jaxrl_llm.rollout.generate`, bf16 weights and KV cache) at
-             batch 256: decode tokens/s from ``t(T new tokens) − t(1 new token)`` (prefill taken
-             out), and the HBM roofline ``B / (bytes per decode step / HBM bandwidth)``, a step
-             reading the bf16 weights (``2·N``) and the KV cache (``2·L·B·K·Dh·(P + T/2)``
-             bf16 elements on average).
+``decode``   the paged engine (:func:`jaxrl_llm.rollout.generate`, ``engine="paged"``, the
+             trainer's default; bf16 weights and KV cache; every row in a slot; the platform's
+             attention kernel, named in the result) at batch 256: decode tokens/s from
+             ``t(T new tokens) − t(1 new token)`` (prefill taken out), and the HBM roofline
+             ``B / (bytes per decode step / HBM bandwidth)``, a step reading the bf16 weights
+             (``2·N``) and the KV cache (``2·L·B·K·Dh·(P + T/2)`` bf16 elements on average).
+``decode_static``  the same with the static (dense-cache) engine.
 
-The parts' results are merged into one JSON (``parts``: name → result, or its error). Budget:
-at most 10 minutes (:data:`BUDGETS`, each part's subprocess timeout; ``--budget-s`` sets all).
+The parts' results are merged into one JSON (``parts``: name → result, or its error),
+rewritten after each part. Budget: each part's subprocess timeout (:data:`BUDGETS`;
+``--budget-s`` sets all), and the whole run stops starting parts at ``--total-budget-s``
+(:data:`TOTAL_BUDGET_S`, inside one device command's 10 minutes). On the lent H200 (Python
+3.12 with jax 0.11 and CUDA 13 in its image; no install needed: the parts import the working
+tree), from the repository root::
+
+    PYTHONPATH=$PWD python3 scripts/bench_accelerator.py --out $OUT/bench_accelerator.json
 """
 
 from __future__ import annotations
@@ -86,11 +94,25 @@ SHAPES = {
         },
         "mfu": {"model": MODEL_1B, "batch": 8, "seq": 2048, "steps": 5},
         "decode": {"model": MODEL_1B, "batch": 256, "prompt": 128, "new": 256},
+        "decode_static": {
+            "model": MODEL_1B,
+            "batch": 256,
+            "prompt": 128,
+            "new": 256,
+            "engine": "static",
+        },
     },
     "tiny": {
         "plan": {"config": TINY_CONFIG, "overrides": ["data.eval_size=0"]},
         "mfu": {"model": "tiny-random", "batch": 2, "seq": 32, "steps": 1},
         "decode": {"model": "tiny-random", "batch": 4, "prompt": 16, "new": 4},
+        "decode_static": {
+            "model": "tiny-random",
+            "batch": 4,
+            "prompt": 16,
+            "new": 4,
+            "engine": "static",
+        },
     },
 }
 
@@ -179,12 +201,19 @@ def part_mfu(model: str, batch: int, seq: int, steps: int) -> dict:
     }
 
 
-def part_decode(model: str, batch: int, prompt: int, new: int) -> dict:
-    """Decode tokens/s at ``batch`` rows against the HBM roofline; see the module docstring."""
+def part_decode(model: str, batch: int, prompt: int, new: int, engine: str = "paged") -> dict:
+    """Decode tokens/s at ``batch`` rows against the HBM roofline; see the module docstring.
+
+    ``engine="paged"`` (the trainer's default) runs every row at once (``num_slots = batch``)
+    with the platform's attention kernel (``attention="auto"``: Pallas ``paged_attention`` on a
+    GPU, ``ragged_paged_attention`` on a TPU, the reference path where neither serves the
+    model; the result names the one that ran); ``"static"`` is the dense-cache engine."""
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from jaxrl_llm import rollout
+    from jaxrl_llm.rollout import paged
     from jaxrl_llm.train import state as st
 
     cfg = _model_config(model)
@@ -193,6 +222,17 @@ def part_decode(model: str, batch: int, prompt: int, new: int) -> dict:
     rng = np.random.default_rng(0)
     ids = rng.integers(3, cfg.vocab_size, (batch, prompt), dtype=np.int32)
     mask = np.ones((batch, prompt), bool)
+
+    if engine == "paged":
+        paged_options = paged.PagedOptions(num_slots=batch)  # every row at once
+        options = {"paged_options": paged_options, "return_stats": True}
+        kernel = paged.attention_kernel(cfg, paged_options, jnp.bfloat16, params=params)
+        attention = "reference" if kernel is None else kernel.name
+    elif engine == "static":
+        options, attention = {}, None
+    else:
+        raise ValueError(f"engine must be 'paged' or 'static', got {engine!r}")
+    stats = {}
 
     def sample(t: int) -> float:
         t0 = time.perf_counter()
@@ -205,7 +245,12 @@ def part_decode(model: str, batch: int, prompt: int, new: int) -> dict:
             temperature=1.0,
             stop_token_ids=(),  # no stop: every row decodes all t tokens
             cache_dtype="bfloat16",
+            engine=engine,
+            **options,
         )
+        if engine == "paged":
+            out, run_stats = out
+            stats[t] = run_stats._asdict()
         jax.block_until_ready(out)
         return time.perf_counter() - t0
 
@@ -220,6 +265,9 @@ def part_decode(model: str, batch: int, prompt: int, new: int) -> dict:
     roofline = None if bandwidth is None else batch / (step_bytes / bandwidth)
     return {
         "model": model,
+        "engine": engine,
+        "attention": attention,
+        "paged_stats": {str(k): v for k, v in stats.items()} or None,
         "batch": batch,
         "prompt": prompt,
         "new_tokens": new,
@@ -417,10 +465,16 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
     }
 
 
-PARTS = ("plan", "mfu", "decode")
-#: Each part's subprocess timeout, seconds: 10 minutes in all (the plan part compiles its two
-#: programs twice, planned and real).
-BUDGETS = {"plan": 300.0, "mfu": 150.0, "decode": 150.0}
+#: In the order they run: the open issues' numbers first (13: update MFU; 12: the paged
+#: engine's decode against the roofline, then the static engine's, the comparison that says
+#: where the static engine is still the faster one), the plan check last.
+PARTS = ("mfu", "decode", "decode_static", "plan")
+#: Each part's subprocess timeout, seconds (the plan part compiles its two programs twice,
+#: planned and real). A run stops starting parts at ``--total-budget-s``.
+BUDGETS = {"mfu": 150.0, "decode": 150.0, "decode_static": 120.0, "plan": 300.0}
+#: The whole run's default limit: a device command may run 600 s, and the machine's start and
+#: the transfers come on top, so 540 s leaves room to see the output.
+TOTAL_BUDGET_S = 540.0
 
 
 def run_part(name: str, shapes: dict, num_devices: int | None) -> dict:
@@ -430,7 +484,7 @@ def run_part(name: str, shapes: dict, num_devices: int | None) -> dict:
         return part_plan(s["config"], list(s["overrides"]), num_devices)
     if name == "mfu":
         return part_mfu(**s)
-    return part_decode(**s)
+    return part_decode(**s)  # decode, decode_static
 
 
 def run_in_subprocess(name: str, tiny: bool, num_devices: int | None, timeout: float) -> dict:
@@ -461,6 +515,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget-s", type=float, default=None, help=f"timeout of each part (default {BUDGETS})"
     )
+    parser.add_argument(
+        "--total-budget-s",
+        type=float,
+        default=TOTAL_BUDGET_S,
+        help="stop here: a part gets at most the time left, and none starts under 30 s",
+    )
     parser.add_argument("--out", default=None, help="write the JSON here (also printed)")
     args = parser.parse_args(argv)
     shapes = SHAPES["tiny" if args.tiny else "device"]
@@ -475,12 +535,17 @@ def main(argv: list[str] | None = None) -> int:
     from _bench_common import machine_info
 
     result = {"machine": machine_info(), "tiny": args.tiny, "parts": {}}
+    deadline = time.monotonic() + args.total_budget_s
     for name in parts:
-        budget = args.budget_s or BUDGETS[name]
-        result["parts"][name] = run_in_subprocess(name, args.tiny, args.devices, budget)
-    text = json.dumps(result, indent=2, default=str)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+        left = deadline - time.monotonic()
+        if left < 30:
+            result["parts"][name] = {"error": f"not run: {left:.0f} s of --total-budget-s left"}
+        else:
+            budget = min(args.budget_s or BUDGETS[name], left)
+            result["parts"][name] = run_in_subprocess(name, args.tiny, args.devices, budget)
+        text = json.dumps(result, indent=2, default=str)
+        if args.out:  # after every part: a later part's timeout loses nothing already measured
+            Path(args.out).write_text(text + "\n")
     print(text)
     return 0 if all("error" not in r for r in result["parts"].values()) else 1
 

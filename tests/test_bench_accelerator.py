@@ -62,17 +62,34 @@ def test_mfu_and_decode_parts_on_tiny_shapes(bench):
     per_token = 6 * (n - untied) + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * 16
     assert mfu["model_flops_per_step"] == per_token * 2 * 16
     assert mfu["loss_finite"] and mfu["step_s"] > 0 and mfu["mfu"] is None  # CPU: no peak
-    dec = bench.part_decode("tiny-random", batch=4, prompt=16, new=4)
     kv = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * (16 + 2) * 2
-    assert dec["bytes_per_decode_step"] == 2 * (n - untied) + kv
-    assert dec["decode_tokens_per_s"] > 0 and dec["percent_of_roofline"] is None
-    json.dumps({"mfu": mfu, "decode": dec})
+    decodes = {e: bench.part_decode("tiny-random", 4, 16, 4, engine=e) for e in ("paged", "static")}
+    for engine, dec in decodes.items():
+        assert dec["engine"] == engine and dec["bytes_per_decode_step"] == 2 * (n - untied) + kv
+        assert dec["decode_tokens_per_s"] > 0 and dec["percent_of_roofline"] is None
+    paged = decodes["paged"]
+    assert paged["attention"] == "reference"  # CPU: no kernel for auto to pick
+    # all 4 rows decode at once in 4 slots, and every page goes back to the pool
+    assert paged["paged_stats"]["4"]["pages_in_use_at_end"] == 0
+    assert decodes["static"]["attention"] is None and decodes["static"]["paged_stats"] is None
+    json.dumps({"mfu": mfu, **decodes})
 
 
 def test_bad_parts_are_refused(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--parts", "mfu,speed"])
     assert "--parts: unknown ['speed']" in capsys.readouterr().err
+
+
+def test_parts_past_the_total_budget_are_not_started(bench, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    argv = ["--tiny", "--parts", "mfu,decode", "--total-budget-s", "5", "--out", str(out)]
+    assert bench.main(argv) == 1  # a part that did not run is a failed run
+    parts = json.loads(out.read_text())["parts"]
+    assert parts == {
+        p: {"error": "not run: 5 s of --total-budget-s left"} for p in ("mfu", "decode")
+    }
+    assert json.loads(capsys.readouterr().out) == json.loads(out.read_text())
 
 
 @pytest.mark.slow
