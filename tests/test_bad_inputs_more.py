@@ -25,6 +25,7 @@ from jaxrl_llm.cli import main
 from jaxrl_llm.config import ConfigError, load_config
 from jaxrl_llm.data import DataError, tokens
 from jaxrl_llm.models import ModelLoadError
+from jaxrl_llm.models.weights import GGUF_LOADER_PACKAGES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY = str(CONFIGS / "tiny.yaml")
@@ -332,7 +333,7 @@ def test_bad_input(case, paths, tmp_path, capsys, monkeypatch):
     assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
 
 
-@pytest.mark.parametrize("hidden", ["torch", "gguf", "accelerate"])
+@pytest.mark.parametrize("hidden", list(GGUF_LOADER_PACKAGES))
 def test_a_gguf_without_its_loader_packages_names_them(hidden, tmp_path, capsys, monkeypatch):
     """A plain install (no `test` extra) lacks torch, gguf and accelerate, which transformers'
     GGUF loader needs: the default model's first conversion, `generate` and a GGUF model path

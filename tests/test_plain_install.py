@@ -12,6 +12,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from jaxrl_llm.models.weights import GGUF_LOADER_PACKAGES
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -20,13 +22,14 @@ def test_the_trainer_runs_without_torch_gguf_or_accelerate(smollm2_path, tmp_pat
     script = textwrap.dedent(
         f"""
         import sys
-        for name in ("torch", "gguf", "accelerate"):
+        hidden = {tuple(GGUF_LOADER_PACKAGES)!r}
+        for name in hidden:
             sys.modules[name] = None
         from jaxrl_llm.cli import main
         argv = ["train", "--config", {str(CONFIGS / "tiny.yaml")!r}, "--run-dir", {str(run_dir)!r},
                 "--max-steps", "1", "--no-progress", "data.eval_size=0"]
         status = main(argv)
-        loaded = sorted(n for n in ("torch", "gguf", "accelerate") if sys.modules.get(n))
+        loaded = sorted(n for n in hidden if sys.modules.get(n))
         print("status", status, "loaded", loaded)
         """
     )

@@ -273,8 +273,8 @@ def _weights_reader(folder: Path, gguf_file: str | None, allow_pickle: bool, hea
 
 
 def _gguf_reader(folder: Path, gguf_file: str, head: str) -> weights.DictReader:
-    """Dequantises a GGUF file with transformers (needs ``gguf``, ``torch`` and ``accelerate``)."""
-    weights.require_gguf_loader(folder / gguf_file)
+    """Dequantises a GGUF file with transformers (needs ``gguf``, ``torch`` and ``accelerate``,
+    which :func:`_read_hf_config`, always called first, has checked)."""
     import transformers
 
     cls = (
