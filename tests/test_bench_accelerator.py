@@ -109,7 +109,13 @@ def test_plan_part_measures_the_update_peak_on_cpu(bench, tmp_path, monkeypatch)
     The part runs with XLA:CPU's default flags: under the suite's
     ``--xla_backend_optimization_level=0`` the step's RSS grew by 8 MiB for XLA's 36 MiB of
     temporaries (not investigated further), which measures nothing useful."""
-    monkeypatch.delenv("XLA_FLAGS", raising=False)  # one CPU device, default optimisation
+    import jax
+
+    # This process's backend starts first, under the suite's flags (8 devices): were this the
+    # first test to touch JAX in its worker, it would otherwise start below, without them, and
+    # leave 1 CPU device to every later test there (the 8-device plans failed so).
+    jax.devices()
+    monkeypatch.delenv("XLA_FLAGS", raising=False)  # the part: one CPU device, default options
     out = tmp_path / "bench.json"
     code = bench.main(["--tiny", "--parts", "plan", "--out", str(out)])
     d = json.loads(out.read_text())["parts"]["plan"]
