@@ -1068,12 +1068,21 @@ def plan_paged_rollout(
     )
 
 
-def lower_step(run: AbstractRun, config: Any, recipe: Any, *, platform: str | None = None) -> Any:
+def lower_step(
+    run: AbstractRun,
+    config: Any,
+    recipe: Any,
+    *,
+    platform: str | None = None,
+    lowering_platforms: tuple[str, ...] | None = None,
+) -> Any:
     """The fused RL step (:func:`jaxrl_llm.train.step.make_rl_step`) lowered for the run's
     abstract state and worst-case groups. ``platform``: the target's (``"tpu"``, ``"gpu"``),
     whose attention is a kernel: ``train.shared_prompts: auto`` does not share there, and
     packed rows are as wide as splash needs on TPU (the trainer decides both by the backend it
-    runs on, :func:`~jaxrl_llm.train.setup.shares_prompts`)."""
+    runs on, :func:`~jaxrl_llm.train.setup.shares_prompts`). ``lowering_platforms``: lower
+    for these rather than the devices' own (``("cuda",)`` without a GPU: tests/
+    test_gpu_lowering.py)."""
     from jaxrl_llm.train import setup as su
     from jaxrl_llm.train import step as rl_step
 
@@ -1091,7 +1100,7 @@ def lower_step(run: AbstractRun, config: Any, recipe: Any, *, platform: str | No
         temperature=config.rollout.temperature or 1.0,
         old_logprobs=su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
     )
-    return step.lower(run.state, run.groups)
+    return step.lower(run.state, run.groups, platforms=lowering_platforms)
 
 
 # ---------------------------------------------------------------------------------------------

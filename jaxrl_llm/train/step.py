@@ -455,14 +455,19 @@ def make_rl_step(
         state, metrics = dispatch(state, groups)
         return state, metrics()
 
-    def lower(state: st.TrainState, groups: Groups) -> jax.stages.Lowered:
+    def lower(
+        state: st.TrainState, groups: Groups, *, platforms: tuple[str, ...] | None = None
+    ) -> jax.stages.Lowered:
         """The step's program lowered for ``state``/``groups`` without running it (leaves may
         be sharded ``jax.ShapeDtypeStruct``s; with packing the masks must be host arrays, the
-        plan reads them): :mod:`jaxrl_llm.train.plan` compiles it for a target's devices."""
+        plan reads them): :mod:`jaxrl_llm.train.plan` compiles it for a target's devices.
+        ``platforms``: lower for these instead of the devices' own (``("cuda",)`` on a machine
+        without a GPU: the GPU program's StableHLO, which this machine cannot compile)."""
         plan, shape = plan_of(groups)
         jitted = jit_for(shape, groups_sharding(groups))
         with jax.set_mesh(mesh):
-            lowered = jitted.lower(state, groups, ref_params, frozen, plan)
+            traced = jitted.trace(state, groups, ref_params, frozen, plan)
+            lowered = traced.lower(lowering_platforms=platforms)
         traced_names.pop()  # the metric names of this trace; call() pops only its own
         return lowered
 

@@ -1,0 +1,200 @@
+"""The GPU programs, lowered for CUDA on a machine without a GPU.
+
+CI has no GPU, and a device session is rare and short, so a GPU program that does not even
+lower (a Pallas kernel's Triton lowering rule refusing a block shape, a cuDNN attention call
+refusing its arguments) would otherwise first fail on the device. JAX lowers for a platform
+it has no device of (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``): the Pallas
+GPU kernel goes through its Triton lowering, and ``jax.nn.dot_product_attention(
+implementation="cudnn")`` through its cuDNN checks and custom call, which is as far as a
+machine without the CUDA compiler can go (XLA's GPU compile and the kernels' numbers need the
+device: ``scripts/bench_accelerator.py``).
+
+cuDNN attention asks the installed cuDNN for its version and the GPU for its compute
+capability while tracing; :func:`hopper` answers for an H100/H200 (cuDNN 9.8, sm_90), patched
+into ``jax._src.cudnn.fused_attention_stablehlo`` (a private module: the tests skip, saying
+so, where it has moved).
+"""
+
+import collections
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxrl_llm import models
+from jaxrl_llm.config import build_recipe, load_config
+from jaxrl_llm.models import sharding as shd
+from jaxrl_llm.train import plan as P
+
+TINY = "configs/tiny.yaml"
+LLAMA_1B = "configs/models/llama-3.2-1b"
+CUDNN_FWD, CUDNN_BWD = "__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"
+TRITON = "__gpu$xla.gpu.triton"
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """cuDNN 9.8 on an sm_90 GPU, as jax's cuDNN attention asks while tracing."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    except ImportError as e:
+        pytest.skip(f"jax's cuDNN attention module moved ({e})")
+    names = ("check_cudnn_version", "check_compute_capability", "is_cuda_compute_capability_equal")
+    missing = [n for n in names if not hasattr(fa, n)]
+    if missing:
+        pytest.skip(f"jax's cuDNN attention module has no {missing}")
+
+    def capability(c: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in c.split("."))
+
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(fa, "check_compute_capability", lambda c: capability(c) <= (9, 0))
+    monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: capability(c) == (9, 0))
+
+
+def custom_calls(lowered: jax.stages.Lowered) -> collections.Counter:
+    """The custom-call targets of a lowered program (StableHLO text), counted."""
+    return collections.Counter(re.findall(r"custom_call @([^(\s]+)\(", lowered.as_text()))
+
+
+def lower_for_cuda(fn, *args, **kwargs) -> jax.stages.Lowered:
+    """``fn.trace(*args, **kwargs)`` lowered for CUDA, for an H200: the Pallas Triton lowering
+    reads the GPU's kind (its compute capability) from the abstract mesh's device when this
+    machine has no GPU (jax >= 0.11; earlier releases lower without asking)."""
+    h200 = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h200)
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])  # a device assignment to lower for
+
+    def placed(x):
+        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one)
+        return x
+
+    args = jax.tree.map(placed, args)
+    with warnings.catch_warnings(), jax.sharding.use_abstract_mesh(mesh):
+        warnings.filterwarnings("error", "paged prefill: cuDNN attention refused")  # no fallback
+        return fn.trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+
+
+def gpu_config(*overrides: str):
+    config = load_config(TINY, ["model.dtype=bfloat16", *overrides])
+    return config, P.model_config(config.model, accelerator=True)
+
+
+def abstract_model(cfg):
+    """``(graphdef, params)`` of a model of config ``cfg``: shapes only, nothing allocated."""
+    return nnx.split(nnx.eval_shape(lambda: models.CausalLM(cfg, rngs=nnx.Rngs(0))))
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer's update step.
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),  # packed rows (the default): segments in the attention mask
+        ("train.packing=false",),  # left-padded [N, P + T] rows
+        ("model.remat=full", "optim.micro_batch_tokens=256"),  # the fused-accumulation scan
+        (f"model.path={LLAMA_1B}", "model.remat=full"),  # 1B-class shapes, GQA 32:8, Dh 64
+    ],
+    ids=["packed", "unpacked", "remat-micro", "llama-1b"],
+)
+def test_update_step_lowers_for_cuda_with_cudnn_attention(hopper, overrides):
+    """The fused RL step (the trainer's own, via the plan's abstract run) with
+    ``model.attention=cudnn`` in bfloat16: cuDNN's forward and backward attention calls in the
+    program, no fallback to the reference."""
+    config, cfg = gpu_config("model.attention=cudnn", *overrides)
+    recipe = build_recipe(config)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    run = P.abstract_run(config, recipe, mesh, cfg)
+    lowered = P.lower_step(run, config, recipe, platform="gpu", lowering_platforms=("cuda",))
+    calls = custom_calls(lowered)
+    assert calls[CUDNN_FWD] >= 1 and calls[CUDNN_BWD] >= 1, calls
+
+
+# ---------------------------------------------------------------------------------------------
+# The rollout engines.
+
+
+def _paged_worst_case(cfg, params, *, prompts, prompt_len, new_tokens, num_samples=1):
+    from jaxrl_llm.rollout import paged
+
+    options = paged.resolve_options(
+        paged.PagedOptions(num_slots=prompts * num_samples),
+        num_seqs=prompts * num_samples,
+        num_samples=num_samples,
+        longest_prompt=prompt_len,
+        max_new_tokens=new_tokens,
+    )
+    kernel = paged.attention_kernel(cfg, options, jnp.bfloat16, platform="gpu")
+    assert kernel is not None and kernel.name == "pallas_gpu" and not kernel.interpret
+    assert kernel.prefill_impl == "cudnn"
+    return paged.worst_case_programs(
+        cfg,
+        params,
+        options,
+        kernel,
+        num_prompts=prompts,
+        num_samples=num_samples,
+        longest_prompt=prompt_len,
+        max_new_tokens=new_tokens,
+        greedy=False,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=0,
+        cache_dtype=jnp.bfloat16,
+        num_stop_ids=8,
+    )
+
+
+@pytest.mark.parametrize(
+    "model, shape",
+    [
+        ("tiny-random", dict(prompts=3, prompt_len=40, new_tokens=24, num_samples=2)),
+        # SmolLM2-135M: 3 query heads per KV head (not a power of two), Dh 64
+        ("smollm2", dict(prompts=8, prompt_len=64, new_tokens=64, num_samples=4)),
+        # scripts/bench_accelerator.py's decode part: 256 rows, 128-token prompts, 256 new
+        (LLAMA_1B, dict(prompts=256, prompt_len=128, new_tokens=256)),
+    ],
+    ids=["tiny", "smollm2", "llama-1b-bench"],
+)
+def test_paged_engine_programs_lower_for_cuda_with_the_gpu_kernels(hopper, request, model, shape):
+    """The paged engine's largest ``_decode`` and ``_prefill`` calls (the shapes ``run``
+    makes, :func:`~jaxrl_llm.rollout.paged.worst_case_programs`) with ``attention="auto"`` on a
+    GPU: decode through the Pallas ``paged_attention`` kernel's Triton lowering, prefill
+    through cuDNN."""
+    if model == "smollm2":
+        model = request.getfixturevalue("smollm2_path")
+    _, cfg = gpu_config(f"model.path={model}")
+    graphdef, params = abstract_model(cfg)
+    worst = _paged_worst_case(cfg, params, **shape)
+    decode = custom_calls(
+        lower_for_cuda(worst.decode.fn, graphdef, *worst.decode.args, static=worst.decode.static)
+    )
+    prefill = custom_calls(
+        lower_for_cuda(worst.prefill.fn, graphdef, *worst.prefill.args, static=worst.prefill.static)
+    )
+    assert decode[TRITON] >= 1, decode  # one kernel call per layer (in the layer loop)
+    assert prefill[CUDNN_FWD] >= 1 and CUDNN_BWD not in prefill, prefill
+
+
+def test_bench_accelerator_mfu_program_lowers_for_cuda(hopper):
+    """scripts/bench_accelerator.py's MFU part (1B-class, bf16, 8 × 2048 tokens, forward and
+    backward of the log-prob pass) with the attention ``auto`` resolves to on a GPU."""
+    from jaxrl_llm.train import forward
+
+    _, cfg = gpu_config(f"model.path={LLAMA_1B}", "model.attention=cudnn")
+    graphdef, params = abstract_model(cfg)
+    b, t = 8, 2048
+    tokens, mask = jax.ShapeDtypeStruct((b, t), jnp.int32), jax.ShapeDtypeStruct((b, t), bool)
+
+    def loss(p, tokens, mask):
+        logp = forward.completion_logprobs_nt(graphdef, p, tokens, mask, completion_len=t // 2)
+        return jnp.mean(logp)
+
+    calls = custom_calls(lower_for_cuda(jax.jit(jax.value_and_grad(loss)), params, tokens, mask))
+    assert calls[CUDNN_FWD] >= 1 and calls[CUDNN_BWD] >= 1, calls
