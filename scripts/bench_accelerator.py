@@ -3,11 +3,21 @@
     python scripts/bench_accelerator.py --out /tmp/bench.json            # the device run
     python scripts/bench_accelerator.py --tiny --out /tmp/bench.json     # CPU, tiny shapes
 
-Four parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
+Five parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
 which cannot be reset, is that part's own peak), run in the order of :data:`PARTS`; all shapes
 are random weights from a ``config.json`` (``configs/models/llama-3.2-1b``: Llama-3.2-1B's
 published shapes, 1.236 B parameters), so nothing is downloaded:
 
+``check``    the accelerator paths' numbers, before any speed is measured: bf16 inputs through
+             the platform's kernel (``attention="auto"``: cuDNN on a GPU, splash on a TPU;
+             on CPU, the cuDNN call's own XLA form) and through the reference attention,
+             both against the reference in float32, on left-padded rows and on packed rows
+             (segments): outputs and the q/k/v gradients; then the trainer's log-prob pass
+             (forward and parameter gradient) with the model's attention against the same
+             weights with the reference; then the paged engine with the platform's kernel
+             (greedy): its log-probs of its own tokens against the trainer's float32 pass over
+             them. A kernel passes where its relative L2 error is at most 4x the bf16
+             reference path's own (the rounding of bf16 inputs), or 1% (``ok``).
 ``plan``     :func:`jaxrl_llm.train.plan.plan_run` of a GRPO run (``--config``, default the
              1B model, 8 prompts x 8 samples x 256 tokens, FSDP over ``--devices``) for this
              process's devices, then the same run's state built for real (random weights, the
@@ -92,6 +102,7 @@ SHAPES = {
                 "mesh.fsdp=-1",
             ],
         },
+        "check": {"model": MODEL_1B, "batch": 4, "prompt": 128, "new": 32},
         "mfu": {"model": MODEL_1B, "batch": 8, "seq": 2048, "steps": 5},
         "decode": {"model": MODEL_1B, "batch": 256, "prompt": 128, "new": 256},
         "decode_static": {
@@ -104,6 +115,7 @@ SHAPES = {
     },
     "tiny": {
         "plan": {"config": TINY_CONFIG, "overrides": ["data.eval_size=0"]},
+        "check": {"model": "tiny-random", "batch": 2, "prompt": 16, "new": 4},
         "mfu": {"model": "tiny-random", "batch": 2, "seq": 32, "steps": 1},
         "decode": {"model": "tiny-random", "batch": 4, "prompt": 16, "new": 4},
         "decode_static": {
@@ -280,6 +292,252 @@ def part_decode(model: str, batch: int, prompt: int, new: int, engine: str = "pa
         "roofline_tokens_per_s": roofline,
         "percent_of_roofline": None if roofline is None else 100 * tokens_per_s / roofline,
     }
+
+
+def _errors(got, truth, valid) -> dict:
+    """``got`` against ``truth`` where ``valid`` (broadcast from the leading axes): the largest
+    absolute difference and the relative L2 error ``‖got − truth‖ / ‖truth‖``."""
+    import numpy as np
+
+    got, truth = (np.asarray(x, np.float64) for x in (got, truth))
+    valid = np.asarray(valid, bool)
+    valid = np.broadcast_to(
+        valid.reshape(valid.shape + (1,) * (truth.ndim - valid.ndim)), truth.shape
+    )
+    diff = np.where(valid, got - truth, 0.0)
+    norm = float(np.sqrt(np.sum(np.where(valid, truth, 0.0) ** 2)))
+    return {
+        "max_abs": float(np.max(np.abs(diff))),
+        "rel_l2": float(np.sqrt(np.sum(diff**2)) / max(norm, 1e-30)),
+    }
+
+
+def _verdict(kernel: dict, floor: dict) -> dict:
+    """The kernel path's and the bf16 reference path's errors (:func:`_errors`) against the
+    float32 reference; ``ok``: the kernel's relative error is at most 4x the bf16 reference's
+    own (the rounding of bf16 inputs), or 1%."""
+    ok = kernel["rel_l2"] <= max(4 * floor["rel_l2"], 1e-2)
+    return {"kernel": kernel, "bf16_reference": floor, "ok": ok}
+
+
+def _compare(kernel, floor, truth, valid) -> dict:
+    """:func:`_verdict` of two arrays against ``truth`` where ``valid``."""
+    return _verdict(_errors(kernel, truth, valid), _errors(floor, truth, valid))
+
+
+def _all_ok(tree) -> bool:
+    """Every ``ok`` in a nested result."""
+    if isinstance(tree, dict):
+        return all(_all_ok(v) if k != "ok" else bool(v) for k, v in tree.items())
+    return True
+
+
+def _left_padded_mask(rng, rows: int, width: int, shortest: int):
+    """bool ``[rows, width]``, each row's last ``shortest..width`` columns True."""
+    import numpy as np
+
+    lengths = rng.integers(shortest, width + 1, rows)
+    return np.arange(width)[None] >= (width - lengths)[:, None]
+
+
+def check_attention(cfg, batch: int, width: int, rng, kernel=None) -> dict:
+    """The platform's attention kernel alone (``attention="auto"``; on CPU, which has none,
+    the cuDNN call's own XLA form: its argument wiring), forward and the q/k/v gradients of
+    ``<out, ct>``, on the two masks the trainer makes: left-padded rows (unpacked updates) and
+    packed rows (consecutive segments, a padding tail). ``kernel(q, k, v, **masks)``: another
+    implementation to check (tests)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_llm.models import attention as attn
+
+    b, t, dh = batch, width, cfg.head_dim
+    q, k, v, ct = (
+        jnp.asarray(rng.standard_normal((b, t, n, dh)), jnp.float32)
+        for n in (cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads, cfg.num_heads)
+    )
+    kv_mask = _left_padded_mask(rng, b, t, t // 4)
+    seg = np.zeros((b, t), np.int32)
+    for row in range(b):  # segments of 1..t/2 tokens, then padding (segment 0)
+        pos, sid = 0, 1
+        while pos < t - t // 8:
+            n = int(rng.integers(1, t // 2 + 1))
+            seg[row, pos : pos + n], pos, sid = sid, pos + n, sid + 1
+    cases = {  # masks, and the queries whose outputs are defined
+        "left_padded": ({"kv_mask_bs": jnp.asarray(kv_mask)}, kv_mask),
+        "packed": ({"segment_ids_bt": jnp.asarray(seg)}, seg != 0),
+    }
+    impl = attn.resolve_implementation("auto")
+    name = impl
+    if kernel is not None:
+        name = getattr(kernel, "__name__", "given")
+    elif impl == "reference":
+        name = "cudnn (implementation='xla', CPU)"
+
+        def kernel(q, k, v, **m):
+            return attn.cudnn_attention(q, k, v, causal=True, implementation="xla", **m)
+    else:
+
+        def kernel(q, k, v, **m):
+            return attn.attention(q, k, v, causal=True, implementation=impl, **m)
+
+    def reference(q, k, v, **m):
+        return attn.attention(q, k, v, causal=True, implementation="reference", **m)
+
+    def forward_backward(fn, dtype, masks, valid_bt):
+        def out_of(q, k, v):
+            return fn(q.astype(dtype), k.astype(dtype), v.astype(dtype), **masks)
+
+        def loss(q, k, v):
+            out = out_of(q, k, v).astype(jnp.float32)
+            return jnp.sum(jnp.where(valid_bt[..., None, None], out * ct, 0.0))
+
+        run = jax.jit(lambda q, k, v: (out_of(q, k, v), *jax.grad(loss, (0, 1, 2))(q, k, v)))
+        return run(q, k, v)
+
+    result: dict = {"implementation": name}
+    for case, (masks, valid_bt) in cases.items():
+        truth, floor, got = (
+            forward_backward(fn, dtype, masks, jnp.asarray(valid_bt))
+            for fn, dtype in (
+                (reference, jnp.float32),
+                (reference, jnp.bfloat16),
+                (kernel, jnp.bfloat16),
+            )
+        )
+        # padding queries' outputs (and so their q gradients) are undefined; keys all count
+        valids = (valid_bt, valid_bt, True, True)
+        names = ("out", "grad_q", "grad_k", "grad_v")
+        result[case] = {
+            n: _compare(g, f, r, m)
+            for n, g, f, r, m in zip(names, got, floor, truth, valids, strict=True)
+        }
+    return result
+
+
+def _graphdef(cfg, **change):
+    """The graphdef of a model of ``cfg`` with ``change``d fields (same parameter tree)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from jaxrl_llm import models
+
+    c = dataclasses.replace(cfg, **change)
+    return nnx.graphdef(nnx.eval_shape(lambda: models.CausalLM(c, rngs=nnx.Rngs(0))))
+
+
+def check_logprob_pass(cfg, graphdef, params, batch: int, width: int, rng) -> dict:
+    """The trainer's log-prob pass (``completion_logprobs_nt``, forward and the parameters'
+    gradient of the summed log-probs) with the model's configured attention, against the
+    same weights with the reference attention, on left-padded rows."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_llm.models import attention as attn
+    from jaxrl_llm.train import forward
+
+    mask = _left_padded_mask(rng, batch, width, width // 2)
+    ids = np.where(mask, rng.integers(3, cfg.vocab_size, (batch, width)), 0).astype(np.int32)
+    completion = width // 2
+
+    def run(gd):
+        def loss(p):
+            logp = forward.completion_logprobs_nt(gd, p, ids, mask, completion_len=completion)
+            return jnp.sum(logp), logp
+
+        (_, logp), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+        return logp, np.concatenate(
+            [np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(grad)]
+        )
+
+    truth = run(_graphdef(cfg, attention_impl="reference", dtype="float32"))
+    floor = run(_graphdef(cfg, attention_impl="reference"))
+    got = run(graphdef)
+    return {
+        "attention": attn.resolve_implementation(cfg.attention_impl),
+        "logprobs": _compare(got[0], floor[0], truth[0], mask[:, -completion:]),
+        "grad": _compare(got[1], floor[1], truth[1], True),
+    }
+
+
+def check_paged_sampler(
+    cfg, graphdef, params, batch: int, prompt: int, new: int, rng, attention: str = "auto"
+) -> dict:
+    """The paged engine (greedy, bf16 KV cache) with ``attention`` (``auto``: the platform's
+    kernel) and with the reference attention: each one's log-probs of its own tokens against
+    the trainer's float32 reference pass over those tokens."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_llm import rollout
+    from jaxrl_llm.rollout import paged
+    from jaxrl_llm.train import forward
+
+    p_mask = _left_padded_mask(rng, batch, prompt, prompt // 4)
+    p_ids = np.where(p_mask, rng.integers(3, cfg.vocab_size, (batch, prompt)), 0).astype(np.int32)
+    truth_gd = _graphdef(cfg, attention_impl="reference", dtype="float32")
+    truth_pass = jax.jit(
+        lambda p, x, m: forward.completion_logprobs_nt(truth_gd, p, x, m, completion_len=new)
+    )
+    runs = {}
+    for which in dict.fromkeys((attention, "reference")):
+        options = paged.PagedOptions(num_slots=batch, attention=which)
+        spec = paged.attention_kernel(cfg, options, jnp.bfloat16, params=params)
+        gen = rollout.generate(
+            (graphdef, params),
+            p_ids,
+            p_mask,
+            rng=jax.random.key(0),
+            max_new_tokens=new,
+            temperature=0.0,
+            stop_token_ids=(),
+            cache_dtype="bfloat16",
+            engine="paged",
+            paged_options=options,
+        )
+        tokens, mask = np.asarray(gen.tokens)[:, 0], np.asarray(gen.mask)[:, 0]
+        truth = truth_pass(
+            params, np.concatenate([p_ids, tokens], 1), np.concatenate([p_mask, mask], 1)
+        )
+        runs[which] = ("reference" if spec is None else spec.name, tokens, mask, gen, truth)
+    name, tokens, mask, gen, truth = runs[attention]
+    _, ref_tokens, ref_mask, ref_gen, ref_truth = runs["reference"]
+    kern = _errors(np.asarray(gen.logprobs)[:, 0], truth, mask)
+    floor = _errors(np.asarray(ref_gen.logprobs)[:, 0], ref_truth, ref_mask)
+    return {
+        "attention": name,
+        "logprobs_vs_float32_trainer": _verdict(kern, floor),
+        "greedy_tokens_equal_fraction": float(np.mean(tokens == ref_tokens)),
+    }
+
+
+def part_check(
+    model: str, batch: int, prompt: int, new: int, engine_attention: str = "auto"
+) -> dict:
+    """The accelerator paths' numbers against the reference path; see the module docstring."""
+    import jax
+    import numpy as np
+
+    from jaxrl_llm.train import state as st
+
+    cfg = _model_config(model)  # bfloat16 compute; "auto" attention, resolved where it runs
+    graphdef, params = st.split_params(_random_model(cfg))
+    rng = np.random.default_rng(0)
+    result = {
+        "model": model,
+        "backend": jax.default_backend(),
+        "attention": check_attention(cfg, batch, 2 * prompt, rng),
+        "logprob_pass": check_logprob_pass(cfg, graphdef, params, batch, 2 * prompt, rng),
+        "paged_sampler": check_paged_sampler(
+            cfg, graphdef, params, batch, prompt, new, rng, attention=engine_attention
+        ),
+    }
+    result["ok"] = _all_ok(result)
+    return result
 
 
 def _proc_status(key: str) -> int:
@@ -465,13 +723,14 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
     }
 
 
-#: In the order they run: the open issues' numbers first (13: update MFU; 12: the paged
-#: engine's decode against the roofline, then the static engine's, the comparison that says
-#: where the static engine is still the faster one), the plan check last.
-PARTS = ("mfu", "decode", "decode_static", "plan")
+#: In the order they run: the kernels' numbers first (a speed of wrong numbers is worth
+#: nothing), then the open issues' (13: update MFU; 12: the paged engine's decode against the
+#: roofline, then the static engine's, the comparison that says where the static engine is
+#: still the faster one), the plan check last.
+PARTS = ("check", "mfu", "decode", "decode_static", "plan")
 #: Each part's subprocess timeout, seconds (the plan part compiles its two programs twice,
 #: planned and real). A run stops starting parts at ``--total-budget-s``.
-BUDGETS = {"mfu": 150.0, "decode": 150.0, "decode_static": 120.0, "plan": 300.0}
+BUDGETS = {"check": 120.0, "mfu": 150.0, "decode": 150.0, "decode_static": 120.0, "plan": 300.0}
 #: The whole run's default limit: a device command may run 600 s, and the machine's start and
 #: the transfers come on top, so 540 s leaves room to see the output.
 TOTAL_BUDGET_S = 540.0
@@ -484,6 +743,8 @@ def run_part(name: str, shapes: dict, num_devices: int | None) -> dict:
         return part_plan(s["config"], list(s["overrides"]), num_devices)
     if name == "mfu":
         return part_mfu(**s)
+    if name == "check":
+        return part_check(**s)
     return part_decode(**s)  # decode, decode_static
 
 

@@ -124,3 +124,38 @@ def test_plan_part_measures_the_update_peak_on_cpu(bench, tmp_path, monkeypatch)
     assert d["predicted_bytes"] == d["plan"]["per_device_bytes"]["update_peak"]
     assert d["argument_bytes"] > 0 and d["update_measured_dynamic_bytes"] > 0
     assert 0.5 <= d["measured_over_predicted"] <= 2.0, d["measured_over_predicted"]
+
+
+def test_check_part_on_cpu(bench):
+    """The check part on tiny shapes: on CPU the attention check runs the cuDNN call's XLA
+    form and the sampler the Pallas GPU kernel in interpret mode; all within the bound."""
+    d = bench.part_check("tiny-random", batch=2, prompt=16, new=4, engine_attention="pallas_gpu")
+    assert d["ok"] is True, d
+    assert d["attention"]["implementation"] == "cudnn (implementation='xla', CPU)"
+    assert d["logprob_pass"]["attention"] == "reference"  # CPU: "auto" has no kernel
+    assert d["paged_sampler"]["attention"] == "pallas_gpu"
+    for case in ("left_padded", "packed"):
+        for what in ("out", "grad_q", "grad_k", "grad_v"):
+            err = d["attention"][case][what]["bf16_reference"]["rel_l2"]
+            assert 0 < err < 1e-2, (case, what, err)  # bf16 rounding, measured
+    json.dumps(d)
+
+
+@pytest.mark.parametrize("drop", ["segment_ids_bt", "kv_mask_bs"])
+def test_check_attention_fails_a_kernel_that_ignores_a_mask(bench, drop):
+    """The check has teeth: a kernel that drops the segments (or the padding mask) fails the
+    packed (or left-padded) case and passes the other."""
+    import numpy as np
+
+    from jaxrl_llm.models import attention as attn
+
+    def forgetful(q, k, v, **masks):
+        masks.pop(drop, None)
+        return attn.attention(q, k, v, causal=True, implementation="reference", **masks)
+
+    cfg = bench._model_config("tiny-random")
+    d = bench.check_attention(cfg, 2, 32, np.random.default_rng(0), kernel=forgetful)
+    failed = "packed" if drop == "segment_ids_bt" else "left_padded"
+    passed = "left_padded" if failed == "packed" else "packed"
+    assert not d[failed]["out"]["ok"] and not bench._all_ok(d)
+    assert all(r["ok"] for r in d[passed].values())
