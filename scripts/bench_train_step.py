@@ -34,6 +34,14 @@ initialisation adds about 0.09 GiB of RSS (measured: 3.84 against 3.76 GiB).
 
     python scripts/bench_train_step.py --steps 3 --warmup 1   # writes bench_results/train_step.json
 
+``--plain``: ours once more, as a plain install runs it (``pip install jaxrl_llm``, whose
+dependencies do not include torch): the child hides torch, gguf and accelerate
+(``weights.GGUF_LOADER_PACKAGES``; ``sys.modules[name] = None``, as for packages that are not
+installed), which this benchmark's environment has for TRL. transformers imports torch
+whenever it is installed (``AutoConfig`` → ``modeling_rope_utils``), about 0.19 GiB of our
+process that a user without torch does not have. The model is the converted default, read
+from its cache (the conversion itself needs torch).
+
 TRL is an optional benchmark extra: ``pip install -e ".[bench]"``.
 
 Ragged workload (``--ragged``, issue 13): the same GRPO step (β = 0.04, so π_ref runs too)
@@ -499,7 +507,10 @@ def markdown(result: dict) -> str:
         "peak RSS GiB, process |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, r in (("jaxrl_llm", o), ("TRL GRPOTrainer", t)):
+    named = [("jaxrl_llm", o)]
+    if "ours_plain" in result:
+        named.append(("jaxrl_llm, plain install (no torch)", result["ours_plain"]))
+    for name, r in (*named, ("TRL GRPOTrainer", t)):
         m = r["median_s"]
         rows.append(
             f"| {name} | {m['generation']:.2f} | {m['logprobs']:.2f} | {m['update']:.2f} | "
@@ -514,6 +525,13 @@ def markdown(result: dict) -> str:
         f"{result['update_frac_of_peak']:.0%} of the fp32 matmul peak "
         f"{result['matmul_peak_gflops']} GFLOP/s."
     )
+    if "ratios_plain" in result:
+        p = result["ratios_plain"]
+        rows.append(
+            f"Plain install (torch imported: {result['ours_plain']['torch_imported']}): TRL / "
+            f"ours step {p['step']:.2f}x; peak RSS ours / TRL {p['rss']:.3f} over the steps, "
+            f"{p['rss_process']:.3f} over the process."
+        )
     return "\n".join(rows)
 
 
@@ -540,12 +558,22 @@ def main() -> None:
     )
     ap.add_argument(
         "--child",
-        choices=("ours", "trl", *(f"ragged-{name}" for name in RAGGED_VARIANTS)),
+        choices=("ours", "ours-plain", "trl", *(f"ragged-{name}" for name in RAGGED_VARIANTS)),
         help=argparse.SUPPRESS,
+    )
+    ap.add_argument(
+        "--plain",
+        action="store_true",
+        help="also ours without torch/gguf/accelerate importable, as a plain install runs",
     )
     ap.add_argument("--json", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
+        if args.child == "ours-plain":  # torch & co. as if not installed (see --plain)
+            from jaxrl_llm.models.weights import GGUF_LOADER_PACKAGES
+
+            for name in GGUF_LOADER_PACKAGES:
+                sys.modules[name] = None
         if args.child != "trl":  # the JAX platform the `jaxrl-llm` CLI picks (no libtpu here)
             from jaxrl_llm.train.plan import quiet_cpu_platform
 
@@ -554,8 +582,9 @@ def main() -> None:
             res = ragged_child(
                 args.steps, args.child.removeprefix("ragged-"), args.extra, args.uniform
             )
-        elif args.child == "ours":
+        elif args.child in ("ours", "ours-plain"):
             res = ours_child(args.steps, args.extra)
+            res["torch_imported"] = sys.modules.get("torch") is not None
         else:
             res = trl_child(args.steps)
         Path(args.json).write_text(json.dumps(res))
@@ -576,7 +605,10 @@ def main() -> None:
     total = args.steps + args.warmup
     result = {"machine": machine_info(), "command": " ".join(sys.argv)}
     result["ours_extra"] = args.extra
-    raw = {"ours": _run_child("ours", total, args.extra), "trl": _run_child("trl", total)}
+    raw = {"ours": _run_child("ours", total, args.extra)}
+    if args.plain:
+        raw["ours_plain"] = _run_child("ours-plain", total, args.extra)
+    raw["trl"] = _run_child("trl", total)
     result["raw"] = raw
     for name in raw:
         result[name] = _summary(raw[name], args.warmup)
@@ -585,6 +617,12 @@ def main() -> None:
     ours, trl = result["ours"], result["trl"]
     result["ratios"]["rss"] = ours["peak_rss_gib_steps"] / trl["peak_rss_gib_steps"]
     result["ratios"]["rss_process"] = ours["peak_rss_gib"] / trl["peak_rss_gib"]
+    if args.plain:
+        plain = result["ours_plain"]
+        result["ours_plain"]["torch_imported"] = raw["ours_plain"]["torch_imported"]
+        result["ratios_plain"] = {k: t[k] / plain["median_s"][k] for k in o}
+        result["ratios_plain"]["rss"] = plain["peak_rss_gib_steps"] / trl["peak_rss_gib_steps"]
+        result["ratios_plain"]["rss_process"] = plain["peak_rss_gib"] / trl["peak_rss_gib"]
     tokens = statistics.median(s["tokens"] for s in raw["ours"]["steps"])
     flops = update_flops(tokens, PROMPTS * SAMPLES)
     peaks = matmul_peak_gflops()
