@@ -23,11 +23,13 @@ published shapes, 1.236 B parameters), so nothing is downloaded:
              process's devices, then the same run's state built for real (random weights, the
              trainer's optimizer, shardings and reference), one rollout and one fused GRPO step
              (:func:`jaxrl_llm.train.step.make_rl_step`), timed; the measured peak against the
-             planned one (the issue's check: within 10%). Measured: ``memory_stats()`` on a
-             GPU/TPU; on CPU, which reports none, the process's resident memory (``VmHWM`` of
-             /proc, reset before the step with ``/proc/self/clear_refs``, large allocations
-             forced to mmap so freed memory leaves the count) during the update program, plus the
-             bytes of the arrays it takes.
+             planned one (the issue's check: within 10%), and that step's update MFU (issue
+             13's figure, from the trainer's own fused step: :func:`update_model_flops` over
+             the steady step time, per device, over the chip's bf16 peak). Memory measured:
+             ``memory_stats()`` on a GPU/TPU; on CPU, which reports none, the process's
+             resident memory (``VmHWM`` of /proc, reset before the step with
+             ``/proc/self/clear_refs``, large allocations forced to mmap so freed memory leaves
+             the count) during the update program, plus the bytes of the arrays it takes.
 ``mfu``      bf16 forward + backward of the trainer's log-prob pass (``completion_logprobs_nt``,
              mean over the tokens) on ``[B, S]`` tokens; model FLOPs per token (PaLM,
              Chowdhery et al. 2022, app. B): ``6·N + 12·L·H·Dh·S`` with ``N`` the parameters in
@@ -157,6 +159,31 @@ def matmul_parameters(cfg, num_parameters: int) -> int:
     """Parameters that take part in a matmul per token: all but an untied input embedding."""
     tied = getattr(cfg, "tie_word_embeddings", False)
     return num_parameters - (0 if tied else cfg.vocab_size * cfg.hidden_size)
+
+
+def update_model_flops(
+    cfg,
+    num_parameters: int,
+    *,
+    sequences: int,
+    prompt_len: int,
+    completion_len: int,
+    forward_passes: int,
+) -> float:
+    """Model FLOPs of one fused RL update step over ``sequences`` rows of ``prompt_len +
+    completion_len`` real tokens (PaLM, Chowdhery et al. 2022, app. B, as :func:`part_mfu`):
+    the policy's forward and backward, ``6·N'`` per token with ``N'`` the matmul parameters
+    outside the LM head, plus the head's ``6·V·D`` on completion tokens only (the step computes
+    log-probs there only; packed updates run the head on those columns), plus attention's
+    ``12·L·H·Dh·S`` per token (``S = P + T``, causality not discounted, as :func:`part_mfu`);
+    and each of ``forward_passes`` extra forward passes (π_ref, a recomputed π_old) a third of
+    that. Activation recomputation (remat) is not counted: model FLOPs, not hardware FLOPs."""
+    s = prompt_len + completion_len
+    head = cfg.vocab_size * cfg.hidden_size
+    body = matmul_parameters(cfg, num_parameters) - head  # tied or not, the head is in there
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * s
+    per_sequence = 6 * body * s + 6 * head * completion_len + attention * s
+    return float(sequences * per_sequence * (1 + forward_passes / 3))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -602,7 +629,7 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
     from jaxrl_llm.config import build_recipe, load_config
     from jaxrl_llm.train import plan as P
     from jaxrl_llm.train import setup as su
-    from jaxrl_llm.train.step import Groups, make_rl_step
+    from jaxrl_llm.train.step import Groups, make_rl_step, needs_old_logprob_pass
 
     config = load_config(config_path, overrides)
     n_devices = num_devices or jax.device_count()
@@ -685,6 +712,22 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
     t0 = time.perf_counter()
     state, metrics = step(state, groups)
     step_s = time.perf_counter() - t0
+    passes = int(models.ref_params is not None) + int(
+        needs_old_logprob_pass(
+            recipe,
+            su.update_shape(config),
+            su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
+        )
+    )
+    flops = update_model_flops(
+        model_cfg,
+        abstract.num_parameters,
+        sequences=b * g,
+        prompt_len=p,
+        completion_len=t,
+        forward_passes=passes,
+    )
+    peak_flops, _ = chip_peaks(jax.devices()[0].device_kind)
     u = plan.update
     if stats is not None:  # GPU / TPU: the allocator's peak over the whole part
         stats = jax.devices()[0].memory_stats()
@@ -717,6 +760,10 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
         "rollout_s": {"first (compile)": rollout_first_s, "steady": rollout_s},
         "rollout_tokens_per_s": b * g * t / rollout_s,
         "step_s": {"first (compile)": step_first_s, "steady": step_s},
+        "update_forward_passes": passes,
+        "update_model_flops": flops,
+        "update_flops_per_s_per_device": flops / step_s / n_devices,
+        "update_mfu": None if peak_flops is None else flops / step_s / n_devices / peak_flops,
         "step_finite": bool(np.isfinite(metrics["actor/loss"]))
         if "actor/loss" in metrics
         else None,

@@ -54,6 +54,34 @@ def test_1b_model_config_is_llama_3_2_1b(bench):
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim) == (16, 2048, 8, 64)
 
 
+def test_update_model_flops_by_hand(bench):
+    """Llama-3.2-1B (tied head), 2 sequences of 3 + 5 tokens, π_ref: the formula's terms."""
+    import types
+
+    cfg = types.SimpleNamespace(
+        vocab_size=10,
+        hidden_size=4,
+        num_layers=2,
+        num_heads=3,
+        head_dim=2,
+        tie_word_embeddings=True,
+    )
+    n = 100  # 40 of them the tied embedding / head
+    per_seq = 6 * 60 * 8 + 6 * 40 * 5 + 12 * 2 * 3 * 2 * 8 * 8
+    got = bench.update_model_flops(
+        cfg, n, sequences=2, prompt_len=3, completion_len=5, forward_passes=1
+    )
+    assert got == 2 * per_seq * 4 / 3
+    untied = types.SimpleNamespace(**{**vars(cfg), "tie_word_embeddings": False})
+    # untied: n counts the input embedding (not a matmul) and the head (one) apart
+    assert (
+        bench.update_model_flops(
+            untied, n + 40, sequences=2, prompt_len=3, completion_len=5, forward_passes=1
+        )
+        == got
+    )
+
+
 def test_mfu_and_decode_parts_on_tiny_shapes(bench):
     mfu = bench.part_mfu("tiny-random", batch=2, seq=16, steps=1)
     cfg = bench._model_config("tiny-random")
@@ -124,6 +152,9 @@ def test_plan_part_measures_the_update_peak_on_cpu(bench, tmp_path, monkeypatch)
     assert d["predicted_bytes"] == d["plan"]["per_device_bytes"]["update_peak"]
     assert d["argument_bytes"] > 0 and d["update_measured_dynamic_bytes"] > 0
     assert 0.5 <= d["measured_over_predicted"] <= 2.0, d["measured_over_predicted"]
+    # the update's model FLOPs: GRPO with beta > 0, so one extra forward pass (π_ref)
+    assert d["update_forward_passes"] == 1 and d["update_model_flops"] > 0
+    assert d["update_mfu"] is None and d["update_flops_per_s_per_device"] > 0  # CPU: no peak
 
 
 def test_check_part_on_cpu(bench):
