@@ -455,7 +455,7 @@ def _graphdef(cfg, **change):
     return nnx.graphdef(nnx.eval_shape(lambda: models.CausalLM(c, rngs=nnx.Rngs(0))))
 
 
-def check_logprob_pass(cfg, graphdef, params, batch: int, width: int, rng) -> dict:
+def check_logprob_pass(cfg, graphdef, truth_gd, params, batch: int, width: int, rng) -> dict:
     """The trainer's log-prob pass (``completion_logprobs_nt``, forward and the parameters'
     gradient of the summed log-probs) with the model's configured attention, against the
     same weights with the reference attention, on left-padded rows."""
@@ -480,7 +480,7 @@ def check_logprob_pass(cfg, graphdef, params, batch: int, width: int, rng) -> di
             [np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(grad)]
         )
 
-    truth = run(_graphdef(cfg, attention_impl="reference", dtype="float32"))
+    truth = run(truth_gd)
     floor = run(_graphdef(cfg, attention_impl="reference"))
     got = run(graphdef)
     return {
@@ -491,7 +491,15 @@ def check_logprob_pass(cfg, graphdef, params, batch: int, width: int, rng) -> di
 
 
 def check_paged_sampler(
-    cfg, graphdef, params, batch: int, prompt: int, new: int, rng, attention: str = "auto"
+    cfg,
+    graphdef,
+    truth_gd,
+    params,
+    batch: int,
+    prompt: int,
+    new: int,
+    rng,
+    attention: str = "auto",
 ) -> dict:
     """The paged engine (greedy, bf16 KV cache) with ``attention`` (``auto``: the platform's
     kernel) and with the reference attention: each one's log-probs of its own tokens against
@@ -506,7 +514,6 @@ def check_paged_sampler(
 
     p_mask = _left_padded_mask(rng, batch, prompt, prompt // 4)
     p_ids = np.where(p_mask, rng.integers(3, cfg.vocab_size, (batch, prompt)), 0).astype(np.int32)
-    truth_gd = _graphdef(cfg, attention_impl="reference", dtype="float32")
     truth_pass = jax.jit(
         lambda p, x, m: forward.completion_logprobs_nt(truth_gd, p, x, m, completion_len=new)
     )
@@ -553,14 +560,15 @@ def part_check(
 
     cfg = _model_config(model)  # bfloat16 compute; "auto" attention, resolved where it runs
     graphdef, params = st.split_params(_random_model(cfg))
+    truth_gd = _graphdef(cfg, attention_impl="reference", dtype="float32")  # the float32 truth
     rng = np.random.default_rng(0)
     result = {
         "model": model,
         "backend": jax.default_backend(),
         "attention": check_attention(cfg, batch, 2 * prompt, rng),
-        "logprob_pass": check_logprob_pass(cfg, graphdef, params, batch, 2 * prompt, rng),
+        "logprob_pass": check_logprob_pass(cfg, graphdef, truth_gd, params, batch, 2 * prompt, rng),
         "paged_sampler": check_paged_sampler(
-            cfg, graphdef, params, batch, prompt, new, rng, attention=engine_attention
+            cfg, graphdef, truth_gd, params, batch, prompt, new, rng, attention=engine_attention
         ),
     }
     result["ok"] = _all_ok(result)
@@ -684,13 +692,9 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
         reward_bg=rng.standard_normal((b, g)).astype(np.float32),
         member_bg=np.ones((b, g), bool),
     )
-    step = make_rl_step(
-        recipe,
-        models,
-        su.update_shape(config),
-        temperature=r.temperature or 1.0,
-        old_logprobs=su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
-    )
+    update = su.update_shape(config)
+    old = su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap)
+    step = make_rl_step(recipe, models, update, temperature=r.temperature or 1.0, old_logprobs=old)
     t0 = time.perf_counter()
     state, _ = step(state, groups)  # compiles
     step_first_s = time.perf_counter() - t0
@@ -712,13 +716,7 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
     t0 = time.perf_counter()
     state, metrics = step(state, groups)
     step_s = time.perf_counter() - t0
-    passes = int(models.ref_params is not None) + int(
-        needs_old_logprob_pass(
-            recipe,
-            su.update_shape(config),
-            su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
-        )
-    )
+    passes = int(models.ref_params is not None) + int(needs_old_logprob_pass(recipe, update, old))
     flops = update_model_flops(
         model_cfg,
         abstract.num_parameters,
