@@ -172,3 +172,42 @@ def pytest_collection_modifyitems(config, items):
     order += rest[start:]
     assert sorted(map(id, order)) == sorted(map(id, items))
     items[:] = order
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory mappings. XLA:CPU maps each loaded executable's code and data into the process (about
+# 6-7 mappings per executable), and a jitted function keeps its executables until it dies or
+# ``jax.clear_caches()``; the library's module-level jitted functions live as long as the
+# process. A ``-n 2`` worker of this suite ran ~1,270 tests, reached Linux's default
+# ``vm.max_map_count`` (65,530 mappings; 7.8 GB of RSS), and segfaulted in its next compile
+# (in CI, and again here with its mappings logged after every test). So at each test module's
+# end, a process holding more than 40% of the limit drops JAX's caches; the largest growth
+# within one module was 13,200 mappings (tests/rollout/test_paged.py).
+
+
+def _mappings() -> int | None:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:  # not Linux
+        return None
+
+
+def _max_mappings() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if nextitem is not None and nextitem.path == item.path:
+        return
+    count = _mappings()
+    if count is not None and count > 0.4 * _max_mappings():
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
