@@ -44,6 +44,12 @@ import jax
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.xdist_crashes import (  # noqa: F401  (hooks: a crashed worker's test runs once more)
+    pytest_handlecrashitem,
+    pytest_report_teststatus,
+    pytest_terminal_summary,
+)
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 settings.register_profile(

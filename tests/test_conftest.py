@@ -1,7 +1,13 @@
 """The suite's own machinery in ``tests/conftest.py``: JAX's caches are dropped at a test
-module's end once the process holds 40% of the kernel's memory-mapping limit."""
+module's end once the process holds 40% of the kernel's memory-mapping limit, and a test
+that crashes its pytest-xdist worker is run once more (``tests/xdist_crashes.py``)."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import types
+from pathlib import Path
 
 import jax
 
@@ -31,3 +37,59 @@ def test_the_mapping_count_is_this_process_s():
     count = conftest._mappings()
     if count is not None:  # Linux: one line of /proc/self/maps per mapping
         assert 100 < count < conftest._max_mappings()  # the Python + JAX process has hundreds
+
+
+def _run_pytest_n2(tmp_path, body: str) -> subprocess.CompletedProcess:
+    """``pytest -n 2 --dist worksteal`` (the suite's scheduler) on one test file in ``tmp_path``
+    with this suite's crash hooks."""
+    (tmp_path / "conftest.py").write_text("from tests.xdist_crashes import *  # noqa: F403\n")
+    (tmp_path / "test_crashing.py").write_text(textwrap.dedent(body))
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "--dist",
+            "worksteal",
+            "-p",
+            "no:cacheprovider",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+CRASHES = """
+    import os, pathlib
+
+    def test_fine():
+        pass
+
+    def test_crashes():
+        marks = pathlib.Path(__file__).parent / "crashes"
+        n = int(marks.read_text()) if marks.exists() else 0
+        if n < {limit}:
+            marks.write_text(str(n + 1))
+            os.abort()  # the worker dies as in a segfault
+"""
+
+
+def test_a_test_that_crashes_its_worker_once_is_rerun_and_named(tmp_path):
+    run = _run_pytest_n2(tmp_path, CRASHES.format(limit=1))
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 passed" in run.stdout and "1 rerun" in run.stdout
+    assert "test_crashing.py::test_crashes: crashed 1x (rerun)" in run.stdout
+
+
+def test_a_test_that_crashes_its_worker_twice_fails(tmp_path):
+    run = _run_pytest_n2(tmp_path, CRASHES.format(limit=2))
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "1 failed" in run.stdout and "1 passed" in run.stdout
+    assert "test_crashing.py::test_crashes: crashed 2x (failed)" in run.stdout
