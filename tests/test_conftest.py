@@ -39,6 +39,9 @@ def test_the_mapping_count_is_this_process_s():
         assert 100 < count < conftest._max_mappings()  # the Python + JAX process has hundreds
 
 
+PYTEST_ARGS = ("-n", "2", "--dist", "worksteal", "-p", "no:cacheprovider")
+
+
 def _run_pytest_n2(tmp_path, body: str) -> subprocess.CompletedProcess:
     """``pytest -n 2 --dist worksteal`` (the suite's scheduler) on one test file in ``tmp_path``
     with this suite's crash hooks."""
@@ -46,18 +49,7 @@ def _run_pytest_n2(tmp_path, body: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_crashing.py").write_text(textwrap.dedent(body))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-n",
-            "2",
-            "--dist",
-            "worksteal",
-            "-p",
-            "no:cacheprovider",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "pytest", *PYTEST_ARGS, str(tmp_path)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
