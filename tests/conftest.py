@@ -28,9 +28,18 @@ import re
 # jaxlib 0.11 (Python >= 3.12) removed the emitters' flag, and XLA aborts the process at import
 # on an unknown flag, so it is set only for the jaxlib releases that have it (read from the
 # installed metadata: importing jaxlib would read the flags first).
+# A sharded program's fake devices meet in XLA:CPU's collective rendezvous, which aborts the
+# process when one participant is more than 40 s late (its default terminate timeout). On 2
+# shared cores that can happen without a bug: a trivial 8-device all-reduce waited 5 s in the
+# rendezvous while three threads of the same process ran single-device matmuls. A worker died
+# during an 8-device fsdp step in CI, and of SIGABRT while waiting for that step once here
+# (BENCHMARKS.md, "The test suite's wall time"; the abort's message went to pytest's captured
+# stderr and was lost, so the timeout is the likely cause, not a proven one). The suite waits
+# up to 300 s instead (tests/test_conftest.py checks the flag's effect).
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    " --xla_cpu_collective_call_terminate_timeout_seconds=300"
     + (
         " --xla_cpu_use_fusion_emitters=false"
         if tuple(map(int, re.findall(r"\d+", importlib.metadata.version("jaxlib"))[:2])) < (0, 11)

@@ -4,10 +4,12 @@ worker, instead of failing the suite at once; a second crash of the same test fa
 Why: CI (2 cores, ``-n 2``) once lost a worker inside
 ``tests/train/test_step.py::test_sharded_step_equals_one_device[grpo-groups-split-fsdp]``,
 about 6 minutes into the run. A local run reached that point with 13,248 memory mappings (20%
-of Linux's limit) and at least 12.6 GB of the machine's memory free, and passed; the test
-passes alone and in every full run here, so the crash is intermittent and its cause (XLA:CPU,
-8 fake devices, fsdp collectives on 2 cores) is not known. A rerun is never silent: the test
-is reported ``RERUN`` and the run's summary names it with the crash.
+of Linux's limit) and at least 12.6 GB of the machine's memory free, and passed. The same
+test later aborted its worker here once (SIGABRT while waiting for the 8-device step's
+result; 1 of 3 runs of the ten heaviest in-process test files, 0 of 10 narrower runs). Its
+likely cause is XLA:CPU's collective rendezvous timeout, which ``tests/conftest.py`` now
+raises; the abort's own message went to pytest's captured stderr and was lost. A rerun is
+never silent: the test is reported ``RERUN`` and the run's summary names it with the crash.
 
 Uses pytest-xdist's own ``pytest_handlecrashitem`` hook (controller side); without ``-n``
 nothing changes. Loaded by ``tests/conftest.py``.
