@@ -30,12 +30,13 @@ import re
 # installed metadata: importing jaxlib would read the flags first).
 # A sharded program's fake devices meet in XLA:CPU's collective rendezvous, which aborts the
 # process when one participant is more than 40 s late (its default terminate timeout). On 2
-# shared cores that can happen without a bug: a trivial 8-device all-reduce waited 5 s in the
-# rendezvous while three threads of the same process ran single-device matmuls. A worker died
-# during an 8-device fsdp step in CI, and of SIGABRT while waiting for that step once here
-# (BENCHMARKS.md, "The test suite's wall time"; the abort's message went to pytest's captured
-# stderr and was lost, so the timeout is the likely cause, not a proven one). The suite waits
-# up to 300 s instead (tests/test_conftest.py checks the flag's effect).
+# shared cores participants can be seconds late without a bug: four threads each calling a
+# trivial 8-device all-reduce, beside three threads of single-device matmuls, waited 5 s in the
+# rendezvous per call (800 calls took 1 s without the matmuls). A worker died during an
+# 8-device fsdp step in CI, and of SIGABRT while waiting for that step once here (BENCHMARKS.md,
+# "The test suite's wall time"; the abort's message went to pytest's captured stderr and was
+# lost). The timeout is a likely cause, the one abort of XLA:CPU that depends on timing alone,
+# not a proven one. The suite waits up to 300 s (tests/test_conftest.py checks the effect).
 os.environ.setdefault(
     "XLA_FLAGS",
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
