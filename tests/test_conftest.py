@@ -43,20 +43,27 @@ def test_the_mapping_count_is_this_process_s():
 PYTEST_ARGS = ("-n", "2", "--dist", "worksteal", "-p", "no:cacheprovider")
 
 
+def _run_python(
+    args: list[str], timeout: float, cwd: Path | None = None, **env: str
+) -> subprocess.CompletedProcess:
+    """This Python on ``args`` in a child with ``env`` added to ours, its output captured."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=cwd,
+        env=dict(os.environ, **env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def _run_pytest_n2(tmp_path, body: str) -> subprocess.CompletedProcess:
     """``pytest -n 2 --dist worksteal`` (the suite's scheduler) on one test file in ``tmp_path``
     with this suite's crash hooks."""
     (tmp_path / "conftest.py").write_text("from tests.xdist_crashes import *  # noqa: F403\n")
     (tmp_path / "test_crashing.py").write_text(textwrap.dedent(body))
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[1]))
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", *PYTEST_ARGS, str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    args = ["-m", "pytest", *PYTEST_ARGS, str(tmp_path)]
+    return _run_python(args, 300, cwd=tmp_path, PYTHONPATH=str(Path(__file__).parents[1]))
 
 
 CRASHES = """
@@ -113,14 +120,8 @@ print("sum", float(f(x)[0]))
 
 
 def _late_participant(flags: str, late_s: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    return subprocess.run(
-        [sys.executable, "-c", LATE_PARTICIPANT, str(late_s)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    args = ["-c", LATE_PARTICIPANT, str(late_s)]
+    return _run_python(args, 120, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
 
 
 def test_a_late_fake_device_aborts_only_past_the_suites_rendezvous_timeout():
