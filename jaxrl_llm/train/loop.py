@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from jaxrl_llm import distributed as dist
+from jaxrl_llm import memory_maps
 from jaxrl_llm.config import TrainConfig, save_config, to_dict, to_yaml
 from jaxrl_llm.data import BatchIterator
 from jaxrl_llm.train import asynchronous, forward, hostmem, rundir
@@ -358,6 +359,7 @@ def _train_locked(
                     _stop(stop, step, state, ckpt, setup, primary, save)
                 t_step = time.perf_counter()
                 hostmem.release_free_heap()  # see hostmem: lowers the host peak on CPU
+                memory_maps.relieve(where="jaxrl-llm train")  # XLA:CPU's compiled programs
                 mark_phase("rollout", step + 1)
                 state, key = _split_key(state)
                 state, metrics = train_step(state, iterator, key)  # collect, then the device step

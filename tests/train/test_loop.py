@@ -192,9 +192,16 @@ SMALL = [
         ),
     ],
 )
-def test_one_loop_step_per_kind_of_recipe(tmp_path, name, overrides, expect):
+def test_one_loop_step_per_kind_of_recipe(tmp_path, monkeypatch, name, overrides, expect):
+    from jaxrl_llm import memory_maps
+
+    guarded = []  # the mapping guard (memory_maps.relieve) before each step and each rollout
+    real = memory_maps.relieve
+    monkeypatch.setattr(memory_maps, "relieve", lambda **kw: guarded.append(kw) or real(**kw))
     config = H.config(f"algorithms/{name}.yaml", *SMALL, *overrides)
     final = loop.train(config, run_dir=tmp_path, progress=False, log=lambda *_: None)
     for key in expect:
         assert key in final and np.isfinite(final[key]), key
     assert final["step"] == 1 and final["update/nonfinite"] == 0
+    assert {"where": "jaxrl-llm train"} in guarded
+    assert {"where": "rollout.generate"} in guarded  # dpo: its evaluation samples
