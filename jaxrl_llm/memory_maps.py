@@ -19,8 +19,10 @@ quickstart: 4,300 mappings, flat from its second step).
 :func:`relieve` is the guard: when the process holds more than a fraction of the limit it
 drops JAX's compiled programs (``jax.clear_caches()``; they are compiled again when next
 called) and warns, saying how to raise the limit. :func:`jaxrl_llm.rollout.generate` calls it
-on entry and the trainer before each step. A computation already dispatched keeps its program
-alive until it finishes. Off Linux (no ``/proc``) it does nothing.
+on entry, the paged engine before each prefill and decode call (one call of it may compile
+dozens of bucketed programs), and the trainer before each step. A computation already
+dispatched keeps its program alive until it finishes. Off Linux (no ``/proc``) it does
+nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +42,19 @@ one more call compiles (a SmolLM2-135M rollout compiles a few, ~1,000 mappings e
 
 _lock = threading.Lock()
 _floor = 0  # mappings left after the last clear (those JAX could not release)
+_compiles = 0  # XLA backend compiles in this process (the listener below)
+_looked_at = -1  # the value of _compiles at the last look at /proc/self/maps
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def _count_compile(event: str, duration: float, **kwargs) -> None:
+    global _compiles
+    if event == _COMPILE_EVENT:
+        _compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
 
 
 def count() -> int | None:
@@ -65,14 +80,19 @@ def relieve(fraction: float = DEFAULT_FRACTION, *, where: str = "jaxrl_llm") -> 
     """Drops JAX's compiled programs if this process holds more than ``fraction`` of the
     mappings Linux allows it; returns whether it did.
 
-    After a clear, the mappings JAX could not release (other libraries', arrays') set a floor:
-    the next clear waits until the count has grown by another ``(1 − fraction)`` of the limit
-    above it, so a process whose mappings are not JAX's is warned once, not cleared at every
-    call. ``where`` names the caller in the warning.
+    Cheap enough to call before every compiled call: it reads ``/proc/self/maps`` only when
+    XLA compiled something since its last look (a ``jax.monitoring`` listener counts the
+    compiles). After a clear, the mappings JAX could not release (other libraries', arrays')
+    set a floor: the next clear waits until the count has grown by another ``(1 − fraction)``
+    of the limit above it, so a process whose mappings are not JAX's is warned once, not
+    cleared at every call. ``where`` names the caller in the warning.
     """
-    global _floor
+    global _floor, _looked_at
     if not 0.0 < fraction < 1.0:
         raise ValueError(f"memory_maps.relieve: fraction must be in (0, 1), got {fraction!r}")
+    if _compiles == _looked_at:
+        return False  # nothing compiled since the last look: nothing new mapped by XLA
+    _looked_at = _compiles
     most = limit()
     held = count() if most else None
     if held is None or most is None:

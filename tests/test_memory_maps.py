@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 def fresh_floor(monkeypatch):
     monkeypatch.setattr(memory_maps, "_floor", 0)
+    monkeypatch.setattr(memory_maps, "_looked_at", -1)  # as if something was just compiled
 
 
 def _compile_programs(n: int) -> list:
@@ -71,12 +72,49 @@ def test_a_process_whose_mappings_are_not_jaxs_is_warned_once(monkeypatch):
     monkeypatch.setattr(memory_maps, "limit", lambda: int(held / 0.8))  # 80% held: over 75%
     with pytest.warns(RuntimeWarning):
         assert memory_maps.relieve() is True
+    monkeypatch.setattr(memory_maps, "_looked_at", -1)  # (past the no-compile shortcut)
     assert memory_maps.relieve() is False  # nothing released: the floor is where we are
     assert len(cleared) == 1
     monkeypatch.setattr(memory_maps, "_floor", held - int(0.5 * held / 0.8))
+    monkeypatch.setattr(memory_maps, "_looked_at", -1)
     with pytest.warns(RuntimeWarning):
         assert memory_maps.relieve() is True  # grown by more than a quarter of the limit
     assert len(cleared) == 2
+
+
+def test_maps_are_read_only_after_a_compile(monkeypatch):
+    """Cheap before every compiled call: /proc/self/maps is read again only once XLA has
+    compiled something since the last look."""
+    reads = []
+    real = memory_maps.count
+    monkeypatch.setattr(memory_maps, "count", lambda: reads.append(1) or real())
+    memory_maps.relieve()
+    assert len(reads) == 1
+    memory_maps.relieve()
+    jax.jit(lambda x: x - 7.0)(jnp.ones(5)).block_until_ready()  # a new program
+    assert len(reads) == 1  # the second call had nothing new to look at
+    memory_maps.relieve()
+    assert len(reads) == 2
+
+
+def test_the_paged_engine_looks_before_its_prefill_and_decode_calls(monkeypatch):
+    """One paged call compiles a program per bucket it meets: the guard runs inside it too."""
+    from jaxrl_llm.rollout import paged
+    from tests.models import hf_tiny
+    from tests.train import helpers as H
+
+    where = []
+    real = memory_maps.relieve
+    monkeypatch.setattr(memory_maps, "relieve", lambda **kw: where.append(kw["where"]) or real())
+    ids, mask = hf_tiny.left_padded_batch(np.random.RandomState(2), [7, 2, 5], 7, H.VOCAB)
+    options = paged.PagedOptions(page_size=4, num_slots=2, steps_per_dispatch=2, prefill_chunk=4)
+    rollout.generate(
+        H.tiny_lm(0), ids, mask, rng=jax.random.key(0), max_new_tokens=5, engine="paged",
+        paged_options=options, stop_token_ids=(),
+    )  # fmt: skip
+    assert where[0] == "rollout.generate"
+    assert where.count("rollout.generate (paged prefill)") >= 3  # 3 prompts, 2 slots, chunks
+    assert where.count("rollout.generate (paged decode)") >= 3
 
 
 def test_bad_fraction_is_a_clear_error():

@@ -69,6 +69,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxrl_llm import memory_maps
 from jaxrl_llm.models.rope import rope_cos_sin, rope_frequencies
 from jaxrl_llm.models.transformer import CausalLM, DecoderLayer, layer_windows, scan_layers
 from jaxrl_llm.rollout import pages as pages_lib
@@ -1009,6 +1010,7 @@ def run(
         first: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
         start = 0
         while len(first) < len(group):
+            memory_maps.relieve(where="rollout.generate (paged prefill)")
             rows_b = [b for b in group if len(prompts[b]) > start]
             rows = prefill_rows(len(rows_b))
             length_r = [min(chunk, len(prompts[b]) - start) for b in rows_b]
@@ -1089,6 +1091,8 @@ def run(
         if mesh is not None:
             stack.enter_context(jax.set_mesh(mesh))
         while pending or seqs:
+            # XLA:CPU: each new bucket's programs map hundreds of regions (memory_maps).
+            memory_maps.relieve(where="rollout.generate (paged decode)")
             while True:  # admit groups of up to 8 prompts while slots and pages allow
                 group, free, available = [], sum(s < 0 for s in slot_seq), alloc.available
                 while pending and len(group) < _PREFILL_ROWS and free >= g:
