@@ -42,19 +42,21 @@ one more call compiles (a SmolLM2-135M rollout compiles a few, ~1,000 mappings e
 
 _lock = threading.Lock()
 _floor = 0  # mappings left after the last clear (those JAX could not release)
-_compiles = 0  # XLA backend compiles in this process (the listener below)
+_compiles = 0  # programs XLA compiled or loaded in this process (the listeners below)
 _looked_at = -1  # the value of _compiles at the last look at /proc/self/maps
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # loaded from the persistent cache
 
 
-def _count_compile(event: str, duration: float, **kwargs) -> None:
+def _count_compile(event: str, *args, **kwargs) -> None:
     global _compiles
-    if event == _COMPILE_EVENT:
+    if event in (_COMPILE_EVENT, _CACHE_HIT_EVENT):
         _compiles += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compile)
+jax.monitoring.register_event_listener(_count_compile)
 
 
 def count() -> int | None:
@@ -81,11 +83,11 @@ def relieve(fraction: float = DEFAULT_FRACTION, *, where: str = "jaxrl_llm") -> 
     mappings Linux allows it; returns whether it did.
 
     Cheap enough to call before every compiled call: it reads ``/proc/self/maps`` only when
-    XLA compiled something since its last look (a ``jax.monitoring`` listener counts the
-    compiles). After a clear, the mappings JAX could not release (other libraries', arrays')
-    set a floor: the next clear waits until the count has grown by another ``(1 − fraction)``
-    of the limit above it, so a process whose mappings are not JAX's is warned once, not
-    cleared at every call. ``where`` names the caller in the warning.
+    XLA compiled (or loaded from JAX's persistent cache) a program since its last look
+    (``jax.monitoring`` listeners count them). After a clear, the mappings JAX could not
+    release (other libraries', arrays') set a floor: the next clear waits until the count has
+    grown by another ``(1 − fraction)`` of the limit above it, so a process whose mappings are
+    not JAX's is warned once, not cleared at every call. ``where`` names the caller in the warning.
     """
     global _floor, _looked_at
     if not 0.0 < fraction < 1.0:

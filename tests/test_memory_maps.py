@@ -97,6 +97,16 @@ def test_maps_are_read_only_after_a_compile(monkeypatch):
     assert len(reads) == 2
 
 
+def test_programs_loaded_from_the_persistent_cache_count_as_compiles():
+    """A persistent-cache hit maps a program too: JAX's event for it (jax/_src/compiler.py)
+    is counted like a backend compile."""
+    before = memory_maps._compiles
+    jax.monitoring.record_event("/jax/compilation_cache/cache_hits")
+    assert memory_maps._compiles == before + 1
+    jax.monitoring.record_event("/jax/compilation_cache/compile_requests_use_cache")
+    assert memory_maps._compiles == before + 1
+
+
 def test_the_paged_engine_looks_before_its_prefill_and_decode_calls(monkeypatch):
     """One paged call compiles a program per bucket it meets: the guard runs inside it too."""
     from jaxrl_llm.rollout import paged
