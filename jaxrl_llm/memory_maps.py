@@ -96,23 +96,19 @@ def relieve(fraction: float = DEFAULT_FRACTION, *, where: str = "jaxrl_llm") -> 
         return False  # nothing compiled since the last look: nothing new mapped by XLA
     _looked_at = _compiles
     most = limit()
-    held = count() if most else None
-    if held is None or most is None:
+    if most is None:
         return False
-    threshold = max(fraction * most, _floor + (1.0 - fraction) * most)
-    if held <= threshold:
-        return False
-    with _lock:
-        held = count() or 0
-        if held <= max(fraction * most, _floor + (1.0 - fraction) * most):
-            return False  # another thread relieved meanwhile
+    with _lock:  # one look at a time: threads past the threshold together clear once
+        held = count()
+        if held is None or held <= max(fraction * most, _floor + (1.0 - fraction) * most):
+            return False
         jax.clear_caches()
         gc.collect()
-        _floor = count() or 0
+        _floor = after = count() or 0
     warnings.warn(
         f"{where}: this process held {held:,} of the {most:,} memory mappings Linux allows "
         f"(vm.max_map_count), mostly XLA:CPU's compiled programs; a further compile could "
-        f"abort the process. JAX's compiled programs were dropped ({_floor:,} mappings now) "
+        f"abort the process. JAX's compiled programs were dropped ({after:,} mappings now) "
         f"and are compiled again when next used. To keep them, raise the limit: "
         f"sudo sysctl -w vm.max_map_count=262144 (jaxrl_llm/memory_maps.py).",
         RuntimeWarning,

@@ -101,10 +101,13 @@ def main() -> None:
                     "relieved_at": relieved,
                     "calls": sweep,
                 }
-                with open(args.out, "w") as f:
-                    json.dump(result, f, indent=1)
+                _write(result, args.out)  # so far: without the guard the process may abort
                 print(sweep[-1], "relieved at", relieved, flush=True)
-    with open(args.out, "w") as f:
+    _write(result, args.out)
+
+
+def _write(result: dict, path: str) -> None:
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -131,11 +131,10 @@ def test_a_changed_data_file_fails_its_checksums(tmp_path, step_fn):
     needle = np.asarray(leaf).tobytes()[256:320]
     assert len(needle) == 64
     files = [p for p in (tmp_path / "ckpt" / "1" / "state").rglob("*") if p.is_file()]
-    found = [(p, p.read_bytes().find(needle)) for p in files]
-    data, at = next(((p, i) for p, i in found if i >= 0), (None, -1))
+    stored = ((p, bytearray(p.read_bytes())) for p in files)
+    data, raw = next(((p, raw) for p, raw in stored if needle in raw), (None, None))
     assert data is not None, "the parameter's bytes are not stored verbatim (compressed?)"
-    raw = bytearray(data.read_bytes())
-    raw[at + 32] ^= 0x10
+    raw[raw.find(needle) + 32] ^= 0x10
     data.write_bytes(bytes(raw))
     with (
         Checkpointer(tmp_path / "ckpt") as ckpt,
