@@ -43,7 +43,10 @@ published shapes, 1.236 B parameters), so nothing is downloaded:
 ``decode_static``  the same with the static (dense-cache) engine.
 
 The parts' results are merged into one JSON (``parts``: name → result, or its error),
-rewritten after each part. Budget: each part's subprocess timeout (:data:`BUDGETS`;
+rewritten after each part. ``--profile DIR`` adds, after each part's timings, one more call of
+its program under ``jax.profiler`` and the ops that took the device's time
+(:func:`summarize_trace`: busy vs span, the top ops, the programs), under the part's
+``profile`` key; the traces stay in ``DIR``. Budget: each part's subprocess timeout (:data:`BUDGETS`;
 ``--budget-s`` sets all), and the whole run stops starting parts at ``--total-budget-s``
 (:data:`TOTAL_BUDGET_S`, inside one device command's 10 minutes). On the lent H200 (Python
 3.12 with jax 0.11 and CUDA 13 in its image; no install needed: the parts import the working
@@ -55,9 +58,11 @@ tree), from the repository root::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -187,6 +192,92 @@ def update_model_flops(
 
 
 # ---------------------------------------------------------------------------------------------
+# Profiles (``--profile``): one more call of a part's timed program under ``jax.profiler``,
+# after its timings (so that tracing costs them nothing), summarised to the ops that took the
+# device's time.
+
+#: Set by ``--profile DIR`` for the parts' subprocesses.
+PROFILE_ENV = "JAXRL_BENCH_PROFILE_DIR"
+
+
+@contextlib.contextmanager
+def profiled(name: str, out: dict):
+    """Trace the block into ``$JAXRL_BENCH_PROFILE_DIR/name`` and put its summary
+    (:func:`summarize_trace`) in ``out["profile"][name]``; nothing when the variable is unset."""
+    root = os.environ.get(PROFILE_ENV)
+    if not root:
+        yield
+        return
+    import jax
+
+    where = Path(root) / name
+    with jax.profiler.trace(str(where), create_perfetto_trace=True):
+        yield
+    out.setdefault("profile", {})[name] = summarize_trace(where)
+
+
+def summarize_trace(where: Path, top: int = 25) -> dict:
+    """The device time of a ``jax.profiler`` trace (its ``perfetto_trace.json.gz``), by op.
+
+    Events are the XLA ops' executions (trace events with an ``hlo_op``): on a GPU the kernels
+    on the device's streams (``/device:GPU:N``, threads named ``Stream ...``: the derived "XLA
+    Ops" and "XLA Modules" lines would count the same time twice), on a CPU the host threads
+    that run them. ``busy_ms`` is the union of their intervals, ``span_ms`` first start to last
+    end: the difference is time the device waited (for the host, dispatch, transfers).
+    ``ops`` are the ``top`` ops by total time, with their program (``hlo_module``) and kernel
+    (the event's name); ``modules`` the programs' totals."""
+    import gzip
+
+    files = sorted(where.glob("**/perfetto_trace.json.gz"))
+    if not files:
+        return {"error": f"no perfetto_trace.json.gz under {where}"}
+    with gzip.open(files[-1], "rt") as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    processes, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            processes[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid"))] = e["args"]["name"]
+    ops = [e for e in events if e.get("ph") == "X" and "hlo_op" in e.get("args", {})]
+    device_pids = {p for p, n in processes.items() if re.match(r"/device:(GPU|TPU):\d+$", n)}
+    if device_pids:
+        ops = [e for e in ops if e["pid"] in device_pids]
+        streams = [e for e in ops if threads.get((e["pid"], e.get("tid")), "").startswith("Stream")]
+        ops = streams or ops
+    if not ops:
+        return {"error": "no XLA op events in the trace", "processes": sorted(processes.values())}
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in ops)
+    busy, end = 0.0, spans[0][0]
+    for start, stop in spans:
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    by_op, by_module = {}, {}
+    for e in ops:
+        a = e["args"]
+        key = (a.get("hlo_module", "?"), a["hlo_op"], e["name"])
+        n, t = by_op.get(key, (0, 0.0))
+        by_op[key] = (n + 1, t + e["dur"])
+        by_module[key[0]] = by_module.get(key[0], 0.0) + e["dur"]
+    total = sum(t for _, t in by_op.values())
+    ranked = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "threads": sorted({threads.get((e["pid"], e.get("tid")), "?") for e in ops}),
+        "events": len(ops),
+        "span_ms": (end - spans[0][0]) / 1e3,
+        "busy_ms": busy / 1e3,
+        "op_time_ms": total / 1e3,
+        "ops": [
+            {"module": m, "op": o, "kernel": k[:120], "count": n, "ms": t / 1e3, "share": t / total}
+            for (m, o, k), (n, t) in ranked
+        ],
+        "modules": {m: t / 1e3 for m, t in sorted(by_module.items(), key=lambda kv: -kv[1])},
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 # Parts.
 
 
@@ -225,7 +316,11 @@ def part_mfu(model: str, batch: int, seq: int, steps: int) -> dict:
     )
     flops = per_token * batch * seq
     peak, _ = chip_peaks(jax.devices()[0].device_kind)
+    prof = {}
+    with profiled("mfu", prof):
+        jax.block_until_ready(grad(params))
     return {
+        **prof,
         "model": model,
         "parameters": int(n),
         "batch": batch,
@@ -302,7 +397,11 @@ def part_decode(model: str, batch: int, prompt: int, new: int, engine: str = "pa
     step_bytes = 2 * matmul_parameters(cfg, n) + kv
     _, bandwidth = chip_peaks(jax.devices()[0].device_kind)
     roofline = None if bandwidth is None else batch / (step_bytes / bandwidth)
+    prof = {}
+    with profiled(f"decode_{engine}", prof):
+        sample(new)
     return {
+        **prof,
         "model": model,
         "engine": engine,
         "attention": attention,
@@ -742,7 +841,13 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
     else:
         measured, method, predicted = None, "not measurable here", plan.peak
     ratio = None if measured is None else measured / predicted
+    prof = {}
+    with profiled("plan_rollout", prof):
+        sample()
+    with profiled("plan_step", prof):
+        jax.block_until_ready(step(state, groups))
     return {
+        **prof,
         "config": config_path,
         "overrides": overrides,
         "plan": plan.to_dict(),
@@ -774,8 +879,9 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
 #: still the faster one), the plan check last.
 PARTS = ("check", "mfu", "decode", "decode_static", "plan")
 #: Each part's subprocess timeout, seconds (the plan part compiles its two programs twice,
-#: planned and real). A run stops starting parts at ``--total-budget-s``.
-BUDGETS = {"check": 120.0, "mfu": 150.0, "decode": 150.0, "decode_static": 120.0, "plan": 300.0}
+#: planned and real; the check part took 176 s on the H200). A run stops starting parts at
+#: ``--total-budget-s``.
+BUDGETS = {"check": 240.0, "mfu": 150.0, "decode": 150.0, "decode_static": 120.0, "plan": 300.0}
 #: The whole run's default limit: a device command may run 600 s, and the machine's start and
 #: the transfers come on top, so 540 s leaves room to see the output.
 TOTAL_BUDGET_S = 540.0
@@ -828,7 +934,16 @@ def main(argv: list[str] | None = None) -> int:
         help="stop here: a part gets at most the time left, and none starts under 30 s",
     )
     parser.add_argument("--out", default=None, help="write the JSON here (also printed)")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="also trace one more call of each part's timed program into DIR/<name> "
+        "(jax.profiler) and put the ops that took the device's time in the JSON",
+    )
     args = parser.parse_args(argv)
+    if args.profile:
+        os.environ[PROFILE_ENV] = str(Path(args.profile).resolve())
     shapes = SHAPES["tiny" if args.tiny else "device"]
     if args.part is not None:  # the subprocess: one line of JSON on stdout
         print(json.dumps(run_part(args.part, shapes, args.devices), default=str))

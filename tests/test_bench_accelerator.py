@@ -103,6 +103,67 @@ def test_mfu_and_decode_parts_on_tiny_shapes(bench):
     json.dumps({"mfu": mfu, **decodes})
 
 
+def _write_trace(where, events):
+    import gzip
+
+    d = where / "plugins" / "profile" / "2026_12_04"
+    d.mkdir(parents=True)
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_summarize_trace_counts_the_gpu_streams_kernels_once(bench, tmp_path):
+    """A GPU trace as jax writes it: kernels on the device's "Stream" threads, the same time
+    again on the derived "XLA Ops" line, host events apart. Busy time is the union of the
+    kernels' intervals; the gap to the span is the device's idle time."""
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 1, "tid": 10, "name": "thread_name", "args": {"name": "Stream #10"}},
+        {"ph": "M", "pid": 1, "tid": 11, "name": "thread_name", "args": {"name": "Stream #11"}},
+        {"ph": "M", "pid": 1, "tid": 99, "name": "thread_name", "args": {"name": "XLA Ops"}},
+    ]
+
+    def op(pid, tid, ts, dur, name, module="jit_step"):
+        return {
+            "ph": "X", "pid": pid, "tid": tid, "ts": ts, "dur": dur, "name": name,
+            "args": {"hlo_module": module, "hlo_op": name},
+        }  # fmt: skip
+
+    events = [
+        *meta,
+        op(1, 10, 0, 100, "gemm"),
+        op(1, 11, 50, 100, "gemm"),  # overlaps the first: busy 0-150
+        op(1, 10, 400, 100, "fusion", module="jit_other"),  # idle 150-400
+        op(1, 99, 0, 500, "gemm"),  # the derived line: not counted again
+        op(7, 3, 0, 900, "gemm"),  # host
+        {"ph": "X", "pid": 1, "tid": 10, "ts": 0, "dur": 5, "name": "no hlo_op", "args": {}},
+    ]
+    _write_trace(tmp_path, events)
+    summary = bench.summarize_trace(tmp_path)
+    assert summary["threads"] == ["Stream #10", "Stream #11"] and summary["events"] == 3
+    assert summary["span_ms"] == 0.5 and summary["busy_ms"] == 0.25
+    assert summary["op_time_ms"] == 0.3
+    gemm, fusion = summary["ops"]
+    assert (gemm["op"], gemm["count"], gemm["ms"]) == ("gemm", 2, 0.2)
+    assert math.isclose(gemm["share"], 2 / 3) and fusion["module"] == "jit_other"
+    assert summary["modules"] == {"jit_step": 0.2, "jit_other": 0.1}
+    assert "error" in bench.summarize_trace(tmp_path / "nothing")
+
+
+def test_profile_option_traces_a_part_on_cpu(bench, tmp_path, monkeypatch):
+    """``--profile``: one more call of the part's program under ``jax.profiler``; on CPU the
+    XLA ops run on host threads, and the summary is read from them."""
+    monkeypatch.setenv(bench.PROFILE_ENV, str(tmp_path))
+    summary = bench.part_mfu("tiny-random", batch=2, seq=16, steps=1)["profile"]["mfu"]
+    assert "error" not in summary, summary
+    assert summary["events"] > 0 and 0 < summary["busy_ms"] <= summary["span_ms"] + 1e-6
+    assert "jit_loss" in summary["modules"]
+    assert 0 < sum(o["share"] for o in summary["ops"]) <= 1 + 1e-9
+    monkeypatch.delenv(bench.PROFILE_ENV)
+    assert "profile" not in bench.part_mfu("tiny-random", batch=2, seq=16, steps=1)
+
+
 def test_bad_parts_are_refused(bench, capsys):
     with pytest.raises(SystemExit):
         bench.main(["--parts", "mfu,speed"])
