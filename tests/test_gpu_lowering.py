@@ -60,6 +60,14 @@ def custom_calls(lowered: jax.stages.Lowered) -> collections.Counter:
     return collections.Counter(re.findall(r"custom_call @([^(\s]+)\(", lowered.as_text()))
 
 
+def float32_dots(lowered: jax.stages.Lowered) -> list[str]:
+    """The signatures of the dots that take a float32 operand (StableHLO text). In a bf16
+    program these are TF32 GEMMs on a GPU, at half the bf16 rate: an H200 run found the
+    backward pass's dots all float32 before ``transformer.low_precision_dot``."""
+    sig = r"stablehlo\.dot_general [^\n]*: \((tensor<[^>]+>), (tensor<[^>]+>)\)"
+    return [f"{a}, {b}" for a, b in re.findall(sig, lowered.as_text()) if "f32>" in a + b]
+
+
 def lower_for_cuda(fn, *args, **kwargs) -> jax.stages.Lowered:
     """``fn.trace(*args, **kwargs)`` lowered for CUDA, for an H200: the Pallas Triton lowering
     reads the GPU's kind (its compute capability) from the abstract mesh's device when this
@@ -106,7 +114,7 @@ def abstract_model(cfg):
 def test_update_step_lowers_for_cuda_with_cudnn_attention(hopper, overrides):
     """The fused RL step (the trainer's own, via the plan's abstract run) with
     ``model.attention=cudnn`` in bfloat16: cuDNN's forward and backward attention calls in the
-    program, no fallback to the reference."""
+    program, no fallback to the reference; every dot, forward and backward, on bf16 operands."""
     config, cfg = gpu_config("model.attention=cudnn", *overrides)
     recipe = build_recipe(config)
     mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
@@ -114,6 +122,7 @@ def test_update_step_lowers_for_cuda_with_cudnn_attention(hopper, overrides):
     lowered = P.lower_step(run, config, recipe, platform="gpu", lowering_platforms=("cuda",))
     calls = custom_calls(lowered)
     assert calls[CUDNN_FWD] >= 1 and calls[CUDNN_BWD] >= 1, calls
+    assert not float32_dots(lowered)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,5 +205,7 @@ def test_bench_accelerator_mfu_program_lowers_for_cuda(hopper):
         logp = forward.completion_logprobs_nt(graphdef, p, tokens, mask, completion_len=t // 2)
         return jnp.mean(logp)
 
-    calls = custom_calls(lower_for_cuda(jax.jit(jax.value_and_grad(loss)), params, tokens, mask))
+    lowered = lower_for_cuda(jax.jit(jax.value_and_grad(loss)), params, tokens, mask)
+    calls = custom_calls(lowered)
     assert calls[CUDNN_FWD] >= 1 and calls[CUDNN_BWD] >= 1, calls
+    assert not float32_dots(lowered)  # the LM head's backward dots included

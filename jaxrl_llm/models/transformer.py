@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxrl_llm.models import attention as attention_lib
 from jaxrl_llm.models import grad_accumulation, sharding
@@ -196,6 +197,69 @@ def dot_product_attention(
     return attention_lib.reference_attention(q_bthd, k_bskd, v_bskd, allowed_bts)
 
 
+LOW_PRECISION_DOT = "low_precision_dot"
+"""The ``checkpoint_name`` of :func:`low_precision_dot`'s output, which the ``dots`` remat
+policies save as they save a plain ``dot_general``'s."""
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def low_precision_dot(
+    a_mk: jax.Array, b: jax.Array, out_dtype: jax.typing.DTypeLike, b_is_nk: bool
+) -> jax.Array:
+    """``a_mk @ b`` (``b: [K, N]``, or ``[N, K]`` with ``b_is_nk``; cast to ``a``'s dtype)
+    accumulated in float32 and returned in ``out_dtype``, whose backward dots also take
+    low-precision operands.
+
+    For bf16 ``a`` and ``b`` a plain ``dot(a, b, preferred_element_type=float32)`` is
+    differentiated through its float32 output: the cotangent arrives in float32, so both
+    backward dots run as float32 x float32 (measured on an H200: TF32 GEMMs, 31% of a 1B GRPO
+    update step's GPU time and 40% of a log-prob pass's forward + backward; BENCHMARKS.md,
+    "Accelerator runs"). Here the cotangent is cast to ``a``'s dtype first, as a bf16
+    PyTorch model's autograd has it, and the backward dots are bf16 x bf16 accumulated in
+    float32: ``da = g bᵀ``, ``db = aᵀ g`` (``gᵀ a`` for ``[N, K]``). ``da`` is returned in
+    ``a``'s dtype and ``db`` in ``b``'s own, from the float32 accumulator: a float32 master
+    weight gets an unrounded gradient (the cast to bf16 happens in here). On a TPU, whose
+    default precision already rounds float32 dot operands to bf16, this only halves the
+    operands' bytes.
+    """
+    dims = (((1,), (1 if b_is_nk else 0,)), ((), ()))
+    b = b.astype(a_mk.dtype)
+    return jax.lax.dot_general(a_mk, b, dims, preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def _low_precision_dot_fwd(
+    a_mk: jax.Array, b: jax.Array, out_dtype: jax.typing.DTypeLike, b_is_nk: bool
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return low_precision_dot(a_mk, b, out_dtype, b_is_nk), (a_mk, b)
+
+
+def _low_precision_dot_bwd(
+    out_dtype: jax.typing.DTypeLike,
+    b_is_nk: bool,
+    residuals: tuple[jax.Array, jax.Array],
+    g_mn: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    a_mk, b_any = residuals
+    b = b_any.astype(a_mk.dtype)
+    g_mn = g_mn.astype(a_mk.dtype)
+    f32 = jnp.float32
+    # da [M, K]: g [M, N] contracted with b over N.
+    da = jax.lax.dot_general(g_mn, b, (((1,), (0 if b_is_nk else 1,)), ((), ())), None, f32)
+    if b_is_nk:  # db [N, K] = gᵀ a
+        db = jax.lax.dot_general(g_mn, a_mk, (((0,), (0,)), ((), ())), None, f32)
+    else:  # db [K, N] = aᵀ g
+        db = jax.lax.dot_general(a_mk, g_mn, (((0,), (0,)), ((), ())), None, f32)
+    return da.astype(a_mk.dtype), db.astype(b_any.dtype)
+
+
+low_precision_dot.defvjp(_low_precision_dot_fwd, _low_precision_dot_bwd)
+
+
+def is_low_precision(dtype: jax.typing.DTypeLike) -> bool:
+    """bf16 / f16: the dtypes whose matmuls go through :func:`low_precision_dot`."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4
+
+
 def matmul_2d(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
     """Contracts the last ``n_in`` axes of ``x`` with the first ``n_in`` axes of ``w``.
 
@@ -203,12 +267,19 @@ def matmul_2d(x: jax.Array, w: jax.Array, n_in: int) -> jax.Array:
     3-D ``einsum('btd,df->btf')`` makes the weight gradient transpose its activations
     element by element (measured: SmolLM2 forward+backward 1.45x slower); the 2-D form keeps
     the backward dots transpose-free. Accumulation is float32 whatever the inputs: for bf16
-    inputs XLA:CPU then runs ~2x faster than a bf16-output dot.
+    inputs XLA:CPU then runs ~2x faster than a bf16-output dot. ``w`` is cast to ``x``'s dtype;
+    bf16/f16 ``x`` goes through :func:`low_precision_dot` (which casts ``w`` itself and returns
+    its gradient in ``w``'s dtype), so that the backward dots are not float32 x float32.
     """
     k = math.prod(w.shape[:n_in])
     lead, out = x.shape[: x.ndim - n_in], w.shape[n_in:]
-    y = jnp.dot(x.reshape(-1, k), w.reshape(k, -1), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype).reshape(*lead, *out)
+    x_mk, w_kn = x.reshape(-1, k), w.reshape(k, -1)
+    if is_low_precision(x.dtype):
+        y = checkpoint_name(low_precision_dot(x_mk, w_kn, x.dtype, False), LOW_PRECISION_DOT)
+    else:
+        w_kn = w_kn.astype(x.dtype)
+        y = jnp.dot(x_mk, w_kn, preferred_element_type=jnp.float32).astype(x.dtype)
+    return y.reshape(*lead, *out)
 
 
 def lora_dropout(x: jax.Array, keys_bt: jax.Array, rate: float, salt: int) -> jax.Array:
@@ -297,13 +368,15 @@ class _Proj(nnx.Module):
         inverted dropout of rate ``lora_dropout`` (PEFT's ``lora_dropout``): token (b, t)'s
         mask is drawn from ``fold_in(lora_keys_bt[b, t], lora_salt)`` alone, so it does not
         depend on the batch, micro-batch or packed row the token sits in."""
-        y = matmul_2d(x, self.dense_kernel(x.dtype), self.n_in)
+        # A float kernel goes in as stored: matmul_2d casts it (for bf16, inside the dot's VJP).
+        w = self.kernel[...] if self.quant is None else self.dense_kernel(x.dtype)
+        y = matmul_2d(x, w, self.n_in)
         if self.lora_a is not None:
             x_in = x
             if lora_keys_bt is not None and self.lora_dropout > 0:
                 x_in = lora_dropout(x, lora_keys_bt, self.lora_dropout, self.lora_salt)
-            xa = matmul_2d(x_in, self.lora_a[...].astype(x.dtype), self.n_in)
-            y = y + self.lora_scale * matmul_2d(xa, self.lora_b[...].astype(x.dtype), 1)
+            xa = matmul_2d(x_in, self.lora_a[...], self.n_in)
+            y = y + self.lora_scale * matmul_2d(xa, self.lora_b[...], 1)
         if self.bias is not None:
             bias = self.bias[...].astype(x.dtype)
             y = y + bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
@@ -353,10 +426,16 @@ class DecoderLayer(nnx.Module):
         return x_btd, new_kv
 
 
+_CP = jax.checkpoint_policies
 _REMAT_POLICIES = {
     "full": None,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # low_precision_dot's output counts as a dot (a custom_vjp hides the dot from the policy).
+    "dots": _CP.save_from_both_policies(
+        _CP.dots_saveable, _CP.save_only_these_names(LOW_PRECISION_DOT)
+    ),
+    "dots_no_batch": _CP.save_from_both_policies(
+        _CP.dots_with_no_batch_dims_saveable, _CP.save_only_these_names(LOW_PRECISION_DOT)
+    ),
 }
 
 NO_WINDOW = 2**30
@@ -756,11 +835,15 @@ class CausalLM(nnx.Module):
 
     def logits(self, h_btd: jax.Array) -> jax.Array:
         """float32 logits from final hidden states (any leading axes)."""
-        w_vd = self.head_weight().astype(h_btd.dtype)
+        w_vd = self.head_weight()
         h_md = h_btd.reshape(-1, h_btd.shape[-1])
-        logits_mv = jax.lax.dot_general(
-            h_md, w_vd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-        )
+        if is_low_precision(h_md.dtype):  # backward dots in bf16 too (the head's are the largest)
+            logits_mv = low_precision_dot(h_md, w_vd, jnp.float32, True)
+        else:
+            w_vd = w_vd.astype(h_md.dtype)
+            logits_mv = jax.lax.dot_general(
+                h_md, w_vd, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
         return logits_mv.reshape(*h_btd.shape[:-1], w_vd.shape[0])
 
     def __call__(
