@@ -24,11 +24,13 @@ widths 16, 32, 48, 64, 96, 128, ..., page-table width in multiples of 128 tokens
 compiles a handful of programs and a second run with the same buckets compiles none.
 
 Model. No second model definition: both programs run the model's own
-:class:`~jaxrl_llm.models.transformer.DecoderLayer` modules with an ``attend`` callable. On the
-reference path (:func:`forward_paged`) the stacked layer's weights are sliced into per-layer
-copies once per :func:`run` (:func:`layer_params`, passed to every call) and run unrolled, each
-layer with its own pool buffer: it writes its new keys/values there first (in place) and then
-attends over its gathered pages (:func:`~jaxrl_llm.rollout.pages.paged_attention_written`).
+:class:`~jaxrl_llm.models.transformer.DecoderLayer` modules with an ``attend`` callable. The
+stacked layer's weights are sliced into per-layer copies once per :func:`run`
+(:func:`layer_params`, passed to every call) and the layers run unrolled: a ``scan`` over the
+stacked weights copies each layer's kernels out of the stack at every step (XLA:CPU and
+XLA:GPU both). On the reference path (:func:`forward_paged`) each layer has its own pool
+buffer: it writes its new keys/values there first (in place) and then attends over its
+gathered pages (:func:`~jaxrl_llm.rollout.pages.paged_attention_written`).
 So LoRA adapters and quantised kernels (``_Proj``), q/k norms, biases, RoPE schedules and
 sliding windows are the trainer's.
 
@@ -47,7 +49,8 @@ TPU ``ragged_paged_attention`` for both) or ``"auto"`` (default: TPU -> ragged_t
 pallas_gpu, where the kernel can serve the model on one device; else reference; on CPU always
 reference). The kernels read the current tokens from the pool, so with a kernel each layer
 writes its new keys/values into the pool first and then attends (:func:`forward_paged_kernel`,
-the pool in the layer scan's carry, kept in the kernel's own layout: no per-step transpose).
+one pool buffer for all layers, threaded through them and updated in place, kept in the
+kernel's own layout: no per-step transpose).
 Verified: the GPU kernel
 path in interpret mode on CPU (attention = reference; the whole engine = the reference engine's
 greedy tokens, log-probs within 1e-5); the TPU path's layout with the kernel module's own
@@ -61,6 +64,7 @@ import contextlib
 import dataclasses
 import functools
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -71,7 +75,7 @@ from jax.sharding import NamedSharding
 
 from jaxrl_llm import memory_maps
 from jaxrl_llm.models.rope import rope_cos_sin, rope_frequencies
-from jaxrl_llm.models.transformer import CausalLM, DecoderLayer, layer_windows, scan_layers
+from jaxrl_llm.models.transformer import CausalLM, DecoderLayer, layer_windows
 from jaxrl_llm.rollout import pages as pages_lib
 from jaxrl_llm.rollout import sampling
 from jaxrl_llm.rollout.decode import _attention as dense_decode_attention
@@ -324,6 +328,7 @@ def forward_decode_dense(
 
 def forward_paged_kernel(
     lm: CausalLM,
+    layers: Sequence[DecoderLayer],
     pool: PagePool,
     tokens_bt: jax.Array,
     ctx_len_b: jax.Array,
@@ -339,40 +344,42 @@ def forward_paged_kernel(
     ``write_page_bt``/``write_off_bt``: ``[B, T]``, or ``[B, T, G]`` for the G copies of a
     prefill chunk; padding at the trash page) and then attends over it
     (:func:`pages.kernel_attention`, a row's queries at ``ctx_len_b + t`` reading the pooled
-    tokens ``[0, ctx_len_b + T)`` through ``table_bw``, which must cover them). The pool is the
-    layer scan's carry (updated in place), so this returns ``(hidden [B, T, D], pool)``.
-    Same numbers as the reference order when the cache dtype is the compute dtype (here the
-    new tokens are read back in the cache dtype).
+    tokens ``[0, ctx_len_b + T)`` through ``table_bw``, which must cover them). The pool (one
+    buffer for all layers) is threaded through the layers and updated in place, so this
+    returns ``(hidden [B, T, D], pool)``. Same numbers as the reference order when the cache
+    dtype is the compute dtype (here the new tokens are read back in the cache dtype).
+
+    The layers run unrolled on per-layer weights (:func:`layer_params`, sliced once per
+    :func:`run`), as on the reference path: in a ``scan`` over the stacked layers XLA:GPU
+    copied each of a layer's 7 projection kernels out of the stack at every decode step
+    (measured on an H200, 1B-class model at batch 256: 70 of the 273 µs a layer took per
+    step, 21% of the decode program; BENCHMARKS.md, "Accelerator runs").
     """
-    c = lm.config
     decoder = lm.model
     x_btd, cos, sin = _embed_at(lm, tokens_bt, _new_positions(ctx_len_b, tokens_bt.shape[1]))
-
-    def body(
-        layer: DecoderLayer, carry: tuple[jax.Array, PagePool], per_layer: tuple
-    ) -> tuple[tuple[jax.Array, PagePool], None]:
-        x_btd, pool = carry
-        index, window = per_layer
+    windows = layer_windows(lm.config)
+    for index, layer in enumerate(layers):
         written: list[PagePool] = []
 
-        def attend(q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array) -> jax.Array:
+        def attend(
+            q_bthd: jax.Array,
+            k_btkd: jax.Array,
+            v_btkd: jax.Array,
+            index: int = index,
+            pool: PagePool = pool,
+            written: list[PagePool] = written,
+        ) -> jax.Array:
             k_btkd, v_btkd = _per_copy(write_page_bt, k_btkd, v_btkd)
             new_pool = pages_lib.write_layer(
                 kernel, pool, index, write_page_bt, write_off_bt, k_btkd, v_btkd
             )
             written.append(new_pool)
             return pages_lib.kernel_attention(
-                kernel, new_pool, index, q_bthd, table_bw, ctx_len_b, window
+                kernel, new_pool, index, q_bthd, table_bw, ctx_len_b, windows[index]
             )
 
         x_btd, _ = layer(x_btd, cos, sin, attend)
         (pool,) = written
-        return (x_btd, pool), None
-
-    layers_idx = jnp.arange(c.num_layers, dtype=jnp.int32)
-    (x_btd, pool), _ = scan_layers(
-        decoder.layers, body, (x_btd, pool), (layers_idx, layer_windows(c))
-    )
     return decoder.norm(x_btd), pool
 
 
@@ -469,12 +476,12 @@ def _prefill(
     lm: CausalLM = nnx.merge(graphdef, params)
     r, g = seq_id_rg.shape
     off_rcg = jnp.broadcast_to(write_off_rc[:, :, None], write_page_rcg.shape)
+    layers = _layers(lm, layers_l)
     if static.kernel is not None:  # write first, then attend (table_rw covers the chunk)
         h_rcd, pool = forward_paged_kernel(
-            lm, pool, tokens_rc, ctx_len_r, table_rw, write_page_rcg, off_rcg, static.kernel
+            lm, layers, pool, tokens_rc, ctx_len_r, table_rw, write_page_rcg, off_rcg, static.kernel
         )
     else:
-        layers = _layers(lm, layers_l)
         h_rcd, pool = forward_paged(
             lm, layers, pool, tokens_rc, ctx_len_r, table_rw, write_page_rcg, off_rcg
         )
@@ -523,8 +530,7 @@ def _decode(
     k, n = static.steps, table_nw.shape[0]
     ps = static.page_size
     rows = jnp.arange(n)
-    # The reference path runs the layers unrolled on per-layer weights.
-    layers = _layers(lm, layers_l) if static.kernel is None else None
+    layers = _layers(lm, layers_l)  # unrolled, on per-layer weights (forward_paged_kernel)
 
     def step(carry: tuple) -> tuple:
         i, (pool, dense), st, tok_kn, logp_kn, valid_kn, full_kn = carry
@@ -534,6 +540,7 @@ def _decode(
             # An idle row's stale length may exceed its (trash) table: read one token.
             h_n1d, pool = forward_paged_kernel(
                 lm,
+                layers,
                 pool,
                 st.token_n[:, None],
                 jnp.where(st.alive_n, st.lens_n, 0),
@@ -827,7 +834,7 @@ def worst_case_programs(
     )
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng, f32, i32 = sds(key.shape, key.dtype), sds((), jnp.float32), sds(())
-    layers_l = None if kernel is not None else jax.eval_shape(layer_params, params)
+    layers_l = jax.eval_shape(layer_params, params)
 
     # Every slot live (or every sequence, when there are fewer), each holding its longest
     # context: the prompt and all but the last of its T tokens (the last is never fed).
@@ -927,7 +934,7 @@ def run(
     )
     if mesh is not None:
         pool = jax.device_put(pool, NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    layers_l = layer_params(params) if kernel is None else None  # once per run
+    layers_l = layer_params(params)  # once per run, for every attention path
     page_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool)) // options.num_pages
     alloc = PageAllocator(options.num_pages)
     static = _make_static(
