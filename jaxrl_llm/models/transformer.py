@@ -202,7 +202,6 @@ LOW_PRECISION_DOT = "low_precision_dot"
 policies save as they save a plain ``dot_general``'s."""
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def low_precision_dot(
     a_mk: jax.Array, b: jax.Array, out_dtype: jax.typing.DTypeLike, b_is_nk: bool
 ) -> jax.Array:
@@ -218,29 +217,37 @@ def low_precision_dot(
     PyTorch model's autograd has it, and the backward dots are bf16 x bf16 accumulated in
     float32: ``da = g bᵀ``, ``db = aᵀ g`` (``gᵀ a`` for ``[N, K]``). ``da`` is returned in
     ``a``'s dtype and ``db`` in ``b``'s own, from the float32 accumulator: a float32 master
-    weight gets an unrounded gradient (the cast to bf16 happens in here). On a TPU, whose
-    default precision already rounds float32 dot operands to bf16, this only halves the
-    operands' bytes.
+    weight gets an unrounded gradient (the cast to bf16 happens in here). The backward pass
+    keeps ``a`` and the cast ``b``, as a plain dot's would. On a TPU, whose default precision
+    already rounds float32 dot operands to bf16, this only halves the operands' bytes.
     """
-    dims = (((1,), (1 if b_is_nk else 0,)), ((), ()))
-    b = b.astype(a_mk.dtype)
-    return jax.lax.dot_general(a_mk, b, dims, preferred_element_type=jnp.float32).astype(out_dtype)
+    return _low_precision_dot(a_mk, b, jnp.dtype(out_dtype), b_is_nk, jnp.dtype(b.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _low_precision_dot(
+    a_mk: jax.Array, b: jax.Array, out_dtype: jnp.dtype, b_is_nk: bool, b_dtype: jnp.dtype
+) -> jax.Array:
+    return _low_precision_dot_fwd(a_mk, b, out_dtype, b_is_nk, b_dtype)[0]
 
 
 def _low_precision_dot_fwd(
-    a_mk: jax.Array, b: jax.Array, out_dtype: jax.typing.DTypeLike, b_is_nk: bool
+    a_mk: jax.Array, b: jax.Array, out_dtype: jnp.dtype, b_is_nk: bool, b_dtype: jnp.dtype
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    return low_precision_dot(a_mk, b, out_dtype, b_is_nk), (a_mk, b)
+    b = b.astype(a_mk.dtype)
+    dims = (((1,), (1 if b_is_nk else 0,)), ((), ()))
+    y = jax.lax.dot_general(a_mk, b, dims, preferred_element_type=jnp.float32)
+    return y.astype(out_dtype), (a_mk, b)
 
 
 def _low_precision_dot_bwd(
-    out_dtype: jax.typing.DTypeLike,
+    out_dtype: jnp.dtype,
     b_is_nk: bool,
+    b_dtype: jnp.dtype,
     residuals: tuple[jax.Array, jax.Array],
     g_mn: jax.Array,
 ) -> tuple[jax.Array, jax.Array]:
-    a_mk, b_any = residuals
-    b = b_any.astype(a_mk.dtype)
+    a_mk, b = residuals
     g_mn = g_mn.astype(a_mk.dtype)
     f32 = jnp.float32
     # da [M, K]: g [M, N] contracted with b over N.
@@ -249,10 +256,10 @@ def _low_precision_dot_bwd(
         db = jax.lax.dot_general(g_mn, a_mk, (((0,), (0,)), ((), ())), None, f32)
     else:  # db [K, N] = aᵀ g
         db = jax.lax.dot_general(a_mk, g_mn, (((0,), (0,)), ((), ())), None, f32)
-    return da.astype(a_mk.dtype), db.astype(b_any.dtype)
+    return da.astype(a_mk.dtype), db.astype(b_dtype)
 
 
-low_precision_dot.defvjp(_low_precision_dot_fwd, _low_precision_dot_bwd)
+_low_precision_dot.defvjp(_low_precision_dot_fwd, _low_precision_dot_bwd)
 
 
 def is_low_precision(dtype: jax.typing.DTypeLike) -> bool:

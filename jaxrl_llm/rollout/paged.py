@@ -353,7 +353,7 @@ def forward_paged_kernel(
     :func:`run`), as on the reference path: in a ``scan`` over the stacked layers XLA:GPU
     copied each of a layer's 7 projection kernels out of the stack at every decode step
     (measured on an H200, 1B-class model at batch 256: 70 of the 273 µs a layer took per
-    step, 21% of the decode program; BENCHMARKS.md, "Accelerator runs").
+    step; BENCHMARKS.md, "Accelerator runs").
     """
     decoder = lm.model
     x_btd, cos, sin = _embed_at(lm, tokens_bt, _new_positions(ctx_len_b, tokens_bt.shape[1]))
