@@ -45,12 +45,12 @@ published shapes, 1.236 B parameters), so nothing is downloaded:
 The parts' results are merged into one JSON (``parts``: name → result, or its error),
 rewritten after each part. ``--profile DIR`` adds, after each part's timings, one more call of
 its program under ``jax.profiler`` and the ops that took the device's time
-(:func:`summarize_trace`: busy vs span, the top ops, the programs), under the part's
-``profile`` key; the traces stay in ``DIR``. Budget: each part's subprocess timeout (:data:`BUDGETS`;
-``--budget-s`` sets all), and the whole run stops starting parts at ``--total-budget-s``
-(:data:`TOTAL_BUDGET_S`, inside one device command's 10 minutes). On the lent H200 (Python
-3.12 with jax 0.11 and CUDA 13 in its image; no install needed: the parts import the working
-tree), from the repository root::
+(:func:`summarize_trace`: busy vs span, the top ops, the programs, the kernel kinds), under
+the part's ``profile`` key; the traces stay in ``DIR``. Budget: each part's subprocess
+timeout (:data:`BUDGETS`; ``--budget-s`` sets all), and the whole run stops starting parts at
+``--total-budget-s`` (:data:`TOTAL_BUDGET_S`, inside one device command's 10 minutes). On the
+lent H200 (Python 3.12 with jax 0.11 and CUDA 13 in its image; no install needed: the parts
+import the working tree), from the repository root::
 
     PYTHONPATH=$PWD python3 scripts/bench_accelerator.py --out $OUT/bench_accelerator.json
 """
@@ -216,6 +216,23 @@ def profiled(name: str, out: dict):
     out.setdefault("profile", {})[name] = summarize_trace(where)
 
 
+#: Kernel kinds by name, the first match wins (cuBLAS/cuDNN/XLA/Pallas names as seen on the
+#: H200; BENCHMARKS.md "Accelerator runs"): float32/TF32 GEMMs apart, since in a bf16 program
+#: they are a defect (``transformer.low_precision_dot``).
+KERNEL_KINDS = (
+    ("gemm_f32", r"f32f32_tf32|f32f32_f32|sgemm"),
+    ("attention", r"cudnn|sdpa|fmha|flash|paged_attention|ragged"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|matmul|\bdot"),
+    ("copy", r"memcpy|memset|copy"),
+    ("convert", r"convert"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The :data:`KERNEL_KINDS` entry a kernel's name matches, else ``"other"``."""
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name)), "other")
+
+
 def summarize_trace(where: Path, top: int = 25) -> dict:
     """The device time of a ``jax.profiler`` trace (its ``perfetto_trace.json.gz``), by op.
 
@@ -225,7 +242,8 @@ def summarize_trace(where: Path, top: int = 25) -> dict:
     that run them. ``busy_ms`` is the union of their intervals, ``span_ms`` first start to last
     end: the difference is time the device waited (for the host, dispatch, transfers).
     ``ops`` are the ``top`` ops by total time, with their program (``hlo_module``) and kernel
-    (the event's name); ``modules`` the programs' totals."""
+    (the event's name); ``modules`` the programs' totals; ``kinds`` the time by
+    :func:`kernel_kind`."""
     import gzip
 
     files = sorted(where.glob("**/perfetto_trace.json.gz"))
@@ -254,13 +272,15 @@ def summarize_trace(where: Path, top: int = 25) -> dict:
         if stop > end:
             busy += stop - max(start, end)
             end = stop
-    by_op, by_module = {}, {}
+    by_op, by_module, by_kind = {}, {}, {}
     for e in ops:
         a = e["args"]
         key = (a.get("hlo_module", "?"), a["hlo_op"], e["name"])
         n, t = by_op.get(key, (0, 0.0))
         by_op[key] = (n + 1, t + e["dur"])
         by_module[key[0]] = by_module.get(key[0], 0.0) + e["dur"]
+        kind = kernel_kind(e["name"])
+        by_kind[kind] = by_kind.get(kind, 0.0) + e["dur"]
     total = sum(t for _, t in by_op.values())
     ranked = sorted(by_op.items(), key=lambda kv: -kv[1][1])[:top]
     return {
@@ -274,6 +294,7 @@ def summarize_trace(where: Path, top: int = 25) -> dict:
             for (m, o, k), (n, t) in ranked
         ],
         "modules": {m: t / 1e3 for m, t in sorted(by_module.items(), key=lambda kv: -kv[1])},
+        "kinds": {k: t / 1e3 for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1])},
     }
 
 

@@ -148,7 +148,23 @@ def test_summarize_trace_counts_the_gpu_streams_kernels_once(bench, tmp_path):
     assert (gemm["op"], gemm["count"], gemm["ms"]) == ("gemm", 2, 0.2)
     assert math.isclose(gemm["share"], 2 / 3) and fusion["module"] == "jit_other"
     assert summary["modules"] == {"jit_step": 0.2, "jit_other": 0.1}
+    assert summary["kinds"] == {"gemm": 0.2, "other": 0.1}
     assert "error" in bench.summarize_trace(tmp_path / "nothing")
+
+
+def test_kernel_kinds_of_the_h200_runs_kernels(bench):
+    """Kernel names from the H200 traces (BENCHMARKS.md, "Accelerator runs")."""
+    kinds = {
+        "sm90_xmma_gemm_f32f32_tf32f32_f32_nt_n_tilesize128x256x32_warpgroupsize2x1x1": "gemm_f32",
+        "nvjet_sm90_tss_128x128_64x6_2x1_v_bz_NNT": "gemm",
+        "gemm_fusion_dot_general_5": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16": "attention",
+        "paged_attention_block_h_16_pages_per_compute_block_8": "attention",
+        "memcpy128": "copy",
+        "wrapped_convert_26": "convert",
+        "loop_add_fusion_18": "other",
+    }
+    assert {name: bench.kernel_kind(name) for name in kinds} == kinds
 
 
 def test_profile_option_traces_a_part_on_cpu(bench, tmp_path, monkeypatch):
