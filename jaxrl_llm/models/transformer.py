@@ -844,7 +844,9 @@ class CausalLM(nnx.Module):
         """float32 logits from final hidden states (any leading axes)."""
         w_vd = self.head_weight()
         h_md = h_btd.reshape(-1, h_btd.shape[-1])
-        if is_low_precision(h_md.dtype):  # backward dots in bf16 too (the head's are the largest)
+        # bf16: the backward dots in bf16 too (the head's are the largest). Not float16: its
+        # range would flush the float32 logits' small cotangents (p·scale) to zero.
+        if h_md.dtype == jnp.bfloat16:
             logits_mv = low_precision_dot(h_md, w_vd, jnp.float32, True)
         else:
             w_vd = w_vd.astype(h_md.dtype)

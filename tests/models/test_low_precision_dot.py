@@ -128,3 +128,31 @@ def test_a_bf16_models_gradient_is_the_float32_models_within_bf16_error():
         assert b.dtype == jnp.float32, name  # master weights get float32 gradients
         rel = float(jnp.linalg.norm(b - a) / jnp.maximum(jnp.linalg.norm(a), 1e-12))
         assert rel < 0.05, (name, rel)
+
+
+def test_a_float16_head_keeps_the_plain_dot():
+    """Only bf16 (float32's exponent range) rounds the LM head's float32 cotangent: a
+    token's log-prob gradient ``(onehot - p)·scale`` is easily below float16's smallest
+    subnormal (6e-8). A float16 head is differentiated as before, bit for bit."""
+    cfg = models.tiny_random_config(vocab_size=64, dtype="float16")
+    graphdef, params = nnx.split(models.CausalLM(cfg, rngs=nnx.Rngs(0)))
+    h = jax.random.normal(jax.random.key(3), (5, 64)).astype(jnp.float16)
+    g = 1e-7 * jax.random.normal(jax.random.key(4), (5, 64))
+
+    def ours(h, p):
+        return jnp.sum(g * nnx.merge(graphdef, p).logits(h))
+
+    def plain(h, p):
+        w = p["model"]["embed_tokens"]["embedding"][...].astype(jnp.float16)  # tied head
+        dims = (((1,), (1,)), ((), ()))
+        return jnp.sum(g * jax.lax.dot_general(h, w, dims, preferred_element_type=jnp.float32))
+
+    got_h, got_p = jax.grad(ours, argnums=(0, 1))(h, params)
+    want_h, want_p = jax.grad(plain, argnums=(0, 1))(h, params)
+    np.testing.assert_array_equal(np.asarray(got_h), np.asarray(want_h))
+    for p in (got_p, want_p):
+        assert p["model"]["embed_tokens"]["embedding"][...].dtype == jnp.float32
+    np.testing.assert_array_equal(
+        np.asarray(got_p["model"]["embed_tokens"]["embedding"][...]),
+        np.asarray(want_p["model"]["embed_tokens"]["embedding"][...]),
+    )
