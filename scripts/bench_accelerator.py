@@ -52,7 +52,7 @@ timeout (:data:`BUDGETS`; ``--budget-s`` sets all), and the whole run stops star
 lent H200 (Python 3.12 with jax 0.11 and CUDA 13 in its image; no install needed: the parts
 import the working tree), from the repository root::
 
-    PYTHONPATH=$PWD python3 scripts/bench_accelerator.py --out $OUT/bench_accelerator.json
+    PYTHONPATH=$PWD python3 scripts/bench_accelerator.py --profile /tmp/prof --out $OUT/bench.json
 """
 
 from __future__ import annotations
