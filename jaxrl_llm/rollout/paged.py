@@ -430,10 +430,10 @@ LayerParams = tuple[Params, ...]
 @jax.jit
 def layer_params(params: Params) -> LayerParams:
     """The stacked ``[L, ...]`` decoder layer's parameters (``params["model"]["layers"]``) as
-    ``L`` per-layer trees (copies), for the reference path's :func:`_prefill` and
-    :func:`_decode`. :func:`run` slices them once and passes them to every call: a program that
-    slices the stacked weights itself copies them again in each call (measured on XLA:CPU:
-    BENCHMARKS.md, "Rollout engines")."""
+    ``L`` per-layer trees (copies), for :func:`_prefill` and :func:`_decode` (every attention
+    path). :func:`run` slices them once and passes them to every call: a program that slices
+    the stacked weights itself copies them again in each call (measured on XLA:CPU and on an
+    H200: BENCHMARKS.md, "Rollout engines" and "Accelerator runs")."""
     stacked = params["model"]["layers"]
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     return tuple(jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers))
@@ -471,8 +471,7 @@ def _prefill(
     """One prefill chunk of R prompts: writes it for each prompt's G samples and samples their
     first token from the logits at ``last_index_r`` (used by the caller where the prompt ends),
     with the keys of sequence ``seq_id_rg`` at completion index ``pos_rg`` (0 but in partial
-    rollouts). ``layers_l``: :func:`layer_params` of ``params`` (the reference path; None:
-    sliced in this call), None on a kernel path."""
+    rollouts). ``layers_l``: :func:`layer_params` of ``params`` (None: sliced in this call)."""
     lm: CausalLM = nnx.merge(graphdef, params)
     r, g = seq_id_rg.shape
     off_rcg = jnp.broadcast_to(write_off_rc[:, :, None], write_page_rcg.shape)

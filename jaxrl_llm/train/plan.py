@@ -942,11 +942,11 @@ def plan_paged_rollout(
       ``full_logprobs``: ``rollout.full_logprobs`` (the training rollout's; not evaluation's).
 
     Each program's ``resident``: the bytes of its parameter argument that are the run's own
-    buffers (neither cast nor resharded; 0 with ``resident=False``, a merged LoRA copy), less,
-    on the reference path, the per-layer copies of the layer weights it takes instead of the
-    stacked ones (:func:`~jaxrl_llm.rollout.paged.layer_params`, made once per run). Not
-    counted: under FSDP with weights stored wider than the compute dtype, the cast copy of the
-    sharded weights that ``generate`` holds while the gathered one runs (``1/D`` of it).
+    buffers (neither cast nor resharded; 0 with ``resident=False``, a merged LoRA copy), less
+    the per-layer copies of the layer weights it takes instead of the stacked ones
+    (:func:`~jaxrl_llm.rollout.paged.layer_params`, made once per run). Not counted: under
+    FSDP with weights stored wider than the compute dtype, the cast copy of the sharded
+    weights that ``generate`` holds while the gathered one runs (``1/D`` of it).
     Returns the :class:`PagedRollout` and notes for the table.
 
     Raises:
@@ -1037,12 +1037,11 @@ def plan_paged_rollout(
         full_logprobs=full_logprobs,
         sharding=rep,
     )
-    # On the reference path the programs take run's per-layer copies of the stacked layer
-    # weights (paged.layer_params, an argument), not the stacked ones (XLA drops them), which
-    # stay held while they run, resident or as generate's cast copy: so the copies' bytes
-    # (those of the stacked weights) come off the resident ones.
-    layers_l = worst.decode.args[1]
-    copies = 0 if layers_l is None else tree_bytes(layers_l).per_device
+    # The programs take run's per-layer copies of the stacked layer weights
+    # (paged.layer_params, an argument), not the stacked ones (XLA drops them), which stay
+    # held while they run, resident or as generate's cast copy: so the copies' bytes (those
+    # of the stacked weights) come off the resident ones.
+    copies = tree_bytes(worst.decode.args[1]).per_device
     compiled = {}
     for which, call in (("prefill", worst.prefill), ("decode", worst.decode)):
         with jax.set_mesh(on):
