@@ -84,6 +84,9 @@ class ModelConfig:
     remat: str = "none"
     # Attention kernel for cache-free forward passes: auto | reference | splash | cudnn.
     attention_impl: str = "auto"
+    # Most rows of logits one block of the chunked log-prob pass holds (models/logprobs.py);
+    # None: the platform's default (256 on CPU, ~512 MiB of float32 logits on accelerators).
+    logits_block_rows: int | None = None
     # The HF config this was read from (JSON), so export keeps fields we do not model.
     hf_config_json: str = dataclasses.field(default="", compare=False, repr=False)
 
@@ -112,6 +115,9 @@ class ModelConfig:
             raise ValueError(
                 f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}"
             )
+        rows = self.logits_block_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ValueError(f"logits_block_rows must be a positive int or None, got {rows!r}")
         if self.sliding_windows is not None and len(self.sliding_windows) != self.num_layers:
             raise ValueError(
                 f"sliding_windows has {len(self.sliding_windows)} entries, expected one per "

@@ -22,10 +22,35 @@ from jaxrl_llm.core import logprobs as core_logprobs
 from jaxrl_llm.models.transformer import CausalLM
 
 MAX_CHUNK_ROWS = 256
-"""Upper bound on ``B * chunk``: a chunk's ``[B, chunk, V]`` logits (and their softmax in the
-backward pass) stay near 50 MB for V = 49152 in f32 however large the batch is. (At 1024 rows
-three such blocks, 0.56 GiB, were live at once in the SmolLM2 GRPO update; 256 rows cut its
-scratch by 0.3 GiB at the same speed; fewer rows save nothing more there.)"""
+"""Upper bound on ``B * chunk`` on CPU: a chunk's ``[B, chunk, V]`` logits (and their softmax
+in the backward pass) stay near 50 MB for V = 49152 in f32 however large the batch is. (At 1024
+rows three such blocks, 0.56 GiB, were live at once in the SmolLM2 GRPO update; 256 rows cut
+its scratch by 0.3 GiB at the same speed; fewer rows save nothing more there.)"""
+
+ACCELERATOR_BLOCK_BYTES = 512 * 2**20
+"""The float32 logits one block holds on a GPU or TPU. Every block pays a fixed cost besides
+its GEMM: in the backward pass it adds its ``[V, D]`` head gradient into the float32
+accumulator (on an H200, 0.6 ms for a 1B model's 128,256 × 2,048 head). At CPU-sized blocks of
+256 rows a 1B GRPO update ran 72 of them, ~7% of the step (BENCHMARKS.md, "Accelerator runs");
+at 512 MiB (1,024 rows of that vocabulary) it runs 18."""
+
+
+def block_rows(vocab_size: int, *, accelerator: bool) -> int:
+    """The default most rows of logits in one block: :data:`MAX_CHUNK_ROWS` on CPU; on an
+    accelerator as many multiples of it as fit :data:`ACCELERATOR_BLOCK_BYTES` of float32."""
+    if not accelerator:
+        return MAX_CHUNK_ROWS
+    fit = ACCELERATOR_BLOCK_BYTES // (4 * vocab_size)
+    return max(MAX_CHUNK_ROWS, fit // MAX_CHUNK_ROWS * MAX_CHUNK_ROWS)
+
+
+def model_block_rows(lm: CausalLM) -> int:
+    """``lm``'s ``config.logits_block_rows``, or for None the default of the platform this
+    traces for (``jax.default_backend()``, as ``attention_impl="auto"`` is resolved)."""
+    rows = lm.config.logits_block_rows
+    if rows is not None:
+        return rows
+    return block_rows(lm.config.vocab_size, accelerator=jax.default_backend() != "cpu")
 
 
 def hidden_logprobs(
@@ -41,7 +66,8 @@ def hidden_logprobs(
     """Log-probs (and optionally entropies) of ``targets_bn`` from the states that predict them.
 
     ``h_bnd[:, i]`` is the hidden state whose logits predict ``targets_bn[:, i]``. Chunks are
-    ``chunk_size`` steps long, shortened so that ``B * chunk <= MAX_CHUNK_ROWS``. Returns f32
+    ``chunk_size`` steps long, shortened so that ``B * chunk`` is at most the model's block rows
+    (:func:`model_block_rows`). A bf16 head is cast once, before the chunks. Returns f32
     ``[B, N]`` (a pair with the entropy when ``with_entropy``, or with ``log Σ_v π(v)²`` —
     :func:`~jaxrl_llm.core.logprobs.token_logprobs_and_log_sum_sq`, for WPO — when
     ``with_log_sum_sq``; not both).
@@ -50,8 +76,8 @@ def hidden_logprobs(
         raise ValueError("hidden_logprobs: with_entropy and with_log_sum_sq are exclusive")
     b, n, d = h_bnd.shape
     c = n if chunk_size is None or chunk_size >= n else chunk_size
-    if chunk_size is not None:  # a block holds at most MAX_CHUNK_ROWS rows of logits
-        c = max(1, min(c, MAX_CHUNK_ROWS // b))
+    if chunk_size is not None:  # a block holds at most the model's block rows of logits
+        c = max(1, min(c, model_block_rows(lm) // b))
     pad = -n % c
     if pad:  # pad the (small) hidden states, never the logits
         h_bnd = jnp.pad(h_bnd, ((0, 0), (0, pad), (0, 0)))
@@ -60,9 +86,11 @@ def hidden_logprobs(
     h_kbcd = h_bnd.reshape(b, chunks, c, d).swapaxes(0, 1)
     y_kbc = targets_bn.reshape(b, chunks, c).swapaxes(0, 1)
 
+    head_vd = lm.head_cast(h_bnd.dtype)
+
     @jax.checkpoint
     def _chunk(h_bcd: jax.Array, y_bc: jax.Array) -> tuple[jax.Array, ...]:
-        logits_bcv = lm.logits(h_bcd)
+        logits_bcv = lm.logits(h_bcd, head_vd=head_vd)
         if with_entropy:
             return core_logprobs.token_logprobs_and_entropy(
                 logits_bcv, y_bc, temperature=temperature

@@ -203,7 +203,11 @@ policies save as they save a plain ``dot_general``'s."""
 
 
 def low_precision_dot(
-    a_mk: jax.Array, b: jax.Array, out_dtype: jax.typing.DTypeLike, b_is_nk: bool
+    a_mk: jax.Array,
+    b: jax.Array,
+    out_dtype: jax.typing.DTypeLike,
+    b_is_nk: bool,
+    b_cast: jax.Array | None = None,
 ) -> jax.Array:
     """``a_mk @ b`` (``b: [K, N]``, or ``[N, K]`` with ``b_is_nk``; cast to ``a``'s dtype)
     accumulated in float32 and returned in ``out_dtype``, whose backward dots also take
@@ -220,8 +224,22 @@ def low_precision_dot(
     weight gets an unrounded gradient (the cast to bf16 happens in here). The backward pass
     keeps ``a`` and the cast ``b``, as a plain dot's would. On a TPU, whose default precision
     already rounds float32 dot operands to bf16, this only halves the operands' bytes.
+
+    ``b_cast``: ``b`` already cast to ``a``'s dtype, for a loop that multiplies by the same
+    weight at every trip (the log-prob pass's chunks of the LM head): the loop then casts the
+    weight once, before it, instead of at every trip and again in every rematerialised
+    backward trip (measured on an H200: 80 casts of a 1B model's float32 head in one update
+    step, 30 ms). The gradient still goes to ``b``, unrounded; ``b_cast`` gets none.
     """
-    return _low_precision_dot(a_mk, b, jnp.dtype(out_dtype), b_is_nk, jnp.dtype(b.dtype))
+    if b_cast is None:
+        return _low_precision_dot(a_mk, b, jnp.dtype(out_dtype), b_is_nk, jnp.dtype(b.dtype))
+    if b_cast.shape != b.shape or b_cast.dtype != a_mk.dtype:
+        raise ValueError(
+            f"low_precision_dot: b_cast must be b {b.shape} in a's dtype {a_mk.dtype}, got "
+            f"{b_cast.shape} {b_cast.dtype}"
+        )
+    stop = jax.lax.stop_gradient(b_cast)
+    return _precast_dot(a_mk, b, stop, jnp.dtype(out_dtype), b_is_nk, jnp.dtype(b.dtype))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
@@ -260,6 +278,44 @@ def _low_precision_dot_bwd(
 
 
 _low_precision_dot.defvjp(_low_precision_dot_fwd, _low_precision_dot_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _precast_dot(
+    a_mk: jax.Array,
+    b: jax.Array,
+    b_cast: jax.Array,
+    out_dtype: jnp.dtype,
+    b_is_nk: bool,
+    b_dtype: jnp.dtype,
+) -> jax.Array:
+    return _precast_dot_fwd(a_mk, b, b_cast, out_dtype, b_is_nk, b_dtype)[0]
+
+
+def _precast_dot_fwd(
+    a_mk: jax.Array,
+    b: jax.Array,
+    b_cast: jax.Array,
+    out_dtype: jnp.dtype,
+    b_is_nk: bool,
+    b_dtype: jnp.dtype,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    del b  # only its gradient is wanted; the product reads the cast
+    return _low_precision_dot_fwd(a_mk, b_cast, out_dtype, b_is_nk, b_dtype)
+
+
+def _precast_dot_bwd(
+    out_dtype: jnp.dtype,
+    b_is_nk: bool,
+    b_dtype: jnp.dtype,
+    residuals: tuple[jax.Array, jax.Array],
+    g_mn: jax.Array,
+) -> tuple[jax.Array, jax.Array, None]:
+    da, db = _low_precision_dot_bwd(out_dtype, b_is_nk, b_dtype, residuals, g_mn)
+    return da, db, None
+
+
+_precast_dot.defvjp(_precast_dot_fwd, _precast_dot_bwd)
 
 
 def is_low_precision(dtype: jax.typing.DTypeLike) -> bool:
@@ -840,14 +896,21 @@ class CausalLM(nnx.Module):
         w = self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head
         return w[...]
 
-    def logits(self, h_btd: jax.Array) -> jax.Array:
-        """float32 logits from final hidden states (any leading axes)."""
+    def head_cast(self, dtype: jax.typing.DTypeLike) -> jax.Array | None:
+        """The head cast to ``dtype`` for :meth:`logits`'s ``head_vd``, where :meth:`logits`
+        would cast it itself (bf16 states), else None: a loop over chunks of states casts it
+        once, before the loop."""
+        return self.head_weight().astype(dtype) if jnp.dtype(dtype) == jnp.bfloat16 else None
+
+    def logits(self, h_btd: jax.Array, *, head_vd: jax.Array | None = None) -> jax.Array:
+        """float32 logits from final hidden states (any leading axes). ``head_vd``: the head
+        already cast (:meth:`head_cast`); the gradient still goes to the stored weight."""
         w_vd = self.head_weight()
         h_md = h_btd.reshape(-1, h_btd.shape[-1])
         # bf16: the backward dots in bf16 too (the head's are the largest). Not float16: its
         # range would flush the float32 logits' small cotangents (p·scale) to zero.
         if h_md.dtype == jnp.bfloat16:
-            logits_mv = low_precision_dot(h_md, w_vd, jnp.float32, True)
+            logits_mv = low_precision_dot(h_md, w_vd, jnp.float32, True, b_cast=head_vd)
         else:
             w_vd = w_vd.astype(h_md.dtype)
             logits_mv = jax.lax.dot_general(

@@ -361,12 +361,21 @@ def model_config(model: Any, *, accelerator: bool) -> Any:
     """The policy's :class:`~jaxrl_llm.models.ModelConfig` of a ``model:`` config section, read
     from ``config.json`` / GGUF metadata (no weights), with its dtype, remat and attention.
 
-    ``dtype: auto`` is bfloat16 for an accelerator target, float32 otherwise (the trainer's
-    rule, applied to the target instead of this machine).
+    ``dtype: auto`` is bfloat16 for an accelerator target, float32 otherwise, and the log-prob
+    pass's logits blocks are the target's size (``logits_block_rows``): the trainer's rules,
+    applied to the target instead of this machine.
 
     Raises:
       PlanError: ``model.path`` does not exist.
     """
+    from jaxrl_llm.models import logprobs
+
+    cfg = _model_config(model, accelerator=accelerator)
+    rows = logprobs.block_rows(cfg.vocab_size, accelerator=accelerator)
+    return cfg.replace(logits_block_rows=rows)
+
+
+def _model_config(model: Any, *, accelerator: bool) -> Any:
     from jaxrl_llm import models
     from jaxrl_llm.models import hub
     from jaxrl_llm.models.config import ModelConfig

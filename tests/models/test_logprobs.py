@@ -1,6 +1,7 @@
 """Model-level log-probs: equal to core.token_logprobs on full logits, with far less memory."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -104,3 +105,64 @@ def test_chunks_shrink_with_the_batch_to_bound_the_logit_rows(lm, monkeypatch):
     chunked = hidden_logprobs(lm, h, y, chunk_size=256)
     assert chunk_shapes == [(n // 2, b, 2)]
     np.testing.assert_allclose(chunked, whole, atol=1e-5)
+
+
+def test_block_rows_default_by_platform_and_the_config_overrides_it(lm, monkeypatch):
+    """256 rows on CPU; on an accelerator the multiples of 256 rows within 512 MiB of float32
+    logits (Llama-3's 128,256 tokens: 1,024 rows; SmolLM2's 49,152: 2,560); never fewer than
+    256. ``ModelConfig.logits_block_rows`` overrides the platform's default."""
+    from jaxrl_llm.models import logprobs as lp
+
+    assert lp.block_rows(128_256, accelerator=False) == 256
+    assert lp.block_rows(128_256, accelerator=True) == 1024
+    assert lp.block_rows(49_152, accelerator=True) == 2560
+    assert lp.block_rows(4_000_000, accelerator=True) == 256
+    assert lp.model_block_rows(lm) == 256  # this suite runs on CPU
+    monkeypatch.setattr(lp.jax, "default_backend", lambda: "gpu")
+    assert lp.model_block_rows(lm) == 262_144  # 512 MiB of float32 rows of V = 512 logits
+    pinned = models.CausalLM(CONFIG.replace(logits_block_rows=16), rngs=nnx.Rngs(0))
+    assert lp.model_block_rows(pinned) == 16
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="logits_block_rows must be a positive int or None"):
+            CONFIG.replace(logits_block_rows=bad)
+
+
+def _converts_in_loops(jaxpr, shape, in_loop=False):
+    """``(in a loop, not in one)`` counts of float32 -> bf16 casts of an array of ``shape``."""
+    inside = outside = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "convert_element_type":
+            x, to = eqn.invars[0].aval, eqn.params["new_dtype"]
+            cast = (x.shape, x.dtype, to) == (shape, jnp.float32, jnp.bfloat16)
+            inside, outside = inside + (cast and in_loop), outside + (cast and not in_loop)
+        loop = in_loop or eqn.primitive.name in ("scan", "while")
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            i, o = _converts_in_loops(sub, shape, loop)
+            inside, outside = inside + i, outside + o
+    return inside, outside
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_bf16_head_is_cast_once_before_the_chunk_loop(tied):
+    """bf16 states: the float32 head is cast to bf16 once, outside the chunks' scan, forward and
+    backward (an H200 profile found it cast in every chunk and every rematerialised backward
+    chunk); the numbers and the float32 gradient are the unchunked pass's."""
+    cfg = CONFIG.replace(dtype="bfloat16", tie_word_embeddings=tied, logits_block_rows=8)
+    graphdef, params = nnx.split(models.CausalLM(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.RandomState(4)
+    h = jnp.asarray(rng.standard_normal((4, 10, cfg.hidden_size)), jnp.bfloat16)
+    y = jnp.asarray(rng.randint(0, cfg.vocab_size, (4, 10)), jnp.int32)
+    weights = jnp.arange(10.0)[None, :]
+
+    def loss(p, chunk_size):
+        out = hidden_logprobs(nnx.merge(graphdef, p), h, y, chunk_size=chunk_size)
+        return jnp.sum(out * weights)
+
+    grad = jax.grad(loss)
+    jaxpr = jax.make_jaxpr(grad, static_argnums=1)(params, 256).jaxpr
+    head = (cfg.vocab_size, cfg.hidden_size)
+    assert _converts_in_loops(jaxpr, head) == (0, 1)  # 5 chunks of 2 steps, one cast
+    chunked, whole = jax.jit(grad, static_argnums=1)(params, 256), grad(params, None)
+    for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(whole), strict=True):
+        assert a.dtype == jnp.float32  # the master's gradient, unrounded
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(b))))

@@ -231,6 +231,17 @@ def test_lora_sampler_arguments_unmerged_and_merged():
     assert shapes(params) == shapes(merged.models.frozen)
 
 
+def test_model_config_takes_the_targets_dtype_and_logits_blocks():
+    """The plan compiles the target's programs: bf16 and accelerator-sized log-prob blocks for
+    an accelerator (Llama-3.2-1B's 128,256-token vocabulary: 1,024 rows), float32 and the CPU's
+    256 rows otherwise, as the trainer resolves them on each."""
+    overrides = ["model.path=configs/models/llama-3.2-1b", "model.dtype=auto"]
+    model = load_config(TINY, overrides).model
+    gpu, cpu = (P.model_config(model, accelerator=a) for a in (True, False))
+    assert (gpu.dtype, gpu.logits_block_rows) == ("bfloat16", 1024)
+    assert (cpu.dtype, cpu.logits_block_rows) == ("float32", 256)
+
+
 def test_kv_cache_bytes():
     cfg = P.model_config(load_config(TINY).model, accelerator=True)
     mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
