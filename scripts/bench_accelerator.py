@@ -3,7 +3,7 @@
     python scripts/bench_accelerator.py --out /tmp/bench.json            # the device run
     python scripts/bench_accelerator.py --tiny --out /tmp/bench.json     # CPU, tiny shapes
 
-Five parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
+Six parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
 which cannot be reset, is that part's own peak), run in the order of :data:`PARTS`; all shapes
 are random weights from a ``config.json`` (``configs/models/llama-3.2-1b``: Llama-3.2-1B's
 published shapes, 1.236 B parameters), so nothing is downloaded:
@@ -34,6 +34,10 @@ published shapes, 1.236 B parameters), so nothing is downloaded:
              mean over the tokens) on ``[B, S]`` tokens; model FLOPs per token (PaLM,
              Chowdhery et al. 2022, app. B): ``6·N + 12·L·H·Dh·S`` with ``N`` the parameters in
              matmuls; MFU = FLOP/s over the chip's dense bf16 peak (:data:`CHIPS`).
+``update``   the same run's fused GRPO update step alone (a synthetic rollout, no sampling)
+             under a few settings of remat and micro-batch size (:func:`part_update`): the
+             update MFU of each, since remat's recomputation is hardware FLOPs that MFU does not
+             count, and issue 13's 45% may need a setting other than the plan part's.
 ``decode``   the paged engine (:func:`jaxrl_llm.rollout.generate`, ``engine="paged"``, the
              trainer's default; bf16 weights and KV cache; every row in a slot; the platform's
              attention kernel, named in the result) at batch 256: decode tokens/s from
@@ -88,26 +92,40 @@ CHIPS = {
     "TPU v6e": (918e12, 1640e9),
 }
 
+#: The 1B GRPO run of the ``plan`` and ``update`` parts: 8 prompts x 8 samples x (128 + 256)
+#: tokens, bf16 compute, FSDP over the devices; the plan part adds remat full and 8-sequence
+#: micro-batches, the update part varies those two.
+RUN_1B = [
+    f"model.path={MODEL_1B}",
+    "model.dtype=auto",
+    "rollout.prompts_per_step=8",
+    "rollout.num_samples=8",
+    "rollout.max_new_tokens=256",
+    "data.max_prompt_length=128",
+    "data.eval_size=0",
+    "kl.reference_param_dtype=bfloat16",
+    "mesh.preset=fsdp",
+    "mesh.data=1",
+    "mesh.fsdp=-1",
+]
+
 #: The shapes of each part: the device run, and the CPU test's (``--tiny``).
 SHAPES = {
     "device": {
         "plan": {
             "config": TINY_CONFIG,
-            "overrides": [
-                f"model.path={MODEL_1B}",
-                "model.dtype=auto",
-                "model.remat=full",
-                "rollout.prompts_per_step=8",
-                "rollout.num_samples=8",
-                "rollout.max_new_tokens=256",
-                "data.max_prompt_length=128",
-                "data.eval_size=0",
-                "optim.micro_batch_size=8",
-                "kl.reference_param_dtype=bfloat16",
-                "mesh.preset=fsdp",
-                "mesh.data=1",
-                "mesh.fsdp=-1",
-            ],
+            "overrides": [*RUN_1B, "model.remat=full", "optim.micro_batch_size=8"],
+        },
+        "update": {
+            "config": TINY_CONFIG,
+            "overrides": RUN_1B,
+            "variants": {
+                "remat_full_mb8": ["model.remat=full", "optim.micro_batch_size=8"],  # plan's
+                "remat_dots_mb16": ["model.remat=dots", "optim.micro_batch_size=16"],
+                "no_remat_mb16": ["model.remat=none", "optim.micro_batch_size=16"],
+                "no_remat_mb64": ["model.remat=none", "optim.micro_batch_size=64"],
+            },
+            "steps": 3,
         },
         "check": {"model": MODEL_1B, "batch": 4, "prompt": 128, "new": 32},
         "mfu": {"model": MODEL_1B, "batch": 8, "seq": 2048, "steps": 5},
@@ -122,6 +140,12 @@ SHAPES = {
     },
     "tiny": {
         "plan": {"config": TINY_CONFIG, "overrides": ["data.eval_size=0"]},
+        "update": {
+            "config": TINY_CONFIG,
+            "overrides": ["data.eval_size=0"],
+            "variants": {"remat_full": ["model.remat=full"], "no_remat": ["model.remat=none"]},
+            "steps": 1,
+        },
         "check": {"model": "tiny-random", "batch": 2, "prompt": 16, "new": 4},
         "mfu": {"model": "tiny-random", "batch": 2, "seq": 32, "steps": 1},
         "decode": {"model": "tiny-random", "batch": 4, "prompt": 16, "new": 4},
@@ -748,6 +772,97 @@ def random_run(config, abstract, recipe):
     return dataclasses.replace(models, ref_params=ref), state
 
 
+def _rl_step(config, recipe, models):
+    """The trainer's fused RL step of ``config`` over ``models``, and how many forward passes
+    it adds to the policy's (π_ref, a recomputed π_old)."""
+    from jaxrl_llm.train import setup as su
+    from jaxrl_llm.train.step import make_rl_step, needs_old_logprob_pass
+
+    update = su.update_shape(config)
+    old = su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap)
+    temperature = config.rollout.temperature or 1.0
+    step = make_rl_step(recipe, models, update, temperature=temperature, old_logprobs=old)
+    passes = int(models.ref_params is not None) + int(needs_old_logprob_pass(recipe, update, old))
+    return step, passes
+
+
+def part_update(config_path: str, overrides: list[str], variants: dict, steps: int) -> dict:
+    """The fused GRPO update step's MFU under each of ``variants`` (name → overrides on top of
+    ``overrides``: remat policy, micro-batch size), on a synthetic rollout of the config's
+    shape (random tokens, every completion ``max_new_tokens`` long; no sampling, so that each
+    variant costs one compile and ``steps`` timed steps). Issue 13's 45% is a model-FLOP
+    figure (:func:`update_model_flops`), so remat's recomputation costs MFU: the sweep says
+    which setting reaches it on this chip. Each variant's timed step is profiled under
+    ``--profile``; a variant that fails (out of memory) is recorded and the next one runs."""
+    import jax
+    import numpy as np
+
+    from jaxrl_llm.config import build_recipe, load_config, mesh_axis_sizes
+    from jaxrl_llm.models import sharding as shd
+    from jaxrl_llm.train import plan as P
+    from jaxrl_llm.train.step import Groups
+
+    peak_flops, _ = chip_peaks(jax.devices()[0].device_kind)
+    out: dict = {"config": config_path, "overrides": overrides, "variants": {}}
+    for name, extra in variants.items():
+        result: dict = {"overrides": extra}
+        try:
+            config = load_config(config_path, [*overrides, *extra])
+            recipe = build_recipe(config)
+            sizes = mesh_axis_sizes(config.mesh, jax.device_count())
+            mesh = shd.make_mesh(**sizes, devices=jax.devices()[: math.prod(sizes.values())])
+            model_cfg = P.model_config(config.model, accelerator=jax.default_backend() != "cpu")
+            abstract = P.abstract_run(config, recipe, mesh, model_cfg)
+            r = config.rollout
+            b, g, t = r.prompts_per_step, r.num_samples, r.max_new_tokens
+            p, v = abstract.prompt_width, model_cfg.vocab_size
+            rng = np.random.default_rng(0)
+            groups = Groups(
+                prompt_ids_bp=rng.integers(3, v, (b, p), dtype=np.int32),
+                prompt_mask_bp=np.ones((b, p), bool),
+                tokens_bgt=rng.integers(3, v, (b, g, t), dtype=np.int32),
+                mask_bgt=np.ones((b, g, t), bool),
+                logp_sampler_bgt=-rng.uniform(0.0, 8.0, (b, g, t)).astype(np.float32),
+                reward_bg=rng.standard_normal((b, g)).astype(np.float32),
+                member_bg=np.ones((b, g), bool),
+            )
+            models, state = random_run(config, abstract, recipe)
+            step, passes = _rl_step(config, recipe, models)
+            t0 = time.perf_counter()
+            state, metrics = jax.block_until_ready(step(state, groups))  # compiles
+            result["first_s"] = time.perf_counter() - t0
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                state, metrics = jax.block_until_ready(step(state, groups))
+                times.append(time.perf_counter() - t0)
+            flops = update_model_flops(
+                model_cfg,
+                abstract.num_parameters,
+                sequences=b * g,
+                prompt_len=p,
+                completion_len=t,
+                forward_passes=passes,
+            )
+            step_s = float(np.median(times))
+            per_device = flops / step_s / math.prod(sizes.values())
+            result |= {
+                "step_s": times,
+                "update_model_flops": flops,
+                "update_flops_per_s_per_device": per_device,
+                "update_mfu": None if peak_flops is None else per_device / peak_flops,
+                "step_finite": bool(np.isfinite(metrics["actor/loss"])),
+            }
+            with profiled(f"update_{name}", result):
+                jax.block_until_ready(step(state, groups))
+        except Exception as e:  # an OOM in one setting is a result; the next one runs
+            result["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        out["variants"][name] = result
+        del result
+        jax.clear_caches()
+    return out
+
+
 def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -> dict:
     """The planned peak of a GRPO run against the measured one; see the module docstring."""
     import jax
@@ -756,8 +871,7 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
     from jaxrl_llm import rollout
     from jaxrl_llm.config import build_recipe, load_config
     from jaxrl_llm.train import plan as P
-    from jaxrl_llm.train import setup as su
-    from jaxrl_llm.train.step import Groups, make_rl_step, needs_old_logprob_pass
+    from jaxrl_llm.train.step import Groups
 
     config = load_config(config_path, overrides)
     n_devices = num_devices or jax.device_count()
@@ -812,9 +926,7 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
         reward_bg=rng.standard_normal((b, g)).astype(np.float32),
         member_bg=np.ones((b, g), bool),
     )
-    update = su.update_shape(config)
-    old = su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap)
-    step = make_rl_step(recipe, models, update, temperature=r.temperature or 1.0, old_logprobs=old)
+    step, passes = _rl_step(config, recipe, models)
     t0 = time.perf_counter()
     state, _ = step(state, groups)  # compiles
     step_first_s = time.perf_counter() - t0
@@ -836,7 +948,6 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
     t0 = time.perf_counter()
     state, metrics = step(state, groups)
     step_s = time.perf_counter() - t0
-    passes = int(models.ref_params is not None) + int(needs_old_logprob_pass(recipe, update, old))
     flops = update_model_flops(
         model_cfg,
         abstract.num_parameters,
@@ -898,11 +1009,18 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
 #: nothing), then the open issues' (13: update MFU; 12: the paged engine's decode against the
 #: roofline, then the static engine's, the comparison that says where the static engine is
 #: still the faster one), the plan check last.
-PARTS = ("check", "mfu", "decode", "decode_static", "plan")
+PARTS = ("check", "mfu", "update", "decode", "decode_static", "plan")
 #: Each part's subprocess timeout, seconds (the plan part compiles its two programs twice,
 #: planned and real; the check part took 176 s on the H200). A run stops starting parts at
 #: ``--total-budget-s``.
-BUDGETS = {"check": 240.0, "mfu": 150.0, "decode": 150.0, "decode_static": 120.0, "plan": 300.0}
+BUDGETS = {
+    "check": 240.0,
+    "mfu": 150.0,
+    "update": 150.0,
+    "decode": 150.0,
+    "decode_static": 120.0,
+    "plan": 300.0,
+}
 #: The whole run's default limit: a device command may run 600 s, and the machine's start and
 #: the transfers come on top, so 540 s leaves room to see the output.
 TOTAL_BUDGET_S = 540.0
@@ -915,6 +1033,8 @@ def run_part(name: str, shapes: dict, num_devices: int | None) -> dict:
         return part_plan(s["config"], list(s["overrides"]), num_devices)
     if name == "mfu":
         return part_mfu(**s)
+    if name == "update":
+        return part_update(s["config"], list(s["overrides"]), dict(s["variants"]), s["steps"])
     if name == "check":
         return part_check(**s)
     return part_decode(**s)  # decode, decode_static

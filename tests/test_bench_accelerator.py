@@ -103,6 +103,25 @@ def test_mfu_and_decode_parts_on_tiny_shapes(bench):
     json.dumps({"mfu": mfu, **decodes})
 
 
+def test_update_part_sweeps_its_variants_on_tiny_shapes(bench):
+    """Each variant compiles and times the trainer's fused step on a synthetic rollout; remat
+    changes the hardware's FLOPs, not the model FLOPs MFU counts; a variant that fails is
+    recorded and the others still run."""
+    variants = {
+        "full": ["model.remat=full"],
+        "bad": ["model.remat=sometimes"],
+        "none": ["model.remat=none"],
+    }
+    d = bench.part_update(bench.TINY_CONFIG, ["data.eval_size=0"], variants, steps=1)
+    full, bad, none = (d["variants"][k] for k in ("full", "bad", "none"))
+    assert "model.remat" in bad["error"] and "step_s" not in bad
+    for v in (full, none):
+        assert v["step_finite"] and len(v["step_s"]) == 1 and v["update_mfu"] is None  # CPU
+        assert v["update_flops_per_s_per_device"] > 0
+    assert full["update_model_flops"] == none["update_model_flops"] > 0
+    json.dumps(d)
+
+
 def _write_trace(where, events):
     import gzip
 
