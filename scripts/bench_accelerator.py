@@ -3,7 +3,7 @@
     python scripts/bench_accelerator.py --out /tmp/bench.json            # the device run
     python scripts/bench_accelerator.py --tiny --out /tmp/bench.json     # CPU, tiny shapes
 
-Six parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
+Seven parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
 which cannot be reset, is that part's own peak), run in the order of :data:`PARTS`; all shapes
 are random weights from a ``config.json`` (``configs/models/llama-3.2-1b``: Llama-3.2-1B's
 published shapes, 1.236 B parameters), so nothing is downloaded:
@@ -44,6 +44,10 @@ published shapes, 1.236 B parameters), so nothing is downloaded:
              ``t(T new tokens) − t(1 new token)`` (prefill taken out), and the HBM roofline
              ``B / (bytes per decode step / HBM bandwidth)``, a step reading the bf16 weights
              (``2·N``) and the KV cache (``2·L·B·K·Dh·(P + T/2)`` bf16 elements on average).
+``decode_dense``   the paged engine with ``attention="reference"``: each dispatch gathers its
+             rows' pages into a dense context and XLA attends over it, as on CPU (on the H200
+             the static engine, whose attention is XLA's too, decoded 1.63x faster than the
+             paged one with the Pallas kernel).
 ``decode_static``  the same with the static (dense-cache) engine.
 
 The parts' results are merged into one JSON (``parts``: name → result, or its error),
@@ -130,6 +134,13 @@ SHAPES = {
         "check": {"model": MODEL_1B, "batch": 4, "prompt": 128, "new": 32},
         "mfu": {"model": MODEL_1B, "batch": 8, "seq": 2048, "steps": 5},
         "decode": {"model": MODEL_1B, "batch": 256, "prompt": 128, "new": 256},
+        "decode_dense": {
+            "model": MODEL_1B,
+            "batch": 256,
+            "prompt": 128,
+            "new": 256,
+            "attention": "reference",
+        },
         "decode_static": {
             "model": MODEL_1B,
             "batch": 256,
@@ -149,6 +160,13 @@ SHAPES = {
         "check": {"model": "tiny-random", "batch": 2, "prompt": 16, "new": 4},
         "mfu": {"model": "tiny-random", "batch": 2, "seq": 32, "steps": 1},
         "decode": {"model": "tiny-random", "batch": 4, "prompt": 16, "new": 4},
+        "decode_dense": {
+            "model": "tiny-random",
+            "batch": 4,
+            "prompt": 16,
+            "new": 4,
+            "attention": "reference",
+        },
         "decode_static": {
             "model": "tiny-random",
             "batch": 4,
@@ -380,13 +398,18 @@ def part_mfu(model: str, batch: int, seq: int, steps: int) -> dict:
     }
 
 
-def part_decode(model: str, batch: int, prompt: int, new: int, engine: str = "paged") -> dict:
+def part_decode(
+    model: str, batch: int, prompt: int, new: int, engine: str = "paged", attention: str = "auto"
+) -> dict:
     """Decode tokens/s at ``batch`` rows against the HBM roofline; see the module docstring.
 
     ``engine="paged"`` (the trainer's default) runs every row at once (``num_slots = batch``)
     with the platform's attention kernel (``attention="auto"``: Pallas ``paged_attention`` on a
     GPU, ``ragged_paged_attention`` on a TPU, the reference path where neither serves the
-    model; the result names the one that ran); ``"static"`` is the dense-cache engine."""
+    model; the result names the one that ran), or with ``attention="reference"``: each
+    dispatch gathers its rows' pages into a dense context and attends with XLA, as on CPU
+    (the ``decode_dense`` part: whether that beats the kernel on this chip); ``"static"`` is
+    the dense-cache engine."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -403,7 +426,7 @@ def part_decode(model: str, batch: int, prompt: int, new: int, engine: str = "pa
     mask = np.ones((batch, prompt), bool)
 
     if engine == "paged":
-        paged_options = paged.PagedOptions(num_slots=batch)  # every row at once
+        paged_options = paged.PagedOptions(num_slots=batch, attention=attention)  # all rows
         options = {"paged_options": paged_options, "return_stats": True}
         kernel = paged.attention_kernel(cfg, paged_options, jnp.bfloat16, params=params)
         attention = "reference" if kernel is None else kernel.name
@@ -443,7 +466,7 @@ def part_decode(model: str, batch: int, prompt: int, new: int, engine: str = "pa
     _, bandwidth = chip_peaks(jax.devices()[0].device_kind)
     roofline = None if bandwidth is None else batch / (step_bytes / bandwidth)
     prof = {}
-    with profiled(f"decode_{engine}", prof):
+    with profiled(f"decode_{engine}_{attention}", prof):
         sample(new)
     return {
         **prof,
@@ -1009,7 +1032,7 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
 #: nothing), then the open issues' (13: update MFU; 12: the paged engine's decode against the
 #: roofline, then the static engine's, the comparison that says where the static engine is
 #: still the faster one), the plan check last.
-PARTS = ("check", "mfu", "update", "decode", "decode_static", "plan")
+PARTS = ("check", "mfu", "update", "decode", "decode_dense", "decode_static", "plan")
 #: Each part's subprocess timeout, seconds (the plan part compiles its two programs twice,
 #: planned and real; the check part took 176 s on the H200). A run stops starting parts at
 #: ``--total-budget-s``.
@@ -1018,6 +1041,7 @@ BUDGETS = {
     "mfu": 150.0,
     "update": 150.0,
     "decode": 150.0,
+    "decode_dense": 120.0,
     "decode_static": 120.0,
     "plan": 300.0,
 }
@@ -1037,7 +1061,7 @@ def run_part(name: str, shapes: dict, num_devices: int | None) -> dict:
         return part_update(s["config"], list(s["overrides"]), dict(s["variants"]), s["steps"])
     if name == "check":
         return part_check(**s)
-    return part_decode(**s)  # decode, decode_static
+    return part_decode(**s)  # decode, decode_dense, decode_static
 
 
 def run_in_subprocess(name: str, tiny: bool, num_devices: int | None, timeout: float) -> dict:
