@@ -60,7 +60,12 @@ timeout (:data:`BUDGETS`; ``--budget-s`` sets all), and the whole run stops star
 lent H200 (Python 3.12 with jax 0.11 and CUDA 13 in its image; no install needed: the parts
 import the working tree), from the repository root::
 
-    PYTHONPATH=$PWD python3 scripts/bench_accelerator.py --profile /tmp/prof --out $OUT/bench.json
+    PYTHONPATH=$PWD python3 scripts/bench_accelerator.py --parts check,mfu,update \
+        --profile /tmp/prof --out $OUT/bench_a.json
+    PYTHONPATH=$PWD python3 scripts/bench_accelerator.py \
+        --parts decode,decode_dense,decode_static,plan --profile /tmp/prof --out $OUT/bench_b.json
+
+(two device commands: the seven parts need ~520 s there, near one command's limit).
 """
 
 from __future__ import annotations
