@@ -3,7 +3,7 @@
     python scripts/bench_accelerator.py --out /tmp/bench.json            # the device run
     python scripts/bench_accelerator.py --tiny --out /tmp/bench.json     # CPU, tiny shapes
 
-Seven parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
+Eight parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
 which cannot be reset, is that part's own peak), run in the order of :data:`PARTS`; all shapes
 are random weights from a ``config.json`` (``configs/models/llama-3.2-1b``: Llama-3.2-1B's
 published shapes, 1.236 B parameters), so nothing is downloaded:
@@ -49,6 +49,10 @@ published shapes, 1.236 B parameters), so nothing is downloaded:
              the static engine, whose attention is XLA's too, decoded 1.63x faster than the
              paged one with the Pallas kernel).
 ``decode_static``  the same with the static (dense-cache) engine.
+``decode_tuning``  the ``decode`` part, then the decode again with a few other launch
+             parameters of the Pallas kernel (``PagedOptions.kernel_tuning``: pages per
+             compute block, warps, pipeline stages; the defaults ran at ~35% of HBM bandwidth
+             on the H200); each compiles its programs anew (~13 s there).
 
 The parts' results are merged into one JSON (``parts``: name → result, or its error),
 rewritten after each part. ``--profile DIR`` adds, after each part's timings, one more call of
@@ -72,6 +76,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -146,6 +151,17 @@ SHAPES = {
             "new": 256,
             "attention": "reference",
         },
+        "decode_tuning": {
+            "model": MODEL_1B,
+            "batch": 256,
+            "prompt": 128,
+            "new": 256,
+            "tunings": {  # the defaults: 8 pages per block, 1 split, 8 warps, 2 stages
+                "pages16": {"pages_per_compute_block": 16},
+                "pages4_warps4": {"pages_per_compute_block": 4, "num_warps": 4},
+                "stages3": {"num_stages": 3},
+            },
+        },
         "decode_static": {
             "model": MODEL_1B,
             "batch": 256,
@@ -171,6 +187,13 @@ SHAPES = {
             "prompt": 16,
             "new": 4,
             "attention": "reference",
+        },
+        "decode_tuning": {
+            "model": "tiny-random",
+            "batch": 4,
+            "prompt": 16,
+            "new": 4,
+            "tunings": {"pages1": {"pages_per_compute_block": 1}},
         },
         "decode_static": {
             "model": "tiny-random",
@@ -404,7 +427,13 @@ def part_mfu(model: str, batch: int, seq: int, steps: int) -> dict:
 
 
 def part_decode(
-    model: str, batch: int, prompt: int, new: int, engine: str = "paged", attention: str = "auto"
+    model: str,
+    batch: int,
+    prompt: int,
+    new: int,
+    engine: str = "paged",
+    attention: str = "auto",
+    tunings: dict | None = None,
 ) -> dict:
     """Decode tokens/s at ``batch`` rows against the HBM roofline; see the module docstring.
 
@@ -414,7 +443,9 @@ def part_decode(
     model; the result names the one that ran), or with ``attention="reference"``: each
     dispatch gathers its rows' pages into a dense context and attends with XLA, as on CPU
     (the ``decode_dense`` part: whether that beats the kernel on this chip); ``"static"`` is
-    the dense-cache engine."""
+    the dense-cache engine. ``tunings`` (name → ``PagedOptions.kernel_tuning``; the
+    ``decode_tuning`` part): after the default launch parameters' timings, the decode again
+    with each of these (each compiles its programs; the prefill time is the default's)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -441,7 +472,7 @@ def part_decode(
         raise ValueError(f"engine must be 'paged' or 'static', got {engine!r}")
     stats = {}
 
-    def sample(t: int) -> float:
+    def sample(t: int, options: dict = options) -> float:
         t0 = time.perf_counter()
         out = rollout.generate(
             (graphdef, params),
@@ -473,8 +504,31 @@ def part_decode(
     prof = {}
     with profiled(f"decode_{engine}_{attention}", prof):
         sample(new)
+    tuned = {}
+    for name, tuning in (tunings or {}).items():
+        if engine != "paged":
+            raise ValueError("part_decode: tunings are the paged engine's kernel's")
+        opts = {
+            **options,
+            "paged_options": dataclasses.replace(paged_options, kernel_tuning=tuning),
+        }
+        try:
+            first_s = sample(new, opts)
+            t_s = min(sample(new, opts) for _ in range(2))
+        except Exception as e:  # a launch the kernel refuses on this GPU is a result too
+            tuned[name] = {"tuning": tuning, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+            continue
+        tps = batch * (new - 1) / max(t_s - prefill_s, 1e-9)
+        tuned[name] = {
+            "tuning": tuning,
+            "compile_s": first_s,
+            "generate_s": t_s,
+            "decode_tokens_per_s": tps,
+            "percent_of_roofline": None if roofline is None else 100 * tps / roofline,
+        }
     return {
         **prof,
+        "tunings": tuned or None,
         "model": model,
         "engine": engine,
         "attention": attention,
@@ -1037,7 +1091,16 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
 #: nothing), then the open issues' (13: update MFU; 12: the paged engine's decode against the
 #: roofline, then the static engine's, the comparison that says where the static engine is
 #: still the faster one), the plan check last.
-PARTS = ("check", "mfu", "update", "decode", "decode_dense", "decode_static", "plan")
+PARTS = (
+    "check",
+    "mfu",
+    "update",
+    "decode",
+    "decode_dense",
+    "decode_static",
+    "plan",
+    "decode_tuning",
+)
 #: Each part's subprocess timeout, seconds (the plan part compiles its two programs twice,
 #: planned and real; the check part took 176 s on the H200). A run stops starting parts at
 #: ``--total-budget-s``.
@@ -1049,6 +1112,7 @@ BUDGETS = {
     "decode_dense": 120.0,
     "decode_static": 120.0,
     "plan": 300.0,
+    "decode_tuning": 150.0,
 }
 #: The whole run's default limit: a device command may run 600 s, and the machine's start and
 #: the transfers come on top, so 540 s leaves room to see the output.
@@ -1066,7 +1130,7 @@ def run_part(name: str, shapes: dict, num_devices: int | None) -> dict:
         return part_update(s["config"], list(s["overrides"]), dict(s["variants"]), s["steps"])
     if name == "check":
         return part_check(**s)
-    return part_decode(**s)  # decode, decode_dense, decode_static
+    return part_decode(**s)  # decode, decode_dense, decode_static, decode_tuning
 
 
 def run_in_subprocess(name: str, tiny: bool, num_devices: int | None, timeout: float) -> dict:

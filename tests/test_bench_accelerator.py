@@ -91,7 +91,11 @@ def test_mfu_and_decode_parts_on_tiny_shapes(bench):
     assert mfu["model_flops_per_step"] == per_token * 2 * 16
     assert mfu["loss_finite"] and mfu["step_s"] > 0 and mfu["mfu"] is None  # CPU: no peak
     kv = 2 * cfg.num_layers * 4 * cfg.num_kv_heads * cfg.head_dim * (16 + 2) * 2
-    decodes = {e: bench.part_decode("tiny-random", 4, 16, 4, engine=e) for e in ("paged", "static")}
+    tunings = {"paged": {"one_page": {"pages_per_compute_block": 1}}, "static": None}
+    decodes = {
+        e: bench.part_decode("tiny-random", 4, 16, 4, engine=e, tunings=tunings[e])
+        for e in ("paged", "static")
+    }
     for engine, dec in decodes.items():
         assert dec["engine"] == engine and dec["bytes_per_decode_step"] == 2 * (n - untied) + kv
         assert dec["decode_tokens_per_s"] > 0 and dec["percent_of_roofline"] is None
@@ -100,6 +104,8 @@ def test_mfu_and_decode_parts_on_tiny_shapes(bench):
     # all 4 rows decode at once in 4 slots, and every page goes back to the pool
     assert paged["paged_stats"]["4"]["pages_in_use_at_end"] == 0
     assert decodes["static"]["attention"] is None and decodes["static"]["paged_stats"] is None
+    (tuned,) = paged["tunings"].values()  # timed again with the kernel's other parameters
+    assert tuned["tuning"] == {"pages_per_compute_block": 1} and tuned["decode_tokens_per_s"] > 0
     json.dumps({"mfu": mfu, **decodes})
 
 

@@ -129,11 +129,11 @@ def test_update_step_lowers_for_cuda_with_cudnn_attention(hopper, overrides):
 # The rollout engines.
 
 
-def _paged_worst_case(cfg, params, *, prompts, prompt_len, new_tokens, num_samples=1):
+def _paged_worst_case(cfg, params, *, prompts, prompt_len, new_tokens, num_samples=1, tuning=()):
     from jaxrl_llm.rollout import paged
 
     options = paged.resolve_options(
-        paged.PagedOptions(num_slots=prompts * num_samples),
+        paged.PagedOptions(num_slots=prompts * num_samples, kernel_tuning=tuning),
         num_seqs=prompts * num_samples,
         num_samples=num_samples,
         longest_prompt=prompt_len,
@@ -193,6 +193,36 @@ def test_paged_engine_programs_lower_for_cuda_with_the_gpu_kernels(hopper, reque
     assert len(kernel_calls) == cfg.num_layers  # unrolled: one call per layer
     assert "dynamic_slice" not in decode_text  # nothing sliced out of the stacked weights
     assert prefill[CUDNN_FWD] >= 1 and CUDNN_BWD not in prefill, prefill
+
+
+def test_tuned_gpu_decode_kernel_lowers_for_cuda(hopper):
+    """The decode part's 1B shapes at batch 256 with launch parameters other than the
+    defaults (``PagedOptions.kernel_tuning``: what the ``decode_tuning`` part of
+    scripts/bench_accelerator.py sweeps) still go through the Triton lowering, and the kernel
+    is launched with them (its grid: KV heads × the context split in two)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+    _, cfg = gpu_config(f"model.path={LLAMA_1B}")
+    graphdef, params = abstract_model(cfg)
+    tuning = {"pages_per_compute_block": 4, "k_splits": 2, "num_warps": 4, "num_stages": 3}
+    worst = _paged_worst_case(
+        cfg, params, prompts=256, prompt_len=128, new_tokens=256, tuning=tuning
+    )
+    launches, kernel = [], gpu_paged.paged_attention
+
+    def recording(*args, **kwargs):
+        launches.append(kwargs)
+        return kernel(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(gpu_paged, "paged_attention", recording)
+        jax.clear_caches()
+        text = lower_for_cuda(
+            worst.decode.fn, graphdef, *worst.decode.args, static=worst.decode.static
+        ).as_text()
+    assert re.findall(r"custom_call @([^(\s]+)\(", text) == [TRITON]
+    assert len(launches) == cfg.num_layers
+    assert {(k, launches[0][k]) for k in tuning} == set(tuning.items())
 
 
 def test_bench_accelerator_mfu_program_lowers_for_cuda(hopper):

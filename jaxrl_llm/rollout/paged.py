@@ -138,6 +138,10 @@ class PagedOptions:
         (pallas_gpu: sliding windows, head dim not a multiple of 16; ragged_tpu: layers with
         different windows, kv heads the kernel cannot tile) is an error; ``auto`` falls back
         to reference for the whole model (no per-layer mix).
+      kernel_tuning: launch parameters of the pallas_gpu decode kernel that replace
+        ``pages.GPU_DECODE_TUNING``'s (``pages_per_compute_block``, ``k_splits``, ``block_h``,
+        ``num_warps``, ``num_stages``), as a mapping or ``(key, value)`` pairs; the other
+        backends ignore them (one config for every platform), an unknown key is an error.
     """
 
     page_size: int = 16
@@ -146,6 +150,7 @@ class PagedOptions:
     steps_per_dispatch: int = 64
     prefill_chunk: int = 256
     attention: str = "auto"
+    kernel_tuning: Any = ()
 
 
 class PagedStats(NamedTuple):
@@ -657,7 +662,8 @@ def resolve_options(
             f"generate(engine='paged'): num_pages={pages} leaves no page for tokens (page "
             f"{TRASH_PAGE} is the trash page); give at least 2"
         )
-    return dataclasses.replace(o, num_slots=slots, num_pages=pages)
+    tuning = pages_lib.check_kernel_tuning(o.kernel_tuning)  # hashable pairs, checked early
+    return dataclasses.replace(o, num_slots=slots, num_pages=pages, kernel_tuning=tuning)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1243,6 +1249,7 @@ def attention_kernel(
         head_dim=cfg.head_dim,
         window=windows[0],
         platform=platform,
+        tuning=options.kernel_tuning,
     )
 
 

@@ -41,7 +41,7 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -230,6 +230,46 @@ def _pages_per_block(width: int, cap: int = 8) -> int:
     return max(d for d in range(1, min(cap, width) + 1) if width % d == 0)
 
 
+GPU_DECODE_TUNING: dict[str, int] = {
+    "pages_per_compute_block": 8,
+    "k_splits": 1,
+    "block_h": 16,
+    "num_warps": 8,
+    "num_stages": 2,
+}
+"""The Pallas GPU decode kernel's launch parameters and our defaults (jax's, but one kv split:
+a decode row's context is short next to the batch, which already fills the grid).
+``k_splits`` and ``pages_per_compute_block`` are caps: the kernel gets the largest divisor of
+the page table's width up to the first, and of a split's width up to the second.
+``PagedOptions.kernel_tuning`` overrides any of them. On an H200 the defaults ran at ~35% of
+HBM bandwidth (BENCHMARKS.md, "Accelerator runs"); ``scripts/bench_accelerator.py``'s
+``decode_tuning`` part times a few others."""
+
+
+def check_kernel_tuning(tuning: Any) -> tuple[tuple[str, int], ...]:
+    """``tuning`` (a mapping or pairs of :data:`GPU_DECODE_TUNING`'s keys) as sorted ``(key,
+    value)`` pairs; a clear error for an unknown key or a value that is not an int >= 1."""
+    try:
+        pairs = tuple(sorted(dict(tuning or {}).items()))
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"generate(engine='paged'): kernel_tuning must map launch parameters to ints, got "
+            f"{tuning!r}"
+        ) from None
+    for key, value in pairs:
+        if key not in GPU_DECODE_TUNING:
+            raise ValueError(
+                f"generate(engine='paged'): kernel_tuning has an unknown key {key!r}; expected "
+                f"some of {sorted(GPU_DECODE_TUNING)}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"generate(engine='paged'): kernel_tuning[{key!r}] must be an int >= 1, got "
+                f"{value!r}"
+            )
+    return pairs
+
+
 def pallas_gpu_paged_decode(
     q_bhd: jax.Array,
     k_kpsd: jax.Array,
@@ -238,17 +278,26 @@ def pallas_gpu_paged_decode(
     lengths_b: jax.Array,
     *,
     interpret: bool = False,
+    tuning: tuple[tuple[str, int], ...] = (),
 ) -> jax.Array:
     """One query per row over ``lengths_b`` pooled tokens, pages in the kernel's own layout.
 
     ``jax.experimental.pallas.ops.gpu.paged_attention.paged_attention(q [B, H, Dh],
     k_pages [K, P, page_size, Dh], v_pages, block_tables [B, W], lengths [B])`` with unscaled
-    queries: ``q`` is scaled by ``1/sqrt(Dh)`` here. One kv split; ``pages_per_compute_block``
-    the largest divisor of ``W`` up to 8 (the kernel wants ``W`` a multiple of it).
-    ``interpret`` runs the kernel on CPU (tests).
+    queries: ``q`` is scaled by ``1/sqrt(Dh)`` here. Launch parameters
+    :data:`GPU_DECODE_TUNING`, overridden by ``tuning`` (:func:`check_kernel_tuning`);
+    ``k_splits`` the largest divisor of ``W`` up to its value and ``pages_per_compute_block``
+    that of ``W / k_splits`` (the kernel wants the table split evenly). ``interpret`` runs the
+    kernel on CPU (tests).
     """
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
 
+    kw = GPU_DECODE_TUNING | dict(tuning)
+    width = table_bw.shape[1]  # both split the table: caps, met by the largest divisors
+    kw["k_splits"] = _pages_per_block(width, kw["k_splits"])
+    kw["pages_per_compute_block"] = _pages_per_block(
+        width // kw["k_splits"], kw["pages_per_compute_block"]
+    )
     hd = q_bhd.shape[-1]
     q = (q_bhd.astype(jnp.float32) * hd**-0.5).astype(k_kpsd.dtype)
     return gpu_paged.paged_attention(
@@ -257,9 +306,8 @@ def pallas_gpu_paged_decode(
         v_kpsd,
         table_bw.astype(jnp.int32),
         lengths_b.astype(jnp.int32),
-        pages_per_compute_block=_pages_per_block(table_bw.shape[1]),
-        k_splits=1,
         interpret=interpret,
+        **kw,
     ).astype(q_bhd.dtype)
 
 
@@ -412,6 +460,8 @@ class KernelSpec:
       interpret: run the Pallas GPU kernel in interpret mode (off a GPU: the tests).
       prefill_impl: ``jax.nn.dot_product_attention``'s implementation for pallas_gpu prefill
         (``"cudnn"`` on GPU, for half-precision inputs with ``Dh <= 128``; else ``"xla"``).
+      tuning: the pallas_gpu decode kernel's launch parameters that differ from
+        :data:`GPU_DECODE_TUNING` (sorted pairs; :func:`check_kernel_tuning`).
     """
 
     name: str
@@ -421,6 +471,7 @@ class KernelSpec:
     window: int | None = None
     interpret: bool = False
     prefill_impl: str = "xla"
+    tuning: tuple[tuple[str, int], ...] = ()
 
 
 def kernel_refusal(
@@ -518,8 +569,13 @@ def kernel_spec(
     head_dim: int,
     window: int | None,
     platform: str,
+    tuning: Any = (),
 ) -> KernelSpec | None:
-    """The :class:`KernelSpec` of a resolved backend (None for ``"reference"``)."""
+    """The :class:`KernelSpec` of a resolved backend (None for ``"reference"``). ``tuning``
+    (:func:`check_kernel_tuning`) is the pallas_gpu decode kernel's; the other backends take
+    none (ragged_tpu reads jax's tuned block-size table) and ignore it, so that one config
+    serves every platform."""
+    tuning = check_kernel_tuning(tuning)
     if name == "reference":
         return None
     on_gpu = platform == "gpu"
@@ -531,6 +587,7 @@ def kernel_spec(
         window=window,
         interpret=name == "pallas_gpu" and not on_gpu,
         prefill_impl="cudnn" if on_gpu else "xla",
+        tuning=tuning if name == "pallas_gpu" else (),
     )
 
 
@@ -601,7 +658,13 @@ def kernel_attention(
         return ragged_tpu_attention(q_bthd, pool.k, table, ctx_len_b, window=spec.window)
     if t == 1:
         out_bhd = pallas_gpu_paged_decode(
-            q_bthd[:, 0], pool.k, pool.v, table, ctx_len_b + 1, interpret=spec.interpret
+            q_bthd[:, 0],
+            pool.k,
+            pool.v,
+            table,
+            ctx_len_b + 1,
+            interpret=spec.interpret,
+            tuning=spec.tuning,
         )
         return out_bhd[:, None]
     impl = spec.prefill_impl

@@ -9,6 +9,7 @@ fails on its reshaped-ref loads), so its wrapper's layout is checked with the ke
 compiled for a TPU topology through libtpu (no TPU attached).
 """
 
+import functools
 import os
 
 import jax
@@ -95,17 +96,45 @@ def test_ragged_tpu_wrapper_layout_equals_reference_attention(window):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
-def test_engine_on_the_gpu_kernels_gives_the_reference_engines_tokens(tiny_pair):
+@pytest.mark.parametrize(
+    "tuning",
+    [
+        {},
+        # one page per block and the context split in two (the kernel's split-K combine)
+        {"pages_per_compute_block": 1, "k_splits": 2, "num_warps": 4, "num_stages": 3},
+    ],
+    ids=["default", "tuned"],
+)
+def test_engine_on_the_gpu_kernels_gives_the_reference_engines_tokens(
+    tiny_pair, tuning, monkeypatch
+):
     """The whole paged engine with attention='pallas_gpu' (interpret mode on CPU): ragged
     prompts (one chunked), G = 2 sharing prompt pages, per-sample budgets, GQA; greedy
-    tokens equal the reference engine's, log-probs within 1e-5."""
+    tokens equal the reference engine's, log-probs within 1e-5, with the kernel's default
+    launch parameters and with others (``PagedOptions.kernel_tuning``, which the reference
+    path ignores; the kernel is called with them)."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+    launches, kernel = [], gpu_paged.paged_attention
+
+    def recording(*args, **kwargs):
+        launches.append({k: v for k, v in kwargs.items() if k in pages.GPU_DECODE_TUNING})
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(gpu_paged, "paged_attention", recording)
+    jax.clear_caches()  # the kernel is called while tracing: no program of another test reused
     _, model = tiny_pair("llama3")
     ids, mask = prompts(seed=1, lengths=(9, 4, 1, 6, 23))  # 23 > prefill_chunk: two chunks
     budgets = np.array([[8, 3], [1, 8], [5, 6], [8, 2], [2, 7]], np.int32)
     outs = {}
     for name in ("reference", "pallas_gpu"):
         options = paged.PagedOptions(
-            page_size=4, num_slots=4, steps_per_dispatch=4, prefill_chunk=16, attention=name
+            page_size=4,
+            num_slots=4,
+            steps_per_dispatch=4,
+            prefill_chunk=16,
+            attention=name,
+            kernel_tuning=tuning,
         )
         outs[name], stats = rollout.generate(
             model,
@@ -121,6 +150,14 @@ def test_engine_on_the_gpu_kernels_gives_the_reference_engines_tokens(tiny_pair)
             return_stats=True,
         )
         assert stats.pages_in_use_at_end == 0
+    assert launches and all(
+        launch[k] == v
+        for launch in launches
+        for k, v in (pages.GPU_DECODE_TUNING | tuning).items()
+        if k not in ("k_splits", "pages_per_compute_block")  # caps: checked below
+    )
+    splits = {launch["k_splits"] for launch in launches}
+    assert splits == ({2} if tuning else {1})  # the page tables here have even widths
     ref, got = outs["reference"], outs["pallas_gpu"]
     np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(ref.mask))
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
@@ -258,3 +295,26 @@ def test_cudnn_prefill_falls_back_to_xla_where_cudnn_refuses():
     with pytest.warns(UserWarning, match="cuDNN attention refused"):
         got = pages.dense_prefill_attention(q, k, v, ctx, NO_WINDOW, implementation="cudnn")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_kernel_tuning_is_checked_and_only_the_gpu_kernel_takes_it():
+    """Unknown keys and values that are not ints >= 1 are clear errors (before anything runs);
+    the pallas_gpu spec carries the pairs, sorted; ragged_tpu and the reference ignore them."""
+    spec = functools.partial(pages.kernel_spec, num_pages=9, page_size=4, head_dim=16)
+    tuning = {"num_warps": 4, "pages_per_compute_block": 2}
+    gpu = spec("pallas_gpu", window=None, platform="gpu", tuning=tuning)
+    assert gpu.tuning == (("num_warps", 4), ("pages_per_compute_block", 2))
+    assert spec("ragged_tpu", window=None, platform="tpu", tuning=tuning).tuning == ()
+    assert spec("reference", window=None, platform="cpu", tuning=tuning) is None
+    resolve = functools.partial(
+        paged.resolve_options, num_seqs=4, num_samples=1, longest_prompt=8, max_new_tokens=8
+    )
+    assert resolve(paged.PagedOptions(kernel_tuning=tuning)).kernel_tuning == gpu.tuning
+    for bad, match in (
+        ({"warps": 4}, "unknown key 'warps'; expected some of"),
+        ({"num_warps": 0}, r"kernel_tuning\['num_warps'\] must be an int >= 1, got 0"),
+        ({"k_splits": 2.0}, r"kernel_tuning\['k_splits'\] must be an int >= 1, got 2.0"),
+        (7, "kernel_tuning must map launch parameters to ints, got 7"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            resolve(paged.PagedOptions(kernel_tuning=bad))
