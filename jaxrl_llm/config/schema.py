@@ -135,6 +135,8 @@ class RolloutConfig:
     engine: Literal["auto", "paged", "static"] = "auto"
     # Paged engine's attention: auto (the TPU/GPU kernel, else reference); docs/rollout.md.
     paged_attention: Literal["auto", "reference", "pallas_gpu", "ragged_tpu"] = "auto"
+    # Launch parameters of the paged engine's Pallas GPU decode kernel; {} = defaults; rollout.md.
+    paged_kernel_tuning: Mapping[str, int] = _field(FrozenDict())
     # Completions cut at max_new_tokens carry no loss (TRL's mask_truncated_completions).
     mask_truncated_completions: bool = False
     # Also collect each token's full-vocabulary log-prob at τ = 1, no top-k/top-p (Groups).

@@ -633,6 +633,20 @@ def _check_partial_rollouts(config: TrainConfig) -> None:
         )
 
 
+def _check_kernel_tuning(config: TrainConfig) -> None:
+    """``rollout.paged_kernel_tuning``: the Pallas GPU decode kernel's launch parameters."""
+    if config.rollout is None or not config.rollout.paged_kernel_tuning:
+        return
+    from jaxrl_llm.rollout import pages
+
+    key = "rollout.paged_kernel_tuning"
+    try:
+        pages.check_kernel_tuning(config.rollout.paged_kernel_tuning)
+    except ValueError as e:
+        detail = str(e).removeprefix("generate(engine='paged'): kernel_tuning")
+        raise ConfigError(f"{key}{detail}", key) from None
+
+
 def _check_placement(config: TrainConfig) -> None:
     """``placement``: split needs a rollout (not dpo) and a valid rollout mesh; the device
     counts are checked in :func:`check_devices`."""
@@ -742,6 +756,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check_rewards(config)
     _check_mesh(config.mesh)
     _check_placement(config)
+    _check_kernel_tuning(config)
     _check_seeds(config)
     _check_lora(config)
     _check_reward_components(config)

@@ -296,7 +296,9 @@ class PartialRollouts:
             stop_token_ids=sampler.stop_ids,
             cache_dtype=sampler.cache_dtype,
             engine=sampler.engine,
-            paged_options=paged.PagedOptions(attention=sampler.paged_attention),
+            paged_options=paged.PagedOptions(
+                attention=sampler.paged_attention, kernel_tuning=sampler.paged_kernel_tuning
+            ),
         )
         return entry._replace(state=state, seconds=entry.seconds + time.perf_counter() - t0)
 

@@ -997,7 +997,7 @@ def plan_paged_rollout(
     kept = int(kept) if resident else 0
     try:
         options = paged.resolve_options(
-            paged.PagedOptions(attention=r.paged_attention),
+            paged.PagedOptions(attention=r.paged_attention, kernel_tuning=r.paged_kernel_tuning),
             num_seqs=per_engine * g,
             num_samples=g,
             longest_prompt=longest,

@@ -81,6 +81,8 @@ class Sampler:
       engine: the rollout engine, ``"static"`` or ``"paged"`` (``rollout.generate``;
         ``rollout.engine: auto`` resolved by ``rollout.engine.choose_engine``).
       paged_attention: the paged engine's attention backend (``PagedOptions.attention``).
+      paged_kernel_tuning: its GPU decode kernel's launch parameters
+        (``PagedOptions.kernel_tuning``), as sorted pairs.
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).
       full_logprobs: also sample the full-vocabulary τ = 1 log-probs
@@ -96,6 +98,7 @@ class Sampler:
     cache_dtype: Any = None
     engine: str = "static"
     paged_attention: str = "auto"
+    paged_kernel_tuning: tuple[tuple[str, int], ...] = ()
     mask_truncated: bool = False
     full_logprobs: bool = False
 
@@ -769,6 +772,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         cache_dtype=None if r.cache_dtype == "auto" else jnp.dtype(r.cache_dtype),
         engine=choose_engine(r.engine, can_stop_early=bool(stop_ids)),
         paged_attention=r.paged_attention,
+        paged_kernel_tuning=tuple(sorted(r.paged_kernel_tuning.items())),
         mask_truncated=r.mask_truncated_completions,
         full_logprobs=r.full_logprobs,
     )

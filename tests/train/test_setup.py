@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxrl_llm.train
+from jaxrl_llm.config import ConfigError
 from jaxrl_llm.recipe import PreferenceRecipe, Recipe
 from jaxrl_llm.train import setup as S
 from tests.train import helpers as H
@@ -62,6 +63,43 @@ def test_sampler_and_eval_plan_from_the_rollout_section():
     assert plan.sampler.stop_ids == (eos,)
     greedy = plan.sampler.greedy()
     assert (greedy.temperature, greedy.top_k, greedy.top_p, greedy.num_samples) == (0.0, 0, 1.0, 1)
+
+
+def test_paged_kernel_tuning_reaches_the_sampler_and_bad_keys_are_config_errors():
+    """``rollout.paged_kernel_tuning`` becomes the sampler's sorted pairs (what the loop hands
+    ``PagedOptions.kernel_tuning``); an unknown key or a non-positive value is a ConfigError
+    naming the key, at load time."""
+    setup = resolve(
+        *SMALL,
+        "rollout.paged_kernel_tuning.num_warps=4",
+        "rollout.paged_kernel_tuning.pages_per_compute_block=16",
+    )
+    assert setup.sampler.paged_kernel_tuning == (("num_warps", 4), ("pages_per_compute_block", 16))
+    assert resolve(*SMALL).sampler.paged_kernel_tuning == ()
+    # the rollout hands them to the paged engine
+    from jaxrl_llm import rollout
+    from jaxrl_llm.train import collect
+
+    seen = []
+
+    def generate(*args, paged_options, **kwargs):
+        seen.append(paged_options)
+        raise RuntimeError("enough")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(rollout, "generate", generate)
+        with pytest.raises(RuntimeError, match="enough"):
+            collect.sample_completions(
+                setup.models, setup.state.params, setup.sampler, None, None, None
+            )
+    assert seen[0].kernel_tuning == setup.sampler.paged_kernel_tuning
+    for bad, fragment in (
+        ("rollout.paged_kernel_tuning.warps=4", "has an unknown key 'warps'; expected some of"),
+        ("rollout.paged_kernel_tuning.num_stages=0", "['num_stages'] must be an int >= 1, got 0"),
+    ):
+        with pytest.raises(ConfigError, match=r"^rollout\.paged_kernel_tuning") as info:
+            resolve(*SMALL, bad)
+        assert fragment in str(info.value) and info.value.key == "rollout.paged_kernel_tuning"
 
 
 def test_stop_ids_override_cache_dtype_auto_and_eval_length():
