@@ -267,6 +267,11 @@ def check_kernel_tuning(tuning: Any) -> tuple[tuple[str, int], ...]:
                 f"generate(engine='paged'): kernel_tuning[{key!r}] must be an int >= 1, got "
                 f"{value!r}"
             )
+        if key == "block_h" and value % 16:  # the kernel's own rule (its MMA tiles)
+            raise ValueError(
+                f"generate(engine='paged'): kernel_tuning['block_h'] must be a multiple of 16, "
+                f"got {value}"
+            )
     return pairs
 
 

@@ -314,6 +314,7 @@ def test_kernel_tuning_is_checked_and_only_the_gpu_kernel_takes_it():
         ({"warps": 4}, "unknown key 'warps'; expected some of"),
         ({"num_warps": 0}, r"kernel_tuning\['num_warps'\] must be an int >= 1, got 0"),
         ({"k_splits": 2.0}, r"kernel_tuning\['k_splits'\] must be an int >= 1, got 2.0"),
+        ({"block_h": 8}, r"kernel_tuning\['block_h'\] must be a multiple of 16, got 8"),
         (7, "kernel_tuning must map launch parameters to ints, got 7"),
     ):
         with pytest.raises(ValueError, match=match):
