@@ -68,8 +68,11 @@ import the working tree), from the repository root::
         --profile /tmp/prof --out $OUT/bench_a.json
     PYTHONPATH=$PWD python3 scripts/bench_accelerator.py \
         --parts decode,decode_dense,decode_static,plan --profile /tmp/prof --out $OUT/bench_b.json
+    PYTHONPATH=$PWD python3 scripts/bench_accelerator.py --parts decode_tuning \
+        --out $OUT/bench_c.json
 
-(two device commands: the seven parts need ~520 s there, near one command's limit).
+(several device commands: the parts need ~600 s there, more than one command's limit; the
+third, ~90 s, only if device time is left).
 """
 
 from __future__ import annotations
@@ -940,7 +943,7 @@ def part_update(config_path: str, overrides: list[str], variants: dict, steps: i
         except Exception as e:  # an OOM in one setting is a result; the next one runs
             result["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         out["variants"][name] = result
-        del result
+        models = state = step = groups = metrics = None  # this variant's arrays go first
         jax.clear_caches()
     return out
 
