@@ -136,10 +136,10 @@ SHAPES = {
         "update": {
             "config": TINY_CONFIG,
             "overrides": RUN_1B,
-            "variants": {
+            "variants": {  # one factor at a time: micro-batch size, then remat on the whole
                 "remat_full_mb8": ["model.remat=full", "optim.micro_batch_size=8"],  # plan's
-                "remat_dots_mb16": ["model.remat=dots", "optim.micro_batch_size=16"],
-                "no_remat_mb16": ["model.remat=none", "optim.micro_batch_size=16"],
+                "remat_full_mb64": ["model.remat=full", "optim.micro_batch_size=64"],
+                "remat_dots_mb64": ["model.remat=dots", "optim.micro_batch_size=64"],
                 "no_remat_mb64": ["model.remat=none", "optim.micro_batch_size=64"],
             },
             "steps": 3,
