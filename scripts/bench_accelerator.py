@@ -857,18 +857,27 @@ def random_run(config, abstract, recipe):
     return dataclasses.replace(models, ref_params=ref), state
 
 
-def _rl_step(config, recipe, models):
-    """The trainer's fused RL step of ``config`` over ``models``, and how many forward passes
-    it adds to the policy's (π_ref, a recomputed π_old)."""
+def _rl_step(config, recipe, models, abstract):
+    """The trainer's fused RL step of ``config`` over ``models``, how many forward passes it
+    adds to the policy's (π_ref, a recomputed π_old), and its model FLOPs on a rollout of the
+    config's shape, every completion ``max_new_tokens`` long (:func:`update_model_flops`)."""
     from jaxrl_llm.train import setup as su
     from jaxrl_llm.train.step import make_rl_step, needs_old_logprob_pass
 
     update = su.update_shape(config)
     old = su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap)
-    temperature = config.rollout.temperature or 1.0
-    step = make_rl_step(recipe, models, update, temperature=temperature, old_logprobs=old)
+    r = config.rollout
+    step = make_rl_step(recipe, models, update, temperature=r.temperature or 1.0, old_logprobs=old)
     passes = int(models.ref_params is not None) + int(needs_old_logprob_pass(recipe, update, old))
-    return step, passes
+    flops = update_model_flops(
+        abstract.model_config,
+        abstract.num_parameters,
+        sequences=r.prompts_per_step * r.num_samples,
+        prompt_len=abstract.prompt_width,
+        completion_len=r.max_new_tokens,
+        forward_passes=passes,
+    )
+    return step, passes, flops
 
 
 def part_update(config_path: str, overrides: list[str], variants: dict, steps: int) -> dict:
@@ -912,7 +921,7 @@ def part_update(config_path: str, overrides: list[str], variants: dict, steps: i
                 member_bg=np.ones((b, g), bool),
             )
             models, state = random_run(config, abstract, recipe)
-            step, passes = _rl_step(config, recipe, models)
+            step, _, flops = _rl_step(config, recipe, models, abstract)
             t0 = time.perf_counter()
             state, metrics = jax.block_until_ready(step(state, groups))  # compiles
             result["first_s"] = time.perf_counter() - t0
@@ -921,14 +930,6 @@ def part_update(config_path: str, overrides: list[str], variants: dict, steps: i
                 t0 = time.perf_counter()
                 state, metrics = jax.block_until_ready(step(state, groups))
                 times.append(time.perf_counter() - t0)
-            flops = update_model_flops(
-                model_cfg,
-                abstract.num_parameters,
-                sequences=b * g,
-                prompt_len=p,
-                completion_len=t,
-                forward_passes=passes,
-            )
             step_s = float(np.median(times))
             per_device = flops / step_s / math.prod(sizes.values())
             result |= {
@@ -1011,7 +1012,7 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
         reward_bg=rng.standard_normal((b, g)).astype(np.float32),
         member_bg=np.ones((b, g), bool),
     )
-    step, passes = _rl_step(config, recipe, models)
+    step, passes, flops = _rl_step(config, recipe, models, abstract)
     t0 = time.perf_counter()
     state, _ = step(state, groups)  # compiles
     step_first_s = time.perf_counter() - t0
@@ -1033,14 +1034,6 @@ def part_plan(config_path: str, overrides: list[str], num_devices: int | None) -
     t0 = time.perf_counter()
     state, metrics = step(state, groups)
     step_s = time.perf_counter() - t0
-    flops = update_model_flops(
-        model_cfg,
-        abstract.num_parameters,
-        sequences=b * g,
-        prompt_len=p,
-        completion_len=t,
-        forward_passes=passes,
-    )
     peak_flops, _ = chip_peaks(jax.devices()[0].device_kind)
     u = plan.update
     if stats is not None:  # GPU / TPU: the allocator's peak over the whole part
