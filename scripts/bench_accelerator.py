@@ -17,7 +17,8 @@ published shapes, 1.236 B parameters), so nothing is downloaded:
              weights with the reference; then the paged engine with the platform's kernel
              (greedy): its log-probs of its own tokens against the trainer's float32 pass over
              them. A kernel passes where its relative L2 error is at most 4x the bf16
-             reference path's own (the rounding of bf16 inputs), or 1% (``ok``).
+             reference path's own (the rounding of bf16 inputs), or 1% (``ok``). On the
+             device, the 1B model's first 4 layers (its shapes, a quarter of the compiles).
 ``plan``     :func:`jaxrl_llm.train.plan.plan_run` of a GRPO run (``--config``, default the
              1B model, 8 prompts x 8 samples x 256 tokens, FSDP over ``--devices``) for this
              process's devices, then the same run's state built for real (random weights, the
@@ -144,7 +145,7 @@ SHAPES = {
             },
             "steps": 3,
         },
-        "check": {"model": MODEL_1B, "batch": 4, "prompt": 128, "new": 32},
+        "check": {"model": MODEL_1B, "layers": 4, "batch": 4, "prompt": 128, "new": 32},
         "mfu": {"model": MODEL_1B, "batch": 8, "seq": 2048, "steps": 5},
         "decode": {"model": MODEL_1B, "batch": 256, "prompt": 128, "new": 256},
         "decode_dense": {
@@ -779,20 +780,31 @@ def check_paged_sampler(
 
 
 def part_check(
-    model: str, batch: int, prompt: int, new: int, engine_attention: str = "auto"
+    model: str,
+    batch: int,
+    prompt: int,
+    new: int,
+    engine_attention: str = "auto",
+    layers: int | None = None,
 ) -> dict:
-    """The accelerator paths' numbers against the reference path; see the module docstring."""
+    """The accelerator paths' numbers against the reference path; see the module docstring.
+    ``layers``: keep only the model's first ``layers`` layers (the kernels, their shapes and
+    the pool's layer folding are the same per layer; the part's compiles, the paged engine's
+    unrolled layers above all, scale with them: the whole 1B model's took 176 s on the H200)."""
     import jax
     import numpy as np
 
     from jaxrl_llm.train import state as st
 
     cfg = _model_config(model)  # bfloat16 compute; "auto" attention, resolved where it runs
+    if layers is not None:
+        cfg = cfg.replace(num_layers=layers)
     graphdef, params = st.split_params(_random_model(cfg))
     truth_gd = _graphdef(cfg, attention_impl="reference", dtype="float32")  # the float32 truth
     rng = np.random.default_rng(0)
     result = {
         "model": model,
+        "layers": cfg.num_layers,
         "backend": jax.default_backend(),
         "attention": check_attention(cfg, batch, 2 * prompt, rng),
         "logprob_pass": check_logprob_pass(cfg, graphdef, truth_gd, params, batch, 2 * prompt, rng),
@@ -1098,7 +1110,8 @@ PARTS = (
     "decode_tuning",
 )
 #: Each part's subprocess timeout, seconds (the plan part compiles its two programs twice,
-#: planned and real; the check part took 176 s on the H200). A run stops starting parts at
+#: planned and real; the check part took 176 s on the H200 with all 16 layers of the 1B model,
+#: it now checks 4). A run stops starting parts at
 #: ``--total-budget-s``.
 BUDGETS = {
     "check": 240.0,

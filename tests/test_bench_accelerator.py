@@ -261,9 +261,13 @@ def test_plan_part_measures_the_update_peak_on_cpu(bench, tmp_path, monkeypatch)
 
 def test_check_part_on_cpu(bench):
     """The check part on tiny shapes: on CPU the attention check runs the cuDNN call's XLA
-    form and the sampler the Pallas GPU kernel in interpret mode; all within the bound."""
-    d = bench.part_check("tiny-random", batch=2, prompt=16, new=4, engine_attention="pallas_gpu")
+    form and the sampler the Pallas GPU kernel in interpret mode; all within the bound. The
+    model cut to its first layer, as the device run cuts the 1B model to 4."""
+    d = bench.part_check(
+        "tiny-random", batch=2, prompt=16, new=4, engine_attention="pallas_gpu", layers=1
+    )
     assert d["ok"] is True, d
+    assert d["layers"] == 1
     assert d["attention"]["implementation"] == "cudnn (implementation='xla', CPU)"
     assert d["logprob_pass"]["attention"] == "reference"  # CPU: "auto" has no kernel
     assert d["paged_sampler"]["attention"] == "pallas_gpu"
