@@ -66,8 +66,10 @@ def hidden_logprobs(
     """Log-probs (and optionally entropies) of ``targets_bn`` from the states that predict them.
 
     ``h_bnd[:, i]`` is the hidden state whose logits predict ``targets_bn[:, i]``. Chunks are
-    ``chunk_size`` steps long, shortened so that ``B * chunk`` is at most the model's block rows
-    (:func:`model_block_rows`). A bf16 head is cast once, before the chunks. Returns f32
+    ``chunk_size`` steps long at the CPU's block size, longer in proportion where the model's
+    blocks are larger (:func:`model_block_rows`: 4x at 1,024 rows), and shortened so that
+    ``B * chunk`` is at most the block rows: few wide rows (packed) fill a block along time,
+    many rows share it. A bf16 head is cast once, before the chunks. Returns f32
     ``[B, N]`` (a pair with the entropy when ``with_entropy``, or with ``log Σ_v π(v)²`` —
     :func:`~jaxrl_llm.core.logprobs.token_logprobs_and_log_sum_sq`, for WPO — when
     ``with_log_sum_sq``; not both).
@@ -75,9 +77,11 @@ def hidden_logprobs(
     if with_entropy and with_log_sum_sq:
         raise ValueError("hidden_logprobs: with_entropy and with_log_sum_sq are exclusive")
     b, n, d = h_bnd.shape
-    c = n if chunk_size is None or chunk_size >= n else chunk_size
+    c = n
     if chunk_size is not None:  # a block holds at most the model's block rows of logits
-        c = max(1, min(c, model_block_rows(lm) // b))
+        rows = model_block_rows(lm)
+        steps = chunk_size * max(1, rows // MAX_CHUNK_ROWS)
+        c = max(1, min(n, steps, rows // b))
     pad = -n % c
     if pad:  # pad the (small) hidden states, never the logits
         h_bnd = jnp.pad(h_bnd, ((0, 0), (0, pad), (0, 0)))

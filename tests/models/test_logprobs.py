@@ -107,6 +107,31 @@ def test_chunks_shrink_with_the_batch_to_bound_the_logit_rows(lm, monkeypatch):
     np.testing.assert_allclose(chunked, whole, atol=1e-5)
 
 
+def test_larger_blocks_lengthen_the_chunks_of_few_rows(monkeypatch):
+    """Blocks of 4x the CPU's rows: one wide row (packed) gets 4x longer chunks, two rows
+    share a block (the time chunk halves); the numbers are the unchunked pass's. (The H200's
+    packed 1B update had run 256-row blocks: one row times the 256-step chunk.)"""
+    from jaxrl_llm.models import logprobs as lp
+
+    monkeypatch.setattr(lp, "MAX_CHUNK_ROWS", 4)  # the CPU's block, scaled down
+    model = models.CausalLM(CONFIG.replace(logits_block_rows=16), rngs=nnx.Rngs(0))
+    real_scan, chunk_shapes = jax.lax.scan, []
+
+    def recording_scan(f, init, xs):
+        chunk_shapes.append(xs[1].shape)  # targets: [chunks, B, chunk]
+        return real_scan(f, init, xs)
+
+    monkeypatch.setattr(lp.jax.lax, "scan", recording_scan)
+    rng = np.random.RandomState(5)
+    for b, expected in ((1, (3, 1, 16)), (2, (5, 2, 8))):  # 40 steps: 16 x 3, 8 x 5
+        h = jnp.asarray(rng.standard_normal((b, 40, CONFIG.hidden_size)), jnp.float32)
+        y = jnp.asarray(rng.randint(0, CONFIG.vocab_size, (b, 40)), jnp.int32)
+        chunked = hidden_logprobs(model, h, y, chunk_size=4)
+        assert chunk_shapes.pop() == expected
+        whole = hidden_logprobs(model, h, y, chunk_size=None)
+        np.testing.assert_allclose(chunked, whole, atol=1e-5)
+
+
 def test_block_rows_default_by_platform_and_the_config_overrides_it(lm, monkeypatch):
     """256 rows on CPU; on an accelerator the multiples of 256 rows within 512 MiB of float32
     logits (Llama-3's 128,256 tokens: 1,024 rows; SmolLM2's 49,152: 2,560); never fewer than
