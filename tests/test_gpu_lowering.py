@@ -125,6 +125,30 @@ def test_update_step_lowers_for_cuda_with_cudnn_attention(hopper, overrides):
     assert not float32_dots(lowered)
 
 
+def test_the_1b_update_forms_accelerator_sized_logits_blocks():
+    """scripts/bench_accelerator.py's plan-part step (1B, 8 × 8 × (128 + 256) tokens, packed,
+    8-sequence micro-batches) planned for an accelerator: the log-prob pass forms logits in
+    blocks of 1,024 × 128,256 (``ModelConfig.logits_block_rows``), not the CPU's 256 rows (an
+    H200 profile found 72 small blocks, ~7% of the step; a packed micro-batch's few wide rows
+    kept 256-row blocks until the time chunk grew with the block)."""
+    overrides = [
+        f"model.path={LLAMA_1B}",
+        "model.dtype=bfloat16",
+        "model.remat=full",
+        "rollout.prompts_per_step=8",
+        "rollout.num_samples=8",
+        "rollout.max_new_tokens=256",
+        "data.max_prompt_length=128",
+        "optim.micro_batch_size=8",
+    ]
+    config, cfg = gpu_config(*overrides)
+    recipe = build_recipe(config)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    text = P.lower_step(P.abstract_run(config, recipe, mesh, cfg), config, recipe).as_text()
+    blocks = set(re.findall(rf"tensor<(\d+)x{cfg.vocab_size}xf32>", text))
+    assert blocks == {"1024"}, blocks
+
+
 # ---------------------------------------------------------------------------------------------
 # The rollout engines.
 
