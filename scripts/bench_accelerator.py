@@ -950,6 +950,11 @@ def part_update(config_path: str, overrides: list[str], variants: dict, steps: i
                 "update_flops_per_s_per_device": per_device,
                 "update_mfu": None if peak_flops is None else per_device / peak_flops,
                 "step_finite": bool(np.isfinite(metrics["actor/loss"])),
+                # the process's peak so far (it cannot be reset): this variant's own where the
+                # variants grow, as they are listed (None on CPU)
+                "peak_bytes_in_use_so_far": (jax.devices()[0].memory_stats() or {}).get(
+                    "peak_bytes_in_use"
+                ),
             }
             with profiled(f"update_{name}", result):
                 jax.block_until_ready(step(state, groups))

@@ -124,6 +124,7 @@ def test_update_part_sweeps_its_variants_on_tiny_shapes(bench):
     for v in (full, none):
         assert v["step_finite"] and len(v["step_s"]) == 1 and v["update_mfu"] is None  # CPU
         assert v["update_flops_per_s_per_device"] > 0
+        assert v["peak_bytes_in_use_so_far"] is None  # CPU devices report no memory stats
     assert full["update_model_flops"] == none["update_model_flops"] > 0
     json.dumps(d)
 
