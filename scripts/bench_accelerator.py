@@ -904,7 +904,7 @@ def part_update(config_path: str, overrides: list[str], variants: dict, steps: i
     import numpy as np
 
     from jaxrl_llm.config import build_recipe, load_config, mesh_axis_sizes
-    from jaxrl_llm.models import sharding as shd
+    from jaxrl_llm.train import models as train_models
     from jaxrl_llm.train import plan as P
     from jaxrl_llm.train.step import Groups
 
@@ -916,7 +916,7 @@ def part_update(config_path: str, overrides: list[str], variants: dict, steps: i
             config = load_config(config_path, [*overrides, *extra])
             recipe = build_recipe(config)
             sizes = mesh_axis_sizes(config.mesh, jax.device_count())
-            mesh = shd.make_mesh(**sizes, devices=jax.devices()[: math.prod(sizes.values())])
+            mesh, _ = train_models.make_mesh(sizes, config.mesh.preset)
             model_cfg = P.model_config(config.model, accelerator=jax.default_backend() != "cpu")
             abstract = P.abstract_run(config, recipe, mesh, model_cfg)
             r = config.rollout

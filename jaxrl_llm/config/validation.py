@@ -641,10 +641,9 @@ def _check_kernel_tuning(config: TrainConfig) -> None:
 
     key = "rollout.paged_kernel_tuning"
     try:
-        pages.check_kernel_tuning(config.rollout.paged_kernel_tuning)
+        pages.check_kernel_tuning(config.rollout.paged_kernel_tuning, where=key)
     except ValueError as e:
-        detail = str(e).removeprefix("generate(engine='paged'): kernel_tuning")
-        raise ConfigError(f"{key}{detail}", key) from None
+        raise ConfigError(str(e), key) from None
 
 
 def _check_placement(config: TrainConfig) -> None:

@@ -231,28 +231,37 @@ def low_precision_dot(
     backward trip (measured on an H200: 80 casts of a 1B model's float32 head in one update
     step, 30 ms). The gradient still goes to ``b``, unrounded; ``b_cast`` gets none.
     """
-    if b_cast is None:
-        return _low_precision_dot(a_mk, b, jnp.dtype(out_dtype), b_is_nk, jnp.dtype(b.dtype))
-    if b_cast.shape != b.shape or b_cast.dtype != a_mk.dtype:
-        raise ValueError(
-            f"low_precision_dot: b_cast must be b {b.shape} in a's dtype {a_mk.dtype}, got "
-            f"{b_cast.shape} {b_cast.dtype}"
-        )
-    stop = jax.lax.stop_gradient(b_cast)
-    return _precast_dot(a_mk, b, stop, jnp.dtype(out_dtype), b_is_nk, jnp.dtype(b.dtype))
+    if b_cast is not None:
+        if b_cast.shape != b.shape or b_cast.dtype != a_mk.dtype:
+            raise ValueError(
+                f"low_precision_dot: b_cast must be b {b.shape} in a's dtype {a_mk.dtype}, got "
+                f"{b_cast.shape} {b_cast.dtype}"
+            )
+        b_cast = jax.lax.stop_gradient(b_cast)
+    return _low_precision_dot(a_mk, b, b_cast, jnp.dtype(out_dtype), b_is_nk, jnp.dtype(b.dtype))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _low_precision_dot(
-    a_mk: jax.Array, b: jax.Array, out_dtype: jnp.dtype, b_is_nk: bool, b_dtype: jnp.dtype
+    a_mk: jax.Array,
+    b: jax.Array,
+    b_cast: jax.Array | None,
+    out_dtype: jnp.dtype,
+    b_is_nk: bool,
+    b_dtype: jnp.dtype,
 ) -> jax.Array:
-    return _low_precision_dot_fwd(a_mk, b, out_dtype, b_is_nk, b_dtype)[0]
+    return _low_precision_dot_fwd(a_mk, b, b_cast, out_dtype, b_is_nk, b_dtype)[0]
 
 
 def _low_precision_dot_fwd(
-    a_mk: jax.Array, b: jax.Array, out_dtype: jnp.dtype, b_is_nk: bool, b_dtype: jnp.dtype
+    a_mk: jax.Array,
+    b: jax.Array,
+    b_cast: jax.Array | None,
+    out_dtype: jnp.dtype,
+    b_is_nk: bool,
+    b_dtype: jnp.dtype,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    b = b.astype(a_mk.dtype)
+    b = b.astype(a_mk.dtype) if b_cast is None else b_cast  # the product reads the cast
     dims = (((1,), (1 if b_is_nk else 0,)), ((), ()))
     y = jax.lax.dot_general(a_mk, b, dims, preferred_element_type=jnp.float32)
     return y.astype(out_dtype), (a_mk, b)
@@ -264,7 +273,7 @@ def _low_precision_dot_bwd(
     b_dtype: jnp.dtype,
     residuals: tuple[jax.Array, jax.Array],
     g_mn: jax.Array,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, None]:
     a_mk, b = residuals
     g_mn = g_mn.astype(a_mk.dtype)
     f32 = jnp.float32
@@ -274,48 +283,10 @@ def _low_precision_dot_bwd(
         db = jax.lax.dot_general(g_mn, a_mk, (((0,), (0,)), ((), ())), None, f32)
     else:  # db [K, N] = aᵀ g
         db = jax.lax.dot_general(a_mk, g_mn, (((0,), (0,)), ((), ())), None, f32)
-    return da.astype(a_mk.dtype), db.astype(b_dtype)
+    return da.astype(a_mk.dtype), db.astype(b_dtype), None  # the cast gets no gradient
 
 
 _low_precision_dot.defvjp(_low_precision_dot_fwd, _low_precision_dot_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _precast_dot(
-    a_mk: jax.Array,
-    b: jax.Array,
-    b_cast: jax.Array,
-    out_dtype: jnp.dtype,
-    b_is_nk: bool,
-    b_dtype: jnp.dtype,
-) -> jax.Array:
-    return _precast_dot_fwd(a_mk, b, b_cast, out_dtype, b_is_nk, b_dtype)[0]
-
-
-def _precast_dot_fwd(
-    a_mk: jax.Array,
-    b: jax.Array,
-    b_cast: jax.Array,
-    out_dtype: jnp.dtype,
-    b_is_nk: bool,
-    b_dtype: jnp.dtype,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    del b  # only its gradient is wanted; the product reads the cast
-    return _low_precision_dot_fwd(a_mk, b_cast, out_dtype, b_is_nk, b_dtype)
-
-
-def _precast_dot_bwd(
-    out_dtype: jnp.dtype,
-    b_is_nk: bool,
-    b_dtype: jnp.dtype,
-    residuals: tuple[jax.Array, jax.Array],
-    g_mn: jax.Array,
-) -> tuple[jax.Array, jax.Array, None]:
-    da, db = _low_precision_dot_bwd(out_dtype, b_is_nk, b_dtype, residuals, g_mn)
-    return da, db, None
-
-
-_precast_dot.defvjp(_precast_dot_fwd, _precast_dot_bwd)
 
 
 def is_low_precision(dtype: jax.typing.DTypeLike) -> bool:
@@ -896,20 +867,25 @@ class CausalLM(nnx.Module):
         w = self.model.embed_tokens.embedding if self.lm_head is None else self.lm_head
         return w[...]
 
+    @staticmethod
+    def _low_precision_head(dtype: jax.typing.DTypeLike) -> bool:
+        """States of ``dtype`` go through :func:`low_precision_dot` in :meth:`logits` (backward
+        dots in bf16 too; the head's are the largest): bf16 only. Not float16: its range would
+        flush the float32 logits' small cotangents (p·scale) to zero."""
+        return jnp.dtype(dtype) == jnp.bfloat16
+
     def head_cast(self, dtype: jax.typing.DTypeLike) -> jax.Array | None:
         """The head cast to ``dtype`` for :meth:`logits`'s ``head_vd``, where :meth:`logits`
         would cast it itself (bf16 states), else None: a loop over chunks of states casts it
         once, before the loop."""
-        return self.head_weight().astype(dtype) if jnp.dtype(dtype) == jnp.bfloat16 else None
+        return self.head_weight().astype(dtype) if self._low_precision_head(dtype) else None
 
     def logits(self, h_btd: jax.Array, *, head_vd: jax.Array | None = None) -> jax.Array:
         """float32 logits from final hidden states (any leading axes). ``head_vd``: the head
         already cast (:meth:`head_cast`); the gradient still goes to the stored weight."""
         w_vd = self.head_weight()
         h_md = h_btd.reshape(-1, h_btd.shape[-1])
-        # bf16: the backward dots in bf16 too (the head's are the largest). Not float16: its
-        # range would flush the float32 logits' small cotangents (p·scale) to zero.
-        if h_md.dtype == jnp.bfloat16:
+        if self._low_precision_head(h_md.dtype):
             logits_mv = low_precision_dot(h_md, w_vd, jnp.float32, True, b_cast=head_vd)
         else:
             w_vd = w_vd.astype(h_md.dtype)

@@ -246,32 +246,25 @@ HBM bandwidth (BENCHMARKS.md, "Accelerator runs"); ``scripts/bench_accelerator.p
 ``decode_tuning`` part times a few others."""
 
 
-def check_kernel_tuning(tuning: Any) -> tuple[tuple[str, int], ...]:
+def check_kernel_tuning(
+    tuning: Any, where: str = "generate(engine='paged'): kernel_tuning"
+) -> tuple[tuple[str, int], ...]:
     """``tuning`` (a mapping or pairs of :data:`GPU_DECODE_TUNING`'s keys) as sorted ``(key,
-    value)`` pairs; a clear error for an unknown key or a value that is not an int >= 1."""
+    value)`` pairs; a clear error, naming ``where`` it was given, for an unknown key or a value
+    that is not an int >= 1."""
     try:
         pairs = tuple(sorted(dict(tuning or {}).items()))
     except (TypeError, ValueError):
-        raise ValueError(
-            f"generate(engine='paged'): kernel_tuning must map launch parameters to ints, got "
-            f"{tuning!r}"
-        ) from None
+        raise ValueError(f"{where} must map launch parameters to ints, got {tuning!r}") from None
     for key, value in pairs:
         if key not in GPU_DECODE_TUNING:
             raise ValueError(
-                f"generate(engine='paged'): kernel_tuning has an unknown key {key!r}; expected "
-                f"some of {sorted(GPU_DECODE_TUNING)}"
+                f"{where} has an unknown key {key!r}; expected some of {sorted(GPU_DECODE_TUNING)}"
             )
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"generate(engine='paged'): kernel_tuning[{key!r}] must be an int >= 1, got "
-                f"{value!r}"
-            )
+            raise ValueError(f"{where}[{key!r}] must be an int >= 1, got {value!r}")
         if key == "block_h" and value % 16:  # the kernel's own rule (its MMA tiles)
-            raise ValueError(
-                f"generate(engine='paged'): kernel_tuning['block_h'] must be a multiple of 16, "
-                f"got {value}"
-            )
+            raise ValueError(f"{where}['block_h'] must be a multiple of 16, got {value}")
     return pairs
 
 

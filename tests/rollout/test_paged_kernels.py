@@ -195,7 +195,7 @@ def test_engine_programs_with_the_tpu_kernel_compile_for_a_tpu(tiny_pair):
     args = (
         graphdef,
         jax.tree.map(lambda x: sds(x.shape, x.dtype), params),
-        None,  # layers_l: the kernel path runs the stacked layers
+        None,  # layers_l: None, the programs slice the stacked layers themselves
         jax.tree.map(lambda x: sds(x.shape, x.dtype), pool),
     )
     key, f32 = sds(key.shape, key.dtype), sds((), jnp.float32)
