@@ -421,16 +421,80 @@ def ragged_tpu_attention(
     return out.reshape(b, t, h, dp)[..., :hd].astype(q_bthd.dtype)
 
 
+RAGGED_VMEM_BUDGET = 8 * 2**20
+"""The most VMEM (as :func:`ragged_vmem_bytes` estimates it) that the TPU kernel's blocks are
+sized to when its tuned table has no entry for the shapes. The kernel compiles under XLA's
+scoped-VMEM limit, 16 MiB on a v5e by default, and fails past it (``CompileTimeScopedVmemOom``).
+The table's default, 128 pages per block, needs 16 MiB for a 1B Llama's keys and values alone
+(16 interleaved heads, head dim padded to 128, bf16, 16-token pages): every context of 2,048
+tokens or more failed to compile for a v5e. Mosaic's own temporaries come on top of the scratch
+(up to ~7 MiB more in the compiles measured for a v5e, growing with the query block), hence half
+the limit (``tests/rollout/test_paged_kernels.py`` compiles the shapes it was fitted on)."""
+
+
+def ragged_vmem_bytes(
+    pages_per_block: int,
+    queries_per_block: int,
+    *,
+    page_size: int,
+    num_q_heads: int,
+    num_combined_kv_heads: int,
+    head_dim: int,
+    q_dtype: jnp.dtype,
+    kv_dtype: jnp.dtype,
+) -> int:
+    """The VMEM scratch of the TPU ``ragged_paged_attention`` kernel (jax 0.10.2) for these
+    blocks, from its scratch shapes, per head block (``get_min_heads_per_blk``; an estimate:
+    Mosaic's own temporaries come on top): the double-buffered key/value
+    pages ``2 × pages × page_size × kv_heads_blk × Dh'``, the running max and sum
+    ``2 × kv_heads_blk/2 × queries·ratio × 128`` f32, the accumulator ``queries × q_heads_blk ×
+    Dh'`` f32, and the query and output blocks (double-buffered by the pipeline)."""
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+    hq, hkv = rpa.kernel.get_min_heads_per_blk(
+        num_q_heads, num_combined_kv_heads, q_dtype, kv_dtype
+    )
+    ratio = 2 * num_q_heads // num_combined_kv_heads
+    kv = 2 * pages_per_block * page_size * hkv * head_dim * jnp.dtype(kv_dtype).itemsize
+    lm = 2 * (hkv // 2) * queries_per_block * ratio * 128 * 4
+    acc = queries_per_block * hq * head_dim * 4
+    q_out = 2 * 2 * queries_per_block * hq * head_dim * jnp.dtype(q_dtype).itemsize
+    return kv + lm + acc + q_out
+
+
 def _ragged_block_sizes(q: jax.Array, kv_pages: jax.Array, width: int) -> tuple[int, int]:
+    """``(pages, queries)`` per block: the kernel's tuned table's entry on a TPU (the table reads
+    the attached chip's kind); for shapes it has not tuned, and off a TPU, its default ``(128,
+    32)`` clipped to the shapes, with the pages halved until :func:`ragged_vmem_bytes` is within
+    :data:`RAGGED_VMEM_BUDGET` (the default does not fit long contexts of wide models)."""
     from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
 
     tokens, h, dp = q.shape
-    if jax.devices()[0].platform == "tpu":  # the tuned table reads the attached TPU's kind
-        hq, hkv = rpa.kernel.get_min_heads_per_blk(h, kv_pages.shape[2], q.dtype, kv_pages.dtype)
-        return rpa.get_tuned_block_sizes(
-            q.dtype, kv_pages.dtype, hq, hkv // 2, dp, kv_pages.shape[1], tokens, width
+    _, page_size, combined, _ = kv_pages.shape
+    pages, queries = default = min(width, 128), min(tokens, 32)
+    if jax.devices()[0].platform == "tpu":
+        hq, hkv = rpa.kernel.get_min_heads_per_blk(h, combined, q.dtype, kv_pages.dtype)
+        tuned = rpa.get_tuned_block_sizes(
+            q.dtype, kv_pages.dtype, hq, hkv // 2, dp, page_size, tokens, width
         )
-    return min(width, 128), min(tokens, 32)
+        if tuned != default:  # an entry of the table, which was compiled on the chip
+            return tuned
+
+    def vmem(pages: int) -> int:
+        return ragged_vmem_bytes(
+            pages,
+            queries,
+            page_size=page_size,
+            num_q_heads=h,
+            num_combined_kv_heads=combined,
+            head_dim=dp,
+            q_dtype=q.dtype,
+            kv_dtype=kv_pages.dtype,
+        )
+
+    while pages > 1 and vmem(pages) > RAGGED_VMEM_BUDGET:
+        pages //= 2
+    return pages, queries
 
 
 # ---------------------------------------------------------------------------------------------

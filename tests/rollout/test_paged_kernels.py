@@ -224,6 +224,56 @@ def test_engine_programs_with_the_tpu_kernel_compile_for_a_tpu(tiny_pair):
         assert "ragged_paged_attention" in program.as_text()
 
 
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, page_size, dtype, rows, queries",
+    [
+        (32, 8, 64, 16, "bfloat16", 8, 1),  # a 1B Llama's decode
+        (32, 8, 64, 16, "bfloat16", 2, 64),  # its chunked prefill
+        (64, 8, 128, 16, "bfloat16", 2, 64),  # wider heads, GQA 8:1
+        (32, 8, 128, 32, "bfloat16", 2, 64),  # larger pages
+        (32, 8, 64, 16, "float32", 2, 64),  # a float32 cache
+    ],
+)
+def test_tpu_kernel_blocks_fit_its_vmem_at_long_contexts(
+    heads, kv_heads, head_dim, page_size, dtype, rows, queries
+):
+    """The TPU kernel compiles for a v5e chip (libtpu, no TPU) over 4,352-token page tables.
+    Its own default blocks (128 pages) took 16 MiB of VMEM for a 1B Llama's keys and values
+    alone, past the chip's 16 MiB scoped limit (``CompileTimeScopedVmemOom``), so every
+    context of 2,048 tokens or more failed to compile; the blocks are now sized to
+    ``pages.RAGGED_VMEM_BUDGET``."""
+    pytest.importorskip("libtpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    from jax.experimental import topologies
+
+    desc = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
+    mesh = jax.sharding.Mesh(np.array(desc.devices[:1]), ("x",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def sds(shape, dt=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=rep)
+
+    width, dp, dt = 272, -(-head_dim // 128) * 128, jnp.dtype(dtype)
+    pool = sds((width * rows + 1, page_size, 2 * kv_heads, dp), dt)
+    q = sds((rows, queries, heads, head_dim), dt)
+    fn = jax.jit(lambda q, kv, table, ctx: pages.ragged_tpu_attention(q, kv, table, ctx))
+    with jax.set_mesh(mesh):
+        compiled = fn.lower(q, pool, sds((rows, width)), sds((rows,))).compile()
+    assert "ragged_paged_attention" in compiled.as_text()
+    q_kernel = jax.ShapeDtypeStruct((rows * queries, heads, dp), dt)
+    blocks, qblock = pages._ragged_block_sizes(q_kernel, pool, width)
+    size = functools.partial(
+        pages.ragged_vmem_bytes,
+        page_size=page_size,
+        num_q_heads=heads,
+        num_combined_kv_heads=2 * kv_heads,
+        head_dim=dp,
+        q_dtype=dt,
+        kv_dtype=dt,
+    )
+    assert size(blocks, qblock) <= pages.RAGGED_VMEM_BUDGET < size(128, qblock)
+
+
 def test_bad_backends_and_unsupported_models_are_clear_errors(tiny_pair):
     sizes = dict(num_seqs=2, num_samples=1, longest_prompt=4, max_new_tokens=4)
     with pytest.raises(ValueError, match=r"attention must be one of .* got 'flash'"):
