@@ -108,8 +108,9 @@ def abstract_model(cfg):
         ("train.packing=false",),  # left-padded [N, P + T] rows
         ("model.remat=full", "optim.micro_batch_tokens=256"),  # the fused-accumulation scan
         (f"model.path={LLAMA_1B}", "model.remat=full"),  # 1B-class shapes, GQA 32:8, Dh 64
+        ("model.attention=auto",),  # traced for the GPU (attention.for_platform): cuDNN
     ],
-    ids=["packed", "unpacked", "remat-micro", "llama-1b"],
+    ids=["packed", "unpacked", "remat-micro", "llama-1b", "auto"],
 )
 def test_update_step_lowers_for_cuda_with_cudnn_attention(hopper, overrides):
     """The fused RL step (the trainer's own, via the plan's abstract run) with

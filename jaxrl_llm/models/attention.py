@@ -25,7 +25,8 @@ Implementations (``implementation=``):
 - ``"cudnn"`` (GPU): ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (cuDNN
   flash attention). Runs on GPU only; the same call with ``implementation="xla"`` (the
   ``cudnn_xla`` testing form here) runs on CPU and checks the argument wiring.
-- ``"auto"``: by ``jax.default_backend()``: tpu -> splash, gpu -> cudnn, else reference; the
+- ``"auto"``: by the platform traced for (:func:`trace_platform`: ``jax.default_backend()``,
+  or the one :func:`for_platform` sets): tpu -> splash, gpu -> cudnn, else reference; the
   reference also where the kernel's requirements are not met or cuDNN is unusable (logged).
 
 Kernel requirements are checked up front and raise :class:`ValueError` naming the failed
@@ -34,7 +35,10 @@ requirement and the fallback (``implementation="reference"``, config ``model.att
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
+from collections.abc import Iterator
 from typing import Literal
 
 import jax
@@ -45,6 +49,39 @@ _log = logging.getLogger(__name__)
 Implementation = Literal["auto", "reference", "splash", "cudnn"]
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "splash", "cudnn")
 
+_TRACE_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jaxrl_llm_trace_platform", default=None
+)
+
+
+def trace_platform() -> str:
+    """The platform that trace-time ``auto`` choices are made for: ``jax.default_backend()``,
+    or the one set by :func:`for_platform`. The choices: ``"auto"`` attention, splash's
+    interpret mode, the log-prob pass's logits block size (``models/logprobs.py``)."""
+    return _TRACE_PLATFORM.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def for_platform(platform: str | None) -> Iterator[None]:
+    """Within the block, trace for ``platform`` (``"cpu"``, ``"gpu"`` or ``"tpu"``) rather than
+    this process's backend: ``jaxrl-llm plan`` lowers a step for a TPU it does not have, and
+    that step must run the TPU's attention kernel (splash, compiled by Mosaic, not interpreted)
+    as the trainer on the TPU would. None changes nothing.
+
+    Only what is traced inside the block is affected; a function traced there must not be
+    called outside it (jit's caches do not know the platform): lower fresh closures only.
+    """
+    if platform is None:
+        yield
+        return
+    if platform not in ("cpu", "gpu", "tpu"):
+        raise ValueError(f"for_platform: platform must be cpu, gpu or tpu, got {platform!r}")
+    token = _TRACE_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TRACE_PLATFORM.reset(token)
+
 
 def resolve_implementation(implementation: str = "auto", backend: str | None = None) -> str:
     """The concrete implementation: ``"auto"`` maps tpu -> splash, gpu -> cudnn, else reference."""
@@ -54,7 +91,7 @@ def resolve_implementation(implementation: str = "auto", backend: str | None = N
         )
     if implementation != "auto":
         return implementation
-    backend = backend or jax.default_backend()
+    backend = backend or trace_platform()
     return {"tpu": "splash", "gpu": "cudnn"}.get(backend, "reference")
 
 
@@ -362,7 +399,7 @@ def splash_attention(
     ``K | H`` kv heads); the batch is a ``vmap``. ``q`` is scaled by ``1/sqrt(Dh)`` first (the
     kernel does not scale). Block sizes default to the largest of 512/256/128 dividing ``T``
     (``block_size`` overrides; with segment ids it must be a multiple of 128).
-    ``interpret`` defaults to ``jax.default_backend() != "tpu"`` (Pallas interpret mode on CPU,
+    ``interpret`` defaults to ``trace_platform() != "tpu"`` (Pallas interpret mode on CPU,
     slow but exact: what the tests run). Requirements: :func:`kernel_problem`. XLA cannot
     partition it: under a multi-device mesh call it inside ``shard_map`` (the model does).
     """
@@ -404,7 +441,7 @@ def splash_attention(
         block_sizes=blocks,
         head_shards=1,
         q_seq_shards=1,
-        interpret=jax.default_backend() != "tpu" if interpret is None else interpret,
+        interpret=trace_platform() != "tpu" if interpret is None else interpret,
     )
     q_bhtd = jnp.swapaxes(q_bthd * jnp.asarray(hd**-0.5, q_bthd.dtype), 1, 2)
     k_bksd = jnp.swapaxes(k_bskd, 1, 2).astype(q_bthd.dtype)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.core import logprobs as core_logprobs
+from jaxrl_llm.models import attention
 from jaxrl_llm.models.transformer import CausalLM
 
 MAX_CHUNK_ROWS = 256
@@ -46,11 +47,12 @@ def block_rows(vocab_size: int, *, accelerator: bool) -> int:
 
 def model_block_rows(lm: CausalLM) -> int:
     """``lm``'s ``config.logits_block_rows``, or for None the default of the platform this
-    traces for (``jax.default_backend()``, as ``attention_impl="auto"`` is resolved)."""
+    traces for (:func:`~jaxrl_llm.models.attention.trace_platform`, as ``attention_impl="auto"``
+    is resolved)."""
     rows = lm.config.logits_block_rows
     if rows is not None:
         return rows
-    return block_rows(lm.config.vocab_size, accelerator=jax.default_backend() != "cpu")
+    return block_rows(lm.config.vocab_size, accelerator=attention.trace_platform() != "cpu")
 
 
 def hidden_logprobs(

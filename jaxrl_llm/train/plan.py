@@ -1088,9 +1088,13 @@ def lower_step(
     abstract state and worst-case groups. ``platform``: the target's (``"tpu"``, ``"gpu"``),
     whose attention is a kernel: ``train.shared_prompts: auto`` does not share there, and
     packed rows are as wide as splash needs on TPU (the trainer decides both by the backend it
-    runs on, :func:`~jaxrl_llm.train.setup.shares_prompts`). ``lowering_platforms``: lower
-    for these rather than the devices' own (``("cuda",)`` without a GPU: tests/
-    test_gpu_lowering.py)."""
+    runs on, :func:`~jaxrl_llm.train.setup.shares_prompts`). The step is traced for that
+    platform (:func:`~jaxrl_llm.models.attention.for_platform`): ``model.attention: auto`` is
+    its kernel (splash on a TPU, compiled by Mosaic; cuDNN on a GPU where cuDNN can be traced),
+    as in the trainer on that platform, not this machine's reference attention.
+    ``lowering_platforms``: lower for these rather than the devices' own (``("cuda",)``
+    without a GPU: tests/test_gpu_lowering.py)."""
+    from jaxrl_llm.models import attention
     from jaxrl_llm.train import setup as su
     from jaxrl_llm.train import step as rl_step
 
@@ -1108,7 +1112,8 @@ def lower_step(
         temperature=config.rollout.temperature or 1.0,
         old_logprobs=su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
     )
-    return step.lower(run.state, run.groups, platforms=lowering_platforms)
+    with attention.for_platform(platform if platform in ("tpu", "gpu") else None):
+        return step.lower(run.state, run.groups, platforms=lowering_platforms)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -284,6 +284,34 @@ def test_auto_picks_by_backend_and_falls_back():
     assert attn.kernel_problem("reference", q, q) is None
 
 
+def test_for_platform_resolves_auto_for_the_platform_traced_for():
+    """``for_platform`` (what ``jaxrl-llm plan`` lowers a TPU step under): ``auto`` is that
+    platform's kernel and splash is not interpreted inside the block; this machine's outside,
+    nested blocks restore the outer one, and a ``backend=`` argument still wins."""
+    from jaxrl_llm.models import logprobs
+
+    lm = models.CausalLM(models.tiny_random_config(), rngs=nnx.Rngs(0))
+    assert attn.trace_platform() == "cpu" and attn.resolve_implementation("auto") == "reference"
+    with attn.for_platform("tpu"):
+        assert attn.trace_platform() == "tpu"
+        assert attn.resolve_implementation("auto") == "splash"
+        assert attn.resolve_implementation("auto", backend="gpu") == "cudnn"
+        assert logprobs.model_block_rows(lm) > logprobs.MAX_CHUNK_ROWS  # an accelerator's
+        with attn.for_platform("gpu"):
+            assert attn.resolve_implementation("auto") == "cudnn"
+        with attn.for_platform(None):  # no change
+            assert attn.resolve_implementation("auto") == "splash"
+        assert attn.trace_platform() == "tpu"
+    assert attn.resolve_implementation("auto") == "reference"
+    assert logprobs.model_block_rows(lm) == logprobs.MAX_CHUNK_ROWS
+    with (
+        pytest.raises(ValueError, match="platform must be cpu, gpu or tpu, got 'cuda'"),
+        attn.for_platform("cuda"),
+    ):
+        pass
+    assert attn.trace_platform() == "cpu"
+
+
 def test_bad_arguments_are_clear_errors():
     q = jnp.zeros((1, 8, 4, 8))
     kv = jnp.zeros((1, 8, 2, 8))
