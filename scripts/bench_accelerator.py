@@ -873,10 +873,13 @@ def _rl_step(config, recipe, models, abstract):
     """The trainer's fused RL step of ``config`` over ``models``, how many forward passes it
     adds to the policy's (π_ref, a recomputed π_old), and its model FLOPs on a rollout of the
     config's shape, every completion ``max_new_tokens`` long (:func:`update_model_flops`)."""
+    from jaxrl_llm.models import sharding as shd
     from jaxrl_llm.train import setup as su
     from jaxrl_llm.train.step import make_rl_step, needs_old_logprob_pass
 
-    update = su.update_shape(config)
+    # the trainer's (setup.resolve): the packed budget per data-parallel device
+    dp = shd.data_parallel_size(models.mesh)
+    update = su.update_shape(config, dp, abstract.model_config)
     old = su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap)
     r = config.rollout
     step = make_rl_step(recipe, models, update, temperature=r.temperature or 1.0, old_logprobs=old)

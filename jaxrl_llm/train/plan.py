@@ -1095,10 +1095,13 @@ def lower_step(
     ``lowering_platforms``: lower for these rather than the devices' own (``("cuda",)``
     without a GPU: tests/test_gpu_lowering.py)."""
     from jaxrl_llm.models import attention
+    from jaxrl_llm.models import sharding as shd
     from jaxrl_llm.train import setup as su
     from jaxrl_llm.train import step as rl_step
 
-    update = su.update_shape(config)
+    # as the trainer's (setup.py): the packed budget per device, the packing plan's attention
+    dp = shd.data_parallel_size(run.models.mesh)
+    update = su.update_shape(config, dp, run.model_config)
     if platform in ("tpu", "gpu"):
         update = dataclasses.replace(
             update,
