@@ -732,6 +732,10 @@ class Program:
     bytes it holds that are not its arguments (the paged engine's stacked layer weights).
     ``shared``: argument bytes XLA counts twice that are one buffer at run time (LoRA's frozen
     base, passed to the RL step as the reference and as the base), left out of ``bytes``.
+    ``refused``: the compiler's reason when it would not compile the program for the target's
+    memory (a TPU's compiler checks a program's buffers against the chip's HBM); the figures
+    are then a lower bound, ``temporaries`` the bytes it reported needing (see
+    :func:`_refused_bytes`).
     """
 
     name: str
@@ -744,15 +748,56 @@ class Program:
     compile_s: float
     resident: int = 0
     shared: int = 0
+    refused: str | None = None
 
     @property
     def bytes(self) -> int:
         return self.arguments - self.shared + self.outputs - self.aliased + self.temporaries
 
 
+_UNIT = {"B": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_REFUSALS = (
+    # XLA:TPU, when a program's temporaries alone exceed the chip's HBM
+    re.compile(r"memory required for HLO temporaries \(([\d.]+)([BKMGT])\) exceeds available HBM"),
+    # XLA:TPU, when its whole buffer assignment does
+    re.compile(r"Ran out of memory in memory space hbm\. Used ([\d.]+)([BKMGT]) of"),
+)
+
+
+def _refused_bytes(message: str) -> int | None:
+    """The bytes a compiler that refused a program for lack of device memory said it needs
+    (``None``: the error is something else). The TPU compiler's figures are binary units."""
+    for pattern in _REFUSALS:
+        m = pattern.search(message)
+        if m:
+            return int(float(m.group(1)) * _UNIT[m.group(2)])
+    return None
+
+
 def _program(name: str, lowered: Any, resident: int = 0, shared: int = 0) -> Program:
     t0 = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        need = _refused_bytes(str(e))
+        if need is None:
+            raise
+        # Not compiled: the bytes it reported needing stand for the whole program (a lower
+        # bound: its other arguments and outputs are not known), over its resident arguments.
+        reason = next((line for line in str(e).splitlines() if "memory" in line), str(e))
+        return Program(
+            name=name,
+            arguments=resident,
+            outputs=0,
+            aliased=0,
+            temporaries=need,
+            code=0,
+            flops=0.0,
+            compile_s=time.perf_counter() - t0,
+            resident=resident,
+            shared=shared,
+            refused=reason.strip(),
+        )
     seconds = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -1541,6 +1586,13 @@ def format_plan(plan: Plan) -> str:
             "(an estimate: XLA:CPU's buffer assignment stands in for the GPU's; no deviceless "
             "GPU compiler exists)"
         )
+    for p in (plan.rollout, plan.update, *plan.programs):
+        if p.refused is not None:
+            lines.append(
+                f"note: the target's compiler refused the {p.name} program for lack of memory "
+                f"({p.refused}); its figures are a lower bound: the {_mib(p.temporaries)} it "
+                "reported needing"
+            )
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 

@@ -797,6 +797,49 @@ def test_a_tpu_plan_compiles_the_update_with_the_tpus_attention(attention, kerne
     assert ("tpu_custom_call" in text) is kernels  # splash's forward and backward kernels
 
 
+def test_a_program_the_tpu_compiler_refuses_for_memory_is_a_does_not_fit(monkeypatch, capsys):
+    """A TPU's compiler refuses a program whose buffers exceed the chip's HBM (Llama-3.1-8B's
+    paged rollout on v5e-16: "the total memory required for HLO temporaries (16.60G) exceeds
+    available HBM (15.75G)"). The plan used to crash with that error; it is now the verdict it
+    is: DOES NOT FIT, the program's figures the bytes the compiler said it needs (a lower
+    bound), and the reason printed. Other compile errors still raise."""
+    import jax.stages
+
+    real = jax.stages.Lowered.compile
+    message = (
+        "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (20.50G) exceeds available HBM (15.75G)."
+    )
+
+    def refuse_the_update(self, *args, **kwargs):
+        if "module @jit_step" in self.as_text()[:200]:
+            raise jax.errors.JaxRuntimeError(message)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", refuse_the_update)
+    config = load_config(TINY, ["mesh.preset=fsdp", "mesh.data=1", "mesh.fsdp=4"])
+    plan = P.plan_run(config, P.parse_target("v5e:2x2"))
+    need = int(20.50 * GiB)
+    assert plan.update.refused == message and plan.update.temporaries == need
+    assert plan.rollout.refused is None and plan.rollout.temporaries < need
+    assert plan.update_peak >= need and plan.peak_program == "update" and plan.fits is False
+    assert json.loads(json.dumps(plan.to_dict()))["programs"]["update"]["refused"] == message
+    text = P.format_plan(plan)
+    assert "DOES NOT FIT" in text
+    assert "the target's compiler refused the update program for lack of memory" in text
+    assert P._refused_bytes(
+        "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used "
+        "20.44G of 15.75G hbm. Exceeded hbm capacity by 4.69G."
+    ) == int(20.44 * GiB)
+
+    def broken(self, *args, **kwargs):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(jax.stages.Lowered, "compile", broken)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="something else"):
+        P.plan_run(config, P.parse_target("v5e:2x2"))
+
+
 # ---------------------------------------------------------------------------------------------
 # The command line.
 
