@@ -92,14 +92,9 @@ class _Static:
 
 
 def _cast_params(params: Params, dtype: jax.typing.DTypeLike) -> Params:
-    """Weights wider than the compute dtype, cast once (not in every decode step)."""
-    dtype = jnp.dtype(dtype)
-
-    def cast(x: jax.Array) -> jax.Array:
-        wider = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dtype.itemsize
-        return x.astype(dtype) if wider else x
-
-    return jax.tree.map(cast, params)
+    """Weights wider than the compute dtype, cast once (not in every decode step); the paged
+    engine's rule (``paged.engine_params``)."""
+    return paged.cast_wider(params, jnp.dtype(dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "static"))
@@ -561,7 +556,7 @@ def generate(
         arrays, stats = run(
             graphdef,
             mesh,
-            _cast_params(params, config.jnp_dtype),
+            paged.engine_params(params, config.jnp_dtype),  # sliced and cast in one program
             prompts,
             budgets_bg,
             rng=rng,

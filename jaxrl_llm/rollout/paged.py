@@ -26,7 +26,7 @@ compiles a handful of programs and a second run with the same buckets compiles n
 Model. No second model definition: both programs run the model's own
 :class:`~jaxrl_llm.models.transformer.DecoderLayer` modules with an ``attend`` callable. The
 stacked layer's weights are sliced into per-layer copies once per :func:`run`
-(:func:`layer_params`, passed to every call) and the layers run unrolled: a ``scan`` over the
+(:func:`engine_params`, passed to every call) and the layers run unrolled: a ``scan`` over the
 stacked weights copies each layer's kernels out of the stack at every step (XLA:CPU and
 XLA:GPU both). On the reference path (:func:`forward_paged`) each layer has its own pool
 buffer: it writes its new keys/values there first (in place) and then attends over its
@@ -221,7 +221,7 @@ def forward_paged(
     values written at ``(write_page_bt, write_off_bt)`` (``[B, T]``, or ``[B, T, G]`` for the G
     copies of a prefill chunk, the offsets of the same shape; padding at the trash page).
     Positions are ``ctx_len_b + t``; ``table_bw`` must cover ``[0, ctx_len_b + T)``.
-    The layers are the model's own modules on per-layer weights (:func:`layer_params`, sliced
+    The layers are the model's own modules on per-layer weights (:func:`engine_params`, sliced
     once per :func:`run`), run unrolled
     (as ``decode.py``), each layer with its own pool buffer: it first writes its new
     keys/values into that buffer (in place) and then attends over its gathered pages
@@ -354,7 +354,7 @@ def forward_paged_kernel(
     returns ``(hidden [B, T, D], pool)``. Same numbers as the reference order when the cache
     dtype is the compute dtype (here the new tokens are read back in the cache dtype).
 
-    The layers run unrolled on per-layer weights (:func:`layer_params`, sliced once per
+    The layers run unrolled on per-layer weights (:func:`engine_params`, sliced once per
     :func:`run`), as on the reference path: in a ``scan`` over the stacked layers XLA:GPU
     copied each of a layer's 7 projection kernels out of the stack at every decode step
     (measured on an H200, 1B-class model at batch 256: 70 of the 273 µs a layer took per
@@ -432,20 +432,122 @@ def _pick(
 LayerParams = tuple[Params, ...]
 
 
-@jax.jit
-def layer_params(params: Params) -> LayerParams:
-    """The stacked ``[L, ...]`` decoder layer's parameters (``params["model"]["layers"]``) as
-    ``L`` per-layer trees (copies), for :func:`_prefill` and :func:`_decode` (every attention
-    path). :func:`run` slices them once and passes them to every call: a program that slices
-    the stacked weights itself copies them again in each call (measured on XLA:CPU and on an
-    H200: BENCHMARKS.md, "Rollout engines" and "Accelerator runs")."""
-    stacked = params["model"]["layers"]
+class EngineParams(NamedTuple):
+    """The weights the engine's programs take (:func:`engine_params`): ``rest``, the pure
+    parameter dict without the stacked decoder layers (``model.layers``), and ``layers``, those
+    layers as ``L`` per-layer trees (copies), made once per :func:`run` and passed to every
+    :func:`_prefill` and :func:`_decode` call: a program that slices the stacked weights itself
+    copies them again in each call (measured on XLA:CPU and on an H200: BENCHMARKS.md,
+    "Rollout engines" and "Accelerator runs"). The stacked weights are not an argument, so a
+    run holds one copy of the layers, not the stacked ones and their slices both."""
+
+    rest: Params
+    layers: LayerParams
+
+
+def _wider(x: Any, dtype: jnp.dtype | None) -> bool:
+    """``x`` is a float wider than ``dtype`` (None: no cast), the engine's cast rule."""
+    return (
+        dtype is not None
+        and jnp.issubdtype(x.dtype, jnp.floating)
+        and x.dtype.itemsize > jnp.dtype(dtype).itemsize
+    )
+
+
+def _without_stacked_axis(x: Any) -> Any:
+    """The sharding of one layer's slice of a stacked leaf: its spec without the layer axis."""
+    s = getattr(x, "sharding", None)
+    if isinstance(s, NamedSharding):
+        return NamedSharding(s.mesh, jax.sharding.PartitionSpec(*s.spec[1:]))
+    return None
+
+
+def _slice_cast(stacked: Params, dtype: jnp.dtype | None) -> LayerParams:
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
-    return tuple(jax.tree.map(lambda x, i=i: x[i], stacked) for i in range(num_layers))
+    return tuple(
+        jax.tree.map(lambda x, i=i: x[i].astype(dtype) if _wider(x, dtype) else x[i], stacked)
+        for i in range(num_layers)
+    )
+
+
+def cast_wider(tree: Params, dtype: jnp.dtype | None) -> Params:
+    """``tree``'s floats wider than ``dtype`` cast to it (None: none)."""
+    return jax.tree.map(lambda x: x.astype(dtype) if _wider(x, dtype) else x, tree)
+
+
+@functools.lru_cache(maxsize=64)
+def _slicer(treedef: Any, shardings: tuple[NamedSharding, ...] | None, num_layers: int) -> Any:
+    """The jitted slice-and-cast; each slice with the sharding of its leaf in ``shardings``
+    (a layer's tree flattened; None: XLA's choice)."""
+    out = None if shardings is None else (jax.tree.unflatten(treedef, shardings),) * num_layers
+    return jax.jit(_slice_cast, static_argnums=1, out_shardings=out)
+
+
+_cast_jit = jax.jit(cast_wider, static_argnums=1)
+
+
+def engine_params(params: Params, dtype: jax.typing.DTypeLike | None = None) -> EngineParams:
+    """``params`` as the engine runs on them (:class:`EngineParams`), floats wider than
+    ``dtype`` cast to it (None: as they are). The layers are sliced and cast in one program,
+    each slice keeping its stacked leaf's sharding (less the layer axis), so neither a cast
+    copy of the stacked weights nor a gathered one is held while the engine runs: on a
+    data-parallel mesh each engine gathers the per-layer slices (``paged_dp.shard_params``),
+    one copy of the weights per device where there were two (a gathered stacked copy and its
+    slices: ``jaxrl-llm plan`` of Qwen2.5-7B on v5p-32 put the rollout's peak at 33.9 GiB per
+    chip, 6.2 of it the train state)."""
+    dtype = None if dtype is None else jnp.dtype(dtype)
+    rest = {**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}}
+    if any(_wider(x, dtype) for x in jax.tree.leaves(rest)):
+        rest = _cast_jit(rest, dtype)
+    stacked = params["model"]["layers"]
+    leaves, treedef = jax.tree.flatten(stacked)
+    shardings = tuple(_without_stacked_axis(x) for x in leaves)
+    named = all(isinstance(sh, NamedSharding) for sh in shardings)
+    slicer = _slicer(treedef, shardings if named else None, leaves[0].shape[0])
+    return EngineParams(rest, slicer(stacked, dtype))
+
+
+def abstract_engine_params(
+    params: Params, dtype: jax.typing.DTypeLike | None = None
+) -> EngineParams:
+    """:func:`engine_params` in shapes, for abstract ``params`` (``jax.ShapeDtypeStruct``s),
+    their shardings kept as ``engine_params`` keeps them (``jax.eval_shape`` drops them):
+    ``jaxrl-llm plan``."""
+    dtype = None if dtype is None else jnp.dtype(dtype)
+
+    def like(x: Any, shape: tuple[int, ...], sharding: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(
+            shape, dtype if _wider(x, dtype) else x.dtype, sharding=sharding
+        )
+
+    rest = {**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}}
+    rest = jax.tree.map(lambda x: like(x, x.shape, getattr(x, "sharding", None)), rest)
+    stacked = params["model"]["layers"]
+    one = jax.tree.map(lambda x: like(x, x.shape[1:], _without_stacked_axis(x)), stacked)
+    return EngineParams(rest, (one,) * jax.tree.leaves(stacked)[0].shape[0])
+
+
+def _with_stacked(params: Params, layers_l: LayerParams | None, make: Any) -> Params:
+    """``params`` with ``model.layers`` (``make(per-layer leaves)`` of each leaf) put back where
+    :func:`engine_params` took it out, for ``nnx.merge``; as it is when it has them."""
+    if layers_l is None or "layers" in params["model"]:
+        return params
+    stacked = jax.tree.map(lambda *xs: make(xs), *layers_l)
+    return {**params, "model": {**params["model"], "layers": stacked}}
+
+
+def _merged(graphdef: nnx.GraphDef, params: Params, layers_l: LayerParams | None) -> CausalLM:
+    """The model inside a program: the stacked layers, when not passed, stand in as zeros
+    that nothing reads (the layers run on ``layers_l``), so XLA removes them."""
+
+    def zeros(xs: tuple[jax.Array, ...]) -> jax.Array:
+        return jnp.zeros((len(xs), *xs[0].shape), xs[0].dtype)
+
+    return nnx.merge(graphdef, _with_stacked(params, layers_l, zeros))
 
 
 def _layers(lm: CausalLM, layers_l: LayerParams | None) -> tuple[DecoderLayer, ...]:
-    """Per-layer modules: of ``layers_l`` (:func:`layer_params`) when given, else sliced here."""
+    """Per-layer modules: of ``layers_l`` (:class:`EngineParams`) when given, else sliced here."""
     if layers_l is None:
         return unstack_layers(lm.model.layers)
     layer_def = nnx.graphdef(lm.model.layers)
@@ -476,8 +578,9 @@ def _prefill(
     """One prefill chunk of R prompts: writes it for each prompt's G samples and samples their
     first token from the logits at ``last_index_r`` (used by the caller where the prompt ends),
     with the keys of sequence ``seq_id_rg`` at completion index ``pos_rg`` (0 but in partial
-    rollouts). ``layers_l``: :func:`layer_params` of ``params`` (None: sliced in this call)."""
-    lm: CausalLM = nnx.merge(graphdef, params)
+    rollouts). ``layers_l``: the per-layer weights (:class:`EngineParams`, ``params`` then
+    without the stacked layers; None: ``params`` whole, sliced in this call)."""
+    lm: CausalLM = _merged(graphdef, params, layers_l)
     r, g = seq_id_rg.shape
     off_rcg = jnp.broadcast_to(write_off_rc[:, :, None], write_page_rcg.shape)
     layers = _layers(lm, layers_l)
@@ -530,7 +633,7 @@ def _decode(
     ``refill_at`` of the slots have finished (the host has prompts waiting for that many
     slots; a large value: never), or in which the live slots drop to ``shrink_at`` (they fit
     the next smaller slot bucket; -1: never). ``layers_l`` as in :func:`_prefill`."""
-    lm: CausalLM = nnx.merge(graphdef, params)
+    lm: CausalLM = _merged(graphdef, params, layers_l)
     k, n = static.steps, table_nw.shape[0]
     ps = static.page_size
     rows = jnp.arange(n)
@@ -774,7 +877,7 @@ class WorstCase(NamedTuple):
 
 def worst_case_programs(
     cfg: Any,
-    params: Params,
+    params: Params | EngineParams,
     options: PagedOptions,
     kernel: KernelSpec | None,
     *,
@@ -797,10 +900,11 @@ def worst_case_programs(
     the shapes come from the helpers ``run`` itself uses.
 
     ``params``: the abstract parameters as the programs get them (compute dtype, on the
-    engine's devices); ``options`` resolved (:func:`resolve_options`); ``kernel``:
-    :func:`attention_kernel`'s; ``num_stop_ids``: the stop ids' padded length (a multiple of
-    8, ``engine._stop_ids``); ``sharding``: where the pool and the other arguments live (run:
-    replicated over the engine's mesh).
+    engine's devices; a parameter dict is split as :func:`run` splits it); ``options``
+    resolved (:func:`resolve_options`); ``kernel``: :func:`attention_kernel`'s;
+    ``num_stop_ids``: the stop ids' padded length (a multiple of 8, ``engine._stop_ids``);
+    ``sharding``: where the pool and the other arguments live (run: replicated over the
+    engine's mesh).
 
     - the pool: :func:`pages.init_pool` of ``options.num_pages`` pages;
     - decode: the slot bucket of every slot live (``num_slots`` rows, or the sequences' bucket
@@ -839,7 +943,9 @@ def worst_case_programs(
     )
     key = jax.eval_shape(lambda: jax.random.key(0))
     rng, f32, i32 = sds(key.shape, key.dtype), sds((), jnp.float32), sds(())
-    layers_l = jax.eval_shape(layer_params, params)
+    if not isinstance(params, EngineParams):
+        params = abstract_engine_params(params)
+    params, layers_l = params
 
     # Every slot live (or every sequence, when there are fewer), each holding its longest
     # context: the prompt and all but the last of its T tokens (the last is never fed).
@@ -895,7 +1001,7 @@ def worst_case_programs(
 def run(
     graphdef: nnx.GraphDef,
     mesh: jax.sharding.Mesh | None,
-    params: Params,
+    params: Params | EngineParams,
     prompts: list[np.ndarray],
     budgets_bg: np.ndarray,
     *,
@@ -916,7 +1022,9 @@ def run(
     """Samples ``budgets_bg[b, g]`` tokens (or up to a stop id) for each prompt and sample.
 
     ``prompts`` are the unpadded token ids of each prompt; ``params`` already in the compute
-    dtype; ``options`` resolved (:func:`resolve_options`). With ``mesh`` (sharded
+    dtype, best as :func:`engine_params` made them (a parameter dict is split here, and its
+    stacked layers then stay held beside their slices); ``options`` resolved
+    (:func:`resolve_options`). With ``mesh`` (sharded
     parameters) the programs run on it with the pool and the slots' arrays replicated and XLA
     partitioning the weights' matmuls as the parameters say (one scheduler; correct, not yet
     data-parallel: per-shard schedulers with per-shard pools are the plan). Returns numpy
@@ -932,14 +1040,16 @@ def run(
     b_count, g = budgets_bg.shape
     ps, slots, k = options.page_size, options.num_slots, options.steps_per_dispatch
     chunk = options.prefill_chunk
-    cfg = _model_config(graphdef, params)
+    if not isinstance(params, EngineParams):
+        params = engine_params(params)  # the layers sliced once per run, for every attention
+    params, layers_l = params
+    cfg = _model_config(graphdef, params, layers_l)
     kernel = attention_kernel(cfg, options, cache_dtype, mesh=mesh, params=params)
     pool = pages_lib.init_pool(
         kernel, cfg.num_layers, options.num_pages, ps, cfg.num_kv_heads, cfg.head_dim, cache_dtype
     )
     if mesh is not None:
         pool = jax.device_put(pool, NamedSharding(mesh, jax.sharding.PartitionSpec()))
-    layers_l = layer_params(params)  # once per run, for every attention path
     page_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool)) // options.num_pages
     alloc = PageAllocator(options.num_pages)
     static = _make_static(
@@ -1253,5 +1363,12 @@ def attention_kernel(
     )
 
 
-def _model_config(graphdef: nnx.GraphDef, params: Params) -> Any:
-    return nnx.merge(graphdef, params).config
+def _model_config(
+    graphdef: nnx.GraphDef, params: Params, layers_l: LayerParams | None = None
+) -> Any:
+    """The model's config (its stacked layers, when split off, as shapes only)."""
+
+    def shape(xs: tuple[Any, ...]) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+
+    return nnx.merge(graphdef, _with_stacked(params, layers_l, shape)).config

@@ -126,7 +126,7 @@ def _without_batch_axes(spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
     return PartitionSpec(*(keep(e) for e in spec))
 
 
-def shard_params(params: Params, mesh: Mesh, shards: Sequence[Mesh]) -> list[Params]:
+def shard_params(params: Any, mesh: Mesh, shards: Sequence[Mesh]) -> list[Any]:
     """``params`` on each of ``shards`` (sub-meshes of ``mesh``, :func:`data_shard_meshes`),
     each leaf with its spec minus the batch axes (module docstring: one reshard on ``mesh``
     where a leaf is split over a batch axis, then no copy). Leaves not on ``mesh`` are

@@ -266,7 +266,7 @@ def _paged_segment(
     arrays, _ = paged.run(
         graphdef,
         eng._mesh_of(params),
-        eng._cast_params(params, config.jnp_dtype),
+        paged.engine_params(params, config.jnp_dtype),
         rows.contexts,
         rows.budgets,
         rng=sampler.rng,

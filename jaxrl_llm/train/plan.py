@@ -991,16 +991,17 @@ def plan_paged_rollout(
     - the attention of :func:`~jaxrl_llm.rollout.paged.attention_kernel` for the target's
       platform (TPU: ``ragged_tpu`` under ``auto`` on a one-device engine; CPU estimates of
       GPUs: the reference, noted);
-    - the parameters in the compute dtype (``generate`` casts wider weights first), the pool
-      and the rest replicated over the engine's devices, the pool donated;
+    - the parameters as ``generate`` passes them (:func:`~jaxrl_llm.rollout.paged.
+      engine_params`: the stacked layers sliced into per-layer copies, wider weights cast to
+      the compute dtype), the pool and the rest replicated over the engine's devices, the pool
+      donated;
       ``full_logprobs``: ``rollout.full_logprobs`` (the training rollout's; not evaluation's).
 
     Each program's ``resident``: the bytes of its parameter argument that are the run's own
-    buffers (neither cast nor resharded; 0 with ``resident=False``, a merged LoRA copy), less
-    the per-layer copies of the layer weights it takes instead of the stacked ones
-    (:func:`~jaxrl_llm.rollout.paged.layer_params`, made once per run). Not counted: under
-    FSDP with weights stored wider than the compute dtype, the cast copy of the sharded
-    weights that ``generate`` holds while the gathered one runs (``1/D`` of it).
+    buffers (of the non-layer parameters, neither cast nor resharded; 0 with
+    ``resident=False``, a merged LoRA copy); the per-layer copies are always counted. Not
+    counted: under FSDP, the sharded per-layer slices that ``generate`` holds while the
+    gathered ones run (``1/D`` of them).
     Returns the :class:`PagedRollout` and notes for the table.
 
     Raises:
@@ -1021,22 +1022,22 @@ def plan_paged_rollout(
     dp = shd.data_parallel_size(mesh)
     engines, on, per_engine = 1, mesh, b
     graphdef, params = run.sampler
-    dtype = jnp.dtype(cfg.dtype)
-
-    def cast(x: Any) -> Any:  # engine._cast_params
-        wider = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > dtype.itemsize
-        return jax.ShapeDtypeStruct(x.shape, dtype if wider else x.dtype, sharding=x.sharding)
-
-    args = jax.tree.map(cast, params)
+    # What generate passes (paged.engine_params): the layers sliced (and cast) per layer, the
+    # rest cast; with data-parallel engines each gathers its copy (paged_dp.shard_params).
+    args = paged.abstract_engine_params(params, cfg.dtype)
     if dp > 1:
         on = paged_dp.data_shard_meshes(mesh)[0]
         rows = paged_dp.split_rows(b, dp)
         per_engine, engines = rows[0].stop - rows[0].start, sum(s.stop > s.start for s in rows)
         args = paged_dp.abstract_shard_params(args, mesh, on)
-    # The parameter argument's leaves that are the run's own buffers: not cast, not resharded.
+    # The parameter argument's leaves that are the run's own buffers (not cast, not
+    # resharded): of the non-layer ones; the per-layer slices are always copies.
+    rest = {k: v for k, v in params["model"].items() if k != "layers"}
     kept = sum(
         _leaf_bytes(a)[1]
-        for x, a in zip(jax.tree.leaves(params), jax.tree.leaves(args), strict=True)
+        for x, a in zip(
+            jax.tree.leaves({**params, "model": rest}), jax.tree.leaves(args.rest), strict=True
+        )
         if x.dtype == a.dtype and _leaf_bytes(x)[1] == _leaf_bytes(a)[1]
     )
     kept = int(kept) if resident else 0
@@ -1091,16 +1092,13 @@ def plan_paged_rollout(
         full_logprobs=full_logprobs,
         sharding=rep,
     )
-    # The programs take run's per-layer copies of the stacked layer weights
-    # (paged.layer_params, an argument), not the stacked ones (XLA drops them), which stay
-    # held while they run, resident or as generate's cast copy: so the copies' bytes (those
-    # of the stacked weights) come off the resident ones.
-    copies = tree_bytes(worst.decode.args[1]).per_device
+    # The programs take the per-layer copies and the rest, not the stacked layers: a run holds
+    # the resident state (with its stacked layers), the copies and what is not kept.
     compiled = {}
     for which, call in (("prefill", worst.prefill), ("decode", worst.decode)):
         with jax.set_mesh(on):
             lowered = call.fn.lower(graphdef, *call.args, static=call.static)
-        compiled[which] = _program(name, lowered, resident=kept - copies)
+        compiled[which] = _program(name, lowered, resident=kept)
     pool = tree_bytes(worst.pool).per_device
     return (
         PagedRollout(

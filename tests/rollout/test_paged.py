@@ -396,11 +396,12 @@ def _parameter_shapes(compiled) -> set[str]:
 
 
 def test_programs_take_the_layer_weights_sliced_once_per_run():
-    """run slices the stacked [L, ...] layer weights once (paged.layer_params) and passes the
-    per-layer copies to every _prefill and _decode call, so no call copies them again: the
-    compiled programs take the per-layer copies, not the stacked weights (XLA drops an unused
-    argument). Without the copies (layers_l None) they take the stacked weights. (That run
-    passes these arguments: test_paged_worst_case_shapes_are_what_run_passes in
+    """run slices the stacked [L, ...] layer weights once (paged.engine_params) and passes the
+    per-layer copies, with the other parameters but not the stacked layers, to every _prefill
+    and _decode call, so no call copies them again and no run holds the stacked copy beside
+    its slices: the compiled programs take the per-layer copies, not the stacked weights.
+    Without the copies (layers_l None, the whole parameters) they take the stacked weights.
+    (That run passes these arguments: test_paged_worst_case_shapes_are_what_run_passes in
     tests/train/test_plan.py.)"""
     from flax import nnx
 
@@ -431,10 +432,11 @@ def test_programs_take_the_layer_weights_sliced_once_per_run():
     stacked = {f"f32[{','.join(map(str, x.shape))}]" for x in leaves}
     per_layer = {f"f32[{','.join(map(str, x.shape[1:]))}]" for x in leaves}
     for call in (worst.prefill, worst.decode):
-        layers_l = call.args[1]
-        assert len(layers_l) == cfg.num_layers
+        rest, layers_l = call.args[:2]
+        assert len(layers_l) == cfg.num_layers and "layers" not in rest["model"]
+        whole = jax.eval_shape(lambda: params)
         for given in (layers_l, None):
-            args = (call.args[0], given, *call.args[2:])
+            args = (rest if given is not None else whole, given, *call.args[2:])
             taken = _parameter_shapes(call.fn.lower(graphdef, *args, static=call.static).compile())
             assert bool(taken & stacked) == (given is None), (call.fn.__name__, sorted(taken))
             if given is not None:

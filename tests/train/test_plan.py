@@ -441,8 +441,8 @@ def test_tiny_lora_plan_compiles_the_lora_step_with_the_frozen_base():
     # The sampler (the paged engine: rollout.engine auto, an EOS) runs the base joined with
     # the adapters: both resident, not counted twice; its page pool is donated.
     assert plan.rollout_engine == "paged"
-    # Less the per-layer copies of the layer weights the paged programs take instead of the
-    # stacked ones (paged.layer_params), which stay held.
+    # The paged programs take per-layer copies of the layer weights (paged.engine_params),
+    # not the stacked ones: of their parameters only the non-layer leaves are resident.
     copies = _nbytes(models.frozen["model"]["layers"]) + _nbytes(state.params["model"]["layers"])
     assert plan.rollout.resident == _nbytes(models.frozen) + _nbytes(state.params) - copies
     assert plan.rollout.arguments >= plan.rollout.resident + plan.kv_cache.per_device
