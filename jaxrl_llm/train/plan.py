@@ -2068,9 +2068,10 @@ LORA_RANK = 16
 
 def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
     """Changes that lower a run's peak, as ``(what, overrides)``: FSDP over every device, full
-    remat, a bfloat16 reference, half the micro-batch (down to one row per data-parallel
-    device; with packing, half ``micro_batch_tokens`` down to the longest sequence), and all of
-    those together. None changes the recipe's math (a bf16 reference
+    remat, a bfloat16 reference, tensor parallelism, the static rollout engine where the paged
+    one's gathered weights make the rollout the peak, half the micro-batch (down to one row per
+    data-parallel device; with packing, half ``micro_batch_tokens`` down to the longest
+    sequence), and all of those together. None changes the recipe's math (a bf16 reference
     rounds π_ref's parameters; remat and micro-batches are exact). Then, for a full
     fine-tuning run, LoRA and QLoRA (nf4) of rank :data:`LORA_RANK` on every projection, which
     do change what is trained (Hu et al. 2021; Dettmers et al. 2023)."""
@@ -2103,6 +2104,14 @@ def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
             )
         )
     dp = sizes["data"] * sizes["fsdp"]
+    if plan.rollout_engine == "paged" and dp > 1 and plan.peak_program.endswith("rollout"):
+        found.append(
+            (
+                "the static rollout engine (it samples on the sharded weights; each of the "
+                f"paged engine's {dp} per-shard engines holds a gathered copy)",
+                ["rollout.engine=static"],
+            )
+        )
     minibatch = config.update_batch_size // config.optim.num_minibatches
     micro = config.optim.micro_batch_size or minibatch
     half = (micro // 2) // dp * dp

@@ -725,6 +725,32 @@ def test_candidates_packing_lora_and_offline():
 
 
 @pytest.mark.slow
+def test_a_paged_rollout_that_sets_the_peak_suggests_the_static_engine():
+    """Under FSDP each of the paged engine's per-shard engines holds a gathered copy of the
+    weights (Llama-3.1-70B on v5p-128: the compiler refused the rollout, 135.6 GiB of
+    temporaries per chip); the static engine samples on the sharded weights. Suggested when
+    the rollout is the peak program, and the override re-plans with the static engine."""
+    from jaxrl_llm.config import apply_overrides
+
+    sizes = ["mesh.preset=fsdp", "mesh.data=1", "mesh.fsdp=4", "data.eval_size=0"]
+    config = load_config(TINY, sizes)
+    plan = P.plan_run(config, P.local_target(4))
+    assert plan.rollout_engine == "paged"
+
+    class Peak:  # the plan, with the peak program said to be `program`
+        def __init__(self, program):
+            self.peak_program = program
+
+        def __getattr__(self, name):
+            return getattr(plan, name)
+
+    static = ["rollout.engine=static"]
+    assert static in [o for _, o in P.candidates(config, Peak("rollout"))]
+    assert static in [o for _, o in P.candidates(config, Peak("eval rollout"))]
+    assert static not in [o for _, o in P.candidates(config, Peak("update"))]
+    assert P.plan_run(apply_overrides(config, static), plan.target).rollout_engine == "static"
+
+
 def test_suggestions_are_replanned(monkeypatch, capsys):
     """A run that does not fit: exit 1, and each suggestion carries its re-planned peak."""
     bf16 = ("bfloat16 reference model", ["kl.reference_param_dtype=bfloat16"])
