@@ -8,6 +8,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -155,6 +156,48 @@ def test_each_engine_gets_its_rows_global_ids_own_defaults_and_devices(model, mo
     # The outputs in prompt order; the stats summed.
     np.testing.assert_array_equal(np.asarray(out.tokens)[:, 0, 0], np.arange(10, 15))
     assert stats.peak_pages == 5 and stats.page_bytes == 8 and stats.decode_dispatches == 2
+
+
+def test_engines_get_per_layer_slices_and_never_the_stacked_weights(model, monkeypatch):
+    """generate slices (and casts) the stacked layers once, each slice keeping its leaf's FSDP
+    sharding less the layer axis (nothing gathered yet), and each data shard's engine gets
+    those slices and the other weights, gathered onto its devices, but no stacked layer: one
+    copy of the weights per device while it runs, where a gathered stacked copy and its
+    slices made two (docs/plan.md, the capacity rows)."""
+    _, (graphdef, params) = on_mesh(model, dict(fsdp=4, devices=jax.devices()[:4]))
+    stacked = params["model"]["layers"]
+    ep = paged.engine_params(params, jnp.bfloat16)
+    assert isinstance(ep, paged.EngineParams) and "layers" not in ep.rest["model"]
+    assert len(ep.layers) == model.config.num_layers
+    for x, one in zip(jax.tree.leaves(stacked), jax.tree.leaves(ep.layers[1]), strict=True):
+        assert one.shape == x.shape[1:] and one.dtype == jnp.bfloat16
+        assert one.sharding.spec == jax.sharding.PartitionSpec(*x.sharding.spec[1:])
+    np.testing.assert_array_equal(
+        np.asarray(ep.layers[1]["mlp"]["down_proj"]["kernel"]),
+        np.asarray(stacked["mlp"]["down_proj"]["kernel"][1].astype(jnp.bfloat16)),
+    )
+    seen = []
+
+    def fake_run(graphdef, mesh, params, prompts_, budgets_bg, *, rng, options, **kw):
+        seen.append(params)
+        n, g = budgets_bg.shape
+        out = np.zeros((n, g, kw["max_new_tokens"]), np.int32)
+        arrays = (out, out > 0, out.astype(np.float32), np.zeros((n, g), bool))
+        return arrays, paged.PagedStats(n, 8, 1, 1, 0)
+
+    monkeypatch.setattr(paged, "run", fake_run)
+    ids, mask = prompts(seed=0, lengths=LENGTHS)
+    rollout.generate((graphdef, params), ids, mask, rng=jax.random.key(0), **KW)
+    assert len(seen) == 4
+    for got in seen:
+        assert isinstance(got, paged.EngineParams) and "layers" not in got.rest["model"]
+        leaves = jax.tree.leaves(got.layers)
+        (devices,) = {frozenset(x.sharding.device_set) for x in leaves}
+        assert len(devices) == 1  # gathered onto the engine's one device
+        assert all(
+            x.ndim == y.ndim - 1
+            for x, y in zip(jax.tree.leaves(got.layers[0]), jax.tree.leaves(stacked), strict=True)
+        )
 
 
 def test_sub_meshes_keep_the_tensor_axis_and_drop_the_batch_axes(model):
