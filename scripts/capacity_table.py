@@ -38,6 +38,13 @@ ROWS = [
     ("qwen2.5-32b", "8xH200", 8),
     ("llama-3.1-70b", "v5p-128", 64),
 ]
+NAMES = {
+    "qwen2.5-1.5b": "Qwen2.5-1.5B",
+    "qwen2.5-7b": "Qwen2.5-7B",
+    "qwen2.5-32b": "Qwen2.5-32B",
+    "llama-3.1-8b": "Llama-3.1-8B",
+    "llama-3.1-70b": "Llama-3.1-70B",
+}
 GPUS = {"8xH100": ("8", "80GB", "8×H100 80 GB"), "8xH200": ("8", "141GB", "8×H200 141 GB")}
 METHODS = {
     "full": [],
@@ -85,6 +92,7 @@ def markdown(model: str, target: str, plan: dict, seconds: float, method: str) -
         return f"{x / GiB:.2f} GiB"
 
     name = GPUS[target][2] + " (estimate)" if target in GPUS else target
+    model = NAMES.get(model, model)
     margin = plan["margin_bytes"]
     verdict = "FITS" if plan["fits"] else "**DOES NOT FIT**"
     under = plan["fits"] and margin < 0.02 * plan["hbm_bytes"]
