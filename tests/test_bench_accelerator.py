@@ -5,13 +5,14 @@ numbers that are formulas are checked against hand counts, and the plan part (sl
 the update program's peak resident memory against the plan's update peak.
 """
 
-import importlib.util
 import json
 import math
 import pathlib
 import sys
 
 import pytest
+
+from tests.scripts import load_script
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 
@@ -20,12 +21,7 @@ SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 def bench():
     sys.path.insert(0, str(SCRIPTS))
     try:
-        spec = importlib.util.spec_from_file_location(
-            "bench_accelerator", SCRIPTS / "bench_accelerator.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+        yield load_script("bench_accelerator")
     finally:
         sys.path.remove(str(SCRIPTS))
 

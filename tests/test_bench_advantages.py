@@ -1,26 +1,14 @@
 """`scripts/bench_advantages.py` on a tiny shape, so the benchmark cannot rot."""
 
-import importlib.util
 import json
-import pathlib
 
 from jaxrl_llm import algorithms
 from tests import reference as ref
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "bench_advantages", ROOT / "scripts" / "bench_advantages.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts import load_script
 
 
 def test_bench_advantages_tiny(tmp_path):
-    bench = _load_script()
+    bench = load_script("bench_advantages")
     out, md = tmp_path / "advantages.json", tmp_path / "advantages.md"
     argv = ["--batch", "4", "--group", "2", "--tokens", "8", "--repeats", "2"]
     assert bench.main([*argv, "--out", str(out), "--markdown", str(md)]) == 0
@@ -41,7 +29,7 @@ def test_bench_advantages_tiny(tmp_path):
 
 
 def test_fields_follow_the_recipe():
-    bench = _load_script()
+    bench = load_script("bench_advantages")
     assert bench.fields_for(algorithms.ppo()) == (
         "reward_bg",
         "mask_bgt",
@@ -57,7 +45,7 @@ def test_recompilation_is_detected():
     import jax
     import jax.numpy as jnp
 
-    bench = _load_script()
+    bench = load_script("bench_advantages")
     counter = bench.CompileCounter()
     x = jnp.ones(3)
 

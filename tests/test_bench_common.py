@@ -1,9 +1,10 @@
 """scripts/_bench_common.py: what every benchmark's JSON records about the CPU it ran on."""
 
-import importlib.util
 import pathlib
 
 import pytest
+
+from tests.scripts import load_script
 
 SCRIPTS = pathlib.Path(__file__).resolve().parents[1] / "scripts"
 
@@ -24,10 +25,7 @@ flags\t\t: amx_tile
 
 @pytest.fixture(scope="module")
 def common():
-    spec = importlib.util.spec_from_file_location("_bench_common", SCRIPTS / "_bench_common.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("_bench_common")
 
 
 def test_cpu_info_reads_the_first_processor_and_its_vector_extensions(common, tmp_path):

@@ -9,18 +9,14 @@ import pytest
 
 from jaxrl_llm.config import load_config
 from jaxrl_llm.train import plan as P
+from tests.scripts import load_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def table():
-    spec = importlib.util.spec_from_file_location(
-        "capacity_table", ROOT / "scripts" / "capacity_table.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("capacity_table")
 
 
 def test_commands_name_the_target_the_model_and_the_method(table):

@@ -445,6 +445,12 @@ class EngineParams(NamedTuple):
     layers: LayerParams
 
 
+def without_layers(params: Params) -> Params:
+    """``params`` without the stacked decoder layers (``model.layers``): :class:`EngineParams`'s
+    ``rest`` (the same leaves, no copy)."""
+    return {**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}}
+
+
 def _wider(x: Any, dtype: jnp.dtype | None) -> bool:
     """``x`` is a float wider than ``dtype`` (None: no cast), the engine's cast rule."""
     return (
@@ -496,7 +502,7 @@ def engine_params(params: Params, dtype: jax.typing.DTypeLike | None = None) -> 
     slices: ``jaxrl-llm plan`` of Qwen2.5-7B on v5p-32 put the rollout's peak at 33.9 GiB per
     chip, 6.2 of it the train state)."""
     dtype = None if dtype is None else jnp.dtype(dtype)
-    rest = {**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}}
+    rest = without_layers(params)
     if any(_wider(x, dtype) for x in jax.tree.leaves(rest)):
         rest = _cast_jit(rest, dtype)
     stacked = params["model"]["layers"]
@@ -520,8 +526,9 @@ def abstract_engine_params(
             shape, dtype if _wider(x, dtype) else x.dtype, sharding=sharding
         )
 
-    rest = {**params, "model": {k: v for k, v in params["model"].items() if k != "layers"}}
-    rest = jax.tree.map(lambda x: like(x, x.shape, getattr(x, "sharding", None)), rest)
+    rest = jax.tree.map(
+        lambda x: like(x, x.shape, getattr(x, "sharding", None)), without_layers(params)
+    )
     stacked = params["model"]["layers"]
     one = jax.tree.map(lambda x: like(x, x.shape[1:], _without_stacked_axis(x)), stacked)
     return EngineParams(rest, (one,) * jax.tree.leaves(stacked)[0].shape[0])

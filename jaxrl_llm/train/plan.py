@@ -1032,11 +1032,10 @@ def plan_paged_rollout(
         args = paged_dp.abstract_shard_params(args, mesh, on)
     # The parameter argument's leaves that are the run's own buffers (not cast, not
     # resharded): of the non-layer ones; the per-layer slices are always copies.
-    rest = {k: v for k, v in params["model"].items() if k != "layers"}
     kept = sum(
         _leaf_bytes(a)[1]
         for x, a in zip(
-            jax.tree.leaves({**params, "model": rest}), jax.tree.leaves(args.rest), strict=True
+            jax.tree.leaves(paged.without_layers(params)), jax.tree.leaves(args.rest), strict=True
         )
         if x.dtype == a.dtype and _leaf_bytes(x)[1] == _leaf_bytes(a)[1]
     )
