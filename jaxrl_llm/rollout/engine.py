@@ -548,15 +548,18 @@ def generate(
             longest_prompt=max(len(p) for p in prompts),
             max_new_tokens=max_new_tokens,
         )
-        run = paged.run  # one engine; one per data shard on a data-parallel mesh:
-        if paged_dp.is_data_parallel(mesh) or jax.process_count() > 1:
-            # Each engine resolves the defaults for its own share of the batch.
-            requested = paged_options or paged.PagedOptions()
-            run = functools.partial(paged_dp.run, requested=requested)
-        arrays, stats = run(
+        # One engine, or one per data shard (of t devices each with tensor_parallel).
+        run, mesh, weights = paged_dp.engines(
             graphdef,
             mesh,
             paged.engine_params(params, config.jnp_dtype),  # sliced and cast in one program
+            options,
+            paged_options,
+        )
+        arrays, stats = run(
+            graphdef,
+            mesh,
+            weights,
             prompts,
             budgets_bg,
             rng=rng,

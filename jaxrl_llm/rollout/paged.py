@@ -142,6 +142,12 @@ class PagedOptions:
         ``pages.GPU_DECODE_TUNING``'s (``pages_per_compute_block``, ``k_splits``, ``block_h``,
         ``num_warps``, ``num_stages``), as a mapping or ``(key, value)`` pairs; the other
         backends ignore them (one config for every platform), an unknown key is an error.
+      tensor_parallel: devices per engine (``generate``; vLLM's ``tensor_parallel_size``,
+        verl's rollout ``tensor_model_parallel_size``): ``0``, one engine per data shard of
+        the parameters' mesh (its ``tensor`` axis within it); ``t >= 1``, the mesh's ``n``
+        devices regrouped into ``n / t`` engines of ``t`` consecutive devices, the weights
+        split over each engine's devices (heads, MLP, vocabulary), whatever the train layout
+        (``paged_dp.regroup``): under FSDP alone each engine otherwise holds a whole copy.
     """
 
     page_size: int = 16
@@ -151,6 +157,7 @@ class PagedOptions:
     prefill_chunk: int = 256
     attention: str = "auto"
     kernel_tuning: Any = ()
+    tensor_parallel: int = 0
 
 
 class PagedStats(NamedTuple):
@@ -366,26 +373,67 @@ def forward_paged_kernel(
     for index, layer in enumerate(layers):
         written: list[PagePool] = []
 
+        def write_and_attend(
+            pool: PagePool,
+            q_bthd: jax.Array,
+            k_btkd: jax.Array,
+            v_btkd: jax.Array,
+            write_page_bt: jax.Array,
+            write_off_bt: jax.Array,
+            table_bw: jax.Array,
+            ctx_len_b: jax.Array,
+            index: int = index,
+        ) -> tuple[PagePool, jax.Array]:
+            new_pool = pages_lib.write_layer(
+                kernel, pool, index, write_page_bt, write_off_bt, k_btkd, v_btkd
+            )
+            out = pages_lib.kernel_attention(
+                kernel, new_pool, index, q_bthd, table_bw, ctx_len_b, windows[index]
+            )
+            return new_pool, out
+
         def attend(
             q_bthd: jax.Array,
             k_btkd: jax.Array,
             v_btkd: jax.Array,
-            index: int = index,
             pool: PagePool = pool,
             written: list[PagePool] = written,
+            write_and_attend: Any = write_and_attend,
         ) -> jax.Array:
             k_btkd, v_btkd = _per_copy(write_page_bt, k_btkd, v_btkd)
-            new_pool = pages_lib.write_layer(
-                kernel, pool, index, write_page_bt, write_off_bt, k_btkd, v_btkd
+            new_pool, out = _per_kv_head_shard(write_and_attend, kernel, pool, k_btkd.ndim)(
+                pool, q_bthd, k_btkd, v_btkd, write_page_bt, write_off_bt, table_bw, ctx_len_b
             )
             written.append(new_pool)
-            return pages_lib.kernel_attention(
-                kernel, new_pool, index, q_bthd, table_bw, ctx_len_b, windows[index]
-            )
+            return out
 
         x_btd, _ = layer(x_btd, cos, sin, attend)
         (pool,) = written
     return decoder.norm(x_btd), pool
+
+
+def _per_kv_head_shard(fn: Any, kernel: KernelSpec, pool: PagePool, kv_rank: int) -> Any:
+    """``fn(pool, q, k, v, *replicated)`` (a kernel's write and attention) per device under
+    ``jax.shard_map`` when the engine's mesh has a ``tensor`` axis > 1 (a tensor-parallel
+    engine, ``attention_kernel`` having checked that it divides the heads): each device runs
+    the kernel on its own query heads, its own KV heads' new keys/values and its own part of
+    the pool (:func:`pages.pool_spec`), whole GQA groups, no communication. Else ``fn``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    t = 1 if mesh.empty or "tensor" not in mesh.axis_names else mesh.shape["tensor"]
+    if t == 1:
+        return fn
+    kv_heads = pool.k.shape[0] if kernel.name == "pallas_gpu" else pool.k.shape[2] // 2
+    pool_spec = pages_lib.pool_spec(kernel, kv_heads, t)
+    pool_specs = PagePool(pool_spec, None if pool.v is None else pool_spec)
+    q_spec = jax.P(None, None, "tensor", None)
+    kv_spec = jax.P(*([None] * (kv_rank - 2)), "tensor", None)
+    rep = jax.P()
+    return jax.shard_map(
+        fn,
+        in_specs=(pool_specs, q_spec, kv_spec, kv_spec, rep, rep, rep, rep),
+        out_specs=(pool_specs, q_spec),
+        check_vma=False,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -606,6 +654,7 @@ def _prefill(
     keys_n = _row_keys(rng, seq_id_n, pos_rg.reshape(-1))
     token_n, logp_n, full_n = _pick(logits_nv, keys_n, temperature, top_p, static)
     full_rg = None if full_n is None else full_n.reshape(r, g)
+    pool = pages_lib.constrain_pool(pool, static.kernel, lm.config.num_kv_heads)
     return pool, token_n.reshape(r, g), logp_n.reshape(r, g), full_rg
 
 
@@ -708,7 +757,7 @@ def _decode(
         jnp.zeros((k, n), jnp.float32) if static.full_logprobs else None,
     )
     _, (pool, _), *rest = jax.lax.while_loop(cond, step, carry)
-    return (pool, *rest)
+    return (pages_lib.constrain_pool(pool, static.kernel, lm.config.num_kv_heads), *rest)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -747,6 +796,11 @@ def resolve_options(
         value = getattr(o, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"generate(engine='paged'): {name} must be an int >= 1, got {value!r}")
+    t = o.tensor_parallel
+    if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+        raise ValueError(
+            f"generate(engine='paged'): tensor_parallel must be an int >= 0, got {t!r}"
+        )
     if o.prefill_chunk & (o.prefill_chunk - 1):
         raise ValueError(
             f"generate(engine='paged'): prefill_chunk must be a power of two, got {o.prefill_chunk}"
@@ -938,7 +992,8 @@ def worst_case_programs(
             cache_dtype,
         )
     )
-    pool = jax.tree.map(lambda x: sds(x.shape, x.dtype), pool)
+    on = pool_sharding(kernel, cfg, sharding.mesh) if isinstance(sharding, NamedSharding) else None
+    pool = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=on), pool)
     static = _make_static(
         options,
         kernel,
@@ -1055,8 +1110,8 @@ def run(
     pool = pages_lib.init_pool(
         kernel, cfg.num_layers, options.num_pages, ps, cfg.num_kv_heads, cfg.head_dim, cache_dtype
     )
-    if mesh is not None:
-        pool = jax.device_put(pool, NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    if mesh is not None:  # the KV heads split over the engine's tensor axis, when it has one
+        pool = jax.device_put(pool, pool_sharding(kernel, cfg, mesh))
     page_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(pool)) // options.num_pages
     alloc = PageAllocator(options.num_pages)
     static = _make_static(
@@ -1334,31 +1389,33 @@ def attention_kernel(
     """The kernel ``options.attention`` resolves to for model config ``cfg`` (None: the
     reference attention); :func:`pages.resolve_attention` says when and why (clear errors).
 
-    The platform is the parameters' (else ``jax.default_backend()``). The kernels run on one
-    device: on a mesh of several, ``auto`` is the reference and a named kernel an error (a
-    Pallas call is not partitioned by XLA; data-parallel engines run one device each).
+    The platform is the parameters' (else ``jax.default_backend()``). A Pallas call is not
+    partitioned by XLA, so the kernels run per device: on one device, or on a tensor-parallel
+    engine's mesh (only its ``tensor`` axis > 1, dividing the query and the KV heads) on each
+    device's own heads (:func:`_per_kv_head_shard`), the kernel's shape checks made for one
+    device's heads. On any other mesh of several devices ``auto`` is the reference and a named
+    kernel an error.
     """
     if platform is None:
         leaves = jax.tree.leaves(params) if params is not None else []
         devices = leaves[0].devices() if leaves and hasattr(leaves[0], "devices") else ()
         platform = next(iter(devices)).platform if devices else jax.default_backend()
     windows = tuple(cfg.window(i) for i in range(cfg.num_layers))
+    split = None if mesh is None or mesh.devices.size == 1 else _tensor_parallel_refusal(cfg, mesh)
+    t = 1 if split is not None or mesh is None else mesh.devices.size  # heads per device: H / t
     name = pages_lib.resolve_attention(
         options.attention,
         platform=platform,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
+        num_heads=cfg.num_heads // t,
+        num_kv_heads=cfg.num_kv_heads // t,
         head_dim=cfg.head_dim,
         windows=windows,
         cache_dtype=jnp.dtype(cache_dtype),
     )
-    if name != "reference" and mesh is not None and mesh.devices.size > 1:
+    if name != "reference" and split is not None:
         if options.attention == "auto":
             return None
-        raise ValueError(
-            f"generate(engine='paged'): attention={name!r} runs on one device; the parameters "
-            f"are on a mesh of {mesh.devices.size} (use attention='reference' or 'auto')"
-        )
+        raise ValueError(f"generate(engine='paged'): attention={name!r} {split}")
     return pages_lib.kernel_spec(
         name,
         num_pages=options.num_pages,
@@ -1370,12 +1427,46 @@ def attention_kernel(
     )
 
 
+def pool_sharding(kernel: KernelSpec | None, cfg: Any, mesh: jax.sharding.Mesh) -> NamedSharding:
+    """Where an engine on ``mesh`` keeps its page pool: :func:`pages.pool_spec` (the KV heads
+    split over a ``tensor`` axis that divides them, else replicated)."""
+    tensor = dict(mesh.shape).get("tensor", 1)
+    return NamedSharding(mesh, pages_lib.pool_spec(kernel, cfg.num_kv_heads, tensor))
+
+
+def _tensor_parallel_refusal(cfg: Any, mesh: jax.sharding.Mesh) -> str | None:
+    """Why a kernel cannot run on ``mesh``'s devices (None: it can): the kernels run per
+    device, on one device or, on a tensor-parallel engine's mesh (only its ``tensor`` axis
+    > 1), on each device's own heads (:func:`_per_kv_head_shard`), so the axis must divide
+    the query and the KV heads; a kernel cannot be split over a batch axis."""
+    t = dict(mesh.shape).get("tensor", 1)
+    if mesh.devices.size != t:
+        return (
+            f"runs on one device or on a tensor-parallel engine's devices (only the tensor axis "
+            f"> 1); the parameters are on a mesh {dict(mesh.shape)} (use attention='reference' "
+            "or 'auto', or rollout tensor_parallel)"
+        )
+    if cfg.num_heads % t or cfg.num_kv_heads % t:
+        return (
+            f"splits the heads over the engine's tensor axis of {t}, which does not divide the "
+            f"model's {cfg.num_heads} query and {cfg.num_kv_heads} KV heads (use "
+            "attention='reference' or 'auto', or a tensor_parallel dividing both)"
+        )
+    return None
+
+
 def _model_config(
     graphdef: nnx.GraphDef, params: Params, layers_l: LayerParams | None = None
 ) -> Any:
     """The model's config (its stacked layers, when split off, as shapes only)."""
+    return nnx.merge(graphdef, _with_stacked(params, layers_l, _stacked_shape)).config
 
-    def shape(xs: tuple[Any, ...]) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
 
-    return nnx.merge(graphdef, _with_stacked(params, layers_l, shape)).config
+def _stacked_shape(xs: tuple[Any, ...]) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype)
+
+
+def stacked_shapes(params: EngineParams) -> Params:
+    """The parameter dict ``params`` came from, its stacked layers as shapes only (for
+    ``nnx.merge``: the model's config and its parameters' metadata, nothing computed)."""
+    return _with_stacked(params.rest, params.layers, _stacked_shape)

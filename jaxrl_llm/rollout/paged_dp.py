@@ -52,6 +52,7 @@ at the end: the sum, 0 when every pool got all its pages back), and each shard's
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -185,6 +186,124 @@ def abstract_shard_params(params: Params, mesh: Mesh, shard: Mesh) -> Params:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(shard, spec))
 
     return jax.tree.map(one, params)
+
+
+def regroup_mesh(mesh: Mesh, tensor_parallel: int) -> Mesh:
+    """``mesh``'s devices regrouped for engines of ``tensor_parallel`` devices each: a
+    ``(data, fsdp, tensor) = (n / t, 1, t)`` mesh over the same ``n`` devices, engine ``d``
+    on the ``t`` consecutive devices ``d·t .. d·t + t - 1`` of ``mesh``'s order (process by
+    process, stably, so a group stays in one process where the layout allows; a train mesh's
+    ``tensor`` neighbours are consecutive in it).
+
+    Raises:
+      ValueError: ``tensor_parallel`` is not a divisor of the device count, or does not
+        divide each process's devices (a group would span processes).
+    """
+    devices = sorted(mesh.devices.flat, key=lambda d: d.process_index)
+    n, t = len(devices), tensor_parallel
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1 or n % t:
+        raise ValueError(
+            f"generate(engine='paged'): tensor_parallel must be an int >= 1 dividing the "
+            f"parameters' mesh's {n} devices, got {t!r}"
+        )
+    for d in range(n // t):
+        group = devices[d * t : (d + 1) * t]
+        if len({dev.process_index for dev in group}) > 1:
+            raise ValueError(
+                f"generate(engine='paged'): tensor_parallel={t} puts engine {d} on devices "
+                f"{[dev.id for dev in group]} of processes "
+                f"{sorted({dev.process_index for dev in group})}; an engine's devices must "
+                "belong to one process (give a tensor_parallel dividing each process's devices)"
+            )
+    grid = np.asarray(devices, dtype=object).reshape(n // t, 1, t)
+    return Mesh(grid, sharding.MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def _is_axes(x: Any) -> bool:
+    """A leaf's logical axis names (a tuple of names), not a node of the tree."""
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def _engine_axes(graphdef: nnx.GraphDef, params: paged.EngineParams) -> paged.EngineParams:
+    """The logical axis names of each leaf of ``params`` (the graph's metadata), as an
+    :class:`~jaxrl_llm.rollout.paged.EngineParams` of tuples: a layer slice's are its stacked
+    leaf's without the first (layer) axis."""
+    axes = sharding.logical_axes(nnx.merge(graphdef, paged.stacked_shapes(params)))
+    one = jax.tree.map(lambda a: a[1:], axes["model"]["layers"], is_leaf=_is_axes)
+    return paged.EngineParams(paged.without_layers(axes), (one,) * len(params.layers))
+
+
+def _tensor_specs(
+    graphdef: nnx.GraphDef, params: paged.EngineParams, rmesh: Mesh
+) -> list[PartitionSpec]:
+    """Each leaf's spec on a :func:`regroup_mesh` mesh: heads, MLP and vocabulary split over
+    ``tensor`` (``models.sharding.FSDP_TP_RULES``, the batch axes of size 1 there), a dim the
+    axis does not divide replicated (logged)."""
+    axes = jax.tree.leaves(_engine_axes(graphdef, params), is_leaf=_is_axes)
+    return [
+        sharding.logical_to_spec(a, x.shape, rmesh, sharding.FSDP_TP_RULES)
+        for a, x in zip(axes, jax.tree.leaves(params), strict=True)
+    ]
+
+
+def regroup(
+    graphdef: nnx.GraphDef, mesh: Mesh | None, params: paged.EngineParams, tensor_parallel: int
+) -> tuple[Mesh, paged.EngineParams]:
+    """``(rollout mesh, params on it)`` for engines of ``tensor_parallel`` devices each, from
+    the parameters' own ``mesh`` (``rollout.tensor_parallel``, vLLM's and verl's rollout
+    tensor-parallel size, independent of the train mesh's layout): the devices regrouped
+    (:func:`regroup_mesh`) and every leaf moved onto that mesh split over its engine's
+    devices (heads, MLP, vocabulary; one ``jax.device_put``, an all-to-all from an FSDP
+    layout). Each engine then holds ``1/t`` of the weights instead of a whole gathered copy:
+    how a model larger than one device's memory samples on the paged engine.
+
+    Raises:
+      ValueError: no mesh (the parameters on one device), or a :func:`regroup_mesh` error.
+    """
+    if mesh is None:
+        raise ValueError(
+            f"generate(engine='paged'): tensor_parallel={tensor_parallel} needs the parameters "
+            "on a mesh (models.sharding.shard_model); they are on one device"
+        )
+    rmesh = regroup_mesh(mesh, tensor_parallel)
+    leaves, treedef = jax.tree.flatten(params)
+    targets = [NamedSharding(rmesh, s) for s in _tensor_specs(graphdef, params, rmesh)]
+    return rmesh, jax.tree.unflatten(treedef, jax.device_put(leaves, targets))
+
+
+def engines(
+    graphdef: nnx.GraphDef,
+    mesh: Mesh | None,
+    params: paged.EngineParams,
+    options: paged.PagedOptions,
+    requested: paged.PagedOptions | None,
+) -> tuple[Any, Mesh | None, paged.EngineParams]:
+    """``(run, mesh, params)``: how ``generate`` (and a partial rollout's segment) runs the
+    paged engine on the parameters' ``mesh``: regrouped into engines of
+    ``options.tensor_parallel`` devices when set (:func:`regroup`); then one engine
+    (``paged.run``) or one per data shard (:func:`run`, each resolving ``requested``'s
+    defaults for its share) when the mesh has a batch axis > 1 or the job several processes."""
+    if options.tensor_parallel:
+        mesh, params = regroup(graphdef, mesh, params, options.tensor_parallel)
+    if is_data_parallel(mesh) or jax.process_count() > 1:
+        return functools.partial(run, requested=requested or paged.PagedOptions()), mesh, params
+    return paged.run, mesh, params
+
+
+def abstract_regroup(
+    graphdef: nnx.GraphDef, params: paged.EngineParams, rmesh: Mesh
+) -> paged.EngineParams:
+    """:func:`regroup` in shapes: abstract ``params`` on the :func:`regroup_mesh` mesh
+    ``rmesh``, each leaf with the spec ``regroup`` gives it. For ``jaxrl-llm plan``."""
+    leaves, treedef = jax.tree.flatten(params)
+    specs = _tensor_specs(graphdef, params, rmesh)
+    return jax.tree.unflatten(
+        treedef,
+        [
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(rmesh, s))
+            for x, s in zip(leaves, specs, strict=True)
+        ],
+    )
 
 
 def _identity(x: jax.Array) -> jax.Array:
@@ -377,10 +496,14 @@ def run(
 
 __all__ = [
     "DataParallelStats",
+    "abstract_regroup",
     "abstract_shard_params",
     "data_shard_meshes",
+    "engines",
     "is_data_parallel",
     "process_gather_on",
+    "regroup",
+    "regroup_mesh",
     "run",
     "run_shards",
     "shard_params",

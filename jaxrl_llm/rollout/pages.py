@@ -46,6 +46,7 @@ from typing import Any, Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 TRASH_PAGE = 0
 """The page that takes every write nobody reads (padding, idle slots, unused table entries)."""
@@ -678,6 +679,31 @@ def init_pool(
         return PagePool(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     shape = (num_layers * num_pages, page_size, 2 * num_kv_heads, _padded_head_dim(head_dim))
     return PagePool(jnp.zeros(shape, dtype), None)
+
+
+def pool_spec(spec: KernelSpec | None, num_kv_heads: int, tensor: int) -> PartitionSpec:
+    """The pool's layout on an engine whose mesh has a ``tensor`` axis of that size: each
+    buffer's KV-head axis split over it (a device holds its own heads' keys and values, as
+    vLLM's tensor-parallel workers do), when ``tensor`` divides K; else replicated. The
+    reference layout ``[P, page_size, K, Dh]`` and the TPU one ``[L·P, page_size, 2K, Dh']``
+    (each head's key and value adjacent, so a contiguous split keeps them together) split
+    axis 2, the GPU one ``[K, L·P, page_size, Dh]`` axis 0."""
+    if tensor <= 1 or num_kv_heads % tensor:
+        return PartitionSpec()
+    if spec is not None and spec.name == "pallas_gpu":
+        return PartitionSpec("tensor", None, None, None)
+    return PartitionSpec(None, None, "tensor", None)
+
+
+def constrain_pool(pool: PagePool, spec: KernelSpec | None, num_kv_heads: int) -> PagePool:
+    """``pool`` held in :func:`pool_spec`'s layout inside a program run under
+    ``jax.set_mesh`` (a no-op without a ``tensor`` axis): the layout the engine put it in, so
+    a donated pool comes back as it went in."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "tensor" not in mesh.axis_names:
+        return pool
+    layout = NamedSharding(mesh, pool_spec(spec, num_kv_heads, mesh.shape["tensor"]))
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, layout), pool)
 
 
 def write_layer(

@@ -72,7 +72,7 @@ from flax import nnx
 
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout import engine as eng
-from jaxrl_llm.rollout import paged
+from jaxrl_llm.rollout import paged, paged_dp
 
 
 class InFlight(NamedTuple):
@@ -263,10 +263,14 @@ def _paged_segment(
     options = paged.resolve_options(
         paged_options, num_seqs=b * g, num_samples=g, longest_prompt=p, max_new_tokens=t
     )
-    arrays, _ = paged.run(
+    mesh, weights = eng._mesh_of(params), paged.engine_params(params, config.jnp_dtype)
+    run = paged.run  # one engine on the mesh, unless regrouped (as generate runs them)
+    if options.tensor_parallel:
+        run, mesh, weights = paged_dp.engines(graphdef, mesh, weights, options, paged_options)
+    arrays, _ = run(
         graphdef,
-        eng._mesh_of(params),
-        paged.engine_params(params, config.jnp_dtype),
+        mesh,
+        weights,
         rows.contexts,
         rows.budgets,
         rng=sampler.rng,

@@ -243,6 +243,7 @@ def test_a_shards_error_names_the_shard(model):
 # rows of the global batch (3 and 2: uneven) and gets the one-device engine's tokens for them.
 
 CHILD = """\
+import dataclasses
 import sys
 
 from jaxrl_llm import distributed as dist
@@ -263,16 +264,23 @@ rows = slice(0, 3) if pid == 0 else slice(3, None)
 options = paged.PagedOptions(page_size=4, num_slots=4, steps_per_dispatch=4, prefill_chunk=16)
 results = {}
 # data2_tensor2: a shard per process, tensor-parallel on its two devices; fsdp4: two one-device
-# shards per process (two threads), the weights' embed axis split across the processes.
-for name, sizes in (("data2_tensor2", dict(data=2, tensor=2)), ("fsdp4", dict(fsdp=4))):
+# shards per process (two threads), the weights' embed axis split across the processes;
+# fsdp4_tp2: the same mesh regrouped into one two-device engine per process
+# (tensor_parallel=2: the weights moved from FSDP across processes to heads within each).
+layouts = (
+    ("data2_tensor2", dict(data=2, tensor=2), 0),
+    ("fsdp4", dict(fsdp=4), 0),
+    ("fsdp4_tp2", dict(fsdp=4), 2),
+)
+for name, sizes, tp in layouts:
     mesh = sharding.make_mesh(**sizes)
     model = models.from_pretrained(model_dir, mesh=mesh)
     for mode, temperature, key in (("greedy", 0.0, 0), ("sampled", 1.0, 5)):
         out_, stats = rollout.generate(
             model, data["ids"][rows], data["mask"][rows], rng=jax.random.key(key),
             temperature=temperature, max_new_tokens=int(data["T"]), num_samples=int(data["G"]),
-            max_new_tokens_bg=data["budgets"][rows], engine="paged", paged_options=options,
-            return_stats=True,
+            max_new_tokens_bg=data["budgets"][rows], engine="paged",
+            paged_options=dataclasses.replace(options, tensor_parallel=tp), return_stats=True,
         )
         for field in ("tokens", "mask", "logprobs", "truncated"):
             results[f"{name}/{mode}/{field}"] = np.asarray(getattr(out_, field))
@@ -334,14 +342,81 @@ def test_two_processes_get_the_one_device_tokens_of_their_rows(tiny_pair, one_de
                 child.kill()
                 child.wait(timeout=30)
     got = [dict(np.load(o)) for o in outs]
-    for name in ("data2_tensor2", "fsdp4"):
+    for name in ("data2_tensor2", "fsdp4", "fsdp4_tp2"):
         for mode, ref in (("greedy", greedy), ("sampled", sampled)):
             fields = ("tokens", "mask", "logprobs", "truncated")
             parts = {f: np.concatenate([g[f"{name}/{mode}/{f}"] for g in got]) for f in fields}
             assert_same(ref, rollout.Generation(**parts))
             engines = [int(g[f"{name}/{mode}/engines"]) for g in got]
-            assert engines == ([1, 1] if name == "data2_tensor2" else [2, 2])
+            assert engines == ([2, 2] if name == "fsdp4" else [1, 1])
             assert all(int(g[f"{name}/{mode}/pages_at_end"]) == 0 for g in got)
     for g in got:
         assert "processes passed different rng keys" in str(g["different_keys"])
         assert "data shard 0 of the mesh spans processes [0, 1]" in str(g["refused"])
+
+
+def test_tensor_parallel_engines_on_an_fsdp_mesh_give_the_one_device_tokens(
+    model, one_device, monkeypatch
+):
+    """``tensor_parallel=2`` on an FSDP-only mesh of 8: 4 engines of 2 devices each, every
+    weight split over its engine's 2 devices where its heads / MLP / vocabulary divide (no
+    engine holds a whole copy), each page pool split over them by KV head, in and out of every
+    decode call, the one-device tokens (sampled with the same key)."""
+    ids, mask, _, sampled = one_device
+    pool_specs = []
+    decode = paged._decode
+
+    def recording(graphdef, params, layers_l, pool, *args, **kw):
+        pool_specs.append(pool.k[0].addressable_shards[0].data.shape)
+        out = decode(graphdef, params, layers_l, pool, *args, **kw)
+        pool_specs.append(out[0].k[0].addressable_shards[0].data.shape)
+        return out
+
+    monkeypatch.setattr(paged, "_decode", recording)
+    mesh, sharded = on_mesh(model, dict(fsdp=8))
+    graphdef, params = sharded
+    options = paged.PagedOptions(**{**vars(SMALL), "tensor_parallel": 2})
+    rmesh, weights = paged_dp.regroup(
+        graphdef, mesh, paged.engine_params(params), options.tensor_parallel
+    )
+    assert dict(rmesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert [list(s.devices.flat) for s in paged_dp.data_shard_meshes(rmesh)] == [
+        list(mesh.devices.flat)[2 * d : 2 * d + 2] for d in range(4)
+    ]
+    q = weights.layers[0]["self_attn"]["q_proj"]["kernel"]  # [embed, q_heads, head_dim]
+    assert q.sharding.spec == jax.sharding.PartitionSpec(None, "tensor", None)
+    assert q.addressable_shards[0].data.shape == (q.shape[0], q.shape[1] // 2, q.shape[2])
+    np.testing.assert_array_equal(
+        np.asarray(q), np.asarray(params["model"]["layers"]["self_attn"]["q_proj"]["kernel"][0])
+    )
+    embed = weights.rest["model"]["embed_tokens"]["embedding"]  # [vocab, embed]
+    assert embed.sharding.spec == jax.sharding.PartitionSpec("tensor", None)
+    out, stats = rollout.generate(
+        sharded, ids, mask, rng=jax.random.key(5), temperature=1.0, paged_options=options,
+        return_stats=True, **KW,
+    )  # fmt: skip
+    assert_same(sampled, out)
+    assert len(stats.shards) == 4 and stats.pages_in_use_at_end == 0
+    # [pages, page_size, K, Dh], each device holding K / 2 heads.
+    cfg = model.config
+    assert cfg.num_kv_heads % 2 == 0 and pool_specs
+    assert {s[2:] for s in pool_specs} == {(cfg.num_kv_heads // 2, cfg.head_dim)}
+
+
+@pytest.mark.parametrize(
+    ("t", "match"),
+    [(3, "dividing the parameters' mesh's 8 devices"), (0.5, "int >= 0"), (-1, "int >= 0")],
+)
+def test_a_bad_tensor_parallel_is_a_clear_error(model, t, match):
+    _, sharded = on_mesh(model, dict(fsdp=8))
+    ids, mask = prompts(seed=0, lengths=(4, 5))
+    with pytest.raises(ValueError, match=match):
+        rollout.generate(
+            sharded, ids, mask, rng=jax.random.key(0), max_new_tokens=4, engine="paged",
+            paged_options=paged.PagedOptions(tensor_parallel=t),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="needs the parameters on a mesh"):
+        rollout.generate(
+            model, ids, mask, rng=jax.random.key(0), max_new_tokens=4, engine="paged",
+            paged_options=paged.PagedOptions(tensor_parallel=2),
+        )  # fmt: skip

@@ -164,6 +164,61 @@ def test_engine_on_the_gpu_kernels_gives_the_reference_engines_tokens(
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
 
 
+@pytest.mark.slow  # interpret mode, 4 two-device engines: ~40 s on 2 loaded cores
+def test_tensor_parallel_engines_run_the_gpu_kernel_on_each_devices_heads(tiny_pair, monkeypatch):
+    """``tensor_parallel=2`` on an FSDP mesh of 8 with attention='pallas_gpu' (interpret
+    mode): each engine's kernel runs per device on its half of the query heads and of the pool
+    (``jax.shard_map``), and the tokens are the one-device reference engine's, the log-probs
+    within 1e-5."""
+    from flax import nnx
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+
+    from jaxrl_llm.models import sharding
+
+    heads, kernel = [], gpu_paged.paged_attention
+
+    def recording(q, k_pages, *args, **kwargs):
+        heads.append((q.shape[1], k_pages.shape[0]))  # [B, H, Dh], [K, pages, ps, Dh]
+        return kernel(q, k_pages, *args, **kwargs)
+
+    monkeypatch.setattr(gpu_paged, "paged_attention", recording)
+    jax.clear_caches()  # the kernel is called while tracing
+    _, model = tiny_pair("llama3")
+    cfg = model.config
+    ids, mask = prompts(seed=1, lengths=(9, 4, 6, 23))  # 23 > prefill_chunk: two chunks
+    budgets = np.array([[8, 3], [1, 8], [8, 2], [2, 7]], np.int32)
+    small = dict(page_size=4, num_slots=4, steps_per_dispatch=4, prefill_chunk=16)
+    kw = dict(
+        rng=jax.random.key(0), max_new_tokens=8, num_samples=2, temperature=0.0,
+        max_new_tokens_bg=budgets, engine="paged",
+    )  # fmt: skip
+    ref = rollout.generate(
+        model, ids, mask, paged_options=paged.PagedOptions(**small, attention="reference"), **kw
+    )
+    graphdef, state = nnx.split(model)
+    mesh = sharding.make_mesh(fsdp=8)
+    params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh))
+    options = paged.PagedOptions(**small, attention="pallas_gpu", tensor_parallel=2)
+    got, stats = rollout.generate(
+        (graphdef, params), ids, mask, paged_options=options, return_stats=True, **kw
+    )
+    assert heads and set(heads) == {(cfg.num_heads // 2, cfg.num_kv_heads // 2)}
+    assert stats.pages_in_use_at_end == 0
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(ref.mask))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+    # A kernel cannot be split over a batch axis, nor over heads the axis does not divide.
+    with pytest.raises(ValueError, match="tensor-parallel engine's devices"):
+        paged.attention_kernel(cfg, options, jnp.float32, mesh=mesh, platform="gpu")
+    with pytest.raises(ValueError, match="does not divide the model's"):
+        on8 = sharding.make_mesh(tensor=8)
+        paged.attention_kernel(cfg, options, jnp.float32, mesh=on8, platform="gpu")
+    assert (
+        paged.attention_kernel(cfg, paged.PagedOptions(), jnp.float32, mesh=on8, platform="gpu")
+        is None
+    )  # auto: the reference
+
+
 def test_engine_programs_with_the_tpu_kernel_compile_for_a_tpu(tiny_pair):
     """_decode and _prefill with attention='ragged_tpu' lower and compile for one chip of a
     v5e:2x2 topology through libtpu (no TPU attached), the kernel in the compiled program."""

@@ -63,6 +63,28 @@ def test_segmented_equals_one_shot_with_the_same_weights(tiny_pair, sampling):
         assert (np.asarray(out.version) == np.where(np.asarray(ref.mask), 0, -1)).all()
 
 
+def test_tensor_parallel_segments_equal_one_shot(tiny_pair):
+    """``tensor_parallel=2`` on an FSDP mesh of 8: each segment on 4 two-device engines (the
+    weights split over each engine's devices), the one-device one-shot tokens."""
+    from jaxrl_llm.models import sharding
+
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=2, lengths=LENGTHS)
+    rng = jax.random.key(5)
+    ref = one_shot(model, ids, mask, rng=rng, temperature=1.0)
+    graphdef, state = nnx.split(model)
+    mesh = sharding.make_mesh(fsdp=8)
+    params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh))
+    options = dataclasses.replace(SMALL, tensor_parallel=2)
+    out = partial.generate_partial(
+        [(graphdef, params)], ids, mask, rng=rng, segment_tokens=5, temperature=1.0,
+        **{**KW, "paged_options": options},
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(ref.mask))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
 def test_static_engine_draws_the_paged_engines_tokens(tiny_pair):
     """The static engine with per-row keys: segmented static == one-shot paged (same keys;
     top-p and the model's EOS as stop id), whatever the segmentation."""
