@@ -11,6 +11,9 @@ GPU rows are XLA:CPU estimates on as many CPU devices.
 
     python scripts/capacity_table.py --method full --out bench_results/capacity_full.json
     python scripts/capacity_table.py --method lora --rows llama-3.1-8b:v5e-16
+    python scripts/capacity_table.py --rows llama-3.1-70b:v5p-128 --set rollout.tensor_parallel=4
+
+``--set KEY=VALUE`` (repeatable) adds a config override to every row's plan.
 """
 
 from __future__ import annotations
@@ -59,8 +62,10 @@ METHODS = {
 GiB = 2**30
 
 
-def command(model: str, target: str, devices: int, method: str) -> list[str]:
-    """The row's `jaxrl-llm plan` command line."""
+def command(
+    model: str, target: str, devices: int, method: str, extra: tuple[str, ...] = ()
+) -> list[str]:
+    """The row's `jaxrl-llm plan` command line (``extra``: more config overrides)."""
     cmd = [sys.executable, "-m", "jaxrl_llm.cli", "plan", "--config", str(CONFIG)]
     if target in GPUS:
         n, memory, _ = GPUS[target]
@@ -80,6 +85,7 @@ def command(model: str, target: str, devices: int, method: str) -> list[str]:
         f"optim.micro_batch_size={devices}",
         "model.remat=full",
         *METHODS[method],
+        *extra,
     ]
 
 
@@ -126,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="", help="model:target,... (default: every row)")
     parser.add_argument("--out", type=Path, default=None, help="the rows' plans as JSON")
     parser.add_argument("--render", type=Path, default=None, help="print --out's rows again")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="a config override"
+    )
     args = parser.parse_args(argv)
     if args.render is not None:
         saved = json.loads(args.render.read_text())
@@ -140,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
             continue
         t0 = time.perf_counter()
         done = subprocess.run(
-            command(model, target, devices, args.method), capture_output=True, text=True
+            command(model, target, devices, args.method, tuple(args.set)),
+            capture_output=True,
+            text=True,
         )
         seconds = time.perf_counter() - t0
         if done.returncode not in (0, 1):  # 1: planned, does not fit; 2: an error
@@ -152,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(model, target, plan, seconds, args.method), flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"method": args.method, "rows": results}, indent=1))
+        saved = {"method": args.method, "overrides": args.set, "rows": results}
+        args.out.write_text(json.dumps(saved, indent=1))
     return 0 if all("error" not in r for r in results) else 1
 
 

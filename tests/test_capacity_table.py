@@ -34,6 +34,10 @@ def test_commands_name_the_target_the_model_and_the_method(table):
         gpu[gpu.index("--devices") + 1] == "8" and gpu[gpu.index("--device-memory") + 1] == "141GB"
     )
     assert not any(a.startswith("model.lora") for a in gpu)
+    tp = table.command("llama-3.1-70b", "v5p-128", 64, "full", ("rollout.tensor_parallel=4",))
+    assert tp[-1] == "rollout.tensor_parallel=4" and tp[:-1] == table.command(
+        "llama-3.1-70b", "v5p-128", 64, "full"
+    )
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")

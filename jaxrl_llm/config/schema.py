@@ -137,6 +137,8 @@ class RolloutConfig:
     paged_attention: Literal["auto", "reference", "pallas_gpu", "ragged_tpu"] = "auto"
     # Launch parameters of the paged engine's Pallas GPU decode kernel; {} = defaults; rollout.md.
     paged_kernel_tuning: Mapping[str, int] = _field(FrozenDict())
+    # Devices per paged engine (vLLM's tensor_parallel_size); 0 = one per data shard; rollout.md.
+    tensor_parallel: int = _field(0, ge=0)
     # Completions cut at max_new_tokens carry no loss (TRL's mask_truncated_completions).
     mask_truncated_completions: bool = False
     # Also collect each token's full-vocabulary log-prob at τ = 1, no top-k/top-p (Groups).

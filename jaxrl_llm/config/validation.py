@@ -910,6 +910,25 @@ def placement_device_counts(
     return k * process_count, (local - k) * process_count
 
 
+def _check_rollout_tensor_parallel(config: TrainConfig, n_rollout: int, local: int) -> None:
+    """``rollout.tensor_parallel`` t: the paged engine's devices per engine, so t divides the
+    rollout's devices and each process's (an engine's devices belong to one process)."""
+    t = 0 if config.rollout is None else config.rollout.tensor_parallel
+    if not t:
+        return
+    if config.rollout.engine == "static":
+        raise ConfigError(
+            f"rollout.tensor_parallel = {t}: it sizes the paged engines, but rollout.engine = "
+            "static (set rollout.engine: paged or auto, or rollout.tensor_parallel: 0)"
+        )
+    if n_rollout % t or local % t:
+        raise ConfigError(
+            f"rollout.tensor_parallel = {t}: expected a divisor of the rollout's {n_rollout} "
+            f"devices and of each process's {local} (each engine runs on t devices of one "
+            "process)"
+        )
+
+
 def check_devices(
     config: TrainConfig, device_count: int, *, process_count: int = 1
 ) -> dict[str, int]:
@@ -935,6 +954,7 @@ def check_devices(
             devices=f"rollout devices (of {device_count})",
         )
     sizes = mesh_axis_sizes(config.mesh, n_train, devices=devices)
+    _check_rollout_tensor_parallel(config, n_rollout, device_count // max(process_count, 1))
     dp = sizes["data"] * sizes["fsdp"]
     batch, update = config.batch_size, config.update_batch_size
     minibatch = update // config.optim.num_minibatches

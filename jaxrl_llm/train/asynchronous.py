@@ -277,7 +277,7 @@ class PartialRollouts:
         to_end: bool,
     ) -> InFlightBatch:
         """Continues the unfinished samples by ``segment_tokens`` (or to their end)."""
-        from jaxrl_llm.rollout import paged, partial
+        from jaxrl_llm.rollout import partial
 
         sampler = self.setup.sampler
         batch = self._batch(entry, iterator)
@@ -296,9 +296,7 @@ class PartialRollouts:
             stop_token_ids=sampler.stop_ids,
             cache_dtype=sampler.cache_dtype,
             engine=sampler.engine,
-            paged_options=paged.PagedOptions(
-                attention=sampler.paged_attention, kernel_tuning=sampler.paged_kernel_tuning
-            ),
+            paged_options=sampler.paged_options(),
         )
         return entry._replace(state=state, seconds=entry.seconds + time.perf_counter() - t0)
 

@@ -91,9 +91,7 @@ def sample_completions(
         stop_token_ids=sampler.stop_ids,
         cache_dtype=sampler.cache_dtype,
         engine=sampler.engine,
-        paged_options=rollout.paged.PagedOptions(
-            attention=sampler.paged_attention, kernel_tuning=sampler.paged_kernel_tuning
-        ),
+        paged_options=sampler.paged_options(),
         return_full_logprobs=sampler.full_logprobs,
     )
     return jax.tree.map(np.asarray, jax.device_get(out))

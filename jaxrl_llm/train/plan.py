@@ -1019,17 +1019,26 @@ def plan_paged_rollout(
     top_k, top_p = (0, 1.0) if greedy else (r.top_k, r.top_p)  # Sampler.greedy()
     longest = config.data.max_prompt_length
     cache_dtype = _cache_dtype(r.cache_dtype, cfg, target)
-    dp = shd.data_parallel_size(mesh)
-    engines, on, per_engine = 1, mesh, b
     graphdef, params = run.sampler
     # What generate passes (paged.engine_params): the layers sliced (and cast) per layer, the
-    # rest cast; with data-parallel engines each gathers its copy (paged_dp.shard_params).
+    # rest cast; with rollout.tensor_parallel t, moved onto engines of t devices each
+    # (paged_dp.regroup); with data-parallel engines each gathers its copy (shard_params).
     args = paged.abstract_engine_params(params, cfg.dtype)
+    if r.tensor_parallel:
+        try:
+            mesh = paged_dp.regroup_mesh(mesh, r.tensor_parallel)
+        except ValueError as e:
+            raise PlanError(f"rollout (paged engine): {e}") from None
+        args = paged_dp.abstract_regroup(graphdef, args, mesh)
+    dp = shd.data_parallel_size(mesh)
+    engines, on, per_engine = 1, mesh, b
     if dp > 1:
         on = paged_dp.data_shard_meshes(mesh)[0]
         rows = paged_dp.split_rows(b, dp)
         per_engine, engines = rows[0].stop - rows[0].start, sum(s.stop > s.start for s in rows)
         args = paged_dp.abstract_shard_params(args, mesh, on)
+    if target.platform == "tpu" and 1 < on.size < mesh.size:
+        on, args = _on_lowest_ids(on, mesh, args)
     # The parameter argument's leaves that are the run's own buffers (not cast, not
     # resharded): of the non-layer ones; the per-layer slices are always copies.
     kept = sum(
@@ -1042,7 +1051,11 @@ def plan_paged_rollout(
     kept = int(kept) if resident else 0
     try:
         options = paged.resolve_options(
-            paged.PagedOptions(attention=r.paged_attention, kernel_tuning=r.paged_kernel_tuning),
+            paged.PagedOptions(
+                attention=r.paged_attention,
+                kernel_tuning=r.paged_kernel_tuning,
+                tensor_parallel=r.tensor_parallel,
+            ),
             num_seqs=per_engine * g,
             num_samples=g,
             longest_prompt=longest,
@@ -1098,14 +1111,14 @@ def plan_paged_rollout(
         with jax.set_mesh(on):
             lowered = call.fn.lower(graphdef, *call.args, static=call.static)
         compiled[which] = _program(name, lowered, resident=kept)
-    pool = tree_bytes(worst.pool).per_device
+    pool = tree_bytes(worst.pool)  # one engine's; split by KV head over a tensor axis
     return (
         PagedRollout(
             engines=engines,
             prompts=per_engine,
             options=options,
             attention="reference" if kernel is None else kernel.name,
-            pool=Bytes(pool * engines, pool, pool if on.size > 1 else 0),
+            pool=Bytes(pool.total * engines, pool.per_device, pool.replicated),
             prefill=compiled["prefill"],
             decode=compiled["decode"],
             prefill_rows=worst.prefill.rows,
@@ -1116,6 +1129,26 @@ def plan_paged_rollout(
         ),
         notes,
     )
+
+
+def _on_lowest_ids(on: Any, mesh: Any, args: Any) -> tuple[Any, Any]:
+    """One engine's sub-mesh ``on`` of ``mesh``, moved onto the ``mesh``'s devices of lowest
+    ids (the same shape), with ``args`` re-homed to it: libtpu's deviceless compile refuses a
+    program over a subset of a topology's chips whose ids are not ``0 .. n-1`` (an
+    all-reduce's replica group over chips 0, 1, 4, 5 of a v5e:4x4 host: "Unexpected device_id
+    4 ... target has 4 device_id"). The per-chip bytes are the same on any chips."""
+    from jax.sharding import Mesh, NamedSharding
+
+    lowest = sorted(mesh.devices.flat, key=lambda d: d.id)[: on.size]
+    grid = np.array(lowest).reshape(on.devices.shape)
+    moved = Mesh(grid, on.axis_names, axis_types=on.axis_types)
+
+    def rehome(x: Any) -> Any:
+        spec = x.sharding.spec if isinstance(x.sharding, NamedSharding) else None
+        sharding = NamedSharding(moved, spec if spec is not None else jax.P())
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return moved, jax.tree.map(rehome, args)
 
 
 def lower_step(
@@ -2028,6 +2061,7 @@ def _model_info(
         "trainable_parameters": _count(trainable),
         "layers": model_cfg.num_layers,
         "hidden_size": model_cfg.hidden_size,
+        "heads": model_cfg.num_heads,
         "kv_heads": model_cfg.num_kv_heads,
         "vocab_size": model_cfg.vocab_size,
         "dtype": model_cfg.dtype,
@@ -2067,13 +2101,14 @@ LORA_RANK = 16
 
 def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
     """Changes that lower a run's peak, as ``(what, overrides)``: FSDP over every device, full
-    remat, a bfloat16 reference, tensor parallelism, the static rollout engine where the paged
-    one's gathered weights make the rollout the peak, half the micro-batch (down to one row per
-    data-parallel device; with packing, half ``micro_batch_tokens`` down to the longest
-    sequence), and all of those together. None changes the recipe's math (a bf16 reference
-    rounds π_ref's parameters; remat and micro-batches are exact). Then, for a full
-    fine-tuning run, LoRA and QLoRA (nf4) of rank :data:`LORA_RANK` on every projection, which
-    do change what is trained (Hu et al. 2021; Dettmers et al. 2023)."""
+    remat, a bfloat16 reference, tensor parallelism, where the paged rollout is the peak paged
+    engines of several devices (:func:`_rollout_tensor_parallel`) and the static engine, half
+    the micro-batch (down to one row per data-parallel device; with packing, half
+    ``micro_batch_tokens`` down to the longest sequence), and all of those together. None
+    changes the recipe's math (a bf16 reference rounds π_ref's parameters; remat and
+    micro-batches are exact). Then, for a full fine-tuning run, LoRA and QLoRA (nf4) of rank
+    :data:`LORA_RANK` on every projection, which do change what is trained (Hu et al. 2021;
+    Dettmers et al. 2023)."""
     found: list[tuple[str, list[str]]] = []
     sizes, devices = plan.mesh, plan.target.num_devices
     if plan.split is not None:  # the train mesh's own devices (mesh.fsdp=-1 takes them all)
@@ -2103,7 +2138,17 @@ def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
             )
         )
     dp = sizes["data"] * sizes["fsdp"]
-    if plan.rollout_engine == "paged" and dp > 1 and plan.peak_program.endswith("rollout"):
+    paged_peak = plan.rollout_engine == "paged" and plan.peak_program.endswith("rollout")
+    t = _rollout_tensor_parallel(plan) if paged_peak and plan.split is None else 1
+    if t > config.rollout.tensor_parallel if paged_peak else False:
+        found.append(
+            (
+                f"paged engines of {t} devices each, the weights split over them (each of "
+                f"the {dp} per-shard engines holds a gathered copy)",
+                [f"rollout.tensor_parallel={t}"],
+            )
+        )
+    if paged_peak and dp > 1:
         found.append(
             (
                 "the static rollout engine (it samples on the sharded weights; each of the "
@@ -2146,6 +2191,16 @@ def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
                 )
             )
     return found
+
+
+def _rollout_tensor_parallel(plan: Plan) -> int:
+    """The devices per paged engine :func:`candidates` suggests: the largest of 8, 4, 2 that
+    divides each process's devices (an engine's devices belong to one host, as vLLM's
+    tensor-parallel group does) and the query and KV heads; 1 when none does."""
+    devices = target_devices(plan.target)
+    local = len(devices) // len({d.process_index for d in devices})
+    heads = (plan.model["heads"], plan.model["kv_heads"])
+    return next((t for t in (8, 4, 2) if local % t == 0 and all(h % t == 0 for h in heads)), 1)
 
 
 def suggestions(config: Any, plan: Plan) -> list[dict[str, Any]]:

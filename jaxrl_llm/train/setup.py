@@ -48,6 +48,7 @@ from jaxrl_llm.config import (
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.recipe import REFERENCE_LOGPROBS, AnyRecipe, PreferenceRecipe, Recipe
 from jaxrl_llm.rollout.engine import choose_engine
+from jaxrl_llm.rollout.paged import PagedOptions
 from jaxrl_llm.train import data as run_data
 from jaxrl_llm.train import models as train_models
 from jaxrl_llm.train import packing as packing_lib
@@ -83,6 +84,7 @@ class Sampler:
       paged_attention: the paged engine's attention backend (``PagedOptions.attention``).
       paged_kernel_tuning: its GPU decode kernel's launch parameters
         (``PagedOptions.kernel_tuning``), as sorted pairs.
+      tensor_parallel: devices per paged engine (``PagedOptions.tensor_parallel``).
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).
       full_logprobs: also sample the full-vocabulary τ = 1 log-probs
@@ -99,8 +101,17 @@ class Sampler:
     engine: str = "static"
     paged_attention: str = "auto"
     paged_kernel_tuning: tuple[tuple[str, int], ...] = ()
+    tensor_parallel: int = 0
     mask_truncated: bool = False
     full_logprobs: bool = False
+
+    def paged_options(self) -> PagedOptions:
+        """The paged engine's options this sampler sets (the rest: the engine's defaults)."""
+        return PagedOptions(
+            attention=self.paged_attention,
+            kernel_tuning=self.paged_kernel_tuning,
+            tensor_parallel=self.tensor_parallel,
+        )
 
     def greedy(self, max_new_tokens: int | None = None) -> Sampler:
         """One greedy completion per prompt (evaluation)."""
@@ -773,6 +784,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         engine=choose_engine(r.engine, can_stop_early=bool(stop_ids)),
         paged_attention=r.paged_attention,
         paged_kernel_tuning=tuple(sorted(r.paged_kernel_tuning.items())),
+        tensor_parallel=r.tensor_parallel,
         mask_truncated=r.mask_truncated_completions,
         full_logprobs=r.full_logprobs,
     )

@@ -749,6 +749,16 @@ def test_a_paged_rollout_that_sets_the_peak_suggests_the_static_engine():
     assert static in [o for _, o in P.candidates(config, Peak("eval rollout"))]
     assert static not in [o for _, o in P.candidates(config, Peak("update"))]
     assert P.plan_run(apply_overrides(config, static), plan.target).rollout_engine == "static"
+    # Engines of 2 devices (4 devices, 4 query / 2 KV heads): each holds half the weights and
+    # half its pool, so its programs' arguments shrink.
+    tp = ["rollout.tensor_parallel=2"]
+    assert tp in [o for _, o in P.candidates(config, Peak("rollout"))]
+    assert tp not in [o for _, o in P.candidates(config, Peak("update"))]
+    split = P.plan_run(apply_overrides(config, tp), plan.target)
+    assert split.paged.engines == min(2, config.rollout.prompts_per_step)
+    assert split.paged.pool.per_device == plan.paged.pool.per_device // 2
+    assert split.paged.decode.arguments < plan.paged.decode.arguments
+    assert tp not in [o for _, o in P.candidates(apply_overrides(config, tp), Peak("rollout"))]
 
 
 def test_suggestions_are_replanned(monkeypatch, capsys):
@@ -802,6 +812,16 @@ def test_tiny_plan_on_a_tpu_topology():
     # FSDP: each engine runs on a gathered copy of the weights (not the resident shards).
     assert pg.decode.resident < plan.parameters.per_device
     assert pg.decode.arguments >= plan.parameters.total
+    # Engines of 2 chips (rollout.tensor_parallel): the TPU kernel compiled per chip under
+    # shard_map (4 query / 2 KV heads: one KV head per chip), half the pool and of the
+    # weights' split leaves on each chip (the code must be Mosaic's kernel, not a fallback).
+    from jaxrl_llm.config import apply_overrides
+
+    tp = P.plan_run(apply_overrides(config, ["rollout.tensor_parallel=2"]), plan.target)
+    tg = tp.paged
+    assert tg.attention == "ragged_tpu" and (tg.engines, tg.prompts) == (2, 1)
+    assert tg.pool.per_device == pg.pool.per_device // 2 and tg.pool.replicated == 0
+    assert tg.decode.arguments < pg.decode.arguments
 
 
 @pytest.mark.parametrize("attention, kernels", [("auto", True), ("reference", False)])

@@ -65,18 +65,9 @@ def test_sampler_and_eval_plan_from_the_rollout_section():
     assert (greedy.temperature, greedy.top_k, greedy.top_p, greedy.num_samples) == (0.0, 0, 1.0, 1)
 
 
-def test_paged_kernel_tuning_reaches_the_sampler_and_bad_keys_are_config_errors():
-    """``rollout.paged_kernel_tuning`` becomes the sampler's sorted pairs (what the loop hands
-    ``PagedOptions.kernel_tuning``); an unknown key or a non-positive value is a ConfigError
-    naming the key, at load time."""
-    setup = resolve(
-        *SMALL,
-        "rollout.paged_kernel_tuning.num_warps=4",
-        "rollout.paged_kernel_tuning.pages_per_compute_block=16",
-    )
-    assert setup.sampler.paged_kernel_tuning == (("num_warps", 4), ("pages_per_compute_block", 16))
-    assert resolve(*SMALL).sampler.paged_kernel_tuning == ()
-    # the rollout hands them to the paged engine
+def _paged_options_of_the_rollout(setup: S.Setup):
+    """The ``paged_options`` the trainer's rollout (``collect.sample_completions``) hands
+    ``rollout.generate`` (a stand-in records them and stops the call)."""
     from jaxrl_llm import rollout
     from jaxrl_llm.train import collect
 
@@ -92,7 +83,41 @@ def test_paged_kernel_tuning_reaches_the_sampler_and_bad_keys_are_config_errors(
             collect.sample_completions(
                 setup.models, setup.state.params, setup.sampler, None, None, None
             )
-    assert seen[0].kernel_tuning == setup.sampler.paged_kernel_tuning
+    return seen[0]
+
+
+def test_rollout_tensor_parallel_reaches_the_paged_engine_and_bad_values_are_config_errors():
+    """``rollout.tensor_parallel`` becomes the sampler's (and its evaluation's) paged options;
+    a value that does not divide the devices, a negative one, or one with the static engine
+    is a ConfigError naming the key, before anything runs."""
+    setup = resolve(*SMALL, "rollout.tensor_parallel=2")
+    assert setup.sampler.paged_options().tensor_parallel == 2
+    assert setup.sampler.greedy().paged_options().tensor_parallel == 2
+    assert _paged_options_of_the_rollout(setup).tensor_parallel == 2
+    assert resolve(*SMALL).sampler.paged_options().tensor_parallel == 0
+    for bad, fragment in (
+        ("rollout.tensor_parallel=3", "expected a divisor of the rollout's 8 devices"),
+        ("rollout.tensor_parallel=-1", "rollout.tensor_parallel"),
+    ):
+        with pytest.raises(ConfigError, match=fragment):
+            resolve(*SMALL, bad)
+    with pytest.raises(ConfigError, match=r"rollout\.engine = static"):
+        resolve(*SMALL, "rollout.tensor_parallel=2", "rollout.engine=static")
+
+
+def test_paged_kernel_tuning_reaches_the_sampler_and_bad_keys_are_config_errors():
+    """``rollout.paged_kernel_tuning`` becomes the sampler's sorted pairs (what the loop hands
+    ``PagedOptions.kernel_tuning``); an unknown key or a non-positive value is a ConfigError
+    naming the key, at load time."""
+    setup = resolve(
+        *SMALL,
+        "rollout.paged_kernel_tuning.num_warps=4",
+        "rollout.paged_kernel_tuning.pages_per_compute_block=16",
+    )
+    assert setup.sampler.paged_kernel_tuning == (("num_warps", 4), ("pages_per_compute_block", 16))
+    assert resolve(*SMALL).sampler.paged_kernel_tuning == ()
+    # the rollout hands them to the paged engine
+    assert _paged_options_of_the_rollout(setup).kernel_tuning == setup.sampler.paged_kernel_tuning
     for bad, fragment in (
         ("rollout.paged_kernel_tuning.warps=4", "has an unknown key 'warps'; expected some of"),
         ("rollout.paged_kernel_tuning.num_stages=0", "['num_stages'] must be an int >= 1, got 0"),
