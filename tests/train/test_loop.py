@@ -205,3 +205,26 @@ def test_one_loop_step_per_kind_of_recipe(tmp_path, monkeypatch, name, overrides
     assert final["step"] == 1 and final["update/nonfinite"] == 0
     assert {"where": "jaxrl-llm train"} in guarded
     assert {"where": "rollout.generate"} in guarded  # dpo: its evaluation samples
+
+
+@pytest.mark.slow  # ~30 s: 4 two-device engines compile their programs
+def test_a_lora_run_samples_on_tensor_parallel_engines(tmp_path, monkeypatch):
+    """``rollout.tensor_parallel=2`` on an FSDP mesh of 8: the trainer's rollouts (training and
+    evaluation, on the LoRA-merged weights) run on 4 engines of 2 devices, and the step ends
+    with finite metrics."""
+    from jaxrl_llm.rollout import paged_dp
+
+    regrouped = []
+    real = paged_dp.regroup
+    monkeypatch.setattr(paged_dp, "regroup", lambda *a: regrouped.append(a[3]) or real(*a))
+    config = H.config(
+        "algorithms/grpo.yaml", *SMALL, *VARIED, "data.eval_size=4", "rollout.prompts_per_step=4",
+        "rollout.num_samples=2", "rollout.max_new_tokens=6", "rollout.engine=auto",
+        "mesh.preset=fsdp", "mesh.data=1", "mesh.fsdp=8", "rollout.tensor_parallel=2",
+        "model.lora.rank=4",
+    )  # fmt: skip
+    final = loop.train(config, run_dir=tmp_path, progress=False, log=lambda *_: None)
+    assert final["step"] == 1 and final["update/nonfinite"] == 0
+    assert np.isfinite(final["eval/reward_mean"]) and np.isfinite(final["actor/grad_norm"])
+    assert final["response_length/mean"] > 0
+    assert len(regrouped) >= 3 and set(regrouped) == {2}  # eval, rollout, eval
