@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -238,10 +239,21 @@ def _tensor_specs(
 ) -> list[PartitionSpec]:
     """Each leaf's spec on a :func:`regroup_mesh` mesh: heads, MLP and vocabulary split over
     ``tensor`` (``models.sharding.FSDP_TP_RULES``, the batch axes of size 1 there), a dim the
-    axis does not divide replicated (logged)."""
+    axis does not divide replicated (quietly: a quantized base's block scales have such dims;
+    heads that do not divide get one warning, as the engine's attention then runs whole)."""
+    cfg = paged.model_config(graphdef, params)
+    t = rmesh.shape["tensor"]
+    if cfg.num_heads % t or cfg.num_kv_heads % t:
+        warnings.warn(
+            f"generate(engine='paged'): tensor_parallel={t} does not divide the model's "
+            f"{cfg.num_heads} query / {cfg.num_kv_heads} KV heads; the projections of the "
+            "heads it does not divide stay whole on each engine's device (the MLP and "
+            "vocabulary still split; the attention kernels fall back to the reference)",
+            stacklevel=3,
+        )
     axes = jax.tree.leaves(_engine_axes(graphdef, params), is_leaf=_is_axes)
     return [
-        sharding.logical_to_spec(a, x.shape, rmesh, sharding.FSDP_TP_RULES)
+        sharding.logical_to_spec(a, x.shape, rmesh, sharding.FSDP_TP_RULES, warn=False)
         for a, x in zip(axes, jax.tree.leaves(params), strict=True)
     ]
 

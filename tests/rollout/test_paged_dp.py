@@ -403,6 +403,18 @@ def test_tensor_parallel_engines_on_an_fsdp_mesh_give_the_one_device_tokens(
     assert {s[2:] for s in pool_specs} == {(cfg.num_kv_heads // 2, cfg.head_dim)}
 
 
+def test_heads_a_tensor_parallel_does_not_divide_are_replicated_with_one_warning(model):
+    """t = 4 and the tiny model's 2 KV heads: the attention projections stay whole on each
+    engine's devices (warned), the MLP still splits; nothing else is logged per leaf."""
+    mesh, (graphdef, params) = on_mesh(model, dict(fsdp=8))
+    with pytest.warns(UserWarning, match="does not divide the model's 4 query / 2 KV heads"):
+        _, weights = paged_dp.regroup(graphdef, mesh, paged.engine_params(params), 4)
+    layer = weights.layers[0]
+    assert layer["self_attn"]["k_proj"]["kernel"].sharding.is_fully_replicated
+    up = layer["mlp"]["up_proj"]["kernel"]  # [embed, mlp]
+    assert up.addressable_shards[0].data.shape == (up.shape[0], up.shape[1] // 4)
+
+
 @pytest.mark.parametrize(
     ("t", "match"),
     [(3, "dividing the parameters' mesh's 8 devices"), (0.5, "int >= 0"), (-1, "int >= 0")],
