@@ -403,6 +403,44 @@ def test_tensor_parallel_engines_on_an_fsdp_mesh_give_the_one_device_tokens(
     assert {s[2:] for s in pool_specs} == {(cfg.num_kv_heads // 2, cfg.head_dim)}
 
 
+def test_a_tensor_parallel_decode_communicates_activations_only(model):
+    """A two-device engine's decode program (regrouped from FSDP): its collectives are the
+    Megatron pattern's, on ``[rows, hidden]`` activations (after each attention and MLP output
+    projection), the embedding lookup and the vocabulary-split logits (gathered for
+    sampling); none moves the page pool or a weight, which stay where they are split."""
+    import re
+
+    mesh, (graphdef, params) = on_mesh(model, dict(fsdp=8))
+    rmesh, weights = paged_dp.regroup(graphdef, mesh, paged.engine_params(params), 2)
+    sub = paged_dp.data_shard_meshes(rmesh)[0]
+    local = paged_dp.shard_params(weights, rmesh, [sub])[0]
+    cfg, rows = model.config, 8
+    options = paged.resolve_options(
+        SMALL, num_seqs=rows, num_samples=G, longest_prompt=12, max_new_tokens=T
+    )
+    worst = paged.worst_case_programs(
+        cfg, local, options, None, num_prompts=rows // G, num_samples=G, longest_prompt=12,
+        max_new_tokens=T, greedy=False, top_k=0, top_p=1.0, pad_token_id=0,
+        cache_dtype=jnp.float32, num_stop_ids=8,
+        sharding=jax.sharding.NamedSharding(sub, jax.P()),
+    )  # fmt: skip
+    with jax.set_mesh(sub):
+        call = worst.decode
+        text = call.fn.lower(graphdef, *call.args, static=call.static).compile().as_text()
+    found = re.findall(
+        r"= \w+\[([\d,]*)\]\S* (all-gather|all-reduce|reduce-scatter|all-to-all)\(", text
+    )
+    sizes = [int(np.prod([int(d) for d in shape.split(",") if d])) for shape, _ in found]
+    reduced = [s for (shape, op), s in zip(found, sizes, strict=True) if op == "all-reduce"]
+    n = call.rows  # the decode's row bucket (SMALL's 4 slots)
+    assert reduced.count(n * cfg.hidden_size) >= 2 * cfg.num_layers  # o_proj, down_proj
+    # The largest: the vocabulary-split logits gathered for sampling ([rows, vocab], padded).
+    biggest = n * max(cfg.hidden_size, -(-cfg.vocab_size // 128) * 128)
+    pool_layer = options.num_pages * options.page_size * cfg.num_kv_heads * cfg.head_dim
+    too_big = [f for f, size in zip(found, sizes, strict=True) if size > biggest]
+    assert not too_big and biggest < pool_layer, too_big
+
+
 def test_heads_a_tensor_parallel_does_not_divide_are_replicated_with_one_warning(model):
     """t = 4 and the tiny model's 2 KV heads: the attention projections stay whole on each
     engine's devices (warned), the MLP still splits; nothing else is logged per leaf."""
