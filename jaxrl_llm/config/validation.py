@@ -912,7 +912,8 @@ def placement_device_counts(
 
 def _check_rollout_tensor_parallel(config: TrainConfig, n_rollout: int, local: int) -> None:
     """``rollout.tensor_parallel`` t: the paged engine's devices per engine, so t divides the
-    rollout's devices and each process's (an engine's devices belong to one process)."""
+    rollout's devices and each process's share of them, ``local`` (an engine's devices
+    belong to one process)."""
     t = 0 if config.rollout is None else config.rollout.tensor_parallel
     if not t:
         return
@@ -954,7 +955,7 @@ def check_devices(
             devices=f"rollout devices (of {device_count})",
         )
     sizes = mesh_axis_sizes(config.mesh, n_train, devices=devices)
-    _check_rollout_tensor_parallel(config, n_rollout, device_count // max(process_count, 1))
+    _check_rollout_tensor_parallel(config, n_rollout, n_rollout // max(process_count, 1))
     dp = sizes["data"] * sizes["fsdp"]
     batch, update = config.batch_size, config.update_batch_size
     minibatch = update // config.optim.num_minibatches
