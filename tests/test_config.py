@@ -154,6 +154,20 @@ def test_tiny_is_the_tiny_random_model():
     assert C.check_devices(c, 8) == {"data": 1, "fsdp": 1, "tensor": 1}
 
 
+def test_rollout_tensor_parallel_divides_each_processs_rollout_devices():
+    """Colocated, the engines' t divides each process's devices; split, each process's share
+    of the rollout devices (placement.rollout_fraction of its own)."""
+    tp = ["rollout.engine=auto", "rollout.tensor_parallel=4"]
+    assert C.check_devices(load_config(CONFIGS / "tiny.yaml", tp), 8)
+    with pytest.raises(ConfigError, match="each process's 2"):
+        C.check_devices(load_config(CONFIGS / "tiny.yaml", tp), 8, process_count=4)
+    split = ["placement.mode=split", "placement.rollout_fraction=0.25", "rollout.num_samples=2"]
+    with pytest.raises(ConfigError, match="the rollout's 2 devices"):
+        C.check_devices(load_config(CONFIGS / "tiny.yaml", [*split, *tp]), 8)
+    ok = [*split, "rollout.engine=auto", "rollout.tensor_parallel=2"]
+    assert C.check_devices(load_config(CONFIGS / "tiny.yaml", ok), 8)
+
+
 def test_pod_configs_need_a_model_path():
     for path in POD_YAML:
         with pytest.raises(ConfigError, match=r"model\.path is required"):
