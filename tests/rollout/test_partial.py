@@ -64,7 +64,7 @@ def test_segmented_equals_one_shot_with_the_same_weights(tiny_pair, sampling):
 
 
 def test_tensor_parallel_segments_equal_one_shot(tiny_pair):
-    """``tensor_parallel=2`` on an FSDP mesh of 8: each segment on 4 two-device engines (the
+    """``tensor_parallel=2`` on an FSDP mesh of 4: each segment on 2 two-device engines (the
     weights split over each engine's devices), the one-device one-shot tokens."""
     from jaxrl_llm.models import sharding
 
@@ -73,7 +73,7 @@ def test_tensor_parallel_segments_equal_one_shot(tiny_pair):
     rng = jax.random.key(5)
     ref = one_shot(model, ids, mask, rng=rng, temperature=1.0)
     graphdef, state = nnx.split(model)
-    mesh = sharding.make_mesh(fsdp=8)
+    mesh = sharding.make_mesh(fsdp=4, devices=jax.devices()[:4])
     params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh))
     options = dataclasses.replace(SMALL, tensor_parallel=2)
     out = partial.generate_partial(
