@@ -917,8 +917,9 @@ class PagedRollout:
       options: the :class:`~jaxrl_llm.rollout.paged.PagedOptions` that engine resolves
         (``num_slots``, ``num_pages``, ``page_size``, ...).
       attention: the attention backend compiled (``reference``, ``ragged_tpu``, ...).
-      pool: the preallocated page pool's bytes (per device: one engine's whole pool,
-        replicated over its devices; ``total``: the ``engines`` pools).
+      pool: the preallocated page pool's bytes (per device: one engine's pool on one of its
+        devices, split by KV head over a ``tensor`` axis that divides them, else whole;
+        ``total``: the ``engines`` pools).
       prefill: the largest prefill call, ``prefill_rows`` rows × ``prefill_tokens`` tokens over
         a ``prefill_table_pages``-page table.
       decode: the largest decode dispatch, ``decode_rows`` slots × ``steps_per_dispatch`` steps
@@ -948,9 +949,11 @@ class PagedRollout:
     def describe(self) -> str:
         """``paged engine (decode 64 slots, 129 pages of 16 tokens, ...)`` for the table."""
         o = self.options
-        per = (
-            f" per engine, {self.engines} engines (one per data shard)" if self.engines > 1 else ""
-        )
+        t = getattr(o, "tensor_parallel", 0)
+        each = f" of {t} devices" if t > 1 else ""
+        per = f" per engine, {self.engines} engines{each}" if self.engines > 1 or t > 1 else ""
+        if self.engines > 1 and not t:
+            per += " (one per data shard)"
         return (
             f"paged engine (decode {self.decode_rows} slots over {self.decode_table_pages}-page "
             f"tables, prefill {self.prefill_rows}x{self.prefill_tokens} tokens; a pool "

@@ -822,6 +822,7 @@ def test_tiny_plan_on_a_tpu_topology():
     assert tg.attention == "ragged_tpu" and (tg.engines, tg.prompts) == (2, 1)
     assert tg.pool.per_device == pg.pool.per_device // 2 and tg.pool.replicated == 0
     assert tg.decode.arguments < pg.decode.arguments
+    assert "per engine, 2 engines of 2 devices; ragged_tpu attention" in tg.describe()
 
 
 @pytest.mark.parametrize("attention, kernels", [("auto", True), ("reference", False)])
