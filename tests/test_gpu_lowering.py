@@ -268,3 +268,42 @@ def test_bench_accelerator_mfu_program_lowers_for_cuda(hopper):
     calls = custom_calls(lowered)
     assert calls[CUDNN_FWD] >= 1 and calls[CUDNN_BWD] >= 1, calls
     assert not float32_dots(lowered)  # the LM head's backward dots included
+
+
+def test_tensor_parallel_engine_programs_lower_for_cuda_per_device(hopper):
+    """A two-GPU paged engine (``tensor_parallel=2``, regrouped from an FSDP mesh; CPU devices
+    stand in for the GPUs): its decode and prefill lower for CUDA with the kernels inside the
+    per-device ``shard_map`` (decode: the Pallas kernel's Triton lowering once per layer;
+    prefill: cuDNN), each device on its own heads."""
+    from jaxrl_llm.rollout import paged, paged_dp
+
+    _, cfg = gpu_config()
+    graphdef, params = abstract_model(cfg)
+    rmesh = paged_dp.regroup_mesh(shd.make_mesh(fsdp=4, devices=jax.devices()[:4]), 2)
+    engine = paged_dp.data_shard_meshes(rmesh)[0]
+    args = paged_dp.abstract_regroup(
+        graphdef, paged.abstract_engine_params(params, jnp.bfloat16), rmesh
+    )
+    args = paged_dp.abstract_shard_params(args, rmesh, engine)
+    options = paged.resolve_options(
+        paged.PagedOptions(num_slots=6), num_seqs=6, num_samples=2, longest_prompt=40,
+        max_new_tokens=24,
+    )  # fmt: skip
+    kernel = paged.attention_kernel(cfg, options, jnp.bfloat16, mesh=engine, platform="gpu")
+    assert kernel is not None and kernel.name == "pallas_gpu" and kernel.prefill_impl == "cudnn"
+    worst = paged.worst_case_programs(
+        cfg, args, options, kernel, num_prompts=3, num_samples=2, longest_prompt=40,
+        max_new_tokens=24, greedy=False, top_k=0, top_p=1.0, pad_token_id=0,
+        cache_dtype=jnp.bfloat16, num_stop_ids=8,
+        sharding=jax.sharding.NamedSharding(engine, jax.P()),
+    )  # fmt: skip
+    texts = {}
+    for which in ("decode", "prefill"):
+        call = getattr(worst, which)
+        with jax.set_mesh(engine), warnings.catch_warnings():
+            traced = call.fn.trace(graphdef, *call.args, static=call.static)
+            texts[which] = traced.lower(lowering_platforms=("cuda",)).as_text()
+    calls = {w: set(re.findall(r"custom_call @([^(\s]+)\(", t)) for w, t in texts.items()}
+    assert calls == {"decode": {TRITON}, "prefill": {CUDNN_FWD}}, calls
+    assert len(re.findall(r"call @paged_attention\b", texts["decode"])) == cfg.num_layers
+    assert all("sdy.manual_computation" in t or "shard_map" in t for t in texts.values())
