@@ -982,6 +982,10 @@ def plan_paged_rollout(
     (:func:`~jaxrl_llm.rollout.paged.worst_case_programs`), as ``generate(engine="paged")``
     runs them in the trainer (``collect.sample_completions``):
 
+    - with ``rollout.tensor_parallel`` t, the mesh first regrouped into engines of t devices
+      and the parameters split over each (:func:`~jaxrl_llm.rollout.paged_dp.regroup_mesh`,
+      :func:`~jaxrl_llm.rollout.paged_dp.abstract_regroup`; on a TPU one engine's programs
+      compile on the lowest-numbered chips, :func:`_on_lowest_ids`);
     - on a mesh whose ``data`` × ``fsdp`` size D is > 1, one engine per data shard
       (:mod:`~jaxrl_llm.rollout.paged_dp`): the largest shard's ``⌈B / D⌉`` prompts, on its
       sub-mesh, the parameters resharded without the batch axes
@@ -2179,6 +2183,8 @@ def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
         merged = {}
         for _, overrides in found:
             merged.update(o.split("=", 1) for o in overrides)
+        if "rollout.tensor_parallel" in merged:  # the two rollout changes are alternatives
+            merged.pop("rollout.engine", None)
         found.append(("all of the above", [f"{k}={v}" for k, v in merged.items()]))
     if config.model.lora is None:  # changes what is trained: offered apart, last
         critic = bool(plan.critic.total)

@@ -759,6 +759,11 @@ def test_a_paged_rollout_that_sets_the_peak_suggests_the_static_engine():
     assert split.paged.pool.per_device == plan.paged.pool.per_device // 2
     assert split.paged.decode.arguments < plan.paged.decode.arguments
     assert tp not in [o for _, o in P.candidates(apply_overrides(config, tp), Peak("rollout"))]
+    # "All of the above" keeps the paged engine with its tensor parallelism (the two rollout
+    # changes are alternatives: tensor_parallel with the static engine is a config error).
+    (together,) = [o for w, o in P.candidates(config, Peak("rollout")) if w == "all of the above"]
+    assert "rollout.tensor_parallel=2" in together and "rollout.engine=static" not in together
+    apply_overrides(config, together)  # a valid config
 
 
 def test_suggestions_are_replanned(monkeypatch, capsys):
