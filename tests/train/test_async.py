@@ -334,7 +334,7 @@ SPLIT = ["mesh.data=4", "rollout.prompts_per_step=4"]
 SPLIT_ON = ["placement.mode=split", "placement.rollout_fraction=0.5"]
 
 
-def test_split_placement_at_staleness_zero_equals_colocated(tmp_path):
+def test_split_placement_at_staleness_zero_equals_colocated(tmp_path, monkeypatch):
     colocated = H.config("tiny.yaml", "train.max_steps=2", *SPLIT, *BASE)
     split = H.config("tiny.yaml", "train.max_steps=2", *SPLIT, *BASE, *SPLIT_ON)
     loop.train(colocated, run_dir=tmp_path / "colocated", progress=False, log=_quiet)
@@ -352,6 +352,21 @@ def test_split_placement_at_staleness_zero_equals_colocated(tmp_path):
     assert [r["sync/version"] for r in rb] == [1.0, 2.0]
     assert all(r["sync/bytes"] == n_bytes and r["sync/seconds"] > 0 for r in rb)
     assert all(r["async/staleness_max"] == 0 for r in rb)
+    # The rollout devices regrouped into 2 two-device paged engines (rollout.tensor_parallel):
+    # the same completions, the same update.
+    from jaxrl_llm.rollout import paged_dp
+
+    regrouped, real = [], paged_dp.regroup
+    monkeypatch.setattr(paged_dp, "regroup", lambda *a: regrouped.append(a[1]) or real(*a))
+    tp = H.config(
+        "tiny.yaml", "train.max_steps=2", *SPLIT, *BASE, *SPLIT_ON, "rollout.tensor_parallel=2"
+    )
+    loop.train(tp, run_dir=tmp_path / "tp", progress=False, log=_quiet)
+    assert len(regrouped) == 2 and all(m.size == 4 for m in regrouped)  # the rollout mesh
+    c = jax.device_get(_final_state(tp, tmp_path / "tp"))
+    assert H.tree_max_diff(a.params, c.params) <= 1e-6
+    rc = M.read_metrics(tmp_path / "tp")
+    assert [x["reward/mean"] for x in ra] == [z["reward/mean"] for z in rc]
 
 
 # ---------------------------------------------------------------------------------------------
