@@ -2315,7 +2315,13 @@ def preflight(config: Any, *, log: Any = print) -> Plan:
             f"device ({plan.peak_program}) of {_mib(plan.target.hbm_bytes)} "
             f"({plan.target.hbm_source}), {_mib(-plan.margin)} over; nothing was loaded. "
             "`jaxrl-llm plan --config ... --devices N --device-memory SIZE` re-plans suggested "
-            "changes (FSDP, remat, micro-batches, LoRA); train.preflight=false skips this check"
+            "changes (FSDP, remat, micro-batches, LoRA"
+            + (
+                ", paged engines of several devices: rollout.tensor_parallel"
+                if plan.rollout_engine == "paged" and plan.peak_program.endswith("rollout")
+                else ""
+            )
+            + "); train.preflight=false skips this check"
         )
     return plan
 

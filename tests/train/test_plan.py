@@ -1014,6 +1014,7 @@ def test_preflight_refuses_a_run_that_does_not_fit_before_writing(tmp_path, caps
     assert code == 2 and "Traceback" not in out.err
     assert out.err.startswith("jaxrl-llm train: train.preflight: the run does not fit")
     assert "of 1.0 MiB (test limit)" in out.err and "nothing was loaded" in out.err
+    assert "rollout.tensor_parallel" not in out.err  # named only where the rollout is the peak
     assert "DOES NOT FIT" in out.out and "update peak" in out.out  # the table was printed
     assert not run.exists()  # as a refused config: nothing written, not even the folder
 
