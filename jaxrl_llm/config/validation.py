@@ -917,10 +917,13 @@ def _check_rollout_tensor_parallel(config: TrainConfig, n_rollout: int, local: i
     t = 0 if config.rollout is None else config.rollout.tensor_parallel
     if not t:
         return
-    if config.rollout.engine == "static":
+    r = config.rollout
+    never_stops = r.stop_token_ids is not None and len(r.stop_token_ids) == 0
+    if r.engine == "static" or (r.engine == "auto" and never_stops):
+        why = "static" if r.engine == "static" else "auto with stop_token_ids = [] (static)"
         raise ConfigError(
             f"rollout.tensor_parallel = {t}: it sizes the paged engines, but rollout.engine = "
-            "static (set rollout.engine: paged or auto, or rollout.tensor_parallel: 0)"
+            f"{why} (set rollout.engine: paged, or rollout.tensor_parallel: 0)"
         )
     if n_rollout % t or local % t:
         raise ConfigError(

@@ -103,6 +103,8 @@ def test_rollout_tensor_parallel_reaches_the_paged_engine_and_bad_values_are_con
             resolve(*SMALL, bad)
     with pytest.raises(ConfigError, match=r"rollout\.engine = static"):
         resolve(*SMALL, "rollout.tensor_parallel=2", "rollout.engine=static")
+    with pytest.raises(ConfigError, match=r"auto with stop_token_ids = \[\] \(static\)"):
+        resolve(*SMALL, "rollout.tensor_parallel=2", "rollout.stop_token_ids=[]")
 
 
 def test_paged_kernel_tuning_reaches_the_sampler_and_bad_keys_are_config_errors():
