@@ -68,6 +68,15 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
         help="the paged engine's attention: auto (the platform's kernel where it serves the "
         "model, else reference), reference, pallas_gpu or ragged_tpu",
     )
+    p.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=0,
+        metavar="T",
+        help="load the weights sharded over all devices (FSDP) and sample on paged engines of "
+        "T devices each, the weights split over them (a model larger than one device; "
+        "docs/rollout.md); 0: one device",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per completion")
     p.set_defaults(func=run_generate)
     return p
@@ -102,6 +111,10 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--top-k {args.top_k}: expected an integer ≥ 0 (0 keeps all tokens)"
     if not 0 < args.top_p <= 1:
         return f"--top-p {args.top_p}: expected a number in (0, 1]"
+    if args.tensor_parallel < 0:
+        return f"--tensor-parallel {args.tensor_parallel}: expected an integer ≥ 0"
+    if args.tensor_parallel and args.engine == "static":
+        return "--tensor-parallel: the paged engine's option; drop --engine static"
     return None
 
 
@@ -110,6 +123,7 @@ def run_generate(args: argparse.Namespace) -> int:
     import jax
 
     from jaxrl_llm import models
+    from jaxrl_llm.models import sharding
     from jaxrl_llm.rollout import paged
     from jaxrl_llm.rollout.engine import generate
     from jaxrl_llm.rollout.text import decode_completions, encode_prompts
@@ -128,7 +142,10 @@ def run_generate(args: argparse.Namespace) -> int:
                 f"--max-new-tokens {args.max_new_tokens}: expected fewer than the model's "
                 f"context of {found[0]} tokens ({found[1]}), which also holds the prompt"
             )
-        model = models.from_pretrained(path, dtype=args.dtype)
+        mesh, rules = None, sharding.DEFAULT_RULES  # --tensor-parallel: FSDP over every device
+        if args.tensor_parallel:
+            mesh, rules = sharding.preset("fsdp")
+        model = models.from_pretrained(path, dtype=args.dtype, mesh=mesh, rules=rules)
         tokenizer = models.load_tokenizer(path)
     except (FileNotFoundError, ValueError, OSError) as exc:  # ModelLoadError is a ValueError
         return _error(f"cannot load model {args.model or 'default'!r}: {exc}")
@@ -151,7 +168,9 @@ def run_generate(args: argparse.Namespace) -> int:
             top_k=args.top_k,
             top_p=args.top_p,
             engine=args.engine,
-            paged_options=paged.PagedOptions(attention=args.paged_attention),
+            paged_options=paged.PagedOptions(
+                attention=args.paged_attention, tensor_parallel=args.tensor_parallel
+            ),
         )
         out = jax.device_get(out)
         seconds = time.perf_counter() - start

@@ -87,6 +87,15 @@ def test_generate_engines_agree_and_the_choices_are_the_libraries(tiny_checkpoin
             json.loads(line)["completion"] for line in capsys.readouterr().out.split("\n") if line
         ]
     assert texts["static"] == texts["paged"] == texts["auto"]
+    # Loaded sharded over the 8 devices and sampled on 4 two-device engines: the same text.
+    assert run_generate(parse(*greedy, "--tensor-parallel", "2")) == 0
+    out = capsys.readouterr().out
+    assert [json.loads(line)["completion"] for line in out.split("\n") if line] == texts["auto"]
+    for bad, said in (("-1", "expected an integer ≥ 0"), ("3", "dividing the parameters' mesh")):
+        assert run_generate(parse(*greedy, "--tensor-parallel", bad)) == 2
+        assert said in capsys.readouterr().err
+    assert run_generate(parse(*greedy, "--tensor-parallel", "2", "--engine", "static")) == 2
+    assert "drop --engine static" in capsys.readouterr().err
     assert parse(*greedy).engine == "auto" and parse(*greedy).paged_attention == "auto"
     parser = argparse.ArgumentParser(prog="jaxrl-llm")
     sub = add_generate_parser(parser.add_subparsers(dest="command", required=True))
