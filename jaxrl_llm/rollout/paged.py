@@ -1455,11 +1455,6 @@ def _tensor_parallel_refusal(cfg: Any, mesh: jax.sharding.Mesh) -> str | None:
     return None
 
 
-def model_config(graphdef: nnx.GraphDef, params: EngineParams) -> Any:
-    """The model's config from the engine's weights (:class:`EngineParams`)."""
-    return _model_config(graphdef, params.rest, params.layers)
-
-
 def _model_config(
     graphdef: nnx.GraphDef, params: Params, layers_l: LayerParams | None = None
 ) -> Any:

@@ -225,13 +225,13 @@ def _is_axes(x: Any) -> bool:
     return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
 
-def _engine_axes(graphdef: nnx.GraphDef, params: paged.EngineParams) -> paged.EngineParams:
-    """The logical axis names of each leaf of ``params`` (the graph's metadata), as an
-    :class:`~jaxrl_llm.rollout.paged.EngineParams` of tuples: a layer slice's are its stacked
-    leaf's without the first (layer) axis."""
-    axes = sharding.logical_axes(nnx.merge(graphdef, paged.stacked_shapes(params)))
+def _engine_axes(lm: nnx.Module, num_layers: int) -> paged.EngineParams:
+    """The logical axis names of each leaf of the engine's weights (the model ``lm``'s
+    metadata), as an :class:`~jaxrl_llm.rollout.paged.EngineParams` of tuples: a layer
+    slice's are its stacked leaf's without the first (layer) axis."""
+    axes = sharding.logical_axes(lm)
     one = jax.tree.map(lambda a: a[1:], axes["model"]["layers"], is_leaf=_is_axes)
-    return paged.EngineParams(paged.without_layers(axes), (one,) * len(params.layers))
+    return paged.EngineParams(paged.without_layers(axes), (one,) * num_layers)
 
 
 def _tensor_specs(
@@ -241,8 +241,8 @@ def _tensor_specs(
     ``tensor`` (``models.sharding.FSDP_TP_RULES``, the batch axes of size 1 there), a dim the
     axis does not divide replicated (quietly: a quantized base's block scales have such dims;
     heads that do not divide get one warning, as the engine's attention then runs whole)."""
-    cfg = paged.model_config(graphdef, params)
-    t = rmesh.shape["tensor"]
+    lm = nnx.merge(graphdef, paged.stacked_shapes(params))  # shapes only: config, metadata
+    cfg, t = lm.config, rmesh.shape["tensor"]
     if cfg.num_heads % t or cfg.num_kv_heads % t:
         warnings.warn(
             f"generate(engine='paged'): tensor_parallel={t} does not divide the model's "
@@ -251,7 +251,7 @@ def _tensor_specs(
             "vocabulary still split; the attention kernels fall back to the reference)",
             stacklevel=3,
         )
-    axes = jax.tree.leaves(_engine_axes(graphdef, params), is_leaf=_is_axes)
+    axes = jax.tree.leaves(_engine_axes(lm, len(params.layers)), is_leaf=_is_axes)
     return [
         sharding.logical_to_spec(a, x.shape, rmesh, sharding.FSDP_TP_RULES, warn=False)
         for a, x in zip(axes, jax.tree.leaves(params), strict=True)

@@ -2146,8 +2146,8 @@ def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
         )
     dp = sizes["data"] * sizes["fsdp"]
     paged_peak = plan.rollout_engine == "paged" and plan.peak_program.endswith("rollout")
-    t = _rollout_tensor_parallel(plan) if paged_peak and plan.split is None else 1
-    if t > config.rollout.tensor_parallel if paged_peak else False:
+    t = _rollout_tensor_parallel(plan) if paged_peak and plan.split is None else 0
+    if t and t > config.rollout.tensor_parallel:
         found.append(
             (
                 f"paged engines of {t} devices each, the weights split over them (each of "
