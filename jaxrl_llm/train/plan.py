@@ -2205,11 +2205,12 @@ def candidates(config: Any, plan: Plan) -> list[tuple[str, list[str]]]:
 def _rollout_tensor_parallel(plan: Plan) -> int:
     """The devices per paged engine :func:`candidates` suggests: the largest of 8, 4, 2 that
     divides each process's devices (an engine's devices belong to one host, as vLLM's
-    tensor-parallel group does) and the query and KV heads; 1 when none does."""
+    tensor-parallel group does) and the query and KV heads; 0 (nothing to suggest) when none
+    does: engines of one device are what the run has already."""
     devices = target_devices(plan.target)
     local = len(devices) // len({d.process_index for d in devices})
     heads = (plan.model["heads"], plan.model["kv_heads"])
-    return next((t for t in (8, 4, 2) if local % t == 0 and all(h % t == 0 for h in heads)), 1)
+    return next((t for t in (8, 4, 2) if local % t == 0 and all(h % t == 0 for h in heads)), 0)
 
 
 def suggestions(config: Any, plan: Plan) -> list[dict[str, Any]]:

@@ -738,8 +738,9 @@ def test_a_paged_rollout_that_sets_the_peak_suggests_the_static_engine():
     assert plan.rollout_engine == "paged"
 
     class Peak:  # the plan, with the peak program said to be `program`
-        def __init__(self, program):
+        def __init__(self, program, **model):
             self.peak_program = program
+            self.model = {**plan.model, **model}
 
         def __getattr__(self, name):
             return getattr(plan, name)
@@ -759,6 +760,9 @@ def test_a_paged_rollout_that_sets_the_peak_suggests_the_static_engine():
     assert split.paged.pool.per_device == plan.paged.pool.per_device // 2
     assert split.paged.decode.arguments < plan.paged.decode.arguments
     assert tp not in [o for _, o in P.candidates(apply_overrides(config, tp), Peak("rollout"))]
+    # Heads no engine size divides (SmolLM2's 9 / 3): no tensor-parallel suggestion at all.
+    odd = [o for _, o in P.candidates(config, Peak("rollout", heads=9, kv_heads=3))]
+    assert not any(x.startswith("rollout.tensor_parallel") for o in odd for x in o)
     # "All of the above" keeps the paged engine with its tensor parallelism (the two rollout
     # changes are alternatives: tensor_parallel with the static engine is a config error).
     (together,) = [o for w, o in P.candidates(config, Peak("rollout")) if w == "all of the above"]
