@@ -519,8 +519,7 @@ def _without_stacked_axis(x: Any) -> Any:
 def _slice_cast(stacked: Params, dtype: jnp.dtype | None) -> LayerParams:
     num_layers = jax.tree.leaves(stacked)[0].shape[0]
     return tuple(
-        jax.tree.map(lambda x, i=i: x[i].astype(dtype) if _wider(x, dtype) else x[i], stacked)
-        for i in range(num_layers)
+        cast_wider(jax.tree.map(lambda x, i=i: x[i], stacked), dtype) for i in range(num_layers)
     )
 
 
