@@ -38,7 +38,7 @@ def _wandb_records(run_file: Path) -> list:
             pos += block - pos % block
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        if kind == 0:
+        if kind == 0 or pos + 7 + length > len(data):  # the end, or a chunk still being written
             break
         pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
@@ -53,12 +53,17 @@ def _wandb_records(run_file: Path) -> list:
 def _complete_records(run_file: Path, timeout_s: float = 30.0) -> list:
     """The records of a run file once it ends with the ``exit`` record: ``finish()`` returns
     before W&B's service process has flushed an offline run's file."""
-    deadline = time.monotonic() + timeout_s
+    from google.protobuf.message import DecodeError
+
+    deadline, error = time.monotonic() + timeout_s, None
     while True:
-        records = _wandb_records(run_file)
+        try:
+            records = _wandb_records(run_file)
+        except DecodeError as e:  # read while W&B's service was writing a record
+            records, error = [], e
         if records and records[-1].WhichOneof("record_type") == "exit":
             return records
-        assert time.monotonic() < deadline, f"{run_file} was not completed in {timeout_s} s"
+        assert time.monotonic() < deadline, f"{run_file} not completed in {timeout_s} s ({error})"
         time.sleep(0.1)
 
 
