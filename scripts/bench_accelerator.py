@@ -3,7 +3,7 @@
     python scripts/bench_accelerator.py --out /tmp/bench.json            # the device run
     python scripts/bench_accelerator.py --tiny --out /tmp/bench.json     # CPU, tiny shapes
 
-Eight parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
+Nine parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
 which cannot be reset, is that part's own peak), run in the order of :data:`PARTS`; all shapes
 are random weights from a ``config.json`` (``configs/models/llama-3.2-1b``: Llama-3.2-1B's
 published shapes, 1.236 B parameters), so nothing is downloaded:
@@ -50,6 +50,10 @@ published shapes, 1.236 B parameters), so nothing is downloaded:
              the static engine, whose attention is XLA's too, decoded 1.63x faster than the
              paged one with the Pallas kernel).
 ``decode_static``  the same with the static (dense-cache) engine.
+``update_attention``  the ``plan`` part's fused GRPO update (remat full, 8-sequence
+             micro-batches) with ``model.attention=cudnn`` and with ``pallas_gpu`` (the Pallas
+             Triton flash attention with O(T) segment ids instead of cuDNN's dense
+             ``[B, 1, T, S]`` mask), side by side; the ``check`` part checks the numbers of both.
 ``decode_tuning``  the ``decode`` part, then the decode again with a few other launch
              parameters of the Pallas kernel (``PagedOptions.kernel_tuning``: pages per
              compute block, warps, pipeline stages; the defaults ran at ~35% of HBM bandwidth
@@ -69,11 +73,11 @@ import the working tree), from the repository root::
         --profile /tmp/prof --out $OUT/bench_a.json
     PYTHONPATH=$PWD python3 scripts/bench_accelerator.py \
         --parts decode,decode_dense,decode_static,plan --profile /tmp/prof --out $OUT/bench_b.json
-    PYTHONPATH=$PWD python3 scripts/bench_accelerator.py --parts decode_tuning \
+    PYTHONPATH=$PWD python3 scripts/bench_accelerator.py --parts decode_tuning,update_attention \
         --out $OUT/bench_c.json
 
 (several device commands: the parts need ~600 s there, more than one command's limit; the
-third, ~90 s, only if device time is left).
+third, ~90 + ~40 s, only if device time is left).
 """
 
 from __future__ import annotations
@@ -145,6 +149,15 @@ SHAPES = {
             },
             "steps": 3,
         },
+        "update_attention": {  # cuDNN's dense mask against Pallas's O(T) segment ids
+            "config": TINY_CONFIG,
+            "overrides": [*RUN_1B, "model.remat=full", "optim.micro_batch_size=8"],
+            "variants": {
+                "cudnn": ["model.attention=cudnn"],
+                "pallas_gpu": ["model.attention=pallas_gpu"],
+            },
+            "steps": 3,
+        },
         "check": {"model": MODEL_1B, "layers": 4, "batch": 4, "prompt": 128, "new": 32},
         "mfu": {"model": MODEL_1B, "batch": 8, "seq": 2048, "steps": 5},
         "decode": {"model": MODEL_1B, "batch": 256, "prompt": 128, "new": 256},
@@ -180,6 +193,15 @@ SHAPES = {
             "config": TINY_CONFIG,
             "overrides": ["data.eval_size=0"],
             "variants": {"remat_full": ["model.remat=full"], "no_remat": ["model.remat=none"]},
+            "steps": 1,
+        },
+        "update_attention": {
+            "config": TINY_CONFIG,
+            "overrides": ["data.eval_size=0"],
+            "variants": {
+                "reference": ["model.attention=reference"],
+                "pallas_gpu": ["model.attention=pallas_gpu"],
+            },
             "steps": 1,
         },
         "check": {"model": "tiny-random", "batch": 2, "prompt": 16, "new": 4},
@@ -673,6 +695,13 @@ def check_attention(cfg, batch: int, width: int, rng, kernel=None) -> dict:
     return result
 
 
+def _pallas_gpu_attention(q, k, v, **masks):
+    """``model.attention: pallas_gpu`` (Triton on a GPU, interpret mode elsewhere)."""
+    from jaxrl_llm.models import attention as attn
+
+    return attn.attention(q, k, v, causal=True, implementation="pallas_gpu", **masks)
+
+
 def _graphdef(cfg, **change):
     """The graphdef of a model of ``cfg`` with ``change``d fields (same parameter tree)."""
     import dataclasses
@@ -807,6 +836,9 @@ def part_check(
         "layers": cfg.num_layers,
         "backend": jax.default_backend(),
         "attention": check_attention(cfg, batch, 2 * prompt, rng),
+        "attention_pallas_gpu": check_attention(
+            cfg, batch, 2 * prompt, rng, kernel=_pallas_gpu_attention
+        ),
         "logprob_pass": check_logprob_pass(cfg, graphdef, truth_gd, params, batch, 2 * prompt, rng),
         "paged_sampler": check_paged_sampler(
             cfg, graphdef, truth_gd, params, batch, prompt, new, rng, attention=engine_attention
@@ -1116,6 +1148,7 @@ PARTS = (
     "decode_static",
     "plan",
     "decode_tuning",
+    "update_attention",
 )
 #: Each part's subprocess timeout, seconds (the plan part compiles its two programs twice,
 #: planned and real; the check part took 176 s on the H200 with all 16 layers of the 1B model,
@@ -1130,6 +1163,7 @@ BUDGETS = {
     "decode_static": 120.0,
     "plan": 300.0,
     "decode_tuning": 150.0,
+    "update_attention": 120.0,
 }
 #: The whole run's default limit: a device command may run 600 s, and the machine's start and
 #: the transfers come on top, so 540 s leaves room to see the output.
@@ -1143,7 +1177,7 @@ def run_part(name: str, shapes: dict, num_devices: int | None) -> dict:
         return part_plan(s["config"], list(s["overrides"]), num_devices)
     if name == "mfu":
         return part_mfu(**s)
-    if name == "update":
+    if name in ("update", "update_attention"):
         return part_update(s["config"], list(s["overrides"]), dict(s["variants"]), s["steps"])
     if name == "check":
         return part_check(**s)

@@ -125,6 +125,15 @@ def test_update_part_sweeps_its_variants_on_tiny_shapes(bench):
     json.dumps(d)
 
 
+def test_update_attention_part_runs_both_kernels_on_tiny_shapes(bench):
+    """The ``update_attention`` part's tiny shapes: the fused step with the reference attention
+    and with the Pallas GPU kernel (interpret mode here), both finite, the same model FLOPs."""
+    d = bench.run_part("update_attention", bench.SHAPES["tiny"], None)
+    ref, pallas = (d["variants"][k] for k in ("reference", "pallas_gpu"))
+    assert ref["step_finite"] and pallas["step_finite"], d
+    assert ref["update_model_flops"] == pallas["update_model_flops"] > 0
+
+
 def _write_trace(where, events):
     import gzip
 
@@ -268,6 +277,7 @@ def test_check_part_on_cpu(bench):
     assert d["attention"]["implementation"] == "cudnn (implementation='xla', CPU)"
     assert d["logprob_pass"]["attention"] == "reference"  # CPU: "auto" has no kernel
     assert d["paged_sampler"]["attention"] == "pallas_gpu"
+    assert d["attention_pallas_gpu"]["implementation"] == "_pallas_gpu_attention"  # interpreted
     for case in ("left_padded", "packed"):
         for what in ("out", "grad_q", "grad_k", "grad_v"):
             err = d["attention"][case][what]["bf16_reference"]["rel_l2"]

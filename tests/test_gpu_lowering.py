@@ -126,6 +126,27 @@ def test_update_step_lowers_for_cuda_with_cudnn_attention(hopper, overrides):
     assert not float32_dots(lowered)
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [(), (f"model.path={LLAMA_1B}", "model.remat=full")],
+    ids=["packed", "llama-1b-remat"],
+)
+def test_update_step_lowers_for_cuda_with_pallas_gpu_attention(overrides):
+    """``model.attention=pallas_gpu``: the update's attention is Triton kernels (forward, and the
+    backward's dq and dk/dv), with no cuDNN call and no fallback to the reference attention
+    (whose scores would be float32 dots); packed rows are a multiple of its 16-token block."""
+    config, cfg = gpu_config("model.attention=pallas_gpu", *overrides)
+    recipe = build_recipe(config)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    run = P.abstract_run(config, recipe, mesh, cfg)
+    lowered = P.lower_step(run, config, recipe, platform="gpu", lowering_platforms=("cuda",))
+    calls = custom_calls(lowered)
+    assert calls[TRITON] >= 3 and not calls[CUDNN_FWD] and not calls[CUDNN_BWD], calls
+    assert not float32_dots(lowered)
+    names = set(re.findall(r'name = "(mha_[a-z_]+)"', lowered.as_text()))
+    assert {"mha_forward", "mha_backward"} <= names, names
+
+
 def test_the_1b_update_forms_accelerator_sized_logits_blocks():
     """scripts/bench_accelerator.py's plan-part step (1B, 8 × 8 × (128 + 256) tokens, packed,
     8-sequence micro-batches) planned for an accelerator: the log-prob pass forms logits in

@@ -90,7 +90,7 @@ class ModelLoadConfig:
     # Activation checkpointing per layer (the layers then run as a scan): less memory, more FLOPs.
     remat: Literal["none", "full", "dots", "dots_no_batch"] = "none"
     # Attention kernel: auto (splash on TPU, cudnn on GPU, else reference) or one by name.
-    attention: Literal["auto", "reference", "splash", "cudnn"] = "auto"
+    attention: Literal["auto", "reference", "splash", "cudnn", "pallas_gpu"] = "auto"
     # Let transformers run Python code shipped with the tokenizer; off unless you trust it.
     trust_remote_code: bool = False
     # Read PyTorch .bin (pickle) weights, whose unpickling can run code; off unless trusted.

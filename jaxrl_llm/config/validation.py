@@ -465,7 +465,7 @@ def _check_batch(config: TrainConfig) -> None:
                 "auto or false with model.lora.dropout > 0 (a shared prompt token would need "
                 "one dropout mask per sample)",
             )
-        if config.model.attention in ("splash", "cudnn"):
+        if config.model.attention in ("splash", "cudnn", "pallas_gpu"):
             raise _bad(
                 "train.shared_prompts",
                 share,

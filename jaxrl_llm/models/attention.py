@@ -24,7 +24,12 @@ Implementations (``implementation=``):
   ``SegmentIds`` and a static causal / local mask. Runs on CPU with ``interpret=True`` (tests).
 - ``"cudnn"`` (GPU): ``jax.nn.dot_product_attention(..., implementation="cudnn")`` (cuDNN
   flash attention). Runs on GPU only; the same call with ``implementation="xla"`` (the
-  ``cudnn_xla`` testing form here) runs on CPU and checks the argument wiring.
+  ``cudnn_xla`` testing form here) runs on CPU and checks the argument wiring. Padding and
+  segments go in as a dense ``[B, 1, T, S]`` mask: O(T²) bytes per row and layer.
+- ``"pallas_gpu"`` (GPU): the Pallas/Triton flash attention jax ships
+  (``jax.experimental.pallas.ops.gpu.attention.mha``), whose mask is one int32 segment id per
+  token: O(T) bytes, for the long packed rows where cuDNN's dense mask is the cost. Runs on CPU
+  in interpret mode (the tests). Opt-in: ``"auto"`` keeps cuDNN.
 - ``"auto"``: by the platform traced for (:func:`trace_platform`: ``jax.default_backend()``,
   or the one :func:`for_platform` sets): tpu -> splash, gpu -> cudnn, else reference; the
   reference also where the kernel's requirements are not met or cuDNN is unusable (logged).
@@ -46,8 +51,8 @@ import jax.numpy as jnp
 
 _log = logging.getLogger(__name__)
 
-Implementation = Literal["auto", "reference", "splash", "cudnn"]
-IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "splash", "cudnn")
+Implementation = Literal["auto", "reference", "splash", "cudnn", "pallas_gpu"]
+IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "splash", "cudnn", "pallas_gpu")
 
 _TRACE_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "jaxrl_llm_trace_platform", default=None
@@ -271,7 +276,7 @@ def attention(
       segment_ids_bt: int32 ``[B, T]`` segment of each query, 0 = padding.
       kv_segment_ids_bs: int32 ``[B, S]`` segment of each key; defaults to ``segment_ids_bt``
         (needs ``S == T``).
-      implementation: ``"auto"``, ``"reference"``, ``"splash"`` or ``"cudnn"``.
+      implementation: ``"auto"``, ``"reference"``, ``"splash"``, ``"cudnn"`` or ``"pallas_gpu"``.
 
     Returns:
       ``[B, T, H, Dh]`` in ``q``'s dtype. Rows of padding queries (no allowed key) hold
@@ -301,6 +306,8 @@ def attention(
         return reference_attention(q_bthd, k_bskd, v_bskd, allowed_bts)
     if impl == "splash":
         return splash_attention(q_bthd, k_bskd, v_bskd, **masks)
+    if impl == "pallas_gpu":
+        return pallas_gpu_attention(q_bthd, k_bskd, v_bskd, **masks)
     try:  # jax checks cuDNN's presence, version and shape support while tracing
         return cudnn_attention(q_bthd, k_bskd, v_bskd, **masks)
     except (NotImplementedError, RuntimeError) as e:
@@ -338,7 +345,8 @@ def kernel_problem(
     - splash: ``T`` a multiple of 128 (its blocks are multiples of 128 lanes), float32 or
       bfloat16;
     - cudnn: float16/bfloat16 (cuDNN flash attention has no float32 path), ``Dh`` a multiple
-      of 8 and at most 256 (128 before Hopper), even ``T``, causal.
+      of 8 and at most 256 (128 before Hopper), even ``T``, causal;
+    - pallas_gpu: ``T`` a multiple of 16 (its blocks), ``Dh >= 16``, no sliding window.
     """
     if impl == "reference":
         return None
@@ -352,6 +360,14 @@ def kernel_problem(
             return f"splash attention needs T a multiple of 128, got T={t} (pad the rows)"
         if q_bthd.dtype not in (jnp.float32, jnp.bfloat16):
             return f"splash attention needs float32 or bfloat16, got {q_bthd.dtype}"
+        return None
+    if impl == "pallas_gpu":
+        if t % 16:
+            return f"pallas_gpu attention needs T a multiple of 16, got T={t} (pad the rows)"
+        if hd < 16:
+            return f"pallas_gpu attention needs head_dim >= 16, got {hd}"
+        if window is not None:
+            return "pallas_gpu attention has no sliding window (the model's layers have one)"
         return None
     if cudnn_implementation == "cudnn":
         if q_bthd.dtype not in (jnp.float16, jnp.bfloat16):
@@ -456,6 +472,78 @@ def splash_attention(
             q_bhtd, k_bksd, v_bksd, segments
         )
     return jnp.swapaxes(out_bhtd, 1, 2).astype(q_bthd.dtype)
+
+
+def _pallas_gpu_blocks(length: int) -> int:
+    """The largest Pallas GPU block (128, 64, 32 or 16) that divides ``length``."""
+    return next(b for b in (128, 64, 32, 16) if length % b == 0)
+
+
+def pallas_gpu_attention(
+    q_bthd: jax.Array,
+    k_bskd: jax.Array,
+    v_bskd: jax.Array,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    q_offset: int = 0,
+    kv_mask_bs: jax.Array | None = None,
+    segment_ids_bt: jax.Array | None = None,
+    kv_segment_ids_bs: jax.Array | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """FlashAttention-2 in Pallas/Triton (``jax.experimental.pallas.ops.gpu.attention.mha``,
+    Dao 2023), forward and backward kernels both, with an O(T) mask.
+
+    The kernel reads key ``s`` for query ``t`` where ``seg[b, t] == seg[b, s]`` (and
+    ``s <= t`` when causal), from one int32 id per token. So padding is id 0: a padding key is
+    never read by a real token (ids >= 1), and a padding query reads padding keys (itself at
+    least), a finite output that the callers mask out, as they do the reference's. With key
+    validity alone the ids are ``kv_mask_bs`` (1 valid, 0 padding); with segments, the segment
+    ids with masked keys set to 0. Queries and keys share the one id array, so
+    ``kv_segment_ids_bs`` must be the queries' own (``S == T`` self-attention, as in the
+    trainer). Grouped-query attention: the kernel has no GQA, so the ``K`` key/value heads are
+    repeated to ``H`` (O(T·H·Dh) bytes per row and layer; autodiff sums their gradients back).
+    Blocks: the largest of 128/64/32/16 dividing ``T``, forward; at most 32 in the backward
+    kernels (jax's defaults). ``interpret`` defaults to ``trace_platform() != "gpu"`` (CPU:
+    the tests). XLA cannot partition it: under a multi-device mesh the model runs it per shard.
+    """
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    _require("pallas_gpu", kernel_problem("pallas_gpu", q_bthd, k_bskd, causal, q_offset, window))
+    b, t, h, hd = q_bthd.shape
+    kv_heads = k_bskd.shape[2]
+    if kv_segment_ids_bs is not None and kv_segment_ids_bs is not segment_ids_bt:
+        raise ValueError(
+            "pallas_gpu attention takes one segment id per token for queries and keys alike; "
+            f"got separate kv_segment_ids_bs (shared prompts); {_FALLBACK}"
+        )
+    ids_bt = jnp.ones((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt
+    if kv_mask_bs is not None:
+        ids_bt = jnp.where(kv_mask_bs, ids_bt, 0)
+    blk = _pallas_gpu_blocks(t)
+    back = min(blk, 32)
+    blocks = pallas_attention.BlockSizes(
+        block_q=blk,
+        block_k=blk,
+        block_q_dkv=back,
+        block_kv_dkv=back,
+        block_q_dq=back,
+        block_kv_dq=back,
+    )
+    repeat = h // kv_heads
+    k_bshd = jnp.repeat(k_bskd.astype(q_bthd.dtype), repeat, axis=2)
+    v_bshd = jnp.repeat(v_bskd.astype(q_bthd.dtype), repeat, axis=2)
+    return pallas_attention.mha(
+        q_bthd,
+        k_bshd,
+        v_bshd,
+        None if segment_ids_bt is None and kv_mask_bs is None else ids_bt.astype(jnp.int32),
+        sm_scale=hd**-0.5,
+        causal=causal,
+        block_sizes=blocks,
+        interpret=trace_platform() != "gpu" if interpret is None else interpret,
+    )
 
 
 def cudnn_attention(

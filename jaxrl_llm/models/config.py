@@ -82,7 +82,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: str = "none"
-    # Attention kernel for cache-free forward passes: auto | reference | splash | cudnn.
+    # Attention kernel of cache-free forward passes: auto, reference, splash, cudnn, pallas_gpu.
     attention_impl: str = "auto"
     # Most rows of logits one block of the chunked log-prob pass holds (models/logprobs.py);
     # None: the platform's default (256 on CPU, ~512 MiB of float32 logits on accelerators).

@@ -348,7 +348,7 @@ def from_pretrained(
         architecture (``*ForSequenceClassification`` -> reward). ``"value"`` on a causal-LM
         checkpoint gives a critic with the policy's trunk and a fresh head.
       remat: activation checkpointing per layer: none, full, dots or dots_no_batch.
-      attention_impl: auto, reference, splash or cudnn (see attention.py).
+      attention_impl: auto, reference, splash, cudnn or pallas_gpu (see attention.py).
       allow_pickle: permit PyTorch ``.bin`` weights (pickle; only for trusted checkpoints).
       gguf_file: name of a GGUF file inside ``path``.
       seed: initialises parameters the checkpoint lacks (a new value head).

@@ -22,7 +22,8 @@ Padding is on the left. ``mask_bt`` marks real tokens; position ids default to t
 real tokens before each one, so a left-padded sequence gets the same positions (and logits) as
 the unpadded one. Packed rows carry ``segment_ids_bt`` (several sequences per row, 0 =
 padding): attention stays within a segment and positions restart in each. Attention itself is
-``attention.py`` (reference JAX, splash on TPU, cuDNN on GPU; ``ModelConfig.attention_impl``).
+``attention.py`` (reference JAX, splash on TPU, cuDNN or Pallas on GPU;
+``ModelConfig.attention_impl``).
 """
 
 from __future__ import annotations
@@ -752,7 +753,8 @@ class Decoder(nnx.Module):
         impl: str,
         lora_keys_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, None]:
-        """The cache-free layer scan with a kernel (``splash``, ``cudnn`` or ``auto``) as attention.
+        """The cache-free layer scan with a kernel (``splash``, ``cudnn``, ``pallas_gpu`` or
+        ``auto``) as attention.
 
         Kernels take their window statically: layers are grouped by window and each scan step
         picks its window's kernel with ``lax.switch`` (one branch when all layers agree).
@@ -773,9 +775,9 @@ class Decoder(nnx.Module):
                     q, k, v, causal=True, window=window, implementation=impl, **{name: mask}
                 )
 
-            # A Pallas TPU kernel cannot be partitioned by XLA: run it per shard.
-            splash = attention_lib.resolve_implementation(impl) == "splash"
-            return _per_shard(run, mask.shape[0], *heads) if splash else run
+            # A Pallas kernel (TPU or GPU) cannot be partitioned by XLA: run it per shard.
+            pallas = attention_lib.resolve_implementation(impl) in ("splash", "pallas_gpu")
+            return _per_shard(run, mask.shape[0], *heads) if pallas else run
 
         def attend(branch: jax.Array) -> Attend:
             if len(windows) == 1:

@@ -432,11 +432,12 @@ def update_shape(
 
 def packed_width_multiple(config: TrainConfig, backend: str | None = None) -> int:
     """128 where the policy's attention is splash (its blocks are multiples of 128 lanes, so a
-    packed row of another width would fall back to the reference attention), else 1."""
+    packed row of another width would fall back to the reference attention), 16 under
+    ``pallas_gpu`` (its smallest block), else 1."""
     from jaxrl_llm.models import attention
 
-    splash = attention.resolve_implementation(config.model.attention, backend) == "splash"
-    return 128 if splash else 1
+    impl = attention.resolve_implementation(config.model.attention, backend)
+    return {"splash": 128, "pallas_gpu": 16}.get(impl, 1)
 
 
 def shares_prompts(config: TrainConfig) -> bool:

@@ -260,6 +260,95 @@ def test_cudnn_call_in_xla_form_equals_reference(case):
     np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=2e-6, rtol=1e-5)
 
 
+PALLAS_GPU_CASES = [
+    dict(heads=(4, 2), mask="segments"),  # packed rows, GQA
+    dict(heads=(2, 2), mask="tail"),  # key validity only: tail padding
+    dict(heads=(4, 1), mask="left"),  # key validity only: left-padded rows, as unpacked rows
+]
+
+
+def _short_segments() -> jnp.ndarray:
+    """Two rows of 64: three segments and 6 tail pads; 10 left pads and one segment."""
+    seg = np.zeros((2, 64), np.int32)
+    seg[0, :20], seg[0, 20:40], seg[0, 40:58] = 1, 2, 3
+    seg[1, 10:] = 1
+    return jnp.asarray(seg)
+
+
+def _pallas_gpu_inputs(case: dict) -> tuple[tuple[jax.Array, ...], dict, np.ndarray]:
+    h, k = case["heads"]
+    qkv = _qkv(jax.random.key(5), 2, 64, h, k, 16)
+    seg = _short_segments()
+    if case["mask"] == "segments":
+        return qkv, dict(segment_ids_bt=seg), np.asarray(seg != 0)
+    valid = np.asarray(seg != 0)
+    if case["mask"] == "left":
+        valid = valid[:, ::-1].copy()
+    return qkv, dict(kv_mask_bs=jnp.asarray(valid)), valid
+
+
+@pytest.mark.parametrize("case", PALLAS_GPU_CASES, ids=lambda c: f"{c['heads']}-{c['mask']}")
+def test_pallas_gpu_interpret_equals_reference_values_and_gradients(case):
+    """jax's Pallas/Triton flash attention (interpret mode) with our O(T) id mask: the
+    reference's outputs on real tokens, and its q/k/v gradients (GQA's repeated heads summed)."""
+    qkv, masks, real = _pallas_gpu_inputs(case)
+    weight = jnp.asarray(real, jnp.float32)[:, :, None, None]
+
+    def loss(impl):
+        return lambda *qkv: jnp.sum(weight * attn.attention(*qkv, implementation=impl, **masks))
+
+    out = attn.attention(*qkv, implementation="pallas_gpu", **masks)
+    ref = attn.attention(*qkv, implementation="reference", **masks)
+    assert bool(jnp.all(jnp.isfinite(out)))  # padding queries too: they read padding keys
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=2e-6, rtol=1e-5)
+    grads = jax.grad(loss("pallas_gpu"), argnums=(0, 1, 2))(*qkv)
+    want = jax.grad(loss("reference"), argnums=(0, 1, 2))(*qkv)
+    for g, w in zip(grads, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-4)
+
+
+def test_pallas_gpu_requirements_are_clear_errors():
+    q = jnp.zeros((1, 24, 2, 16), jnp.float32)
+    assert "multiple of 16" in attn.kernel_problem("pallas_gpu", q, q)
+    q32 = jnp.zeros((1, 32, 2, 8), jnp.float32)
+    assert "head_dim >= 16" in attn.kernel_problem("pallas_gpu", q32, q32)
+    q32 = jnp.zeros((1, 32, 2, 16), jnp.float32)
+    assert "sliding window" in attn.kernel_problem("pallas_gpu", q32, q32, window=4)
+    assert attn.kernel_problem("pallas_gpu", q32, q32) is None
+    with pytest.raises(ValueError, match=r"multiple of 16.*model.attention: reference"):
+        attn.attention(q, q, q, implementation="pallas_gpu")
+    seg = jnp.ones((1, 32), jnp.int32)
+    with pytest.raises(ValueError, match="one segment id per token"):
+        attn.attention(
+            q32,
+            q32,
+            q32,
+            implementation="pallas_gpu",
+            segment_ids_bt=seg,
+            kv_segment_ids_bs=seg + 0,
+        )
+    # "auto" falls back to the reference where the kernel cannot run; pallas_gpu is never auto
+    assert attn.resolve_implementation("auto", backend="gpu") == "cudnn"
+
+
+@pytest.mark.parametrize("rows", ["packed", "left-padded"])
+def test_causal_lm_pallas_gpu_equals_reference(rows):
+    """The whole tiny model (GQA 4:2) with the Pallas GPU kernel in interpret mode: packed rows
+    (segment ids) and left-padded rows (the unpacked trainer's mask)."""
+    model = _tiny()
+    seg = _short_segments()
+    tokens = jax.random.randint(jax.random.key(3), seg.shape, 3, 97)
+    if rows == "packed":
+        kw = dict(segment_ids_bt=seg)
+        real = np.asarray(seg != 0)
+    else:
+        real = np.asarray(seg != 0)[:, ::-1].copy()
+        kw = dict(mask_bt=jnp.asarray(real))
+    ref = model(tokens, attention_impl="reference", **kw)
+    out = model(tokens, attention_impl="pallas_gpu", **kw)
+    np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=1e-5, rtol=1e-5)
+
+
 def test_causal_lm_splash_equals_reference():
     """The whole tiny model (GQA, a window on one layer) with splash in interpret mode."""
     model = _tiny(model_type="qwen2", qkv_bias=True, sliding_windows=(None, 5))
@@ -342,7 +431,8 @@ def test_config_knob_reaches_the_model():
     assert lm.config.attention_impl == lm.model.config.attention_impl == "reference"
 
 
-def test_splash_under_a_mesh_runs_per_shard_and_equals_reference():
+@pytest.mark.parametrize("impl", ["splash", "pallas_gpu"])
+def test_pallas_kernel_under_a_mesh_runs_per_shard_and_equals_reference(impl):
     """On a (data 2, fsdp 2, tensor 2) mesh of fake CPU devices the kernel runs in shard_map
     (batch over data x fsdp, whole GQA groups over tensor): same logits as one device."""
     from jax.sharding import NamedSharding, PartitionSpec
@@ -360,7 +450,7 @@ def test_splash_under_a_mesh_runs_per_shard_and_equals_reference():
     x_sh = sharding.batch_sharding(mesh, 2, sharding.DEFAULT_RULES)
     with jax.set_mesh(mesh):
         out = jax.jit(
-            lambda p, x, s: nnx.merge(graphdef, p)(x, segment_ids_bt=s, attention_impl="splash"),
+            lambda p, x, s: nnx.merge(graphdef, p)(x, segment_ids_bt=s, attention_impl=impl),
             in_shardings=(p_sh, x_sh, x_sh),
             out_shardings=NamedSharding(mesh, PartitionSpec(("data", "fsdp"))),
         )(jax.device_put(params, p_sh), tokens, seg)
