@@ -143,8 +143,15 @@ def test_update_step_lowers_for_cuda_with_pallas_gpu_attention(overrides):
     calls = custom_calls(lowered)
     assert calls[TRITON] >= 3 and not calls[CUDNN_FWD] and not calls[CUDNN_BWD], calls
     assert not float32_dots(lowered)
-    names = set(re.findall(r'name = "(mha_[a-z_]+)"', lowered.as_text()))
+    text = lowered.as_text()
+    names = set(re.findall(r'name = "(mha_[a-z_]+)"', text))
     assert {"mha_forward", "mha_backward"} <= names, names
+    # the mask is one int32 id per token: no [B, 1, T, S] operand, as cuDNN's
+    forward = [
+        ln for ln in text.splitlines() if f"custom_call @{TRITON}(" in ln and "mha_forward" in ln
+    ]
+    operands = re.findall(r"tensor<([0-9x]+)x(\w+)>", forward[0].split(" : (")[-1])
+    assert operands[3][1] == "i32" and operands[3][0].count("x") == 1, operands
 
 
 def test_the_1b_update_forms_accelerator_sized_logits_blocks():
