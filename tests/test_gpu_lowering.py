@@ -92,6 +92,15 @@ def gpu_config(*overrides: str):
     return config, P.model_config(config.model, accelerator=True)
 
 
+def lowered_update(config, cfg) -> jax.stages.Lowered:
+    """The trainer's fused RL step of ``config`` (via the plan's abstract run, one device)
+    lowered for CUDA, traced for a GPU."""
+    recipe = build_recipe(config)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    run = P.abstract_run(config, recipe, mesh, cfg)
+    return P.lower_step(run, config, recipe, platform="gpu", lowering_platforms=("cuda",))
+
+
 def abstract_model(cfg):
     """``(graphdef, params)`` of a model of config ``cfg``: shapes only, nothing allocated."""
     return nnx.split(nnx.eval_shape(lambda: models.CausalLM(cfg, rngs=nnx.Rngs(0))))
@@ -116,11 +125,7 @@ def test_update_step_lowers_for_cuda_with_cudnn_attention(hopper, overrides):
     """The fused RL step (the trainer's own, via the plan's abstract run) with
     ``model.attention=cudnn`` in bfloat16: cuDNN's forward and backward attention calls in the
     program, no fallback to the reference; every dot, forward and backward, on bf16 operands."""
-    config, cfg = gpu_config("model.attention=cudnn", *overrides)
-    recipe = build_recipe(config)
-    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    run = P.abstract_run(config, recipe, mesh, cfg)
-    lowered = P.lower_step(run, config, recipe, platform="gpu", lowering_platforms=("cuda",))
+    lowered = lowered_update(*gpu_config("model.attention=cudnn", *overrides))
     calls = custom_calls(lowered)
     assert calls[CUDNN_FWD] >= 1 and calls[CUDNN_BWD] >= 1, calls
     assert not float32_dots(lowered)
@@ -135,11 +140,7 @@ def test_update_step_lowers_for_cuda_with_pallas_gpu_attention(overrides):
     """``model.attention=pallas_gpu``: the update's attention is Triton kernels (forward, and the
     backward's dq and dk/dv), with no cuDNN call and no fallback to the reference attention
     (whose scores would be float32 dots); packed rows are a multiple of its 16-token block."""
-    config, cfg = gpu_config("model.attention=pallas_gpu", *overrides)
-    recipe = build_recipe(config)
-    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
-    run = P.abstract_run(config, recipe, mesh, cfg)
-    lowered = P.lower_step(run, config, recipe, platform="gpu", lowering_platforms=("cuda",))
+    lowered = lowered_update(*gpu_config("model.attention=pallas_gpu", *overrides))
     calls = custom_calls(lowered)
     assert calls[TRITON] >= 3 and not calls[CUDNN_FWD] and not calls[CUDNN_BWD], calls
     assert not float32_dots(lowered)

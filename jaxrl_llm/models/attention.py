@@ -386,9 +386,9 @@ def _require(impl: str, problem: str | None) -> None:
         raise ValueError(f"{problem}; {_FALLBACK}")
 
 
-def _block(length: int) -> int:
-    """The largest splash block (512, 256 or 128) that divides ``length``."""
-    return next(b for b in (512, 256, 128) if length % b == 0)
+def _block(length: int, sizes: tuple[int, ...] = (512, 256, 128)) -> int:
+    """The largest block of ``sizes`` (splash's: 512, 256 or 128) that divides ``length``."""
+    return next(b for b in sizes if length % b == 0)
 
 
 def splash_attention(
@@ -474,11 +474,6 @@ def splash_attention(
     return jnp.swapaxes(out_bhtd, 1, 2).astype(q_bthd.dtype)
 
 
-def _pallas_gpu_blocks(length: int) -> int:
-    """The largest Pallas GPU block (128, 64, 32 or 16) that divides ``length``."""
-    return next(b for b in (128, 64, 32, 16) if length % b == 0)
-
-
 def pallas_gpu_attention(
     q_bthd: jax.Array,
     k_bskd: jax.Array,
@@ -521,7 +516,7 @@ def pallas_gpu_attention(
     ids_bt = jnp.ones((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt
     if kv_mask_bs is not None:
         ids_bt = jnp.where(kv_mask_bs, ids_bt, 0)
-    blk = _pallas_gpu_blocks(t)
+    blk = _block(t, (128, 64, 32, 16))
     back = min(blk, 32)
     blocks = pallas_attention.BlockSizes(
         block_q=blk,
