@@ -57,6 +57,9 @@ IMPLEMENTATIONS: tuple[str, ...] = ("auto", "reference", "splash", "cudnn", "pal
 _TRACE_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "jaxrl_llm_trace_platform", default=None
 )
+_EMULATED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jaxrl_llm_emulated_platform", default=False
+)
 
 
 def trace_platform() -> str:
@@ -66,12 +69,25 @@ def trace_platform() -> str:
     return _TRACE_PLATFORM.get() or jax.default_backend()
 
 
+def emulated() -> bool:
+    """Whether the platform traced for (:func:`for_platform`) is emulated on this machine's
+    CPU: its kernels then run in CPU stand-ins (cuDNN's by the reference, Pallas interpreted)."""
+    return _EMULATED.get()
+
+
 @contextlib.contextmanager
-def for_platform(platform: str | None) -> Iterator[None]:
+def for_platform(platform: str | None, *, emulated: bool = False) -> Iterator[None]:
     """Within the block, trace for ``platform`` (``"cpu"``, ``"gpu"`` or ``"tpu"``) rather than
     this process's backend: ``jaxrl-llm plan`` lowers a step for a TPU it does not have, and
     that step must run the TPU's attention kernel (splash, compiled by Mosaic, not interpreted)
     as the trainer on the TPU would. None changes nothing.
+
+    ``emulated``: the program is compiled for this machine's CPU, standing in for
+    ``platform`` (a GPU plan, which has no deviceless compiler): the choices stay the
+    platform's (``auto`` is cuDNN, the logits blocks are an accelerator's), but the kernels run
+    in CPU stand-ins: the Pallas kernels interpreted, and cuDNN by the reference attention
+    (whose query blocks hold what flash attention's tiles do, roughly; the XLA form of cuDNN's
+    call would hold the whole ``[B, H, T, S]`` scores, which flash attention never forms).
 
     Only what is traced inside the block is affected; a function traced there must not be
     called outside it (jit's caches do not know the platform): lower fresh closures only.
@@ -81,10 +97,11 @@ def for_platform(platform: str | None) -> Iterator[None]:
         return
     if platform not in ("cpu", "gpu", "tpu"):
         raise ValueError(f"for_platform: platform must be cpu, gpu or tpu, got {platform!r}")
-    token = _TRACE_PLATFORM.set(platform)
+    token, emulation = _TRACE_PLATFORM.set(platform), _EMULATED.set(emulated)
     try:
         yield
     finally:
+        _EMULATED.reset(emulation)
         _TRACE_PLATFORM.reset(token)
 
 
@@ -308,6 +325,9 @@ def attention(
         return splash_attention(q_bthd, k_bskd, v_bskd, **masks)
     if impl == "pallas_gpu":
         return pallas_gpu_attention(q_bthd, k_bskd, v_bskd, **masks)
+    if emulated():  # a GPU plan on CPU: cuDNN's flash attention stood in for by the reference
+        allowed_bts = attention_mask(q_bthd.shape[1], k_bskd.shape[1], **masks)
+        return reference_attention(q_bthd, k_bskd, v_bskd, allowed_bts)
     try:  # jax checks cuDNN's presence, version and shape support while tracing
         return cudnn_attention(q_bthd, k_bskd, v_bskd, **masks)
     except (NotImplementedError, RuntimeError) as e:
@@ -457,7 +477,7 @@ def splash_attention(
         block_sizes=blocks,
         head_shards=1,
         q_seq_shards=1,
-        interpret=trace_platform() != "tpu" if interpret is None else interpret,
+        interpret=trace_platform() != "tpu" or emulated() if interpret is None else interpret,
     )
     q_bhtd = jnp.swapaxes(q_bthd * jnp.asarray(hd**-0.5, q_bthd.dtype), 1, 2)
     k_bksd = jnp.swapaxes(k_bskd, 1, 2).astype(q_bthd.dtype)
@@ -501,7 +521,8 @@ def pallas_gpu_attention(
     repeated to ``H`` (O(T·H·Dh) bytes per row and layer; autodiff sums their gradients back).
     Blocks: the largest of 128/64/32/16 dividing ``T``, forward; at most 32 in the backward
     kernels (jax's defaults). ``interpret`` defaults to ``trace_platform() != "gpu"`` (CPU:
-    the tests). XLA cannot partition it: under a multi-device mesh the model runs it per shard.
+    the tests), or :func:`emulated`. XLA cannot partition it: under a multi-device mesh the
+    model runs it per shard.
     """
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
 
@@ -537,7 +558,7 @@ def pallas_gpu_attention(
         sm_scale=hd**-0.5,
         causal=causal,
         block_sizes=blocks,
-        interpret=trace_platform() != "gpu" if interpret is None else interpret,
+        interpret=trace_platform() != "gpu" or emulated() if interpret is None else interpret,
     )
 
 

@@ -1158,6 +1158,18 @@ def _on_lowest_ids(on: Any, mesh: Any, args: Any) -> tuple[Any, Any]:
     return moved, jax.tree.map(rehome, args)
 
 
+def _gpu_update_attention(model_cfg: Any) -> str:
+    """The attention a GPU's update runs: the configured kernel, or the reference where
+    ``auto``'s cuDNN cannot take the model (float32, an odd head size)."""
+    from jaxrl_llm.models import attention
+
+    impl = attention.resolve_implementation(model_cfg.attention_impl, "gpu")
+    q = jax.ShapeDtypeStruct((1, 2, model_cfg.num_heads, model_cfg.head_dim), model_cfg.jnp_dtype)
+    if model_cfg.attention_impl == "auto" and attention.kernel_problem(impl, q, q):
+        return "reference"
+    return impl
+
+
 def lower_step(
     run: AbstractRun,
     config: Any,
@@ -1165,6 +1177,7 @@ def lower_step(
     *,
     platform: str | None = None,
     lowering_platforms: tuple[str, ...] | None = None,
+    emulated: bool = False,
 ) -> Any:
     """The fused RL step (:func:`jaxrl_llm.train.step.make_rl_step`) lowered for the run's
     abstract state and worst-case groups. ``platform``: the target's (``"tpu"``, ``"gpu"``),
@@ -1175,7 +1188,9 @@ def lower_step(
     its kernel (splash on a TPU, compiled by Mosaic; cuDNN on a GPU where cuDNN can be traced),
     as in the trainer on that platform, not this machine's reference attention.
     ``lowering_platforms``: lower for these rather than the devices' own (``("cuda",)``
-    without a GPU: tests/test_gpu_lowering.py)."""
+    without a GPU: tests/test_gpu_lowering.py). ``emulated``: compiled for this machine's CPU
+    standing in for ``platform`` (a GPU plan's estimate), the kernels in their CPU forms
+    (:func:`~jaxrl_llm.models.attention.for_platform`)."""
     from jaxrl_llm.models import attention
     from jaxrl_llm.models import sharding as shd
     from jaxrl_llm.train import setup as su
@@ -1197,7 +1212,8 @@ def lower_step(
         temperature=config.rollout.temperature or 1.0,
         old_logprobs=su.OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),
     )
-    with attention.for_platform(platform if platform in ("tpu", "gpu") else None):
+    on = platform if platform in ("tpu", "gpu") else None
+    with attention.for_platform(on, emulated=emulated):
         return step.lower(run.state, run.groups, platforms=lowering_platforms)
 
 
@@ -1825,7 +1841,23 @@ def plan_run(config: Any, target: Target) -> Plan:
     # LoRA: the frozen base is both the reference and the base argument, one buffer at run time
     lora_ref = run.models.frozen is not None and run.models.ref_params is run.models.frozen
     shared = tree_bytes(run.models.frozen).per_device if lora_ref else 0
-    lowered = lower_step(run, config, recipe, platform=target.platform)
+    # GPUs (a CPU estimate): the step traced as on a GPU (no shared prompts under its kernels,
+    # accelerator-sized logits blocks), its attention in a CPU stand-in, compiled by XLA:CPU
+    gpu = target.estimate and target.accelerator
+    platform = "gpu" if gpu else target.platform
+    lowered = lower_step(run, config, recipe, platform=platform, emulated=gpu)
+    kernel = _gpu_update_attention(model_cfg) if gpu else "reference"
+    if kernel == "cudnn":
+        notes += (
+            "the update's attention is cuDNN on the GPUs, estimated with the reference attention "
+            "(its query blocks); cuDNN's dense [B, 1, T, S] mask of packed rows is not counted "
+            "(model.attention: pallas_gpu has none)",
+        )
+    elif kernel == "pallas_gpu":
+        notes += (
+            "the update's attention is the Pallas GPU kernel, compiled interpreted on CPU (its "
+            "blocks' buffers; Triton's own are not estimated)",
+        )
     update = _program("update", lowered, shared=shared)
     s = run.state
     resident = 0 if merged else tree_bytes(run.sampler[1]).per_device

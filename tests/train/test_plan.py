@@ -13,6 +13,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import re
 
 import jax
 import numpy as np
@@ -318,6 +319,8 @@ def test_tiny_plan_on_one_cpu_device_agrees_with_xla_and_the_state():
     assert plan.fits is True and plan.margin == GiB - plan.peak
     text = P.format_plan(plan)
     assert "FITS" in text and "estimate" in text
+    # traced as on a GPU, where "auto" is the reference attention too for this float32 model
+    assert "the update's attention is" not in text
     d = plan.to_dict()
     assert d["fits"] is True and d["per_device_bytes"]["peak"] == plan.peak
     # The same run against too little memory does not fit, and gets suggestions.
@@ -360,7 +363,7 @@ def test_tiny_update_peak_against_the_bytes_the_trainers_step_allocates():
     """
     config = load_config(TINY)
     recipe = build_recipe(config)
-    plan = P.plan_run(config, P.parse_target(devices=1, device_memory="1GiB"))
+    plan = P.plan_run(config, P.local_target(1))  # this CPU device, as the step runs here
     models, state = su.build_models(config, recipe)
     r = config.rollout
     b, g, t, p = r.prompts_per_step, r.num_samples, r.max_new_tokens, 128  # the plan's worst case
@@ -851,6 +854,45 @@ def test_a_tpu_plan_compiles_the_update_with_the_tpus_attention(attention, kerne
     run = P.abstract_run(config, recipe, mesh, P.model_config(config.model, accelerator=True))
     text = P.lower_step(run, config, recipe, platform="tpu").as_text()
     assert ("tpu_custom_call" in text) is kernels  # splash's forward and backward kernels
+
+
+@pytest.mark.parametrize("attention", ["cudnn", "pallas_gpu", "auto"])
+def test_a_gpu_estimate_traces_the_update_as_on_a_gpu_with_cpu_stand_ins(attention):
+    """A GPU plan is an XLA:CPU compile standing in for the GPUs: its update is traced as on a
+    GPU (``auto`` is cuDNN there, so prompts are not shared), with the kernel in a CPU
+    stand-in: the Pallas kernel interpreted, cuDNN's flash attention by the reference
+    attention (not its call's XLA form, whose [B, H, T, S] scores flash never holds). Before,
+    an explicit ``cudnn`` crashed the plan ("cuDNN is not detected")."""
+    config = load_config(TINY, ["model.dtype=bfloat16", f"model.attention={attention}"])
+    recipe = build_recipe(config)
+    mesh = shd.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+    run = P.abstract_run(config, recipe, mesh, P.model_config(config.model, accelerator=True))
+    lowered = P.lower_step(run, config, recipe, platform="gpu", emulated=True)
+    text = lowered.as_text()
+    assert "custom_call" not in text  # neither cuDNN's nor Triton's
+    assert not re.search(r"tensor<\d+x\d+x(\d+)x\1xf32>", text)  # no whole [B, H, T, T] scores
+    if attention == "pallas_gpu":  # interpreted: the kernel's grid as loops over its blocks
+        assert text.count("stablehlo.while") > 8
+    lowered.compile()  # and XLA:CPU compiles it
+
+
+@pytest.mark.slow
+def test_a_gpu_plan_with_cudnn_attention_says_what_it_estimates(capsys):
+    """``model.attention: cudnn`` on a GPU estimate plans (it crashed) and says how."""
+    code, out, err = _cli(
+        capsys,
+        "--config",
+        TINY,
+        "--devices",
+        "1",
+        "--device-memory",
+        "1GiB",
+        "--no-suggest",
+        "model.dtype=bfloat16",
+        "model.attention=cudnn",
+    )
+    assert code == 0, err
+    assert "the update's attention is cuDNN on the GPUs, estimated with the reference" in out
 
 
 def test_a_program_the_tpu_compiler_refuses_for_memory_is_a_does_not_fit(monkeypatch, capsys):
