@@ -325,9 +325,18 @@ def attention(
         return splash_attention(q_bthd, k_bskd, v_bskd, **masks)
     if impl == "pallas_gpu":
         return pallas_gpu_attention(q_bthd, k_bskd, v_bskd, **masks)
-    if emulated():  # a GPU plan on CPU: cuDNN's flash attention stood in for by the reference
-        allowed_bts = attention_mask(q_bthd.shape[1], k_bskd.shape[1], **masks)
-        return reference_attention(q_bthd, k_bskd, v_bskd, allowed_bts)
+    if emulated():  # a GPU plan on CPU: cuDNN's flash attention stood in for by the models'
+        t, s = q_bthd.shape[1], k_bskd.shape[1]  # reference, causal query blocks included
+        allowed_bts = attention_mask(t, s, **masks)
+        blocks = causal and t == s
+        return reference_attention(
+            q_bthd,
+            k_bskd,
+            v_bskd,
+            allowed_bts,
+            causal=blocks,
+            query_block=QUERY_BLOCK if blocks else None,
+        )
     try:  # jax checks cuDNN's presence, version and shape support while tracing
         return cudnn_attention(q_bthd, k_bskd, v_bskd, **masks)
     except (NotImplementedError, RuntimeError) as e:

@@ -1189,7 +1189,7 @@ def lower_step(
     as in the trainer on that platform, not this machine's reference attention.
     ``lowering_platforms``: lower for these rather than the devices' own (``("cuda",)``
     without a GPU: tests/test_gpu_lowering.py). ``emulated``: compiled for this machine's CPU
-    standing in for ``platform`` (a GPU plan's estimate), the kernels in their CPU forms
+    standing in for ``platform`` (a GPU plan's estimate), the kernels in CPU stand-ins
     (:func:`~jaxrl_llm.models.attention.for_platform`)."""
     from jaxrl_llm.models import attention
     from jaxrl_llm.models import sharding as shd
