@@ -529,8 +529,15 @@ def check_packed_against_reference(
         pytest.param(
             ("algorithm.hparams.beta=0.04", "train.shared_prompts=false"), id="grpo-unshared"
         ),
-        pytest.param(  # the Pallas GPU kernel in interpret mode: O(T) segment ids, not a mask
-            ("algorithm.hparams.beta=0.04", "model.attention=pallas_gpu"), id="grpo-pallas-gpu"
+        pytest.param(  # the Pallas GPU kernel in interpret mode: O(T) segment ids, not a mask;
+            # under remat full with token-budget micro-batches (the fused accumulation's scan)
+            (
+                "algorithm.hparams.beta=0.04",
+                "model.attention=pallas_gpu",
+                "model.remat=full",
+                "optim.micro_batch_size=2",
+            ),
+            id="grpo-pallas-gpu-remat-micro",
         ),
     ],
 )
@@ -541,8 +548,8 @@ def test_packed_step_matches_the_unpacked_reference(overrides):
         "train.shared_prompts=false" in overrides or "model.attention=pallas_gpu" in overrides
     )
     assert setup.update.shared_prompts is not unshared
-    if setup.update.num_minibatches > 1:  # one or two rows of ≤ 14 tokens per micro-batch
-        setup = with_budget(setup, 16)
+    if setup.update.num_minibatches > 1 or setup.update.micro_batch_size:
+        setup = with_budget(setup, 16)  # one or two rows of ≤ 14 tokens per micro-batch
     # The unpacked reference's 14-token rows are not a multiple of the Pallas kernel's block.
     reference = (
         resolve(*PACKED, "algorithm.hparams.beta=0.04")
