@@ -117,6 +117,24 @@ def resolve_implementation(implementation: str = "auto", backend: str | None = N
     return {"tpu": "splash", "gpu": "cudnn"}.get(backend, "reference")
 
 
+def implementation_for(
+    requested: str,
+    q_bthd: jax.Array | jax.ShapeDtypeStruct,
+    k_bskd: jax.Array | jax.ShapeDtypeStruct,
+    causal: bool = True,
+    q_offset: int | jax.Array = 0,
+    window: int | jax.Array | None = None,
+    backend: str | None = None,
+) -> str:
+    """The implementation ``requested`` runs for these inputs: :func:`resolve_implementation`,
+    and for ``"auto"`` the reference where the chosen kernel cannot take them
+    (:func:`kernel_problem`). An explicitly named kernel is returned as is (its call raises)."""
+    impl = resolve_implementation(requested, backend)
+    if requested == "auto" and kernel_problem(impl, q_bthd, k_bskd, causal, q_offset, window):
+        return "reference"
+    return impl
+
+
 def attention_mask(
     t: int,
     s: int,
@@ -307,7 +325,7 @@ def attention(
                 f"T={q_bthd.shape[1]}); pass kv_segment_ids_bs"
             )
         kv_segment_ids_bs = segment_ids_bt
-    impl = resolve_implementation(implementation)
+    impl = implementation_for(implementation, q_bthd, k_bskd, causal, q_offset, window)
     masks = dict(
         causal=causal,
         window=window,
@@ -316,8 +334,6 @@ def attention(
         segment_ids_bt=segment_ids_bt,
         kv_segment_ids_bs=kv_segment_ids_bs,
     )
-    if implementation == "auto" and kernel_problem(impl, q_bthd, k_bskd, causal, q_offset, window):
-        impl = "reference"  # "auto" picks the best implementation that accepts these inputs
     if impl == "reference":
         allowed_bts = attention_mask(q_bthd.shape[1], k_bskd.shape[1], **masks)
         return reference_attention(q_bthd, k_bskd, v_bskd, allowed_bts)
@@ -415,6 +431,12 @@ def _require(impl: str, problem: str | None) -> None:
         raise ValueError(f"{problem}; {_FALLBACK}")
 
 
+def _interpret(platform: str) -> bool:
+    """A Pallas kernel for ``platform`` runs interpreted unless traced for that platform and
+    compiled for it (not :func:`emulated`)."""
+    return trace_platform() != platform or emulated()
+
+
 def _block(length: int, sizes: tuple[int, ...] = (512, 256, 128)) -> int:
     """The largest block of ``sizes`` (splash's: 512, 256 or 128) that divides ``length``."""
     return next(b for b in sizes if length % b == 0)
@@ -486,7 +508,7 @@ def splash_attention(
         block_sizes=blocks,
         head_shards=1,
         q_seq_shards=1,
-        interpret=trace_platform() != "tpu" or emulated() if interpret is None else interpret,
+        interpret=_interpret("tpu") if interpret is None else interpret,
     )
     q_bhtd = jnp.swapaxes(q_bthd * jnp.asarray(hd**-0.5, q_bthd.dtype), 1, 2)
     k_bksd = jnp.swapaxes(k_bskd, 1, 2).astype(q_bthd.dtype)
@@ -543,9 +565,12 @@ def pallas_gpu_attention(
             "pallas_gpu attention takes one segment id per token for queries and keys alike; "
             f"got separate kv_segment_ids_bs (shared prompts); {_FALLBACK}"
         )
-    ids_bt = jnp.ones((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt
-    if kv_mask_bs is not None:
-        ids_bt = jnp.where(kv_mask_bs, ids_bt, 0)
+    ids_bt = None  # no mask: every key readable
+    if segment_ids_bt is not None or kv_mask_bs is not None:
+        ids_bt = jnp.ones((b, t), jnp.int32) if segment_ids_bt is None else segment_ids_bt
+        if kv_mask_bs is not None:
+            ids_bt = jnp.where(kv_mask_bs, ids_bt, 0)
+        ids_bt = ids_bt.astype(jnp.int32)
     blk = _block(t, (128, 64, 32, 16))
     back = min(blk, 32)
     blocks = pallas_attention.BlockSizes(
@@ -563,11 +588,11 @@ def pallas_gpu_attention(
         q_bthd,
         k_bshd,
         v_bshd,
-        None if segment_ids_bt is None and kv_mask_bs is None else ids_bt.astype(jnp.int32),
+        ids_bt,
         sm_scale=hd**-0.5,
         causal=causal,
         block_sizes=blocks,
-        interpret=trace_platform() != "gpu" or emulated() if interpret is None else interpret,
+        interpret=_interpret("gpu") if interpret is None else interpret,
     )
 
 

@@ -734,14 +734,12 @@ class Decoder(nnx.Module):
         """The implementation to run: ``"auto"`` falls back to the reference where the kernel
         cannot take these shapes/dtypes; an explicitly requested kernel raises instead."""
         c = self.config
-        impl = attention_lib.resolve_implementation(requested)
         q = jax.ShapeDtypeStruct((b, t, c.num_heads, c.head_dim), c.jnp_dtype)
-        problem = attention_lib.kernel_problem(impl, q, q)
-        if problem is None:
-            return impl
-        if requested == "auto":
-            return "reference"
-        raise ValueError(f"{problem}; use attention_impl='reference' (model.attention)")
+        impl = attention_lib.implementation_for(requested, q, q)
+        problem = None if requested == "auto" else attention_lib.kernel_problem(impl, q, q)
+        if problem is not None:
+            raise ValueError(f"{problem}; use attention_impl='reference' (model.attention)")
+        return impl
 
     def _kernel_forward(
         self,

@@ -1163,11 +1163,8 @@ def _gpu_update_attention(model_cfg: Any) -> str:
     ``auto``'s cuDNN cannot take the model (float32, an odd head size)."""
     from jaxrl_llm.models import attention
 
-    impl = attention.resolve_implementation(model_cfg.attention_impl, "gpu")
     q = jax.ShapeDtypeStruct((1, 2, model_cfg.num_heads, model_cfg.head_dim), model_cfg.jnp_dtype)
-    if model_cfg.attention_impl == "auto" and attention.kernel_problem(impl, q, q):
-        return "reference"
-    return impl
+    return attention.implementation_for(model_cfg.attention_impl, q, q, backend="gpu")
 
 
 def lower_step(
