@@ -34,12 +34,22 @@ holds the two things the trainer needs on top of that:
    (:func:`to_global`), and reads results back with
    ``jax.experimental.multihost_utils`` (:func:`gather`, :func:`to_host`). In a single
    process these are the identity (``process_rows`` is every row).
+
+3. Host values. :func:`host_allgather` exchanges small host data (flags, stop signals, row
+   counts, rewards, per-row lengths) through the key-value store of JAX's coordination
+   service, with no device program: ``multihost_utils.process_allgather`` runs a compiled
+   all-gather on every device of the job, so it waits for whatever those devices still run (in
+   the async loop, the update in flight) and, on CPU, puts its gloo collectives beside another
+   program's, which gloo does not match across processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import itertools
 import os
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -217,14 +227,178 @@ def to_global(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, x[rows], x.shape)
 
 
-def gather(tree: Any) -> Any:
+def gather(tree: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
     """Concatenates every process's rows (axis 0, in process order) into global host arrays;
-    the identity in a single process. Each leaf must have the same shape on every process."""
+    the identity in a single process. Each leaf must have the same shape on every process.
+
+    Over every device of the job (``multihost_utils.process_allgather``), or over ``mesh``'s
+    devices only when given: the async loop gathers a sampled batch over the rollout mesh,
+    idle then, while the train devices may still run the update (an all-device gather would
+    wait for it). Small host values go through :func:`host_allgather` instead."""
     if not is_multiprocess():
         return tree
-    from jax.experimental import multihost_utils
+    if mesh is None:
+        from jax.experimental import multihost_utils
 
-    return multihost_utils.process_allgather(tree, tiled=True)
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.tree.map(lambda x: np.concatenate(list(x)), _stack_over(mesh, tree))
+
+
+def _identity(x: jax.Array) -> jax.Array:
+    return x
+
+
+def _stack_over(mesh: jax.sharding.Mesh, tree: Any) -> Any:
+    """Every process's ``tree`` of host arrays stacked in process order (a new leading axis),
+    all-gathered over ``mesh``'s devices (each process must have one there)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    devices = list(mesh.devices.flat)
+    me = jax.process_index()
+    flat = jax.sharding.Mesh(np.array(devices), ("devices",))
+    first: dict[int, int] = {}  # each process's first device in the mesh
+    for i, d in enumerate(devices):
+        first.setdefault(d.process_index, i)
+    if len(first) != jax.process_count():
+        raise ValueError(
+            f"gather over a mesh of processes {sorted(first)}: every one of the "
+            f"{jax.process_count()} processes needs a device on it"
+        )
+
+    def one(x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        pieces = [jax.device_put(x[None], d) for d in devices if d.process_index == me]
+        whole = jax.make_array_from_single_device_arrays(
+            (len(devices), *x.shape), NamedSharding(flat, PartitionSpec("devices")), pieces
+        )
+        out = jax.jit(_identity, out_shardings=NamedSharding(flat, PartitionSpec()))(whole)
+        rows = np.asarray(out.addressable_data(0))
+        return rows[[first[p] for p in sorted(first)]]
+
+    return jax.tree.map(one, tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host values across processes, without devices.
+
+_KV_PREFIX = "jaxrl_llm/host_allgather"
+_WHAT = "__what__"
+_kv_lock = threading.Lock()
+_kv_rounds = itertools.count()
+_kv_last: list[str] = []  # this process's keys of earlier rounds, deleted after a good round
+
+
+def _kv_client() -> Any:
+    """The client of JAX's coordination service (the key-value store and barriers every process
+    of a ``jax.distributed`` run shares). JAX keeps it in ``jax._src.distributed``, which is
+    private; orbax (``multihost.get_jax_distributed_client``) reads it the same way."""
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            f"host_allgather: {jax.process_count()} processes but no jax.distributed client in "
+            "this process; start the run with jaxrl_llm.distributed.initialize (or "
+            "jax.distributed.initialize) before anything touches a JAX backend"
+        )
+    return client
+
+
+def _pack(leaves: list[np.ndarray], what: str) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, *leaves, **{_WHAT: np.asarray(what)})
+    return buf.getvalue()
+
+
+def _unpack(blob: bytes, what: str, process: int, n: int) -> list[np.ndarray]:
+    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+        theirs = str(z[_WHAT])
+        if theirs != what:
+            raise RuntimeError(
+                f"host_allgather({what!r}): process {process} called host_allgather({theirs!r}) "
+                "at the same point; every process must make the same calls in the same order"
+            )
+        leaves = [z[f"arr_{i}"] for i in range(len(z.files) - 1)]
+    if len(leaves) != n:
+        raise RuntimeError(
+            f"host_allgather({what!r}): process {process} sent {len(leaves)} arrays, this "
+            f"process {n}; every process must pass a tree of the same structure"
+        )
+    return leaves
+
+
+def host_allgather(tree: Any, *, what: str, tiled: bool = False, timeout_s: float = 1800.0) -> Any:
+    """Every process's ``tree`` of host values (numpy arrays, scalars), in process order:
+    stacked on a new leading axis (``tiled=False``: shapes must agree), or concatenated along
+    axis 0 (``tiled=True``: the other dimensions must agree). The semantics of
+    ``multihost_utils.process_allgather`` for host data; one process: its own values so
+    shaped.
+
+    The values go through the coordination service's key-value store (each process publishes
+    one ``.npz`` blob under a key of this call's round and reads the others'), not through
+    devices: no compiled program, nothing waits for device work in flight, and no collective
+    runs beside another program's. For small data; batches of tokens go over the devices
+    (:func:`gather`). Every process must call it, in the same order (like a collective), with
+    the same ``what`` (checked) and tree structure. Each process deletes its earlier keys at
+    the end of a round that every process reached (so every process has read them): the store
+    holds one key per process.
+
+    Raises:
+      TimeoutError: a process did not publish within ``timeout_s`` (crashed, or took another
+        path).
+      RuntimeError: another process was at a different call (``what``) or sent another tree.
+      ValueError: the shapes do not stack (or tile) across processes.
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    leaves = [np.asarray(x) for x in leaves]
+    for i, x in enumerate(leaves):
+        if x.dtype == object:
+            raise ValueError(
+                f"host_allgather({what!r}): leaf {i} is an object array; expected numbers, "
+                "booleans or strings"
+            )
+    if not is_multiprocess():
+        per_process = [leaves]
+    else:
+        client, me, count = _kv_client(), jax.process_index(), jax.process_count()
+        with _kv_lock:
+            r = next(_kv_rounds)
+            key = f"{_KV_PREFIX}/{r}/"
+            client.key_value_set_bytes(key + str(me), _pack(leaves, what))
+            per_process = []
+            try:
+                for p in range(count):
+                    if p == me:
+                        per_process.append(leaves)
+                        continue
+                    try:
+                        blob = client.blocking_key_value_get_bytes(
+                            key + str(p), int(timeout_s * 1e3)
+                        )
+                    except Exception as e:  # jax raises its runtime error on a deadline
+                        raise TimeoutError(
+                            f"host_allgather({what!r}) round {r}: process {p} published "
+                            f"nothing within {timeout_s:.0f} s ({e}); every process must make "
+                            "the same calls in the same order (did it fail, or take another "
+                            "path?)"
+                        ) from e
+                    per_process.append(_unpack(blob, what, p, len(leaves)))
+                for old in _kv_last:  # every process has read it: they all published round r
+                    client.key_value_delete(old)
+                _kv_last.clear()
+            finally:
+                _kv_last.append(key + str(me))
+    out = []
+    for i, parts in enumerate(zip(*per_process, strict=True) if per_process[0] else []):
+        shapes = [x.shape[1:] if tiled else x.shape for x in parts]
+        if (tiled and any(x.ndim == 0 for x in parts)) or len(set(shapes)) > 1:
+            raise ValueError(
+                f"host_allgather({what!r}): leaf {i} has shapes "
+                f"{[x.shape for x in parts]} on processes 0..{len(parts) - 1}; expected "
+                + ("the same shape but for axis 0 (tiled)" if tiled else "the same shape")
+            )
+        out.append(np.concatenate(parts) if tiled else np.stack(parts))
+    return jax.tree.unflatten(treedef, out)
 
 
 def to_host(x: Any) -> np.ndarray:
@@ -243,6 +417,7 @@ __all__ = [
     "DistributedError",
     "Settings",
     "gather",
+    "host_allgather",
     "initialize",
     "is_multiprocess",
     "is_primary",

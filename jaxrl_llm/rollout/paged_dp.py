@@ -38,8 +38,9 @@ Multi-process (``jax.process_count() > 1``): as the static engine's contract in
 order; here any number of rows, not necessarily the same on every process) and gets back
 theirs. It runs the engines of the data shards whose devices are all its own (its rows split
 over them as above) with the global sequence ids (its rows' offset in the global batch comes
-from one all-gather of the row counts over the mesh's own devices,
-:func:`process_gather_on`); no other cross-process traffic but the weights' reshard. A data
+from an exchange of the row counts through the coordination service,
+:func:`~jaxrl_llm.distributed.host_allgather`, which no device work in flight delays); no other
+cross-process traffic but the weights' reshard. A data
 shard whose devices span processes is refused (a clear error): its engine would need one
 scheduler driving two processes.
 
@@ -62,6 +63,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm.models import sharding
 from jaxrl_llm.rollout import paged
 
@@ -318,39 +320,6 @@ def abstract_regroup(
     )
 
 
-def _identity(x: jax.Array) -> jax.Array:
-    return x
-
-
-def process_gather_on(mesh: Mesh, tree: Any) -> Any:
-    """Every process's ``tree`` of host arrays, stacked in process order (a new leading axis),
-    gathered over ``mesh``'s devices only.
-
-    ``multihost_utils.process_allgather`` gathers over every device of the job. In the async
-    loop a train step may still run on the train devices while the rollout devices sample; two
-    programs with collectives on the same devices at once are not matched across processes
-    (XLA:CPU's gloo aborts: "distributed collective mismatch"). The rollout's own devices are
-    free of the step."""
-    devices = list(mesh.devices.flat)
-    me = jax.process_index()
-    flat = Mesh(np.array(devices), ("devices",))
-    first: dict[int, int] = {}  # each process's first device in the mesh
-    for i, d in enumerate(devices):
-        first.setdefault(d.process_index, i)
-
-    def one(x: Any) -> np.ndarray:
-        x = np.asarray(x)
-        pieces = [jax.device_put(x[None], d) for d in devices if d.process_index == me]
-        whole = jax.make_array_from_single_device_arrays(
-            (len(devices), *x.shape), NamedSharding(flat, PartitionSpec("devices")), pieces
-        )
-        out = jax.jit(_identity, out_shardings=NamedSharding(flat, PartitionSpec()))(whole)
-        rows = np.asarray(out.addressable_data(0))
-        return rows[[first[p] for p in sorted(first)]]
-
-    return jax.tree.map(one, tree)
-
-
 def split_rows(b: int, d: int) -> list[slice]:
     """``b`` prompts over ``d`` shards, contiguous: the first ``b mod d`` get one more."""
     sizes = [b // d + (i < b % d) for i in range(d)]
@@ -401,7 +370,9 @@ def run_shards(
                 f"of the parameters' mesh {dict(mesh.shape)}; every process needs devices on it"
             )
         key_data = np.asarray(jax.random.key_data(rng))
-        counts_p, keys_p = process_gather_on(mesh, (np.int32(b_count), key_data))
+        counts_p, keys_p = dist.host_allgather(
+            (np.int32(b_count), key_data), what="paged engine: rows and rng key"
+        )
         offset = int(counts_p[: jax.process_index()].sum())
         if not (keys_p == key_data[None]).all():
             raise ValueError(
@@ -513,7 +484,6 @@ __all__ = [
     "data_shard_meshes",
     "engines",
     "is_data_parallel",
-    "process_gather_on",
     "regroup",
     "regroup_mesh",
     "run",

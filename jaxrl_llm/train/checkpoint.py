@@ -76,6 +76,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm.train import checksums
 from jaxrl_llm.train.state import TrainState
 
@@ -111,12 +112,10 @@ _ORBAX_RESTORE_BARRIER = ocp.multihost.unique_barrier_key(
 
 def _failed_processes(ok: bool) -> list[int]:
     """The processes whose attempt failed, the same list on every process (a collective: every
-    process must call it)."""
+    process must call it; over the coordination service)."""
     if jax.process_count() == 1:
         return [] if ok else [0]
-    from jax.experimental import multihost_utils
-
-    flags = np.asarray(multihost_utils.process_allgather(np.int32(ok)))
+    flags = dist.host_allgather(np.int32(ok), what="checkpoint step readable")
     return [int(i) for i in np.flatnonzero(flags.reshape(-1) == 0)]
 
 

@@ -115,17 +115,20 @@ def score_completions(
 
 
 def _gather_reward_output(out: R.RewardOutput) -> R.RewardOutput:
-    """Every process's scores, in process order (error counts summed)."""
+    """Every process's scores, in process order (error counts summed); host values, so over
+    the coordination service (:func:`~jaxrl_llm.distributed.host_allgather`)."""
     if not dist.is_multiprocess():
         return out
     names = sorted(out.num_errors)
-    total, components, correct, errors = dist.gather(
+    total, components, correct, errors = dist.host_allgather(
         (
             out.total_n,
             out.components,
             out.correct_n,
             np.asarray([[out.num_errors[k] for k in names]], np.int64),
-        )
+        ),
+        what="reward scores",
+        tiled=True,
     )
     counts = errors.sum(axis=0)
     return R.RewardOutput(
@@ -142,10 +145,15 @@ def policy_rows(policy: tuple[Any, dict], num_rows: int) -> slice:
     parameters lie on (``generate`` splits the batch over that mesh's data axes)."""
     if not dist.is_multiprocess():
         return slice(0, int(num_rows))
+    return dist.process_rows(shd.batch_sharding(policy_mesh(policy), 1), (int(num_rows),))
+
+
+def policy_mesh(policy: tuple[Any, dict]) -> jax.sharding.Mesh:
+    """The mesh ``policy``'s parameters lie on (multi-process runs)."""
     for leaf in jax.tree.leaves(policy[1]):
         sharding = getattr(leaf, "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):
-            return dist.process_rows(shd.batch_sharding(sharding.mesh, 1), (int(num_rows),))
+            return sharding.mesh
     raise ValueError(
         "collect: in a multi-process run the sampling policy's parameters must lie on a mesh "
         "over every process's devices (a NamedSharding)"
@@ -240,7 +248,12 @@ def _score_round(
         )
         local["baseline"] = baseline_b1[:, 0]
     t3 = time.perf_counter()
-    local, reward_out = dist.gather(local), _gather_reward_output(reward_out)
+    # over the devices that sampled it (idle now; the async loop's update may still run on the
+    # train mesh), the scores over the coordination service
+    mesh = None
+    if dist.is_multiprocess():
+        mesh = setup.models.mesh if policy is None else policy_mesh(policy)
+    local, reward_out = dist.gather(local, mesh), _gather_reward_output(reward_out)
     mask_bgt = local["mask"]
     if setup.sampler.mask_truncated:  # no loss on cut completions (TRL's option)
         mask_bgt = mask_bgt & ~local["truncated"][..., None]

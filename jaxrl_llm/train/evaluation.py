@@ -158,13 +158,15 @@ def evaluate_prompts(
         if correct_bg is not None:
             correct_bg = np.asarray(correct_bg).reshape(reward_bg.shape)
         # [rows, K] per process (K = 1: the single sample's column, as before).
-        scores = dist.gather(
+        scores = dist.host_allgather(
             {
                 "reward": reward_bg,
                 "length": tmask.sum(-1),
                 "correct": correct_bg,
                 "answer": None if extract is None else _answer_ids(texts, extract),
-            }
+            },
+            what="evaluation scores",
+            tiled=True,
         )
         rewards.append(np.asarray(scores["reward"])[:k])
         lengths.append(np.asarray(scores["length"])[:k])

@@ -408,12 +408,11 @@ def _train_locked(
 
 
 def _stop_requested(stop: StopSignals) -> bool:
-    """Whether a signal asked to stop, on any process (all processes agree: a collective)."""
+    """Whether a signal asked to stop, on any process (all processes agree: every process must
+    call it, as a collective; over the coordination service, so it does not wait for devices)."""
     signum = stop.signum or 0
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        signum = int(np.max(multihost_utils.process_allgather(np.int32(signum))))
+        signum = int(np.max(dist.host_allgather(np.int32(signum), what="stop signal")))
         if signum and stop.signum is None:
             stop.signum = signum
     return bool(signum)

@@ -354,15 +354,16 @@ class RunLock:
 
 def agree(ok: bool, what: str) -> None:
     """With several processes: raises on every process when the checks failed on any (a
-    collective); one process: nothing."""
+    collective, over the coordination service); one process: nothing."""
     import jax
 
     if jax.process_count() == 1:
         return
     import numpy as np
-    from jax.experimental import multihost_utils
 
-    flags = np.asarray(multihost_utils.process_allgather(np.int32(ok))).reshape(-1)
+    from jaxrl_llm import distributed as dist
+
+    flags = dist.host_allgather(np.int32(ok), what=f"agree: {what}").reshape(-1)
     if not ok:
         return  # this process raises its own error
     bad = [int(i) for i in np.flatnonzero(flags == 0)]

@@ -55,6 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrl_llm import chain as ch
+from jaxrl_llm import distributed as dist
 from jaxrl_llm import recipe as rc
 from jaxrl_llm.core import kl as _kl
 from jaxrl_llm.models import sharding as shd
@@ -115,13 +116,34 @@ def _spans_processes(x: Any) -> bool:
     return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
-def _host(x: Any) -> np.ndarray:
-    """A host copy of a (possibly multi-process global) array, for the packing plan."""
-    if _spans_processes(x):
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
+def _row_sums(x: Any, what: str) -> np.ndarray:
+    """``x.sum(-1)`` on the host, for the packing plan's lengths. A (possibly multi-process)
+    global array split along axis 0 only: each process sums the rows its own devices hold, and
+    only those sums go to every process, over the coordination service
+    (:func:`~jaxrl_llm.distributed.host_allgather`): no device program, so nothing waits for
+    the previous step still running on the same devices (the async loop)."""
+    if not _spans_processes(x):
+        return np.asarray(x).sum(-1)
+    starts, sums = [], []
+    for shard in x.addressable_shards:
+        rows, *rest = shard.index
+        if any(s.indices(n) != (0, n, 1) for s, n in zip(rest, x.shape[1:], strict=True)):
+            raise ValueError(
+                f"packing plan: {what} {x.shape} is split along an axis other than the batch "
+                f"({x.sharding}); expected whole rows on each device"
+            )
+        start = rows.start or 0
+        if start not in starts:  # a replica of rows already counted
+            starts.append(start)
+            sums.append(np.asarray(shard.data).sum(-1))
+    n = sums[0].shape[0]
+    starts_p, sums_p = dist.host_allgather(
+        (np.asarray(starts, np.int64), np.stack(sums)), what=f"packing plan: {what}", tiled=True
+    )
+    out = np.zeros((x.shape[:-1]), sums_p.dtype)
+    for start, block in zip(starts_p.tolist(), sums_p, strict=True):
+        out[start : start + n] = block
+    return out
 
 
 def needs_old_logprob_pass(recipe: Recipe, update: UpdateShape, old: OldLogprobs) -> bool:
@@ -380,10 +402,10 @@ def make_rl_step(
     def plan_of(groups: Groups) -> tuple[pk.PlanArrays | None, pk.PackShape | None]:
         if not packing:
             return None, None
-        prompt_mask, mask = _host(groups.prompt_mask_bp), _host(groups.mask_bgt)
-        b, g, t = mask.shape
-        prompt_len = prompt_mask.sum(1)
-        lengths = np.repeat(prompt_len, g) + mask.reshape(b * g, t).sum(1)
+        b, g, t = groups.mask_bgt.shape
+        prompt_len = _row_sums(groups.prompt_mask_bp, "prompt mask")
+        completion_n = _row_sums(groups.mask_bgt, "completion mask").reshape(b * g)
+        lengths = np.repeat(prompt_len, g) + completion_n
         shared = {}
         if update.shared_prompts:  # a sample's branch keeps the prompt's last token
             shared = dict(
@@ -393,8 +415,8 @@ def make_rl_step(
             )
         plan = pk.make_plan(
             lengths,
-            target_n=mask.reshape(b * g, t).sum(1),
-            max_len=prompt_mask.shape[1] + t,
+            target_n=completion_n,
+            max_len=groups.prompt_mask_bp.shape[1] + t,
             num_minibatches=update.num_minibatches,
             micro_batch_tokens=update.micro_batch_tokens,
             row_multiple=dp,
@@ -427,12 +449,6 @@ def make_rl_step(
         JAX's asynchronous dispatch) and a function that waits for the metrics. The async
         loop samples the next batch in between (:mod:`jaxrl_llm.train.asynchronous`)."""
         g_sharding = groups_sharding(groups)
-        if packing and _spans_processes(groups.mask_bgt):
-            # The plan's masks are all-gathered over the train devices: the same devices
-            # (so the same gloo pairs on CPU) as the previous step's collectives, which the
-            # async loop may still be running. Collectives of two programs in flight at once
-            # are not matched across processes; wait for that step first.
-            jax.block_until_ready(state)
         plan, shape = plan_of(groups)
         key = jax.tree.structure(groups), tuple(g_sharding), shape
         if key not in cache:

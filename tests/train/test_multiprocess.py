@@ -383,3 +383,133 @@ def test_two_processes_end_with_the_parameters_of_one(tmp_path):
     for logs in (first, second):
         assert "final: " in _tail(logs[0]) and "final: " not in _tail(logs[1])
     assert "from step 1" in _tail(second[0]) and "resuming" not in _tail(second[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Host values across processes: the coordination service's key-value store, not devices.
+
+
+def test_host_allgather_in_one_process_stacks_or_tiles_its_own_values():
+    out = dist.host_allgather(
+        {"flag": np.int32(3), "rows": np.ones((2, 3)), "none": None, "name": np.asarray("a")},
+        what="one process",
+    )
+    assert out["flag"].tolist() == [3] and out["rows"].shape == (1, 2, 3)
+    assert out["none"] is None and out["name"].tolist() == ["a"]
+    (tiled,) = dist.host_allgather((np.arange(3),), what="tiled", tiled=True)
+    assert tiled.tolist() == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"host_allgather\('bad'\): leaf 0 is an object array"):
+        dist.host_allgather([np.array([{}], object)], what="bad")
+    with pytest.raises(ValueError, match=r"leaf 0 has shapes \[\(\)\].*axis 0 \(tiled\)"):
+        dist.host_allgather(np.int32(1), what="scalar", tiled=True)
+
+
+HOST_CHILD = """\
+import sys
+
+from jaxrl_llm import distributed as dist
+
+port, pid = sys.argv[1], int(sys.argv[2])
+dist.initialize(f"127.0.0.1:{port}", 2, pid)
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxrl_llm.train import step as S
+
+# process order; stacked, tiled with a different number of rows per process; None and strings
+out = dist.host_allgather(
+    {"flag": np.int32(pid + 1), "none": None, "name": np.asarray(f"p{pid}")}, what="stack"
+)
+print("stack", out["flag"].tolist(), out["name"].tolist(), out["none"])
+tiled = dist.host_allgather(np.arange(pid + 1) + 10 * pid, what="tiled", tiled=True)
+print("tiled", tiled.tolist())
+try:  # shapes that do not stack: both processes raise
+    dist.host_allgather(np.zeros(pid + 1), what="ragged")
+except ValueError as e:
+    print("ragged:", e)
+
+# a program with a collective in every iteration, over every device, in flight meanwhile
+mesh = jax.make_mesh((4,), ("data",))
+x = dist.to_global(np.ones((4, 256, 256), np.float32), NamedSharding(mesh, P("data")))
+
+
+@jax.jit
+def busy(x):
+    body = lambda i, y: jnp.tanh(y @ jnp.full((256, 256), 1e-3)) + y.sum() * 1e-9
+    return jax.lax.fori_loop(0, 300, body, x).sum()
+
+
+busy(x).block_until_ready()
+out = busy(x)
+dist.host_allgather(np.int32(0), what="beside a program in flight")
+print("in flight", not out.is_ready())
+out.block_until_ready()
+
+# the packing plan's row sums: rows split over processes, and replicated over a second axis
+mask = np.arange(4 * 3 * 5).reshape(4, 3, 5) % 4 > 0
+for shape, names in (((4,), ("data",)), ((2, 2), ("data", "tensor"))):
+    m = jax.make_mesh(shape, names)
+    g = dist.to_global(mask, NamedSharding(m, P("data")))
+    print("row sums", shape, bool((S._row_sums(g, "mask") == mask.sum(-1)).all()))
+
+try:  # another call at the same point: both processes raise, naming the other's call
+    dist.host_allgather(np.int32(0), what=f"call of process {pid}")
+except RuntimeError as e:
+    print("mismatch:", e)
+
+# the store keeps one key per process (the last round's)
+dist.host_allgather(np.int32(0), what="last")
+client = dist._kv_client()
+client.wait_at_barrier("after last", 60_000)
+print("keys", len(client.key_value_dir_get_bytes("jaxrl_llm/host_allgather/")))
+client.wait_at_barrier("counted", 60_000)
+
+if pid == 0:  # process 1 skips this call
+    try:
+        dist.host_allgather(np.int32(0), what="alone", timeout_s=2)
+    except TimeoutError as e:
+        print("timeout:", e)
+client.wait_at_barrier("end", 60_000)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_host_allgather_across_two_processes(tmp_path):
+    """Values in process order; no wait for device work; mismatched calls, shapes and a missing
+    process are clear errors; the store is left with one key per process."""
+    port, children = _free_port(), []
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    t0 = time.monotonic()
+    try:
+        for i, log in enumerate(logs):
+            cmd = [sys.executable, "-c", HOST_CHILD, str(port), str(i)]
+            with log.open("w") as out:
+                children.append(
+                    subprocess.Popen(
+                        cmd, cwd=REPO, env=_child_env(2), stdout=out, stderr=subprocess.STDOUT
+                    )
+                )
+        _wait(children, logs, t0, "host_allgather", limit=180)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+    for pid, log in enumerate(logs):
+        text = _tail(log, 20000)
+        assert "stack [1, 2] ['p0', 'p1'] None\ntiled [0, 10, 11]\n" in text, text
+        assert "ragged: host_allgather('ragged'): leaf 0 has shapes [(1,), (2,)]" in text, text
+        assert "in flight True\n" in text, text
+        assert "row sums (4,) True\nrow sums (2, 2) True\n" in text, text
+        other = 1 - pid
+        assert (
+            f"mismatch: host_allgather('call of process {pid}'): process {other} called "
+            f"host_allgather('call of process {other}')" in text
+        ), text
+        assert "keys 2\n" in text and "done" in text, text
+    assert "timeout: host_allgather('alone') round " in _tail(logs[0], 20000)
+    assert ": process 1 published nothing within 2 s" in _tail(logs[0], 20000)
