@@ -337,11 +337,12 @@ def host_allgather(tree: Any, *, what: str, tiled: bool = False, timeout_s: floa
     The values go through the coordination service's key-value store (each process publishes
     one ``.npz`` blob under a key of this call's round and reads the others'), not through
     devices: no compiled program, nothing waits for device work in flight, and no collective
-    runs beside another program's. For small data; batches of tokens go over the devices
-    (:func:`gather`). Every process must call it, in the same order (like a collective), with
-    the same ``what`` (checked) and tree structure. Each process deletes its earlier keys at
-    the end of a round that every process reached (so every process has read them): the store
-    holds one key per process.
+    runs beside another program's. For small data: the store moves ~15 MB/s (two processes
+    on one host: 8 MiB each in 0.4 s, 64 MiB in 3–4 s), so batches of tokens go over the
+    devices (:func:`gather`). Every process must call it, in the same order (like a
+    collective), with the same ``what`` (checked) and tree structure. Each process deletes
+    its earlier keys at the end of a round that every process reached (so every process has
+    read them): the store holds one key per process.
 
     Raises:
       TimeoutError: a process did not publish within ``timeout_s`` (crashed, or took another

@@ -119,9 +119,21 @@ def _failed_processes(ok: bool) -> list[int]:
     return [int(i) for i in np.flatnonzero(flags.reshape(-1) == 0)]
 
 
+def _every_process() -> set[int] | None:
+    """Orbax's ``active_processes``: every process of a multi-process run (``None`` in one).
+
+    Given explicitly so that orbax's barriers go through the coordination service
+    (``wait_at_barrier``): with ``None``, orbax 0.12 syncs the main thread's barriers with a
+    device all-reduce over every device of the job (``multihost_utils.sync_global_devices``)
+    unless its ``experimental_orbax_use_distributed_barrier`` flag is set. A device barrier
+    waits for whatever the devices still run, and on CPU its gloo collectives may run beside
+    another program's, which gloo does not match across processes (``host_allgather``)."""
+    return set(range(jax.process_count())) if jax.process_count() > 1 else None
+
+
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
-        ocp.multihost.sync_global_processes(name)
+        ocp.multihost.sync_global_processes(name, processes=_every_process())
 
 
 class _DropClosedLoopTracebacks:
@@ -291,11 +303,15 @@ class Checkpointer:
         self.save_every = save_every
         self._pending: int | None = None  # the step being written in the background
         self._reported: BaseException | None = None  # a save error already raised
-        processes = ocp.options.MultiprocessingOptions(barrier_sync_key_prefix=_BARRIER_PREFIX)
+        processes = ocp.options.MultiprocessingOptions(
+            barrier_sync_key_prefix=_BARRIER_PREFIX, active_processes=_every_process()
+        )
+        # every process creates it (orbax refuses create=True with active_processes set)
+        self.directory.mkdir(parents=True, exist_ok=True)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
-            create=True,
+            create=False,
             todelete_subdir=TRASH_DIR,
             multiprocessing_options=processes,
         )
