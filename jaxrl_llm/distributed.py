@@ -402,6 +402,17 @@ def host_allgather(tree: Any, *, what: str, tiled: bool = False, timeout_s: floa
     return jax.tree.unflatten(treedef, out)
 
 
+def one_collective_program_at_a_time() -> bool:
+    """Whether independent programs with cross-process collectives must not be in flight at
+    once: several processes on XLA:CPU. XLA:CPU runs programs that do not depend on each other
+    concurrently, and gloo matches collectives across processes by order alone, so two such
+    programs can meet in a different order on each process: measured here, 40 small
+    all-reduce programs dispatched back to back hung two processes, and the checkpoint's 64
+    per-array checksum programs hung them in 1 of 2 runs. A GPU or TPU runs each device's
+    programs in the order they were enqueued."""
+    return jax.process_count() > 1 and jax.default_backend() == "cpu"
+
+
 def to_host(x: Any) -> np.ndarray:
     """``np.asarray`` that also reads a global array spread over several processes (gathered)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
@@ -422,6 +433,7 @@ __all__ = [
     "initialize",
     "is_multiprocess",
     "is_primary",
+    "one_collective_program_at_a_time",
     "process_rows",
     "resolve",
     "to_global",

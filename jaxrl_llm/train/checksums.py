@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrl_llm import distributed as dist
+
 _WORD_OF_ITEMSIZE = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}
 
 
@@ -77,9 +79,15 @@ def compute_checksums(arrays: Mapping[str, jax.typing.ArrayLike]) -> dict[str, l
     """``{name: [plain, weighted]}`` (Python ints in [0, 2**32)) of every array, in order.
 
     One array at a time (no stacked copy of the state). A collective under several processes:
-    every process must call it with the same (global) arrays.
+    every process must call it with the same (global) arrays; on CPU each array's program is
+    then read before the next is dispatched
+    (:func:`~jaxrl_llm.distributed.one_collective_program_at_a_time`).
     """
-    sums = [array_checksum(jnp.asarray(x)) for x in arrays.values()]
+    serial = dist.one_collective_program_at_a_time()
+    sums = []
+    for x in arrays.values():
+        s = array_checksum(jnp.asarray(x))
+        sums.append(np.asarray(s) if serial else s)
     return {name: [int(v) for v in np.asarray(s)] for name, s in zip(arrays, sums, strict=True)}
 
 

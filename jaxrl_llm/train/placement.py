@@ -50,6 +50,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.train import checksums
 
@@ -296,6 +297,8 @@ def transfer(tree: Any, shardings: Any) -> Any:
         if stage != x.sharding:
             with jax.set_mesh(stage.mesh):
                 x = _reshard(stage)(x)
+            if dist.one_collective_program_at_a_time():  # before the next leaf's reshard
+                x = jax.block_until_ready(x)
         out.append(_local_copy(x, dst))
     return jax.tree.unflatten(treedef, out)
 

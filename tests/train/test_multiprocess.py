@@ -466,6 +466,27 @@ for shape, names in (((4,), ("data",)), ((2, 2), ("data", "tensor"))):
     g = dist.to_global(mask, NamedSharding(m, P("data")))
     print("row sums", shape, bool((S._row_sums(g, "mask") == mask.sum(-1)).all()))
 
+# Many independent programs with collectives (XLA:CPU runs them concurrently; gloo matches
+# their collectives by order only): the checkpoint's per-array checksums and a weight sync's
+# per-array reshards, 64 arrays split over both processes, equal to one array at a time.
+from jaxrl_llm.train import checksums, placement
+
+arrays = {
+    f"a{i}": dist.to_global(np.full((4, i + 1), i, np.float32), NamedSharding(mesh, P("data")))
+    for i in range(64)
+}
+one_by_one = {k: np.asarray(checksums.array_checksum(x)).tolist() for k, x in arrays.items()}
+print("checksums", all(checksums.compute_checksums(arrays) == one_by_one for _ in range(3)))
+devices = jax.devices()
+train = jax.sharding.Mesh(np.array([d for d in devices if d.id % 2048 == 0]), ("data",))
+rollout = jax.sharding.Mesh(np.array([d for d in devices if d.id % 2048 == 1]), ("data",))
+on_train = {k: dist.to_global(np.full((2, 3), i, np.float32), NamedSharding(train, P("data")))
+            for i, k in enumerate(arrays)}
+moved = placement.transfer(on_train, {k: NamedSharding(rollout, P()) for k in on_train})
+print("transfer", all(
+    (np.asarray(moved[k].addressable_data(0)) == i).all() for i, k in enumerate(on_train)
+))
+
 try:  # another call at the same point: both processes raise, naming the other's call
     dist.host_allgather(np.int32(0), what=f"call of process {pid}")
 except RuntimeError as e:
@@ -489,9 +510,11 @@ print("done", flush=True)
 
 
 @pytest.mark.slow
-def test_host_allgather_across_two_processes(tmp_path):
-    """Values in process order; no wait for device work; mismatched calls, shapes and a missing
-    process are clear errors; the store is left with one key per process."""
+def test_host_values_and_collective_programs_across_two_processes(tmp_path):
+    """host_allgather: values in process order; no wait for device work; mismatched calls,
+    shapes and a missing process are clear errors; the store is left with one key per process.
+    And the checksums and reshards of many arrays, each a program with collectives, complete
+    with the values of one array at a time."""
     port, children = _free_port(), []
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     t0 = time.monotonic()
@@ -516,6 +539,7 @@ def test_host_allgather_across_two_processes(tmp_path):
         assert "ragged: host_allgather('ragged'): leaf 0 has shapes [(1,), (2,)]" in text, text
         assert "in flight True\n" in text, text
         assert "row sums (4,) True\nrow sums (2, 2) True\n" in text, text
+        assert "checksums True\n" in text and "transfer True\n" in text, text
         other = 1 - pid
         assert (
             f"mismatch: host_allgather('call of process {pid}'): process {other} called "
