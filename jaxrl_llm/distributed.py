@@ -390,7 +390,7 @@ def host_allgather(tree: Any, *, what: str, tiled: bool = False, timeout_s: floa
             finally:
                 _kv_last.append(key + str(me))
     out = []
-    for i, parts in enumerate(zip(*per_process, strict=True) if per_process[0] else []):
+    for i, parts in enumerate(zip(*per_process, strict=True)):
         shapes = [x.shape[1:] if tiled else x.shape for x in parts]
         if (tiled and any(x.ndim == 0 for x in parts)) or len(set(shapes)) > 1:
             raise ValueError(

@@ -477,9 +477,9 @@ arrays = {
 }
 one_by_one = {k: np.asarray(checksums.array_checksum(x)).tolist() for k, x in arrays.items()}
 print("checksums", all(checksums.compute_checksums(arrays) == one_by_one for _ in range(3)))
-devices = jax.devices()
-train = jax.sharding.Mesh(np.array([d for d in devices if d.id % 2048 == 0]), ("data",))
-rollout = jax.sharding.Mesh(np.array([d for d in devices if d.id % 2048 == 1]), ("data",))
+local = [[d for d in jax.devices() if d.process_index == p] for p in range(2)]
+train = jax.sharding.Mesh(np.array([mine[0] for mine in local]), ("data",))
+rollout = jax.sharding.Mesh(np.array([mine[1] for mine in local]), ("data",))
 on_train = {k: dist.to_global(np.full((2, 3), i, np.float32), NamedSharding(train, P("data")))
             for i, k in enumerate(arrays)}
 moved = placement.transfer(on_train, {k: NamedSharding(rollout, P()) for k in on_train})

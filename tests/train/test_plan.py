@@ -875,9 +875,8 @@ def test_a_gpu_estimate_traces_the_update_as_on_a_gpu_with_cpu_stand_ins(attenti
     lowered = P.lower_step(run, config, recipe, platform="gpu", emulated=True)
     text = lowered.as_text()
     assert "custom_call" not in text  # neither cuDNN's nor Triton's
-    w = (
-        run.prompt_width + 200
-    )  # a packed row: no whole [.., W, .., W] float32 scores (query blocks)
+    # a packed row: no whole [.., W, .., W] float32 scores (query blocks)
+    w = run.prompt_width + 200
     assert not re.search(rf"x{w}x(\d+x)?{w}xf32>", text)
     if attention == "pallas_gpu":  # interpreted: the kernel's grid as loops over its blocks
         assert text.count("stablehlo.while") > 8
