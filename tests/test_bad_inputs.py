@@ -340,7 +340,22 @@ CASES = [
     Case(
         "missing_model_folder",
         train("model.path={root}/no_model"),
-        ("no checkpoint folder at", "no_model"),
+        ("model.path = ", "no_model", "no such folder or file", "'default'", "model hub"),
+    ),
+    Case(
+        "missing_tokenizer_folder",
+        train("model.tokenizer={root}/no_tokenizer"),
+        ("model.tokenizer = ", "no_tokenizer", "no such folder or file"),
+    ),
+    Case(  # reported before the policy is loaded
+        "missing_critic_folder",
+        train("algorithm.name=ppo", "algorithm.hparams={}", "critic.path={root}/no_critic"),
+        ("critic.path = ", "no_critic", "no such folder or file", "value or reward model"),
+    ),
+    Case(
+        "missing_reward_model_folder",
+        train("rewards.terms=[{type: reward_model, kwargs: {path: '{root}/no_rm'}}]"),
+        ("rewards.terms[0].kwargs.path = ", "no_rm", "no such folder or file", "reward model"),
     ),
     Case(
         "unsupported_architecture",

@@ -473,6 +473,39 @@ def test_data_errors():
     _fails(["data.arithmetic.operations=[]"], "at least one")
 
 
+def test_model_folders_are_checked_before_loading(tmp_path, monkeypatch):
+    """Each model folder a run reads exists, named by its key: the policy, its tokenizer, a
+    critic of a recipe that learns one and reward-model terms; the names need no folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")  # load_config looks for one
+
+    def fails(overrides, *fragments, base="tiny.yaml"):
+        with pytest.raises(ConfigError) as info:
+            C.check_model_paths(_load(overrides, base))
+        for fragment in fragments:
+            assert fragment in str(info.value), (fragment, str(info.value))
+        return info.value
+
+    e = fails(["model.path=no_model"], "model.path = 'no_model'", f"(from {tmp_path})", "'default'")
+    assert e.key == "model.path"
+    fails(["model.tokenizer=/no/tokenizer"], "model.tokenizer = '/no/tokenizer'", "tokenizer")
+    ppo = ["algorithm.name=ppo", "algorithm.hparams={}"]
+    e = fails([*ppo, "critic.path=~/no_critic"], "critic.path = '~/no_critic'", "value")
+    assert e.key == "critic.path" and "(from" not in str(e)  # ~ is absolute once expanded
+    terms = "rewards.terms=[{type: regex, kwargs: {pattern: a}}, {type: reward_model, kwargs: %s}]"
+    fails([terms % "{path: rm}"], "rewards.terms[1].kwargs.path = 'rm'", "of a reward model")
+    for ok in (
+        [],  # tiny-random, the default tokenizer
+        ["model.path=default", "model.tokenizer=default"],
+        ["model.path=model", "model.tokenizer=model"],  # relative to the current directory
+        ["critic.path=/no_critic"],  # grpo learns no critic: the key is not read
+        [*ppo, "critic.path=null"],
+        [terms % "{path: rm, score: 'my_rm:score'}"],  # a scorer of the user's: no folder read
+    ):
+        C.check_model_paths(_load(ok, "tiny.yaml"))
+
+
 def test_reward_errors():
     _fails(["rewards.terms=[{type: integer_answr}]"], "did you mean 'integer_answer'")
     _fails(["rewards.terms=[{type: 'my mod:f'}]"], "'package.module:function'")

@@ -818,6 +818,44 @@ def check_model_limits(config: TrainConfig) -> None:
             )
 
 
+def check_model_paths(config: TrainConfig) -> None:
+    """Checks that each local model folder the run reads exists, before any weight is read:
+    the policy (``model.path``), its tokenizer, the critic checkpoint of a recipe that learns
+    a critic (``critic.path``) and reward-model terms' folders. A typo in ``critic.path`` or
+    a reward model's path is reported at once, naming its key, not after the policy has
+    loaded. ``default`` (and ``tiny-random`` for the policy) needs no folder; relative paths
+    are from the current directory, as the loaders read them.
+
+    Raises:
+      ConfigError: naming the key, the path and what it must be.
+    """
+    from jaxrl_llm.models import TINY_RANDOM
+
+    model = "a local Hugging Face folder (config.json and safetensors) or .gguf file"
+    named = [
+        ("model.path", config.model.path, f"'default', '{TINY_RANDOM}' or {model}"),
+        ("model.tokenizer", config.model.tokenizer, "'default' or a local tokenizer folder"),
+    ]
+    if not config.is_offline and getattr(build_recipe(config), "critic", None) is not None:
+        critic = f"'default' or {model} of a value or reward model"
+        named.append(("critic.path", config.critic.path, critic))
+    for i, term in enumerate(config.rewards.terms):
+        if term.type == "reward_model" and "score" not in term.kwargs and "path" in term.kwargs:
+            key = f"rewards.terms[{i}].kwargs.path"
+            named.append((key, term.kwargs["path"], f"{model} of a reward model"))
+    for key, path, what in named:
+        if path in (None, "default") or (key, path) == ("model.path", TINY_RANDOM):
+            continue
+        local = Path(str(path)).expanduser()
+        if not local.exists():
+            where = "" if local.is_absolute() else f" (from {Path.cwd()})"
+            raise ConfigError(
+                f"{key} = {path!r}: no such folder or file{where}; expected {what} (nothing is "
+                "downloaded from a model hub)",
+                key,
+            )
+
+
 def check_evaluation(config: TrainConfig) -> None:
     """Checks that the run has a held-out set to evaluate on (``jaxrl-llm evaluate``).
 

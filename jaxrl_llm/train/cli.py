@@ -161,13 +161,14 @@ def _quiet(*_: object) -> None:
 
 @_run
 def _train(args: argparse.Namespace) -> int:
-    from jaxrl_llm.config import ConfigError
+    from jaxrl_llm.config import ConfigError, check_model_paths
     from jaxrl_llm.train.loop import train
 
     primary = _init_distributed(args)
     config = _load(args, need_config=True)
     if args.max_steps is not None and args.max_steps < 1:
         raise ConfigError(f"--max-steps {args.max_steps}: expected an integer ≥ 1")
+    check_model_paths(config)  # before the preflight reads the model's config
     if config.train.preflight:  # docs/plan.md: shapes only, before any weight is read
         from jaxrl_llm.train.plan import PlanError, preflight
 

@@ -41,6 +41,7 @@ from jaxrl_llm.config import (
     TrainConfig,
     build_recipe,
     check_devices,
+    check_model_paths,
     data_format,
     mesh_axis_sizes,
     to_dict,
@@ -818,7 +819,9 @@ def resolve(
     mesh: jax.sharding.Mesh | None = None,
 ) -> Setup:
     """The run of ``config`` in ``run_dir`` (default ``config.run_dir``), resolved: models,
-    tokenizer, data, reward, recipe, optimizers, a fresh state, and the plans (not restored)."""
+    tokenizer, data, reward, recipe, optimizers, a fresh state, and the plans (not restored).
+    Every model folder it names is checked first (:func:`~jaxrl_llm.config.check_model_paths`)."""
+    check_model_paths(config)
     recipe = build_recipe(config)
     models, state = build_models(config, recipe, mesh=mesh)
     placement = make_placement(config, models.mesh, models.rules)
