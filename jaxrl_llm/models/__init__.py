@@ -22,6 +22,7 @@ from jaxrl_llm.models.hub import (
     from_pretrained,
     load_tokenizer,
     model_context,
+    read_generation_config,
     save_pretrained,
 )
 from jaxrl_llm.models.tiny import TINY_RANDOM, tiny_random_config
@@ -50,6 +51,7 @@ __all__ = [
     "last_token_index",
     "load_tokenizer",
     "model_context",
+    "read_generation_config",
     "save_pretrained",
     "tiny_random_config",
 ]

@@ -101,6 +101,49 @@ def read_config_json(folder: str | os.PathLike) -> dict:
     return raw
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def read_generation_config(path: str | os.PathLike) -> tuple[dict[str, Any], Path | None]:
+    """``(settings, file)``: the checkpoint folder's ``generation_config.json``, the file from
+    which ``transformers``' ``generate`` and vLLM take their defaults (``do_sample``,
+    ``temperature``, ``top_k``, ``top_p``, ``eos_token_id``, ...), as a dict; ``({}, None)``
+    where there is none (a ``.gguf`` file, a name such as ``tiny-random``, a folder without
+    one). Only the keys the file sets are in the dict.
+
+    Raises:
+      ModelLoadError: the file is not UTF-8 JSON holding an object.
+    """
+    file = Path(path).expanduser() / GENERATION_CONFIG
+    if not file.is_file():
+        return {}, None
+    try:
+        raw = json.loads(file.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(
+            f"{file}: not valid UTF-8 JSON ({e}); expected the checkpoint's generation "
+            "defaults, a JSON object"
+        ) from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(
+            f"{file}: a JSON {type(raw).__name__}; expected the checkpoint's generation "
+            "defaults, a JSON object"
+        )
+    return raw, file
+
+
+def generation_eos_ids(settings: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
+    """The ids in a generation config's ``eos_token_id`` (an int or a list; Llama 3 and Qwen
+    2.5 instruct checkpoints list their end-of-turn tokens there), those inside the
+    vocabulary, sorted."""
+    eos = settings.get("eos_token_id")
+    if eos is None:
+        return ()
+    values = eos if isinstance(eos, list) else [eos]
+    ids = {int(e) for e in values if isinstance(e, int) and not isinstance(e, bool)}
+    return tuple(sorted(i for i in ids if 0 <= i < vocab_size))
+
+
 def _gguf_metadata(file: Path) -> dict[str, Any]:
     """The GGUF file's scalar and string metadata (``general.architecture``,
     ``llama.context_length``, ...; arrays such as the vocabulary are skipped), read from its
@@ -548,13 +591,17 @@ def save_pretrained(
     *,
     dtype: Any = None,
     max_shard_size: int = 5 * 2**30,
+    generation_config: dict[str, Any] | None = None,
 ) -> Path:
     """Writes config.json, safetensors (sharded past ``max_shard_size`` bytes) and the tokenizer.
 
     ``transformers.AutoModelForCausalLM`` (or ``AutoModelForSequenceClassification`` for a
     reward/value model) loads the folder. ``dtype`` defaults to the parameter dtype;
-    ``tokenizer`` is a tokenizer object or a path to load one from. Parameters are fetched one
-    at a time (gathered across hosts when sharded); only process 0 writes.
+    ``tokenizer`` is a tokenizer object or a path to load one from. ``generation_config``
+    (a dict, e.g. the source checkpoint's from :func:`read_generation_config`) is written as
+    ``generation_config.json``, so that the sampling defaults and end-of-turn ids the source
+    shipped go with the weights. Parameters are fetched one at a time (gathered across hosts
+    when sharded); only process 0 writes.
     """
     out = Path(out_dir)
     kind, num_labels = _kind(model)
@@ -593,6 +640,9 @@ def save_pretrained(
     hf = config.replace(param_dtype=jnp.dtype(save_dtype).name).to_hf_dict(kind, num_labels)
     (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True))
     weights.write_checkpoint(out, entries, max_shard_size)
+    if generation_config:
+        text = json.dumps(generation_config, indent=2, sort_keys=True)
+        (out / GENERATION_CONFIG).write_text(text + "\n")
     if tokenizer is not None:
         if isinstance(tokenizer, str | os.PathLike):
             tokenizer = load_tokenizer(tokenizer)

@@ -589,6 +589,7 @@ def export_policy(setup: Setup, params: dict, out: str | Path | None = None) -> 
     load the old weights); a folder holding something else, a file, or ``RUN_DIR/export`` as a
     symlink is refused (:func:`~jaxrl_llm.train.rundir.prepare_export_dir`)."""
     from jaxrl_llm.models import lora, save_pretrained
+    from jaxrl_llm.models.hub import read_generation_config
 
     default = out is None
     out = Path(out).expanduser().absolute() if out is not None else setup.run_dir / EXPORT_DIR
@@ -607,7 +608,12 @@ def export_policy(setup: Setup, params: dict, out: str | Path | None = None) -> 
             base_model_name_or_path=models.base_path,
         )
         policy = lora.merge_into_base(policy)
-    return save_pretrained(policy, out, tokenizer=setup.tokenizer)
+    # The source's sampling defaults and end-of-turn ids go with the weights, as in HF's
+    # save_pretrained (a GGUF source has none to copy).
+    generation, _ = read_generation_config(models.base_path)
+    return save_pretrained(
+        policy, out, tokenizer=setup.tokenizer, generation_config=generation or None
+    )
 
 
 def _restored(

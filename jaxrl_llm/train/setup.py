@@ -47,6 +47,7 @@ from jaxrl_llm.config import (
     to_dict,
 )
 from jaxrl_llm.models import sharding as shd
+from jaxrl_llm.models.hub import generation_eos_ids, read_generation_config
 from jaxrl_llm.recipe import REFERENCE_LOGPROBS, AnyRecipe, PreferenceRecipe, Recipe
 from jaxrl_llm.rollout.engine import choose_engine
 from jaxrl_llm.rollout.paged import PagedOptions
@@ -709,13 +710,17 @@ def build_models(
     return models, state
 
 
-def _stop_ids(config: TrainConfig, tokenizer: Any, model_config: Any) -> tuple[int, ...]:
+def _stop_ids(
+    config: TrainConfig, tokenizer: Any, model_config: Any, generation: dict[str, Any]
+) -> tuple[int, ...]:
     if config.rollout is not None and config.rollout.stop_token_ids is not None:
         return tuple(config.rollout.stop_token_ids)
     ids = set()
     for eos in (getattr(tokenizer, "eos_token_id", None), model_config.eos_token_id):
         if eos is not None:
             ids.update(int(e) for e in np.atleast_1d(eos))
+    # generation_config.json's end-of-turn ids, as transformers' generate and vLLM stop at them
+    ids.update(generation_eos_ids(generation, model_config.vocab_size))
     return tuple(sorted(i for i in ids if 0 <= i < model_config.vocab_size))
 
 
@@ -822,6 +827,8 @@ def resolve(
     tokenizer, data, reward, recipe, optimizers, a fresh state, and the plans (not restored).
     Every model folder it names is checked first (:func:`~jaxrl_llm.config.check_model_paths`)."""
     check_model_paths(config)
+    # read before any weight is, so that a broken file costs no model load
+    generation, _ = read_generation_config(train_models.resolve_model_path(config.model.path))
     recipe = build_recipe(config)
     models, state = build_models(config, recipe, mesh=mesh)
     placement = make_placement(config, models.mesh, models.rules)
@@ -832,7 +839,7 @@ def resolve(
     # DPO scores only its held-out prompts (when it has any) with the configured reward.
     scored = not config.is_offline or data.eval_prompts is not None
     reward = build_reward(config) if scored else None
-    stop_ids = _stop_ids(config, tokenizer, model_config)
+    stop_ids = _stop_ids(config, tokenizer, model_config, generation)
     sampler = _sampler(config, stop_ids)
     run_dir = Path(run_dir or config.run_dir or ".").expanduser().absolute()
     t = config.train

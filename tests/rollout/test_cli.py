@@ -2,10 +2,11 @@
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
-from jaxrl_llm.rollout.cli import add_generate_parser, run_generate
+from jaxrl_llm.rollout.cli import add_generate_parser, run_generate, sampling_settings
 from tests.models import hf_tiny
 
 
@@ -35,6 +36,8 @@ def test_generate_prints_every_completion(tiny_checkpoint, capsys):
         "2",
         "--max-new-tokens",
         "8",
+        "--temperature",
+        "1.0",
         "--json",
     )
     assert args.func is run_generate
@@ -104,3 +107,79 @@ def test_generate_engines_agree_and_the_choices_are_the_libraries(tiny_checkpoin
     assert tuple(sorted(choices["paged_attention"])) == tuple(sorted(pages.ATTENTION_BACKENDS))
     with pytest.raises(SystemExit):
         parse(*greedy, "--engine", "vllm")
+
+
+def test_sampling_defaults_come_from_the_generation_config_as_in_transformers():
+    where = Path("/m/generation_config.json")
+    plain = parse("--prompt", "Hi")
+
+    def settings(generation, *argv, at=where):
+        got = sampling_settings(parse("--prompt", "Hi", *argv), generation, at)
+        return got if isinstance(got, str) else got[:3]
+
+    # No file, or one that does not set do_sample: greedy, as transformers' generate.
+    assert settings({}, at=None) == (0.0, 0, 1.0)
+    assert sampling_settings(plain, {}, None).said == "greedy (no generation_config.json)"
+    assert settings({"temperature": 0.7, "do_sample": False}) == (0.0, 0, 1.0)
+    # do_sample: its values, transformers' defaults (1.0, 50, 1.0) for those it leaves out.
+    llama = {"do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    assert settings(llama) == (0.6, 50, 0.9)
+    said = sampling_settings(plain, llama, where).said
+    assert said == f"temperature 0.6, top-k 50, top-p 0.9 (temperature, top-k, top-p from {where})"
+    assert settings({"do_sample": True}) == (1.0, 50, 1.0)
+    # Flags win, each on its own; --temperature 0 is greedy whatever the file says.
+    assert settings(llama, "--top-k", "0", "--temperature", "1.2") == (1.2, 0, 0.9)
+    assert settings(llama, "--temperature", "0") == (0.0, 50, 0.9)
+    assert settings({}, "--temperature", "0.5", at=None) == (0.5, 0, 1.0)
+    # A greedy default with several samples would repeat one completion: refused, with the fix.
+    refused = settings({}, "--num-samples", "3")
+    assert refused.startswith("--num-samples 3: this model's default is greedy")
+    assert refused.endswith("pass --temperature (e.g. 1.0) to sample")
+    assert settings({}, "--num-samples", "3", "--temperature", "0") == (0.0, 0, 1.0)
+    # What the sampler has no counterpart for is named; bad values name the file.
+    qwen = {"do_sample": True, "temperature": 0.7, "top_k": 20, "repetition_penalty": 1.05}
+    said = sampling_settings(plain, qwen, where).said
+    assert said.endswith("; not applied from generation_config.json: repetition_penalty 1.05")
+    for bad in ({"top_p": 0}, {"temperature": "hot"}, {"top_k": 2.5}, {"temperature": True}):
+        message = settings({"do_sample": True, **bad})
+        assert isinstance(message, str) and message.startswith(f"{where}: ")
+
+
+def test_generate_samples_as_the_checkpoint_says_and_stops_at_its_eos_ids(
+    tiny_checkpoint, tmp_path, capsys, monkeypatch
+):
+    import shutil
+
+    from jaxrl_llm.rollout import engine
+
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return generate(*args, **kwargs)
+
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", recording)
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, folder)
+    base = ("--model", str(folder), "--prompt", "Hi", "--max-new-tokens", "6", "--json")
+    # transformers' own generation_config.json for this model sets no do_sample: greedy.
+    assert json.loads((folder / "generation_config.json").read_text()).get("do_sample") is None
+    assert run_generate(parse(*base)) == 0
+    out, err = capsys.readouterr()
+    assert f"sampling: greedy ({folder / 'generation_config.json'} does not set do_sample)" in err
+    assert run_generate(parse(*base, "--temperature", "0")) == 0
+    assert capsys.readouterr().out == out
+    assert calls[0]["temperature"] == 0.0 and calls[0]["stop_token_ids"] == [2]
+    # A checkpoint that samples, and lists another end-of-turn id.
+    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 20, "eos_token_id": [2, 9]}
+    (folder / "generation_config.json").write_text(json.dumps(sampling))
+    assert run_generate(parse(*base, "--num-samples", "2")) == 0
+    err = capsys.readouterr().err
+    assert "sampling: temperature 0.7, top-k 20, top-p 1 (temperature, top-k, top-p from" in err
+    last = calls[-1]
+    assert (last["temperature"], last["top_k"], last["top_p"]) == (0.7, 20, 1.0)
+    assert last["stop_token_ids"] == [2, 9]
+    (folder / "generation_config.json").write_text("{")
+    assert run_generate(parse(*base)) == 2
+    assert "generation_config.json: not valid UTF-8 JSON" in capsys.readouterr().err

@@ -8,6 +8,7 @@ that below the loop and the CLI only ``setup.py`` reads the config.
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -317,3 +318,38 @@ def test_only_setup_loop_and_cli_import_the_config():
     assert "setup.py" in readers  # the scan sees setup's own import
     # plan.py is setup's abstract sibling: it resolves a config into shapes for `jaxrl-llm plan`
     assert readers <= {"setup.py", "plan.py", "loop.py", "cli.py"}, sorted(readers)
+
+
+def test_the_checkpoints_generation_config_adds_stop_ids_and_goes_into_the_export(
+    tmp_path, smollm2_path
+):
+    """Llama 3 and Qwen 2.5 instruct checkpoints list their end-of-turn ids in
+    generation_config.json; the sampler stops at them as transformers' generate does, and the
+    export carries the file on (as HF's save_pretrained does)."""
+    from flax import nnx
+
+    from jaxrl_llm import models
+    from jaxrl_llm.train.loop import export_policy
+
+    source = tmp_path / "source"
+    generation = {"do_sample": True, "eos_token_id": [2, 7, 10**6], "temperature": 0.6}
+    lm = models.CausalLM(models.tiny_random_config(), rngs=nnx.Rngs(0))
+    models.save_pretrained(lm, source, tokenizer=smollm2_path, generation_config=generation)
+    assert json.loads((source / "generation_config.json").read_text()) == generation
+    setup = resolve(*SMALL, f"model.path={source}", "rollout.max_new_tokens=4")
+    assert setup.sampler.stop_ids == (2, 7)  # the tokenizer's and config.json's 2, and 7
+    assert setup.evaluation.sampler.stop_ids == (2, 7)
+    assert resolve(
+        *SMALL, f"model.path={source}", "rollout.stop_token_ids=[5]"
+    ).sampler.stop_ids == (5,)  # an explicit list wins
+    out = export_policy(setup, setup.state.params, tmp_path / "export")
+    assert json.loads((out / "generation_config.json").read_text()) == generation
+    # A source without one: none is written, and the export of a run that had one is replaced.
+    (source / "generation_config.json").unlink()
+    plain = resolve(*SMALL, f"model.path={source}", "rollout.max_new_tokens=4")
+    assert plain.sampler.stop_ids == (2,)
+    export_policy(plain, plain.state.params, out)
+    assert not (out / "generation_config.json").exists()
+    (source / "generation_config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"generation_config\.json: a JSON list; expected"):
+        resolve(*SMALL, f"model.path={source}")
