@@ -535,6 +535,20 @@ def test_missing_files(tmp_path):
         load_config(path)
 
 
+def test_a_config_anywhere_can_build_on_a_shipped_one(tmp_path):
+    grpo = C.load_config("algorithms/grpo", ["train.max_steps=3"])
+    for name in ("algorithms/grpo", "algorithms/grpo.yaml", "configs/algorithms/grpo.yaml"):
+        mine = _write(tmp_path, f"base: {name}\ntrain: {{max_steps: 3}}\n", "mine.yaml")
+        assert load_config(mine) == grpo
+    # A file at that path beside the config is what it means (here itself built on a shipped one).
+    (tmp_path / "algorithms").mkdir()
+    _write(tmp_path, "base: quickstart\nalgorithm: {name: rloo}\n", "algorithms/grpo.yaml")
+    assert load_config(_write(tmp_path, "base: algorithms/grpo.yaml\n")).algorithm.name == "rloo"
+    assert load_config(_write(tmp_path, "base: algorithms/grpo\n")).algorithm.name == "grpo"
+    with pytest.raises(ConfigError, match=r"algorithms/gspoo.*did you mean 'algorithms/gspo'\?"):
+        load_config(_write(tmp_path, "base: algorithms/gspoo\n"))
+
+
 def test_include_cycle(tmp_path):
     _write(tmp_path, "base: b.yaml\n", "a.yaml")
     _write(tmp_path, "base: a.yaml\n", "b.yaml")

@@ -7,8 +7,9 @@ union of those with ``None``; :func:`_field` attaches numeric bounds (``ge``, ``
 ``lt``) to a field. :func:`load` goes:
 
 1. read the YAML file (:func:`_read_yaml`): a top-level ``base:`` or ``defaults:`` key names one
-   file or a list of files, relative to the including file, read the same way and merged
-   underneath, left to right; mappings merge key by key, anything else replaces (:func:`_merge`);
+   file or a list of files, relative to the including file (or, failing that, found by the
+   schema's finder), read the same way and merged underneath, left to right; mappings merge key
+   by key, anything else replaces (:func:`_merge`);
 2. apply ``dotted.key=value`` overrides in order (:func:`merge_overrides`), each value read as
    YAML (``1e-6``, ``true``, ``[1, 2]``, ``null``), so a later one wins; a value YAML would
    read differently from what was typed (``#`` starting a comment, ``: `` making a mapping) is
@@ -47,6 +48,8 @@ import yaml
 
 #: A merge hook: ``rule(path, base, child)`` returns the ``base`` mapping to merge ``child`` over.
 MergeRule = Callable[[tuple[str, ...], Mapping, Mapping], Mapping]
+# An include's file where none exists relative to the including file, or a reason there is none
+IncludeFinder = Callable[[str], "Path | str | None"]
 
 MISSING = "???"  # a required value a config leaves to the command line (e.g. model.path=???)
 
@@ -310,8 +313,18 @@ def _merge(
     return out
 
 
-def _read_yaml(path: Path, chain: tuple[Path, ...] = (), rule: MergeRule | None = None) -> dict:
-    """A YAML file with its ``base:`` / ``defaults:`` includes merged underneath."""
+def _read_yaml(
+    path: Path,
+    chain: tuple[Path, ...] = (),
+    rule: MergeRule | None = None,
+    find: IncludeFinder | None = None,
+) -> dict:
+    """A YAML file with its ``base:`` / ``defaults:`` includes merged underneath.
+
+    An include is a path relative to the including file; where no such file exists,
+    ``find(include)`` (if given) may name the file it means instead (e.g. a config shipped in
+    a package), or say why there is none.
+    """
     where = str(path)
     if not path.is_file():
         via = f" (included from {chain[-1]})" if chain else ""
@@ -342,7 +355,15 @@ def _read_yaml(path: Path, chain: tuple[Path, ...] = (), rule: MergeRule | None 
         raise _bad(key, includes, "a relative path to a YAML file, or a list of them")
     merged: dict = {}
     for include in includes:
-        below = _read_yaml(path.parent / include, (*chain, resolved), rule)
+        target = path.parent / include
+        if find is not None and not target.is_file():
+            found = find(include)
+            if isinstance(found, str):
+                raise ConfigError(
+                    f"config file not found: {target} (included from {resolved}); {found}", key
+                )
+            target = target if found is None else found
+        below = _read_yaml(target, (*chain, resolved), rule, find)
         merged = _merge(merged, below, rule=rule)
     return _merge(merged, raw, rule=rule)
 

@@ -113,8 +113,23 @@ def _drop_other_recipes_hparams(path: tuple[str, ...], base: Mapping, child: Map
 
 
 def _read_yaml(path: Path) -> dict:
-    """A config file with its ``base:`` / ``defaults:`` includes merged underneath."""
-    return engine._read_yaml(path, rule=_drop_other_recipes_hparams)
+    """A config file with its ``base:`` / ``defaults:`` includes merged underneath. An include
+    that is no file relative to the including one may name a shipped config
+    (``base: algorithms/grpo``), so that a config of one's own, anywhere, can build on them."""
+    return engine._read_yaml(path, rule=_drop_other_recipes_hparams, find=_shipped_include)
+
+
+def _shipped_include(include: str) -> Path | str:
+    """The shipped config an include names (``algorithms/grpo``, with or without ``.yaml``),
+    or why it names none."""
+    shipped = shipped_configs()
+    name = include.removesuffix(".yaml").removesuffix(".yml").removeprefix("configs/")
+    if name in shipped:
+        return shipped[name]
+    return (
+        f"not a shipped config either{_suggest(name, list(shipped))} (`jaxrl-llm configs` "
+        "lists them; an include is a path relative to the including file or a shipped name)"
+    )
 
 
 def merge_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:

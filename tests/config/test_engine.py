@@ -160,6 +160,27 @@ def test_inheritance(tmp_path):
     assert toy == Toy(name="a", inner=Inner(rate=0.2, count=6, mode="slow", tags=("z",)), flag=True)
 
 
+def test_an_include_not_beside_the_file_goes_to_the_finder(tmp_path):
+    shelf = _write(tmp_path, "name: shelf\ninner: {count: 7}\n", "shelf.yaml")
+    asked = []
+
+    def find(include):
+        asked.append(include)
+        return shelf if include == "pkg/a" else None if include == "none" else "no such name"
+
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    raw = E._read_yaml(_write(sub, "base: pkg/a\nflag: true\n"), find=find)
+    assert raw == {"name": "shelf", "inner": {"count": 7}, "flag": True} and asked == ["pkg/a"]
+    _write(sub, "name: local\n", "shelf.yaml")  # a file beside the includer wins: not asked
+    assert E._read_yaml(_write(sub, "base: shelf.yaml\n"), find=find) == {"name": "local"}
+    assert asked == ["pkg/a"]
+    with pytest.raises(ConfigError, match=r"other\.yaml \(included from .*c\.yaml\); no such name"):
+        E._read_yaml(_write(sub, "base: other.yaml\n"), find=find)
+    with pytest.raises(ConfigError, match=r"config file not found: .*none \(included from"):
+        E._read_yaml(_write(sub, "base: none\n"), find=find)
+
+
 def test_include_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"config file not found: .*nope\.yaml"):
         E.load(Toy, tmp_path / "nope.yaml")
