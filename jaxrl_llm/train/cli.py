@@ -159,6 +159,11 @@ def _quiet(*_: object) -> None:
     """The ``log`` of processes other than 0."""
 
 
+# What the closing "final:" line shows of the last step's metrics (dpo has no reward/mean: its
+# preference accuracy and margin on the training pairs, as TRL's DPOTrainer logs them)
+FINAL_METRICS = ("eval/", "reward/mean", "dpo/reward_accuracy", "dpo/reward_margin", "step")
+
+
 @_run
 def _train(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import ConfigError, check_model_paths
@@ -184,7 +189,7 @@ def _train(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         overwrite=args.overwrite,
     )
-    shown = {k: v for k, v in final.items() if k.startswith(("eval/", "reward/mean", "step"))}
+    shown = {k: v for k, v in final.items() if k.startswith(FINAL_METRICS)}
     if primary:
         print("final: " + ", ".join(f"{k}={v:.4g}" for k, v in shown.items()))
     return 0

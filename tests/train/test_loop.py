@@ -203,6 +203,10 @@ def test_one_loop_step_per_kind_of_recipe(tmp_path, monkeypatch, name, overrides
     for key in expect:
         assert key in final and np.isfinite(final[key]), key
     assert final["step"] == 1 and final["update/nonfinite"] == 0
+    # the CLI's closing "final:" line shows a training metric of every kind of recipe
+    from jaxrl_llm.train.cli import FINAL_METRICS
+
+    assert [k for k in final if k.startswith(FINAL_METRICS) and not k.startswith(("eval/", "step"))]
     assert {"where": "jaxrl-llm train"} in guarded
     assert {"where": "rollout.generate"} in guarded  # dpo: its evaluation samples
 
