@@ -464,6 +464,11 @@ CASES = [
         ("jaxrl-llm evaluate: give --config FILE", "empty_run/config.yaml"),
     ),
     Case(
+        "evaluate_missing_run_dir",
+        lambda p: ["evaluate", "--run-dir", str(p.root / "no_such_run")],
+        ("jaxrl-llm evaluate: --run-dir", "no_such_run: no such folder", "--config FILE"),
+    ),
+    Case(
         "export_without_checkpoint",
         lambda p: ["export", "--config", TINY, "--run-dir", str(p.root / "empty_run")],
         ("jaxrl-llm export: no checkpoint in", "empty_run/checkpoints", "train the run first"),

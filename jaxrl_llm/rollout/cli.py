@@ -210,6 +210,22 @@ def sampling_settings(
     return Sampling(float(temperature), int(top_k), float(top_p), said)
 
 
+def _run_dir_hint(path: str | Path) -> str:
+    """Where the model of a ``jaxrl-llm train`` run directory given as ``--model`` is."""
+    from jaxrl_llm.train.rundir import CHECKPOINT_DIR, CONFIG_FILE, EXPORT_DIR
+
+    folder = Path(path).expanduser()
+    if not ((folder / CONFIG_FILE).is_file() and (folder / CHECKPOINT_DIR).is_dir()):
+        return ""
+    export = folder / EXPORT_DIR
+    if (export / "config.json").is_file():
+        return f"; {folder} is a training run's folder: its exported model is --model {export}"
+    return (
+        f"; {folder} is a training run's folder: `jaxrl-llm export --run-dir {folder}` writes "
+        f"its latest checkpoint to {export}, for --model"
+    )
+
+
 def run_generate(args: argparse.Namespace) -> int:
     """Runs ``jaxrl-llm generate``; returns the process exit code."""
     import jax
@@ -244,7 +260,7 @@ def run_generate(args: argparse.Namespace) -> int:
         model = models.from_pretrained(path, dtype=args.dtype, mesh=mesh, rules=rules)
         tokenizer = models.load_tokenizer(path)
     except (FileNotFoundError, ValueError, OSError) as exc:  # ModelLoadError is a ValueError
-        return _error(f"cannot load model {args.model or 'default'!r}: {exc}")
+        return _error(f"cannot load model {args.model or 'default'!r}: {exc}{_run_dir_hint(path)}")
     if not isinstance(model, models.CausalLM):
         return _error(f"{path} is not a causal language model (got {type(model).__name__})")
     # Stop where transformers' generate would: the EOS ids of config.json, the generation

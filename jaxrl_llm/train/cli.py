@@ -40,6 +40,11 @@ def _load(args: argparse.Namespace, *, need_config: bool):
     run_dir_path(args.run_dir)  # `--run-dir ""`: an error, not the current directory
     if path is None:
         saved = Path(args.run_dir) / CONFIG_FILE
+        if not need_config and not Path(args.run_dir).exists():
+            raise FileNotFoundError(
+                f"--run-dir {args.run_dir}: no such folder (give a run's folder, which holds "
+                f"its {CONFIG_FILE}, or --config FILE)"
+            )
         if need_config or not saved.exists():
             raise FileNotFoundError(
                 f"give --config FILE{'' if need_config else f' (no {saved} to read)'}"

@@ -70,6 +70,15 @@ def test_generate_prints_every_completion(tiny_checkpoint, capsys):
 def test_generate_reports_bad_arguments(tiny_checkpoint, tmp_path, capsys):
     assert run_generate(parse("--model", str(tmp_path / "missing"), "--prompt", "Hi")) == 2
     assert "cannot load model" in capsys.readouterr().err
+    run = tmp_path / "run"  # a training run's folder given as the model: where its model is
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}")
+    assert run_generate(parse("--model", str(run), "--prompt", "Hi")) == 2
+    said = f"is a training run's folder: `jaxrl-llm export --run-dir {run}` writes"
+    assert said in capsys.readouterr().err
+    (run / "export").symlink_to(tiny_checkpoint)
+    assert run_generate(parse("--model", str(run), "--prompt", "Hi")) == 2
+    assert f"its exported model is --model {run / 'export'}" in capsys.readouterr().err
     args = parse("--model", str(tiny_checkpoint), "--prompt", "Hi", "--max-new-tokens", "0")
     assert run_generate(args) == 2
     assert "--max-new-tokens 0: expected an integer ≥ 1" in capsys.readouterr().err
