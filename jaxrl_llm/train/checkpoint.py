@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import logging
 import os
 import shutil
@@ -189,6 +190,62 @@ def _quiet_unreadable() -> Any:
             sys.stderr = stderr
         quiet.flush()
         absl.setLevel(level)
+
+
+def _abandoned_read(unraisable: Any) -> bool:
+    """Whether an unraisable exception is a leftover of a failed restore: one of orbax's array
+    reads left un-awaited (``asyncio.gather`` returns at the first error and the others are
+    never awaited; closing such a coroutine raises its read error again, ignored but printed
+    with the whole tensorstore spec, ~40 lines a read), or a late tensorstore callback that
+    finds orbax's event loop closed."""
+    error = unraisable.exc_value
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    code = getattr(unraisable.object, "cr_code", None)
+    return (
+        code is not None
+        and f"{os.sep}orbax{os.sep}" in code.co_filename
+        and isinstance(error, Exception)
+    )
+
+
+@contextlib.contextmanager
+def _closing_abandoned_reads(failures: list) -> Any:
+    """Around restore's tries of the steps: when one failed (``failures`` not empty), the reads
+    it abandoned are closed here by a garbage collection whose :func:`_abandoned_read`
+    exceptions are dropped, instead of printing ~2,000 lines at some later collection after
+    the :class:`CheckpointFallbackWarning` said what was wrong. Every other unraisable
+    exception goes to the hook that was installed."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not _abandoned_read(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        if failures:
+            failures.clear()  # their tracebacks hold the abandoned reads
+            asyncio_log = logging.getLogger("asyncio")
+            asyncio_log.addFilter(_drop_abandoned_tasks)
+            try:
+                gc.collect()
+            finally:
+                asyncio_log.removeFilter(_drop_abandoned_tasks)
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = previous
+
+
+def _drop_abandoned_tasks(record: logging.LogRecord) -> bool:
+    """A logging filter: False for asyncio's "Task exception was never retrieved" of orbax's
+    read tasks (the same leftovers as :func:`_abandoned_read`, wrapped in tasks)."""
+    message = record.getMessage()
+    return not (
+        message.startswith("Task exception was never retrieved")
+        and f"{os.sep}orbax{os.sep}" in message
+    )
 
 
 def _key_name(key: Any) -> str:
@@ -436,13 +493,14 @@ class Checkpointer:
             _verify(state, meta, step, str(self.directory))
             return state, meta
         self._resolve(None)  # waits; FileNotFoundError without any checkpoint
-        with _quiet_unreadable():  # the late callbacks of a failed read come after it
-            return self._restore_latest(template, sharding)
+        failed: list[tuple[int, Path, BaseException]] = []
+        # the late callbacks of a failed read come after it, its abandoned reads at a later GC
+        with _quiet_unreadable(), _closing_abandoned_reads(failed):
+            return self._restore_latest(template, sharding, failed)
 
     def _restore_latest(
-        self, template: TrainState, sharding: Any
+        self, template: TrainState, sharding: Any, failed: list[tuple[int, Path, BaseException]]
     ) -> tuple[TrainState, dict[str, Any]]:
-        failed: list[tuple[int, Path, BaseException]] = []
         for candidate in sorted(self.all_steps(), reverse=True):
             error: BaseException | None = None
             try:
@@ -461,6 +519,7 @@ class Checkpointer:
                 if error is None:
                     error = OSError(f"unreadable on process {', '.join(map(str, bad))}")
                 failed.append((candidate, self._move_aside(candidate), error))
+                error = None  # held by ``failed`` alone, which drops it at the end
                 continue
             if failed:
                 warnings.warn(

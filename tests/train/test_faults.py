@@ -10,6 +10,8 @@ process killed with SIGKILL, so no Python cleanup (``finally``, atexit, orbax's 
 from __future__ import annotations
 
 import errno
+import gc
+import logging
 import multiprocessing
 import os
 import random
@@ -91,7 +93,9 @@ def _truncate_meta(step_dir: Path) -> str:
 
 
 @pytest.mark.parametrize("damage", [_truncate, _garble, _delete_data, _truncate_meta])
-def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
+def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(
+    tmp_path, damage, monkeypatch, caplog
+):
     s = _state()
     with C.Checkpointer(tmp_path / "c", max_to_keep=3) as ckpt:
         for k in (1, 2, 3):
@@ -99,8 +103,14 @@ def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path
     damage(tmp_path / "c" / "3")
     ckpt = C.Checkpointer(tmp_path / "c", max_to_keep=3, save_every=1)
     assert ckpt.latest_step() == 3
+    unraisable = []  # what would be printed as "Exception ignored in: ..."
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
     with pytest.warns(C.CheckpointFallbackWarning) as caught:
         restored, meta = ckpt.restore(_state())
+    gc.collect()
+    # the failed read's abandoned coroutines (a truncated file left ~50, 2,000 lines) are gone
+    assert unraisable == [] and sys.unraisablehook == unraisable.append
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()]
     message = str(caught[0].message)
     assert f"step 3 ({tmp_path / 'c' / '3'}) is unreadable" in message, message
     assert f"previous good checkpoint, step 2 ({tmp_path / 'c' / '2'})" in message, message
@@ -113,6 +123,45 @@ def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path
     ckpt.close()
     with C.Checkpointer(tmp_path / "c") as ckpt:
         _assert_same(ckpt.restore(_state())[0], _bump(s, 3))
+
+
+def test_only_orbaxs_abandoned_reads_are_dropped(monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+
+    class Raises:
+        def __del__(self):
+            raise ValueError("from __del__")
+
+    # a coroutine whose code is orbax's, suspended in an await and then abandoned
+    source = (
+        "import types\n"
+        "pause = types.coroutine(lambda: (yield))\n"
+        "async def read():\n"
+        "    try:\n"
+        "        await pause()\n"
+        "    finally:\n"
+        "        raise OSError('the read error, raised again when it is closed')\n"
+    )
+    namespace = {}
+    exec(compile(source, os.path.join("site", "orbax", "serialization.py"), "exec"), namespace)
+    failures = [object()]
+    with C._closing_abandoned_reads(failures):
+        coroutine = namespace["read"]()
+        coroutine.send(None)
+        del coroutine  # closed: its OSError is dropped
+        Raises()  # anything else still reaches the installed hook
+    assert failures == [] and [type(u.exc_value) for u in seen] == [ValueError]
+    assert sys.unraisablehook == seen.append
+
+    def record(message):
+        return logging.LogRecord("asyncio", logging.ERROR, "", 0, message, (), None)
+
+    orbax_task = (
+        f"Task exception was never retrieved\nfuture: <Task coro=<read() {os.sep}orbax{os.sep}"
+    )
+    assert not C._drop_abandoned_tasks(record(orbax_task))
+    assert C._drop_abandoned_tasks(record("Task exception was never retrieved\nfuture: <mine>"))
 
 
 CLOSED_LOOP = """Traceback (most recent call last):
