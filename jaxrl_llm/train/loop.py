@@ -24,6 +24,7 @@ computes exactly what an uninterrupted one would.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,7 @@ from jaxrl_llm.train import state as st
 from jaxrl_llm.train import update as up
 from jaxrl_llm.train.checkpoint import HOST_ARRAYS, Checkpointer
 from jaxrl_llm.train.collect import collect, dpo_batch, to_global
+from jaxrl_llm.train.completions import CompletionLog
 from jaxrl_llm.train.evaluation import run_evaluation
 from jaxrl_llm.train.faults import (
     NonFiniteUpdateError,
@@ -82,9 +84,12 @@ def reference_logprob_fn(setup: Setup) -> Callable[..., jax.Array]:
     )
 
 
-def make_train_step(setup: Setup, logprob: Callable[..., jax.Array]) -> StepFn:
+def make_train_step(
+    setup: Setup, logprob: Callable[..., jax.Array], completions: CompletionLog | None = None
+) -> StepFn:
     """``step(state, iterator, key) -> (state, metrics)``: the host's part of a step, then the
-    device step (the RL step, or DPO's update on a batch of pairs)."""
+    device step (the RL step, or DPO's update on a batch of pairs). ``completions`` records the
+    host groups of an online step before its update."""
     models, update = setup.models, setup.update
     if setup.offline:
         dpo_step = up.make_dpo_step(
@@ -117,6 +122,8 @@ def make_train_step(setup: Setup, logprob: Callable[..., jax.Array]) -> StepFn:
         state: st.TrainState, iterator: BatchIterator, key: jax.Array
     ) -> tuple[st.TrainState, dict[str, float]]:
         groups, metrics = collect(setup, state.params, iterator, key)
+        if completions is not None:
+            completions.record(groups)
         groups = to_global(models, groups)
         state, device_metrics = _timed(rl_step, _positioned(state, iterator), groups)
         return state, {**metrics, **device_metrics}
@@ -142,9 +149,17 @@ def is_async(setup: Setup) -> bool:
     return setup.placement.split or setup.loop.max_staleness > 0
 
 
-def make_async_driver(setup: Setup, *, timeline: Path | None = None) -> asynchronous.AsyncDriver:
+def _recorded_to_global(models: Any, completions: CompletionLog | None, groups: Any) -> Any:
+    if completions is not None:
+        completions.record(groups)
+    return to_global(models, groups)
+
+
+def make_async_driver(
+    setup: Setup, *, timeline: Path | None = None, completions: CompletionLog | None = None
+) -> asynchronous.AsyncDriver:
     """The async driver of an online run (its rollout weights on the placement's rollout mesh,
-    or a colocated copy)."""
+    or a colocated copy); ``completions`` records each step's host groups before its update."""
     from jaxrl_llm.train import placement
 
     models = setup.models
@@ -159,7 +174,7 @@ def make_async_driver(setup: Setup, *, timeline: Path | None = None) -> asynchro
     return asynchronous.AsyncDriver(
         collect=collect_with,
         rl_step=_rl_step(setup),
-        to_global=lambda groups: to_global(models, groups),
+        to_global=functools.partial(_recorded_to_global, models, completions),
         weights=weights,
         max_staleness=setup.loop.max_staleness,
         max_steps=setup.loop.max_steps,
@@ -305,10 +320,21 @@ def _train_locked(
         pad_multiple=PAD_MULTIPLE,
     )
     state, start, skipped, meta = _resume(ckpt, setup, iterator, config, log)
+    completions = None
+    if primary and plan.log_completions:
+        completions = CompletionLog(
+            setup.run_dir,
+            setup.tokenizer,
+            num_groups=plan.log_completions,
+            log_every=plan.log_every,
+            max_steps=plan.max_steps,
+            start_step=start,
+            stop_ids=setup.sampler.stop_ids,
+        )
     driver = None
     if is_async(setup):
         timeline = setup.run_dir / asynchronous.TIMELINE_FILE if primary else None
-        driver = make_async_driver(setup, timeline=timeline)
+        driver = make_async_driver(setup, timeline=timeline, completions=completions)
         try:
             driver.restore(meta, meta.get(HOST_ARRAYS))
         except ValueError as e:
@@ -328,7 +354,7 @@ def _train_locked(
     hostmem.release_after_compiles()
     _print_header(setup, log)
     logprob = reference_logprob_fn(setup)
-    train_step = driver.step if driver is not None else make_train_step(setup, logprob)
+    train_step = driver.step if driver is not None else make_train_step(setup, logprob, completions)
     evaluating = bool(setup.data.eval_prompts or setup.data.eval_pairs)
     evaluate_every = setup.evaluation.every
 
@@ -362,6 +388,8 @@ def _train_locked(
                 memory_maps.relieve(where="jaxrl-llm train")  # XLA:CPU's compiled programs
                 mark_phase("rollout", step + 1)
                 state, key = _split_key(state)
+                if completions is not None:
+                    completions.step = step + 1
                 state, metrics = train_step(state, iterator, key)  # collect, then the device step
                 step = int(state.step)
                 nonfinite = metrics.get("update/nonfinite", 0) > 0

@@ -24,6 +24,7 @@ from typing import Any
 from jaxrl_llm.train.tracking import ExplainRows, TrackingPlan, open_trackers
 
 METRICS_FILE = "metrics.jsonl"
+COMPLETIONS_FILE = "completions.jsonl"  # jaxrl_llm.train.completions
 PLOT_FILE = "curves.png"
 
 

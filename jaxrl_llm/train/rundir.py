@@ -49,7 +49,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from jaxrl_llm.train.metrics import METRICS_FILE, PLOT_FILE, read_metrics
+from jaxrl_llm.train.metrics import COMPLETIONS_FILE, METRICS_FILE, PLOT_FILE, read_metrics
 
 CONFIG_FILE = "config.yaml"
 EXPORT_DIR = "export"
@@ -65,6 +65,8 @@ RUN_FILES = (
     CONFIG_FILE,
     METRICS_FILE,
     METRICS_FILE + ".tmp",
+    COMPLETIONS_FILE,
+    COMPLETIONS_FILE + ".tmp",
     TENSORBOARD_DIR,
     CHECKPOINT_DIR,
     EXPORT_DIR,
@@ -94,7 +96,7 @@ MODEL_PATTERNS = (
 )
 START_OVER = (
     "To start over, rerun with --overwrite (deletes this run's config.yaml, metrics.jsonl, "
-    "tensorboard/, checkpoints/ and export/) or use a new --run-dir."
+    "completions.jsonl, tensorboard/, checkpoints/ and export/) or use a new --run-dir."
 )
 
 
@@ -171,7 +173,7 @@ def check_step_numbers(checkpoints: Path) -> None:
 
 
 def _entry_types(run_dir: Path) -> None:
-    for name in (CONFIG_FILE, METRICS_FILE, PLOT_FILE):
+    for name in (CONFIG_FILE, METRICS_FILE, COMPLETIONS_FILE, PLOT_FILE):
         if (run_dir / name).is_dir():
             raise RunDirError(
                 f"{run_dir / name} is a folder; the trainer writes a file there. Move it away."

@@ -181,6 +181,8 @@ class LoopPlan:
         :mod:`~jaxrl_llm.train.asynchronous`).
       partial_rollout_tokens: async RL: a rollout continues under newer weights every this
         many new tokens (0: off).
+      log_completions: prompt groups per logged step written to ``completions.jsonl``
+        (:mod:`~jaxrl_llm.train.completions`; 0: off).
     """
 
     max_steps: int
@@ -192,6 +194,7 @@ class LoopPlan:
     shuffle: bool = True
     max_staleness: int = 0
     partial_rollout_tokens: int = 0
+    log_completions: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -861,6 +864,7 @@ def resolve(
             shuffle=config.data.shuffle,
             max_staleness=getattr(t, "max_staleness", 0),
             partial_rollout_tokens=getattr(t, "partial_rollout_tokens", 0),
+            log_completions=0 if config.is_offline else config.logging.completions,
         ),
         update=update_shape(config, shd.data_parallel_size(models.mesh), model_config),
         old_logprobs=OldLogprobs(config.old_logprobs.source, config.old_logprobs.tis_cap),

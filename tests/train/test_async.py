@@ -219,6 +219,10 @@ def test_staleness_zero_with_a_copy_is_the_synchronous_loop(tmp_path):
     finally:
         loop.is_async = original
     _assert_same(sync.params, _final_state(config, tmp_path / "driver").params)
+    # the driver logs the completions the loop logs (recorded before each update)
+    sampled = (tmp_path / "sync" / "completions.jsonl").read_text()
+    assert [json.loads(x)["step"] for x in sampled.splitlines()] == [1, 2]
+    assert (tmp_path / "driver" / "completions.jsonl").read_text() == sampled
     lines = (tmp_path / "driver" / A.TIMELINE_FILE).read_text().splitlines()
     timeline = [json.loads(x) for x in lines]
     assert [x["step"] for x in timeline] == [1, 2]
@@ -263,6 +267,13 @@ def test_a_killed_async_run_resumes_with_its_buffer_to_the_same_parameters(tmp_p
     for a, b in zip(full, killed, strict=True):
         for k in ("actor/loss", "reward/mean", "async/staleness_mean", "rollout_corr/ratio_mean"):
             assert a[k] == b[k], (k, a["step"])
+    # completions.jsonl: step 3's lines of the killed life dropped on resume, and the batches
+    # restored from the checkpoint's buffer logged when trained, under their own steps
+    logged = [json.loads(x) for x in (tmp_path / "killed" / "completions.jsonl").open()]
+    assert [r["step"] for r in logged] == [1, 2, 3, 4]
+    assert (tmp_path / "killed" / "completions.jsonl").read_text() == (
+        tmp_path / "full" / "completions.jsonl"
+    ).read_text()
 
 
 def test_resuming_with_a_smaller_max_staleness_is_a_clear_error(tmp_path, monkeypatch):

@@ -165,6 +165,7 @@ def test_update_shape_old_logprobs_loop_and_checkpoint_plans(tmp_path):
         "data.seed=5",
         "data.shuffle=false",
         "data.eval_size=4",
+        "logging.completions=3",
         run_dir=tmp_path / "run",
     )
     # Packed (the default) with micro_batch_size 2: the per-device budget it implies.
@@ -182,6 +183,7 @@ def test_update_shape_old_logprobs_loop_and_checkpoint_plans(tmp_path):
         max_refill_batches=1,
         data_seed=5,
         shuffle=False,
+        log_completions=3,
     )
     assert setup.run_dir == tmp_path / "run"
     assert setup.checkpoint == S.CheckpointPlan(
@@ -244,6 +246,7 @@ def test_dpo_is_offline_with_an_eval_sampler_of_the_pairs_length():
     assert dpo.offline and isinstance(dpo.recipe, PreferenceRecipe)
     assert dpo.sampler is None
     assert dpo.loop.batch_size == 2  # pairs per step
+    assert dpo.loop.log_completions == 0  # nothing is sampled to log
     assert dpo.models.ref_params is not None  # sigmoid DPO: a reference
     assert dpo.models.critic_graphdef is None and dpo.state.kl_state == ()
     plan = dpo.evaluation

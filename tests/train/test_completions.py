@@ -1,0 +1,84 @@
+"""RUN_DIR/completions.jsonl (jaxrl_llm.train.completions): records of a step's groups, their
+schedule, and the resume rule."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from jaxrl_llm.train.completions import COMPLETIONS_FILE, CompletionLog, group_records
+from jaxrl_llm.train.step import Groups
+
+EOS = 2  # SmolLM2's <|im_end|>
+
+
+def _groups(tokenizer) -> Groups:
+    """Two prompts × three samples, T = 6: one stopped, one cut at the budget, one cut and
+    given no loss (mask_truncated_completions); the last sample dropped by the selection."""
+    prompt = tokenizer("Hi there")["input_ids"]
+    p = len(prompt) + 2
+    prompt_ids = np.zeros((2, p), np.int32)
+    prompt_mask = np.zeros((2, p), bool)
+    prompt_ids[:, 2:], prompt_mask[:, 2:] = prompt, True  # left-padded
+    twelve = tokenizer(" 12")["input_ids"]
+    long = tokenizer(" one two three four five six seven")["input_ids"][:6]
+    tokens = np.zeros((2, 3, 6), np.int32)
+    mask = np.zeros((2, 3, 6), bool)
+    tokens[:, 0, : len(twelve) + 1] = [*twelve, EOS]
+    mask[:, 0, : len(twelve) + 1] = True
+    tokens[:, 1], mask[:, 1] = long, True
+    tokens[:, 2] = long  # mask all False: the cut completion's loss is masked
+    reward = np.array([[1.0, 0.0, 0.5], [0.0, 0.0, 0.0]], np.float32)
+    member = np.array([[True, True, False], [True, True, True]])
+    zeros = np.zeros((2, 3, 6), np.float32)
+    return Groups(prompt_ids, prompt_mask, tokens, mask, zeros, reward, member)
+
+
+def test_records_of_a_steps_groups(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    groups = _groups(tok)
+    records = group_records(tok, groups, 7, 1, stop_ids=(EOS,))
+    assert len(records) == 1  # the first group only
+    (r,) = records
+    assert r["step"] == 7 and r["prompt"] == "Hi there" and r["reward_mean"] == pytest.approx(0.5)
+    text = tok.decode(groups.tokens_bgt[0, 1].tolist(), skip_special_tokens=True)
+    stopped = int(groups.mask_bgt[0, 0].sum())  # " 12" and the EOS
+    assert r["samples"] == [
+        {
+            "completion": " 12",
+            "reward": 1.0,
+            "num_tokens": stopped,
+            "truncated": False,
+            "trained": True,
+        },
+        {"completion": text, "reward": 0.0, "num_tokens": 6, "truncated": True, "trained": True},
+        {"completion": text, "reward": 0.5, "num_tokens": 6, "truncated": True, "trained": False},
+    ]
+    assert [x["step"] for x in group_records(tok, groups, 7, 5)] == [7, 7]  # at most B
+    json.dumps(records)  # plain JSON values
+
+
+def test_the_log_writes_at_logged_steps_and_drops_later_lines_on_resume(
+    tmp_path, smollm2_tokenizer
+):
+    groups = _groups(smollm2_tokenizer)
+
+    def run(start, steps, **kw):
+        log = CompletionLog(
+            tmp_path, smollm2_tokenizer, num_groups=2, max_steps=5, start_step=start, **kw
+        )
+        for step in steps:
+            log.step = step
+            log.record(groups)
+
+    def logged():
+        return [json.loads(x)["step"] for x in (tmp_path / COMPLETIONS_FILE).open()]
+
+    run(0, range(1, 5), log_every=2)  # steps 2 and 4 (two groups each), and a killed life
+    assert logged() == [2, 2, 4, 4]
+    run(2, [3, 4, 5], log_every=2)  # resumed from checkpoint 2: step 4's lines are redone
+    assert logged() == [2, 2, 4, 4, 5, 5]  # and the last step is always logged
+    CompletionLog(tmp_path, smollm2_tokenizer, num_groups=0, log_every=1, max_steps=5, start_step=5)
+    assert logged() == [2, 2, 4, 4, 5, 5]
