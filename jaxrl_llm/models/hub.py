@@ -252,8 +252,6 @@ def model_context(path: str | os.PathLike) -> tuple[int, str] | None:
 
 
 def _read_hf_config(folder: Path, gguf_file: str | None) -> transformers.PretrainedConfig:
-    from transformers import AutoConfig
-
     if gguf_file is None:
         raw = read_config_json(folder)
         if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
@@ -265,6 +263,9 @@ def _read_hf_config(folder: Path, gguf_file: str | None) -> transformers.Pretrai
     else:
         _gguf_metadata(folder / gguf_file)  # a clear error for a file that is not GGUF
         weights.require_gguf_loader(folder / gguf_file)  # and for a missing torch / gguf
+    # imported after the checks: with torch installed, transformers' config module imports it
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(str(folder), gguf_file=gguf_file, trust_remote_code=False)
     except Exception as e:

@@ -260,7 +260,8 @@ def run_generate(args: argparse.Namespace) -> int:
         model = models.from_pretrained(path, dtype=args.dtype, mesh=mesh, rules=rules)
         tokenizer = models.load_tokenizer(path)
     except (FileNotFoundError, ValueError, OSError) as exc:  # ModelLoadError is a ValueError
-        return _error(f"cannot load model {args.model or 'default'!r}: {exc}{_run_dir_hint(path)}")
+        hint = _run_dir_hint(args.model) if args.model is not None else ""
+        return _error(f"cannot load model {args.model or 'default'!r}: {exc}{hint}")
     if not isinstance(model, models.CausalLM):
         return _error(f"{path} is not a causal language model (got {type(model).__name__})")
     # Stop where transformers' generate would: the EOS ids of config.json, the generation
