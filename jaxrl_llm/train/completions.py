@@ -16,7 +16,9 @@ dynamic sampling or samples PODS leaves out); ``truncated`` whether it ran to
 ``rollout.max_new_tokens`` without a stop id (its text is logged also when
 ``rollout.mask_truncated_completions`` gives it no loss). The records come from the step's
 groups as the update receives them, so an async run logs each batch under the step that trains
-it. On resume from step ``k`` the lines of later steps are dropped, as in ``metrics.jsonl``.
+it. Each held-out evaluation adds the same number of its prompts, their records marked
+``"eval": true`` (verl's validation generations; no ``trained`` key). On resume from step
+``k`` the lines of later steps are dropped, as in ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -74,6 +76,42 @@ def group_records(
     return records
 
 
+def eval_records(
+    tokenizer: Any,
+    prompt_ids_bp: np.ndarray,
+    prompt_mask_bp: np.ndarray,
+    texts: list[list[str]],
+    reward_bg: np.ndarray,
+    num_tokens_bg: np.ndarray,
+    truncated_bg: np.ndarray,
+    step: int,
+) -> list[dict[str, Any]]:
+    """Records of held-out prompts and their evaluation completions (already decoded), marked
+    ``"eval": true`` (verl's validation generations log)."""
+    reward_bg = np.asarray(reward_bg, np.float64)
+    records = []
+    for b in range(len(texts)):
+        mask = np.asarray(prompt_mask_bp[b], bool)
+        records.append(
+            {
+                "step": int(step),
+                "eval": True,
+                "prompt": tokenizer.decode(np.asarray(prompt_ids_bp[b])[mask].tolist()),
+                "reward_mean": float(reward_bg[b].mean()),
+                "samples": [
+                    {
+                        "completion": text,
+                        "reward": float(reward_bg[b, g]),
+                        "num_tokens": int(num_tokens_bg[b, g]),
+                        "truncated": bool(truncated_bg[b, g]),
+                    }
+                    for g, text in enumerate(texts[b])
+                ],
+            }
+        )
+    return records
+
+
 class CompletionLog:
     """Appends :func:`group_records` to ``RUN_DIR/completions.jsonl`` at the logged steps.
 
@@ -106,11 +144,16 @@ class CompletionLog:
         """Writes the records of ``groups`` (host arrays) if :attr:`step` is a logged step."""
         if not self.due(self.step):
             return
-        records = group_records(
-            self.tokenizer, groups, self.step, self.num_groups, stop_ids=self.stop_ids
+        self.write(
+            group_records(
+                self.tokenizer, groups, self.step, self.num_groups, stop_ids=self.stop_ids
+            )
         )
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        """Appends ``records`` (e.g. an evaluation's, :func:`eval_records`) as they are."""
         with self.path.open("a", encoding="utf-8") as f:
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
-__all__ = ["COMPLETIONS_FILE", "CompletionLog", "group_records"]
+__all__ = ["COMPLETIONS_FILE", "CompletionLog", "eval_records", "group_records"]

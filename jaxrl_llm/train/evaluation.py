@@ -22,6 +22,7 @@ from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.rewards import answers as A
 from jaxrl_llm.train import eval_metrics as EM
 from jaxrl_llm.train.collect import dpo_batch, sample_completions, score_completions
+from jaxrl_llm.train.completions import eval_records
 from jaxrl_llm.train.setup import PAD_MULTIPLE, Models, Setup
 
 # ---------------------------------------------------------------------------------------------
@@ -95,8 +96,13 @@ def evaluate_prompts(
     max_new_tokens: int | None = None,
     step: int = 0,
     num_samples: int | None = None,
+    samples: list[dict] | None = None,
 ) -> dict[str, float]:
     """Accuracy and mean reward of one completion per held-out prompt (greedy or sampled).
+
+    ``samples``: a list that receives, as ``completions.jsonl`` records with ``"eval": true``
+    (:mod:`~jaxrl_llm.train.completions`), the first ``setup.loop.log_completions`` held-out
+    prompts of this process with their completions.
 
     With ``num_samples`` K > 1 (default ``setup.evaluation.num_samples``) each prompt gets K
     completions sampled with the rollout's temperature / top-k / top-p, and the metrics of
@@ -157,6 +163,20 @@ def evaluate_prompts(
         correct_bg = reward_out.correct_n
         if correct_bg is not None:
             correct_bg = np.asarray(correct_bg).reshape(reward_bg.shape)
+        if samples is not None and i == 0:
+            shown = min(setup.loop.log_completions, num)
+            samples.extend(
+                eval_records(
+                    setup.tokenizer,
+                    ids[rows][:shown],
+                    mask[rows][:shown],
+                    texts[:shown],
+                    reward_bg[:shown],
+                    tmask[:shown].sum(-1),
+                    np.asarray(out.truncated)[:shown],
+                    step,
+                )
+            )
         # [rows, K] per process (K = 1: the single sample's column, as before).
         scores = dist.host_allgather(
             {
@@ -245,10 +265,12 @@ def run_evaluation(
     mode: str | None = None,
     max_new_tokens: int | None = None,
     num_samples: int | None = None,
+    samples: list[dict] | None = None,
 ) -> dict[str, float]:
     """The held-out metrics at ``step``: prompts (every run with held-out prompts; K =
     ``num_samples`` samples each, default the plan's) and, for DPO, preference pairs
-    (``logprob``: the run's jitted log-prob function)."""
+    (``logprob``: the run's jitted log-prob function). ``samples``: see
+    :func:`evaluate_prompts`."""
     t0 = time.perf_counter()
     out = evaluate_prompts(
         setup,
@@ -257,6 +279,7 @@ def run_evaluation(
         max_new_tokens=max_new_tokens,
         step=step,
         num_samples=num_samples,
+        samples=samples,
     )
     if setup.offline and logprob is not None:
         out.update(evaluate_pairs(setup, params, logprob))

@@ -359,7 +359,10 @@ def _train_locked(
     evaluate_every = setup.evaluation.every
 
     def evaluate_at(step: int, params: dict, logger: MetricsLogger) -> dict[str, float]:
-        ev = run_evaluation(setup, params, step=step, logprob=logprob)  # K: the plan's
+        samples = [] if completions is not None else None
+        ev = run_evaluation(setup, params, step=step, logprob=logprob, samples=samples)  # K: plan's
+        if samples:
+            completions.write(samples)
         logger.log(step, ev)  # all keys, the pass@k / maj@K intervals too
         logger.write(_format_eval(step, {k: v for k, v in ev.items() if "_ci_" not in k}))
         return ev

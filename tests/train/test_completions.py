@@ -82,3 +82,24 @@ def test_the_log_writes_at_logged_steps_and_drops_later_lines_on_resume(
     assert logged() == [2, 2, 4, 4, 5, 5]  # and the last step is always logged
     CompletionLog(tmp_path, smollm2_tokenizer, num_groups=0, log_every=1, max_steps=5, start_step=5)
     assert logged() == [2, 2, 4, 4, 5, 5]
+
+
+def test_a_run_logs_its_steps_and_evaluations(tmp_path):
+    from jaxrl_llm.train import loop
+    from tests.train import helpers as H
+
+    config = H.config(
+        "tiny.yaml", "data.eval_size=3", "logging.completions=2", "train.save_every=1"
+    )
+
+    def logged():
+        rows = [json.loads(x) for x in (tmp_path / COMPLETIONS_FILE).open()]
+        return [(r["step"], r.get("eval", False), len(r["samples"])) for r in rows]
+
+    loop.train(config, run_dir=tmp_path, max_steps=2, progress=False, log=lambda *_: None)
+    evals, steps = [(0, True, 1)] * 2, [(1, False, 2)] * 2 + [(2, False, 2)] * 2
+    assert logged() == evals + steps + [(2, True, 1)] * 2  # evaluations: one greedy sample
+    with (tmp_path / COMPLETIONS_FILE).open("a") as f:  # a later step of a killed life
+        f.write(json.dumps({"step": 3, "prompt": "", "samples": []}) + "\n")
+    loop.train(config, run_dir=tmp_path, max_steps=3, progress=False, log=lambda *_: None)
+    assert logged() == evals + steps + [(2, True, 1)] * 2 + [(3, False, 2)] * 2 + [(3, True, 1)] * 2
