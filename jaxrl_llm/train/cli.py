@@ -219,11 +219,14 @@ def _evaluate(args: argparse.Namespace) -> int:
     k = args.num_samples
     if k is not None and k < 1:
         raise ConfigError(f"--num-samples {k}: expected an integer ≥ 1")
+    if args.show < 0:
+        raise ConfigError(f"--show {args.show}: expected an integer ≥ 0")
     if (k or config.train.eval_num_samples) > 1 and args.mode == "greedy":
         raise ConfigError(
             f"--mode greedy with {k or config.train.eval_num_samples} samples per prompt: "
             "K > 1 samples at the rollout temperature (drop --mode or use --mode sampled)"
         )
+    shown: list[dict] = []
     out = evaluate(
         config,
         run_dir=args.run_dir,
@@ -231,6 +234,8 @@ def _evaluate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         num_samples=k,
         log=print if primary else _quiet,
+        samples=shown,
+        show=args.show,
     )
     if not out:
         raise DataError(
@@ -238,6 +243,13 @@ def _evaluate(args: argparse.Namespace) -> int:
             f"than data.max_prompt_length = {config.data.max_prompt_length} tokens?)"
         )
     if primary:
+        for i, record in enumerate(shown, 1):
+            print(f"### held-out prompt {i}/{len(shown)}\n{record['prompt']}")
+            for sample in record["samples"]:
+                cut = ", truncated" if sample["truncated"] else ""
+                print(f"--- reward {sample['reward']:g}, {sample['num_tokens']} tokens{cut}")
+                print(sample["completion"])
+            print()
         print(json.dumps(out, indent=2))
     return 0
 
@@ -307,6 +319,14 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
         help="completions per prompt (default train.eval_num_samples); K > 1 samples at the "
         "rollout temperature and reports eval/pass@k (k = 1, 2, 4, ... and K), eval/mean@K, "
         "eval/best@K, eval/maj@K with 95%% bootstrap intervals",
+    )
+    p.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print the first N held-out prompts (as the model reads them) with their "
+        "completions, rewards and lengths",
     )
     _add_distributed_args(p)
     p.set_defaults(func=_evaluate)

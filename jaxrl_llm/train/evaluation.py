@@ -97,12 +97,13 @@ def evaluate_prompts(
     step: int = 0,
     num_samples: int | None = None,
     samples: list[dict] | None = None,
+    show: int | None = None,
 ) -> dict[str, float]:
     """Accuracy and mean reward of one completion per held-out prompt (greedy or sampled).
 
     ``samples``: a list that receives, as ``completions.jsonl`` records with ``"eval": true``
-    (:mod:`~jaxrl_llm.train.completions`), the first ``setup.loop.log_completions`` held-out
-    prompts of this process with their completions.
+    (:mod:`~jaxrl_llm.train.completions`), the first ``show`` held-out prompts of this process
+    (default ``setup.loop.log_completions``, at most one batch) with their completions.
 
     With ``num_samples`` K > 1 (default ``setup.evaluation.num_samples``) each prompt gets K
     completions sampled with the rollout's temperature / top-k / top-p, and the metrics of
@@ -164,7 +165,7 @@ def evaluate_prompts(
         if correct_bg is not None:
             correct_bg = np.asarray(correct_bg).reshape(reward_bg.shape)
         if samples is not None and i == 0:
-            shown = min(setup.loop.log_completions, num)
+            shown = min(setup.loop.log_completions if show is None else show, num)
             samples.extend(
                 eval_records(
                     setup.tokenizer,
@@ -266,10 +267,11 @@ def run_evaluation(
     max_new_tokens: int | None = None,
     num_samples: int | None = None,
     samples: list[dict] | None = None,
+    show: int | None = None,
 ) -> dict[str, float]:
     """The held-out metrics at ``step``: prompts (every run with held-out prompts; K =
     ``num_samples`` samples each, default the plan's) and, for DPO, preference pairs
-    (``logprob``: the run's jitted log-prob function). ``samples``: see
+    (``logprob``: the run's jitted log-prob function). ``samples``, ``show``: see
     :func:`evaluate_prompts`."""
     t0 = time.perf_counter()
     out = evaluate_prompts(
@@ -280,6 +282,7 @@ def run_evaluation(
         step=step,
         num_samples=num_samples,
         samples=samples,
+        show=show,
     )
     if setup.offline and logprob is not None:
         out.update(evaluate_pairs(setup, params, logprob))

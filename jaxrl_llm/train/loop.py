@@ -672,6 +672,8 @@ def evaluate(
     max_new_tokens: int | None = None,
     num_samples: int | None = None,
     log: Callable[..., None] = print,
+    samples: list[dict] | None = None,
+    show: int = 0,
 ) -> dict[str, float]:
     """Held-out accuracy / mean reward (and dpo preference accuracy) of the latest checkpoint
     in ``run_dir`` (the initial weights without one); ``mode``: greedy or sampled.
@@ -679,7 +681,8 @@ def evaluate(
     ``num_samples`` K (default ``train.eval_num_samples``): K > 1 samples K completions per
     prompt and adds ``eval/mean@K``, ``eval/best@K``, ``eval/pass@k`` (k = 1, 2, 4, ... ≤ K
     and K), ``eval/maj@K``, each with ``_ci_low`` / ``_ci_high``, and ``eval/num_samples``
-    (:mod:`~jaxrl_llm.train.eval_metrics`)."""
+    (:mod:`~jaxrl_llm.train.eval_metrics`). ``samples`` receives the first ``show`` held-out
+    prompts with their completions (:func:`~jaxrl_llm.train.completions.eval_records`)."""
     setup, state = _restored(config, run_dir, log)
     return run_evaluation(
         setup,
@@ -689,6 +692,8 @@ def evaluate(
         mode=mode,
         max_new_tokens=max_new_tokens,
         num_samples=num_samples,
+        samples=samples,
+        show=show,
     )
 
 

@@ -84,7 +84,7 @@ def test_the_log_writes_at_logged_steps_and_drops_later_lines_on_resume(
     assert logged() == [2, 2, 4, 4, 5, 5]
 
 
-def test_a_run_logs_its_steps_and_evaluations(tmp_path):
+def test_a_run_logs_its_steps_and_evaluations(tmp_path, capsys):
     from jaxrl_llm.train import loop
     from tests.train import helpers as H
 
@@ -103,3 +103,13 @@ def test_a_run_logs_its_steps_and_evaluations(tmp_path):
         f.write(json.dumps({"step": 3, "prompt": "", "samples": []}) + "\n")
     loop.train(config, run_dir=tmp_path, max_steps=3, progress=False, log=lambda *_: None)
     assert logged() == evals + steps + [(2, True, 1)] * 2 + [(3, False, 2)] * 2 + [(3, True, 1)] * 2
+    # jaxrl-llm evaluate --show N prints N held-out prompts with their completions
+    from jaxrl_llm.cli import main
+
+    capsys.readouterr()
+    assert main(["evaluate", "--run-dir", str(tmp_path), "--show", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "### held-out prompt 1/2\n<|im_start|>" in out and "### held-out prompt 2/2" in out
+    assert out.count("--- reward ") == 2 and '"eval/reward_mean"' in out
+    assert main(["evaluate", "--run-dir", str(tmp_path), "--show", "-1"]) == 2
+    assert "--show -1: expected an integer ≥ 0" in capsys.readouterr().err
