@@ -12,7 +12,7 @@ step's batch (those of the first process; 0 turns it off) are written as one JSO
 ``prompt`` is the prompt as the model read it (chat template and special tokens included,
 padding dropped); ``completion`` the sampled text cut at its stop token, special tokens
 dropped; ``trained`` whether the sample reaches the update (False for groups dropped by DAPO's
-dynamic sampling or samples PODS leaves out); ``truncated`` whether it ran to
+dynamic sampling; with PODS a group lists only the samples it kept); ``truncated`` whether it ran to
 ``rollout.max_new_tokens`` without a stop id (its text is logged also when
 ``rollout.mask_truncated_completions`` gives it no loss). The records come from the step's
 groups as the update receives them, so an async run logs each batch under the step that trains
