@@ -85,19 +85,23 @@ def read_config_json(folder: str | os.PathLike) -> dict:
         raise FileNotFoundError(f"{folder} has no config.json")
     if not cfg_path.is_file():
         raise ModelLoadError(f"{cfg_path} is not a file; expected the model's config as JSON")
+    return _read_json_object(cfg_path, "the model's config")
+
+
+def _read_json_object(path: Path, what: str) -> dict:
+    """The JSON object in ``path``, or a :class:`ModelLoadError` saying why it is not one
+    (not UTF-8, not JSON, another JSON value); ``what`` names what it should hold."""
     try:
-        raw = json.loads(cfg_path.read_bytes().decode("utf-8"))
+        raw = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise ModelLoadError(f"{cfg_path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        raise ModelLoadError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise ModelLoadError(
-            f"{cfg_path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
-            "expected the model's config, a JSON object"
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
+            f"expected {what}, a JSON object"
         ) from None
     if not isinstance(raw, dict):
-        raise ModelLoadError(
-            f"{cfg_path}: a JSON {type(raw).__name__}; expected the model's config, a JSON object"
-        )
+        raise ModelLoadError(f"{path}: a JSON {type(raw).__name__}; expected {what}, a JSON object")
     return raw
 
 
@@ -117,19 +121,7 @@ def read_generation_config(path: str | os.PathLike) -> tuple[dict[str, Any], Pat
     file = Path(path).expanduser() / GENERATION_CONFIG
     if not file.is_file():
         return {}, None
-    try:
-        raw = json.loads(file.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(
-            f"{file}: not valid UTF-8 JSON ({e}); expected the checkpoint's generation "
-            "defaults, a JSON object"
-        ) from None
-    if not isinstance(raw, dict):
-        raise ModelLoadError(
-            f"{file}: a JSON {type(raw).__name__}; expected the checkpoint's generation "
-            "defaults, a JSON object"
-        )
-    return raw, file
+    return _read_json_object(file, "the checkpoint's generation defaults"), file
 
 
 def generation_eos_ids(settings: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
