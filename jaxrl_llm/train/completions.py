@@ -24,6 +24,7 @@ it. Each held-out evaluation adds the same number of its prompts, their records 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,9 @@ class CompletionLog:
 
     The loop sets :attr:`step` to the step about to run; :meth:`record` is called with the
     step's host groups right before its update (sync and async alike). Construction drops the
-    lines of steps after ``start_step`` (a resumed run).
+    lines of steps after ``start_step`` (a resumed run). :attr:`sink` (the loop's
+    ``MetricsLogger.log_completions``) also receives every step's records: the trackers'
+    completions tables.
     """
 
     def __init__(
@@ -135,6 +138,7 @@ class CompletionLog:
         self.tokenizer, self.num_groups, self.stop_ids = tokenizer, num_groups, stop_ids
         self.log_every, self.max_steps = log_every, max_steps
         self.step = start_step + 1
+        self.sink: Callable[[int, list[dict[str, Any]]], None] | None = None
         _truncate(self.path, start_step)
 
     def due(self, step: int) -> bool:
@@ -152,8 +156,12 @@ class CompletionLog:
 
     def write(self, records: list[dict[str, Any]]) -> None:
         """Appends ``records`` (e.g. an evaluation's, :func:`eval_records`) as they are."""
+        if not records:
+            return
         with self.path.open("a", encoding="utf-8") as f:
             f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        if self.sink is not None:
+            self.sink(records[0]["step"], records)
 
 
 __all__ = ["COMPLETIONS_FILE", "CompletionLog", "eval_records", "group_records"]

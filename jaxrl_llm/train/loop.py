@@ -381,6 +381,8 @@ def _train_locked(
             run_config=to_dict(config),
             explanation=_explain_rows(setup),
         ) as logger:
+            if completions is not None:
+                completions.sink = logger.log_completions  # the trackers' tables
             if evaluating and start == 0:
                 evaluate_at(0, state.params, logger)
             while step < plan.max_steps:

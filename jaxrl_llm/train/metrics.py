@@ -143,6 +143,11 @@ class MetricsLogger:
             tracker.log(int(step), record)
         return record
 
+    def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Hands a step's ``completions.jsonl`` records to every tracker (a table each)."""
+        for tracker in self.trackers:
+            tracker.log_completions(int(step), records)
+
     def progress(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Moves the bar to ``step`` and shows reward, KL and tokens/s."""
         if self._bar is None:
@@ -191,6 +196,9 @@ class NullLogger:
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         return {"step": int(step), **{k: _value(v) for k, v in metrics.items()}}
+
+    def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        pass
 
     def progress(self, step: int, metrics: Mapping[str, Any]) -> None:
         pass

@@ -3,7 +3,9 @@
 A tracker is opened with the run's config (a plain mapping), receives the ``explain`` table
 once when the run starts at step 0 (:meth:`Tracker.start`), and then one record per step
 (:meth:`Tracker.log`: ``{"group/name": float | None}``; ``None`` is a non-finite value, which
-trackers skip). ``metrics.jsonl`` is written by
+trackers skip), and the logged steps' ``completions.jsonl`` records
+(:meth:`Tracker.log_completions`: a ``completions`` table, Markdown text in TensorBoard).
+``metrics.jsonl`` is written by
 :class:`~jaxrl_llm.train.metrics.MetricsLogger` itself and is always on; the trackers here are
 what ``logging:`` in the config turns on::
 
@@ -85,8 +87,57 @@ class Tracker(Protocol):
     def log(self, step: int, record: Record) -> None:
         """Records one step's metrics."""
 
+    def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Records a step's ``completions.jsonl`` records (:mod:`~jaxrl_llm.train.completions`)
+        as a table."""
+
     def close(self) -> None:
         """Flushes and ends the run."""
+
+
+COMPLETION_COLUMNS = [
+    "kind",
+    "prompt",
+    "completion",
+    "reward",
+    "num_tokens",
+    "truncated",
+    "trained",
+]
+
+
+def completion_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
+    """One row per sample of ``completions.jsonl`` records, in :data:`COMPLETION_COLUMNS`
+    (``kind`` is ``train`` or ``eval``; ``trained`` is None for an evaluation's samples)."""
+    return [
+        [
+            "eval" if r.get("eval") else "train",
+            r["prompt"],
+            x["completion"],
+            x["reward"],
+            x["num_tokens"],
+            x["truncated"],
+            x.get("trained"),
+        ]
+        for r in records
+        for x in r["samples"]
+    ]
+
+
+def completions_markdown(records: list[dict[str, Any]]) -> str:
+    """``completions.jsonl`` records as Markdown: each prompt, then its samples, verbatim in
+    code blocks (completions hold newlines and pipes that a table would break on)."""
+    parts = []
+    for r in records:
+        kind = "evaluation" if r.get("eval") else "training"
+        head = f"**{kind} prompt** (reward mean {r['reward_mean']:g})"
+        parts.append(f"{head}\n\n```\n{r['prompt']}\n```")
+        for i, x in enumerate(r["samples"], 1):
+            cut = ", truncated" if x["truncated"] else ""
+            dropped = ", not trained" if x.get("trained") is False else ""
+            head = f"{i}. reward {x['reward']:g}, {x['num_tokens']} tokens{cut}{dropped}"
+            parts.append(f"{head}\n\n```\n{x['completion']}\n```")
+    return "\n\n".join(parts)
 
 
 def _finite(record: Record) -> dict[str, float | int]:
@@ -122,6 +173,9 @@ class TensorBoardTracker:
     def log(self, step: int, record: Record) -> None:
         for key, value in _finite(record).items():
             self._writer.add_scalar(key, value, int(step))
+
+    def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        self._writer.add_text("completions", completions_markdown(records), int(step))
 
     def close(self) -> None:
         self._writer.close()
@@ -207,6 +261,10 @@ class WandbTracker:
     def log(self, step: int, record: Record) -> None:
         self._run.log({**_finite(record), "step": int(step)})
 
+    def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        table = self._wandb.Table(columns=COMPLETION_COLUMNS, data=completion_rows(records))
+        self._run.log({"completions": table, "step": int(step)})
+
     def close(self) -> None:
         self._run.finish()
 
@@ -250,6 +308,10 @@ class TrackioTracker:
 
     def log(self, step: int, record: Record) -> None:
         self._trackio.log(_finite(record), step=int(step))
+
+    def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
+        table = self._trackio.Table(columns=COMPLETION_COLUMNS, data=completion_rows(records))
+        self._trackio.log({"completions": table}, step=int(step))
 
     def close(self) -> None:
         self._trackio.finish()

@@ -114,12 +114,63 @@ def _offline(**kw) -> T.TrackingPlan:
     return T.TrackingPlan(tensorboard=False, wandb=T.WandbSettings(mode="offline", **kw))
 
 
+# completions.jsonl records of one step: a training prompt and an evaluation one
+RECORDS = [
+    {
+        "step": 2,
+        "prompt": "<|im_start|>user\nWhat is 1 + 1?",
+        "reward_mean": 0.5,
+        "samples": [
+            {
+                "completion": "2 | two\nok",
+                "reward": 1.0,
+                "num_tokens": 4,
+                "truncated": False,
+                "trained": True,
+            },
+            {
+                "completion": "11",
+                "reward": 0.0,
+                "num_tokens": 8,
+                "truncated": True,
+                "trained": False,
+            },
+        ],
+    },
+    {
+        "step": 2,
+        "eval": True,
+        "prompt": "What is 2 + 2?",
+        "reward_mean": 1.0,
+        "samples": [{"completion": "4", "reward": 1.0, "num_tokens": 2, "truncated": False}],
+    },
+]
+
+
+def test_completion_tables_and_markdown():
+    assert T.completion_rows(RECORDS) == [
+        ["train", RECORDS[0]["prompt"], "2 | two\nok", 1.0, 4, False, True],
+        ["train", RECORDS[0]["prompt"], "11", 0.0, 8, True, False],
+        ["eval", "What is 2 + 2?", "4", 1.0, 2, False, None],
+    ]
+    text = T.completions_markdown(RECORDS)
+    assert (
+        "**training prompt** (reward mean 0.5)\n\n```\n<|im_start|>user\nWhat is 1 + 1?\n```"
+        in text
+    )
+    assert "1. reward 1, 4 tokens\n\n```\n2 | two\nok\n```" in text  # verbatim
+    assert "2. reward 0, 8 tokens, truncated, not trained" in text
+    assert "**evaluation prompt** (reward mean 1)" in text
+
+
 def _log_steps(run_dir: Path, plan: T.TrackingPlan, start: int, stop: int, **kw) -> None:
     with M.MetricsLogger(
         run_dir, max_steps=stop, start_step=start, progress=False, tracking=plan, **kw
     ) as logger:
         for step in range(start + 1, stop + 1):
             logger.log(step, {"reward/mean": step / 10, "kl": float("nan")})
+            if step == 2:
+                logger.log_completions(step, RECORDS)
 
 
 def test_wandb_offline_run_has_the_config_the_explain_table_and_every_step(tmp_path):
@@ -136,6 +187,11 @@ def test_wandb_offline_run_has_the_config_the_explain_table_and_every_step(tmp_p
     assert not any("kl" in h for h in run["history"])  # non-finite values are skipped
     table = next((tmp_path / "wandb").glob("offline-run-*/files/media/table/explain_*.json"))
     assert json.loads(table.read_text())["data"][1] == ["What is finally optimised?", "x | y"]
+    table = next((tmp_path / "wandb").glob("offline-run-*/files/media/table/completions_*.json"))
+    assert json.loads(table.read_text())["columns"] == T.COMPLETION_COLUMNS
+    assert json.loads(table.read_text())["data"] == T.completion_rows(RECORDS)
+    logged = [h for h in run["history"] if "completions/_type" in h]
+    assert [h["step"] for h in logged] == [2]
     assert json.loads((tmp_path / T.TRACKING_FILE).read_text())["wandb_run_id"] == run["id"]
     assert (tmp_path / M.METRICS_FILE).exists()  # metrics.jsonl is always written
 
@@ -168,6 +224,7 @@ def test_tensorboard_gets_the_config_and_explain_table_as_text_once(tmp_path):
     assert "lr: 0.5" in texts["config/text_summary"]
     assert "| Where does the KL go? | nowhere (β = 0) |" in texts["explain/text_summary"]
     assert "x / y" in texts["explain/text_summary"]  # a | in an answer cannot split the table
+    assert texts["completions/text_summary"] == T.completions_markdown(RECORDS)
     scalars = [
         (e.step, v.tag, v.simple_value)
         for e in events
@@ -194,6 +251,9 @@ def test_trackio_run_is_written_and_resumed_by_name(tmp_path):
                                  explanation=[("q", "a")]) as logger:
                 for step in range(start + 1, stop + 1):
                     logger.log(step, {{"reward/mean": step / 10}})
+                logger.log_completions(stop, [{{"step": stop, "prompt": "p", "reward_mean": 1.0,
+                    "samples": [{{"completion": "c", "reward": 1.0, "num_tokens": 1,
+                                 "truncated": False, "trained": True}}]}}])
         """
     )
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio")}
@@ -213,6 +273,9 @@ def test_trackio_run_is_written_and_resumed_by_name(tmp_path):
         if "reward/mean" in json.loads(m)
     ]
     assert reward == [(1, 0.1), (2, 0.2), (2, 0.2), (3, 0.3)]  # step 2 re-logged after resume
+    logged = [(step, json.loads(m)) for _, step, m in rows]
+    tables = [(step, m["completions"]) for step, m in logged if "completions" in m]
+    assert [step for step, _ in tables] == [2, 3] and "c" in json.dumps(tables[0][1])
     assert any("explain" in json.loads(m) for _, _, m in rows)
     assert any(json.loads(c[0]).get("lr") == 0.5 for c in configs)
 
