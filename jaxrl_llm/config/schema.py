@@ -415,8 +415,7 @@ class LoggingConfig:
     wandb: WandbConfig | None = None
     # trackio; None = off. E.g. {project: my-rl}.
     trackio: TrackioConfig | None = None
-    # Prompt groups per logged step (and held-out prompts per evaluation) written to
-    # RUN_DIR/completions.jsonl; 0 = off.
+    # Prompts per logged step and per evaluation written to RUN_DIR/completions.jsonl; 0 = off.
     completions: int = _field(1, ge=0)
 
 
