@@ -210,12 +210,13 @@ def _abandoned_read(unraisable: Any) -> bool:
 
 
 @contextlib.contextmanager
-def _closing_abandoned_reads(failures: list) -> Any:
-    """Around restore's tries of the steps: when one failed (``failures`` not empty), the reads
-    it abandoned are closed here by a garbage collection whose :func:`_abandoned_read`
-    exceptions are dropped, instead of printing ~2,000 lines at some later collection after
-    the :class:`CheckpointFallbackWarning` said what was wrong. Every other unraisable
-    exception goes to the hook that was installed."""
+def _closing_abandoned_reads(failures: list, directory: Path) -> Any:
+    """Around restore's tries of the steps: when one failed (``failures``: ``(step, ...)``
+    tuples, not empty), the reads it abandoned are closed here by a garbage collection whose
+    :func:`_abandoned_read` exceptions, and asyncio's reports of the failed steps' tasks and
+    futures (:func:`_abandoned_task_filter`), are dropped, instead of printing ~2,000 lines at
+    some later collection after the :class:`CheckpointFallbackWarning` said what was wrong.
+    Every other unraisable exception goes to the hook that was installed."""
     previous = sys.unraisablehook
 
     def hook(unraisable: Any) -> None:
@@ -227,25 +228,33 @@ def _closing_abandoned_reads(failures: list) -> Any:
         yield
     finally:
         if failures:
+            folders = [str(directory / str(f[0])) for f in failures]
             failures.clear()  # their tracebacks hold the abandoned reads
+            drop = _abandoned_task_filter(folders)
             asyncio_log = logging.getLogger("asyncio")
-            asyncio_log.addFilter(_drop_abandoned_tasks)
+            asyncio_log.addFilter(drop)
             try:
                 gc.collect()
             finally:
-                asyncio_log.removeFilter(_drop_abandoned_tasks)
+                asyncio_log.removeFilter(drop)
         if sys.unraisablehook is hook:
             sys.unraisablehook = previous
 
 
-def _drop_abandoned_tasks(record: logging.LogRecord) -> bool:
-    """A logging filter: False for asyncio's "Task exception was never retrieved" of orbax's
-    read tasks (the same leftovers as :func:`_abandoned_read`, wrapped in tasks)."""
-    message = record.getMessage()
-    return not (
-        message.startswith("Task exception was never retrieved")
-        and f"{os.sep}orbax{os.sep}" in message
-    )
+def _abandoned_task_filter(folders: list[str]) -> Any:
+    """A logging filter, False for asyncio's "... exception was never retrieved" of a failed
+    restore's reads: orbax's tasks (the leftovers of :func:`_abandoned_read`, wrapped in tasks),
+    its gathers' futures and tensorstore's, whose errors name the step folder (one of
+    ``folders``)."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.split("\n", 1)[0].endswith("exception was never retrieved"):
+            return True  # (Task, Future, _GatheringFuture: "<kind> exception was never ...")
+        ours = f"{os.sep}orbax{os.sep}" in message or any(f in message for f in folders)
+        return not ours
+
+    return keep
 
 
 def _key_name(key: Any) -> str:
@@ -495,7 +504,7 @@ class Checkpointer:
         self._resolve(None)  # waits; FileNotFoundError without any checkpoint
         failed: list[tuple[int, Path, BaseException]] = []
         # the late callbacks of a failed read come after it, its abandoned reads at a later GC
-        with _quiet_unreadable(), _closing_abandoned_reads(failed):
+        with _quiet_unreadable(), _closing_abandoned_reads(failed, self.directory):
             return self._restore_latest(template, sharding, failed)
 
     def _restore_latest(

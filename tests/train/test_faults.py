@@ -145,8 +145,8 @@ def test_only_orbaxs_abandoned_reads_are_dropped(monkeypatch):
     )
     namespace = {}
     exec(compile(source, os.path.join("site", "orbax", "serialization.py"), "exec"), namespace)
-    failures = [object()]
-    with C._closing_abandoned_reads(failures):
+    failures = [(3, None, None)]
+    with C._closing_abandoned_reads(failures, Path("/ckpt")):
         coroutine = namespace["read"]()
         coroutine.send(None)
         del coroutine  # closed: its OSError is dropped
@@ -157,11 +157,17 @@ def test_only_orbaxs_abandoned_reads_are_dropped(monkeypatch):
     def record(message):
         return logging.LogRecord("asyncio", logging.ERROR, "", 0, message, (), None)
 
-    orbax_task = (
-        f"Task exception was never retrieved\nfuture: <Task coro=<read() {os.sep}orbax{os.sep}"
-    )
-    assert not C._drop_abandoned_tasks(record(orbax_task))
-    assert C._drop_abandoned_tasks(record("Task exception was never retrieved\nfuture: <mine>"))
+    keep = C._abandoned_task_filter([os.path.join("ckpt", "3")])
+    orbax_task = f"Task exception was never retrieved\nfuture: <Task coro=<read() {os.sep}orbax"
+    assert not keep(record(orbax_task + os.sep))
+    # tensorstore's futures name the failed step's folder
+    folder = os.path.join("ckpt", "3", "state")
+    assert not keep(record(f"Future exception was never retrieved\n... local file {folder}"))
+    gathering = f"_GatheringFuture exception was never retrieved\n... 'path': '{folder}'"
+    assert not keep(record(gathering))
+    assert keep(record("Task exception was never retrieved\nfuture: <mine>"))
+    other = os.path.join("ckpt", "2", "state")
+    assert keep(record(f"Future exception was never retrieved\n... local file {other}"))
 
 
 CLOSED_LOOP = """Traceback (most recent call last):
