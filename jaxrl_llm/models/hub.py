@@ -124,15 +124,15 @@ def read_generation_config(path: str | os.PathLike) -> tuple[dict[str, Any], Pat
     return _read_json_object(file, "the checkpoint's generation defaults"), file
 
 
-def generation_eos_ids(settings: dict[str, Any], vocab_size: int) -> tuple[int, ...]:
-    """The ids in a generation config's ``eos_token_id`` (an int or a list; Llama 3 and Qwen
-    2.5 instruct checkpoints list their end-of-turn tokens there), those inside the
-    vocabulary, sorted."""
-    eos = settings.get("eos_token_id")
-    if eos is None:
-        return ()
-    values = eos if isinstance(eos, list) else [eos]
-    ids = {int(e) for e in values if isinstance(e, int) and not isinstance(e, bool)}
+def eos_token_ids(*values: Any, vocab_size: int) -> tuple[int, ...]:
+    """The ids in ``eos_token_id`` values (each ``None``, an int or a list/tuple of ints: a
+    tokenizer's, ``config.json``'s, ``generation_config.json``'s, where Llama 3 and Qwen 2.5
+    instruct checkpoints list their end-of-turn tokens), those inside the vocabulary, sorted."""
+    ids = set()
+    for value in values:
+        for e in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(e, int | np.integer) and not isinstance(e, bool):
+                ids.add(int(e))
     return tuple(sorted(i for i in ids if 0 <= i < vocab_size))
 
 

@@ -266,10 +266,12 @@ def run_generate(args: argparse.Namespace) -> int:
         return _error(f"{path} is not a causal language model (got {type(model).__name__})")
     # Stop where transformers' generate would: the EOS ids of config.json, the generation
     # config (Llama 3 and Qwen 2.5 instruct list their end-of-turn tokens there) and the tokenizer.
-    vocab = model.config.vocab_size
-    stop_ids = set(hub.generation_eos_ids(generation, vocab))
-    for eos in (model.config.eos_token_id, getattr(tokenizer, "eos_token_id", None)):
-        stop_ids.update(hub.generation_eos_ids({"eos_token_id": eos}, vocab))
+    stop_ids = hub.eos_token_ids(
+        model.config.eos_token_id,
+        generation.get("eos_token_id"),
+        getattr(tokenizer, "eos_token_id", None),
+        vocab_size=model.config.vocab_size,
+    )
     chat = False if args.no_chat_template else None
     try:
         ids, mask = encode_prompts(
@@ -286,7 +288,7 @@ def run_generate(args: argparse.Namespace) -> int:
             temperature=sampling.temperature,
             top_k=sampling.top_k,
             top_p=sampling.top_p,
-            stop_token_ids=sorted(stop_ids),
+            stop_token_ids=list(stop_ids),
             engine=args.engine,
             paged_options=paged.PagedOptions(
                 attention=args.paged_attention, tensor_parallel=args.tensor_parallel

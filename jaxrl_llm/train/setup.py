@@ -47,7 +47,7 @@ from jaxrl_llm.config import (
     to_dict,
 )
 from jaxrl_llm.models import sharding as shd
-from jaxrl_llm.models.hub import generation_eos_ids, read_generation_config
+from jaxrl_llm.models.hub import eos_token_ids, read_generation_config
 from jaxrl_llm.recipe import REFERENCE_LOGPROBS, AnyRecipe, PreferenceRecipe, Recipe
 from jaxrl_llm.rollout.engine import choose_engine
 from jaxrl_llm.rollout.paged import PagedOptions
@@ -718,13 +718,13 @@ def _stop_ids(
 ) -> tuple[int, ...]:
     if config.rollout is not None and config.rollout.stop_token_ids is not None:
         return tuple(config.rollout.stop_token_ids)
-    ids = set()
-    for eos in (getattr(tokenizer, "eos_token_id", None), model_config.eos_token_id):
-        if eos is not None:
-            ids.update(int(e) for e in np.atleast_1d(eos))
-    # generation_config.json's end-of-turn ids, as transformers' generate and vLLM stop at them
-    ids.update(generation_eos_ids(generation, model_config.vocab_size))
-    return tuple(sorted(i for i in ids if 0 <= i < model_config.vocab_size))
+    # generation_config.json's end-of-turn ids too, as transformers' generate and vLLM stop there
+    return eos_token_ids(
+        getattr(tokenizer, "eos_token_id", None),
+        model_config.eos_token_id,
+        generation.get("eos_token_id"),
+        vocab_size=model_config.vocab_size,
+    )
 
 
 def check_processes(
