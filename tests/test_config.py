@@ -549,6 +549,56 @@ def test_a_config_anywhere_can_build_on_a_shipped_one(tmp_path):
         load_config(_write(tmp_path, "base: algorithms/gspoo\n"))
 
 
+def test_rewards_take_the_spellings_of_build_reward(tmp_path):
+    """The reward docs' YAML (a list under `rewards`, options as keys of a term, a bare type, a
+    user function as `function`) is the same config as the schema's own form, in a file, in a
+    layer over another and as an override; ambiguous or unknown keys are still errors."""
+    canonical = load_config(
+        _write(
+            tmp_path,
+            """
+            base: quickstart
+            rewards:
+              on_error: zero
+              terms:
+                - {type: integer_answer, kwargs: {field: answer}}
+                - {type: regex, weight: 0.1, name: format, kwargs: {pattern: "^[0-9]+$"}}
+                - {type: gsm8k}
+                - {type: "my_rewards.py:score", weight: 0.5, kwargs: {tolerance: 0.01}}
+            """,
+            "canonical.yaml",
+        )
+    )
+    _write(tmp_path, "base: quickstart\nrewards: {on_error: zero}\n", "zero.yaml")
+    short = """
+        base: zero.yaml
+        rewards:
+          - {type: integer_answer, field: answer}
+          - {type: regex, weight: 0.1, name: format, pattern: "^[0-9]+$"}
+          - gsm8k
+          - {type: user, function: "my_rewards.py:score", weight: 0.5, kwargs: {tolerance: 0.01}}
+        """
+    assert load_config(_write(tmp_path, short)) == canonical  # on_error of the layer below kept
+    flow = (
+        "rewards=[{type: integer_answer, field: answer}, {type: regex, weight: 0.1, name: format,"
+        ' pattern: "^[0-9]+$"}, gsm8k, {type: "my_rewards.py:score", weight: 0.5,'
+        " kwargs: {tolerance: 0.01}}]"
+    )
+    assert load_config(tmp_path / "zero.yaml", [flow]) == canonical
+    one = load_config("quickstart", ["rewards={type: gsm8k, strict: false}"]).rewards.terms
+    assert [(t.type, dict(t.kwargs)) for t in one] == [("gsm8k", {"strict": False})]
+    assert (
+        C.from_dict({**C.to_dict(canonical), "rewards": "boxed"}).rewards.terms[0].type == "boxed"
+    )
+
+    both = "base: quickstart\nrewards: [{type: regex, pattern: a, kwargs: {pattern: b}}]\n"
+    with pytest.raises(ConfigError, match=r"rewards\.terms\[0\]\.pattern is given both"):
+        load_config(_write(tmp_path, both))
+    user = "base: quickstart\nrewards: [{type: 'my_rewards.py:score', tolerance: 0.01}]\n"
+    with pytest.raises(ConfigError, match=r"unknown key 'rewards\.terms\[0\]\.tolerance'"):
+        load_config(_write(tmp_path, user))  # a user function's arguments go in its kwargs
+
+
 def test_include_cycle(tmp_path):
     _write(tmp_path, "base: b.yaml\n", "a.yaml")
     _write(tmp_path, "base: a.yaml\n", "b.yaml")

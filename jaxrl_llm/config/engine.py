@@ -28,7 +28,10 @@ and rejecting duplicate keys; :func:`dump_yaml` writes what it reads back to an 
 
 A schema may add a merge rule (``rule(path, base, child) -> base``, called before ``child`` is
 merged over ``base`` at the key path ``path``), e.g. to drop keys of the layers below that a
-change in ``child`` makes meaningless. Cross-field checks belong to the schema, not here.
+change in ``child`` makes meaningless, and a shorthand hook (``expand(raw, where) -> raw``,
+called on each file's mapping and each override before any merging) that rewrites the short
+spellings it accepts into the schema's own form. Cross-field checks belong to the schema, not
+here.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ import yaml
 MergeRule = Callable[[tuple[str, ...], Mapping, Mapping], Mapping]
 # An include's file where none exists relative to the including file, or a reason there is none
 IncludeFinder = Callable[[str], "Path | str | None"]
+# One document's (or override's) raw mapping with the schema's shorthands expanded; `where`
+# names the document for errors
+Shorthand = Callable[[dict, str], dict]
 
 MISSING = "???"  # a required value a config leaves to the command line (e.g. model.path=???)
 
@@ -318,12 +324,14 @@ def _read_yaml(
     chain: tuple[Path, ...] = (),
     rule: MergeRule | None = None,
     find: IncludeFinder | None = None,
+    expand: Shorthand | None = None,
 ) -> dict:
     """A YAML file with its ``base:`` / ``defaults:`` includes merged underneath.
 
     An include is a path relative to the including file; where no such file exists,
     ``find(include)`` (if given) may name the file it means instead (e.g. a config shipped in
-    a package), or say why there is none.
+    a package), or say why there is none. ``expand`` (if given) rewrites each file's mapping
+    before it is merged.
     """
     where = str(path)
     if not path.is_file():
@@ -363,8 +371,10 @@ def _read_yaml(
                     f"config file not found: {target} (included from {resolved}); {found}", key
                 )
             target = target if found is None else found
-        below = _read_yaml(target, (*chain, resolved), rule, find)
+        below = _read_yaml(target, (*chain, resolved), rule, find, expand)
         merged = _merge(merged, below, rule=rule)
+    if expand is not None:
+        raw = expand(raw, where)
     return _merge(merged, raw, rule=rule)
 
 
@@ -441,13 +451,22 @@ def parse_override(item: str) -> dict:
     return value
 
 
-def merge_overrides(raw: Mapping, overrides: Sequence[str], rule: MergeRule | None = None) -> dict:
-    """Applies dotted overrides in order (a later one wins) to a raw config mapping."""
+def merge_overrides(
+    raw: Mapping,
+    overrides: Sequence[str],
+    rule: MergeRule | None = None,
+    expand: Shorthand | None = None,
+) -> dict:
+    """Applies dotted overrides in order (a later one wins) to a raw config mapping;
+    ``expand`` (if given) rewrites each override's mapping first."""
     if isinstance(overrides, str):
         raise TypeError("overrides must be a list of 'key=value' strings, not one string")
     out = dict(raw)
     for item in overrides:
-        out = _merge(out, parse_override(item), rule=rule)
+        parsed = parse_override(item)
+        if expand is not None:
+            parsed = expand(parsed, f"override {item.split('=', 1)[0].strip()}")
+        out = _merge(out, parsed, rule=rule)
     return out
 
 
@@ -622,9 +641,10 @@ def load(
     path: str | os.PathLike,
     overrides: Sequence[str] = (),
     rule: MergeRule | None = None,
+    expand: Shorthand | None = None,
 ) -> Any:
     """The dataclass ``cls`` from a YAML file (with its includes) and dotted overrides."""
-    raw = merge_overrides(_read_yaml(Path(path), rule=rule), overrides, rule)
+    raw = merge_overrides(_read_yaml(Path(path), rule=rule, expand=expand), overrides, rule, expand)
     return build(cls, raw)
 
 
@@ -633,6 +653,7 @@ __all__ = [
     "ConfigError",
     "FrozenDict",
     "MergeRule",
+    "Shorthand",
     "build",
     "dump_yaml",
     "load",

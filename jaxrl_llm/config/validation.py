@@ -55,6 +55,7 @@ from jaxrl_llm.config.schema import (
     AlgorithmConfig,
     DataConfig,
     MeshConfig,
+    RewardTermConfig,
     TrainConfig,
 )
 from jaxrl_llm.core import kl as _kl
@@ -116,7 +117,60 @@ def _read_yaml(path: Path) -> dict:
     """A config file with its ``base:`` / ``defaults:`` includes merged underneath. An include
     that is no file relative to the including one may name a shipped config
     (``base: algorithms/grpo``), so that a config of one's own, anywhere, can build on them."""
-    return engine._read_yaml(path, rule=_drop_other_recipes_hparams, find=_shipped_include)
+    return engine._read_yaml(
+        path, rule=_drop_other_recipes_hparams, find=_shipped_include, expand=expand_shorthands
+    )
+
+
+_TERM_KEYS = frozenset(f.name for f in dataclasses.fields(RewardTermConfig))
+
+
+def _expand_term(term: Any, key: str, where: str) -> Any:
+    """A reward term in the schema's form (``{type, weight, name, kwargs}``) from the spellings
+    ``rewards.build_reward`` takes: a bare type string, and a type's options as keys of the
+    term rather than in ``kwargs`` (``{type: regex, pattern: ...}``); ``{type: user, function:
+    F}`` is ``{type: F}``. Anything else is left for the schema to report."""
+    if isinstance(term, str):
+        return {"type": term}
+    if not isinstance(term, Mapping):
+        return term
+    term = dict(term)
+    if term.get("type") == "user" and isinstance(term.get("function"), str):
+        term["type"] = term.pop("function")
+    if ":" in str(term.get("type", "")):  # a user function: its kwargs are its arguments
+        return term
+    options = {k: term.pop(k) for k in list(term) if k not in _TERM_KEYS}
+    if options:
+        kwargs = term.get("kwargs") or {}
+        if not isinstance(kwargs, Mapping):
+            return {**term, **options}  # the schema reports the bad kwargs (and the keys)
+        both = sorted(set(options) & set(kwargs))
+        if both:
+            raise ConfigError(
+                f"{where}: {key}.{both[0]} is given both as a key of the term and in its "
+                "kwargs; give it once",
+                f"{key}.{both[0]}",
+            )
+        term["kwargs"] = {**kwargs, **options}
+    return term
+
+
+def expand_shorthands(raw: dict, where: str = "the config") -> dict:
+    """One config document (or override) with the short spellings of ``rewards`` expanded,
+    before documents are merged: ``rewards`` may be the list of terms itself (or one term, or
+    one type's name) as in ``rewards.build_reward``, for ``rewards.terms``, and each term may
+    be written as :func:`_expand_term` describes. The documented form is left as it is."""
+    rewards = raw.get("rewards")
+    if isinstance(rewards, str) or (isinstance(rewards, Mapping) and "type" in rewards):
+        rewards = [rewards]
+    if isinstance(rewards, list):
+        rewards = {"terms": rewards}
+    if isinstance(rewards, Mapping) and isinstance(rewards.get("terms"), list):
+        terms = [
+            _expand_term(t, f"rewards.terms[{i}]", where) for i, t in enumerate(rewards["terms"])
+        ]
+        raw = {**raw, "rewards": {**rewards, "terms": terms}}
+    return raw
 
 
 def _shipped_include(include: str) -> Path | str:
@@ -134,7 +188,7 @@ def _shipped_include(include: str) -> Path | str:
 
 def merge_overrides(raw: Mapping, overrides: Sequence[str]) -> dict:
     """Applies dotted overrides in order (a later one wins) to a raw config mapping."""
-    return engine.merge_overrides(raw, overrides, _drop_other_recipes_hparams)
+    return engine.merge_overrides(raw, overrides, _drop_other_recipes_hparams, expand_shorthands)
 
 
 _CONFIG_SUFFIXES = (".yaml", ".yml")
@@ -260,7 +314,7 @@ def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfi
 def from_dict(raw: Mapping) -> TrainConfig:
     """Builds and validates a :class:`TrainConfig` from a raw (YAML-shaped) mapping."""
     _check_top_level(raw)
-    raw = dict(raw)
+    raw = expand_shorthands(dict(raw))
     name = _effective_name(raw.get("algorithm", {}))
     if is_offline_recipe(name):
         rollout = raw.get("rollout")

@@ -111,7 +111,13 @@ def check_files(
     builders = set()
     for path in resolved:
         if not path.is_file():
-            raise FileNotFoundError(f"data file {str(path)!r} does not exist")
+            what = "is a folder, not a file" if path.is_dir() else "does not exist"
+            where = (
+                ""
+                if path.is_absolute()
+                else f" (relative to the working directory: {path.absolute()})"
+            )
+            raise FileNotFoundError(f"data file {str(path)!r} {what}{where}")
         builder = _format_of(path, format)
         builders.add(builder)
         if path.stat().st_size == 0:

@@ -181,6 +181,29 @@ def test_an_include_not_beside_the_file_goes_to_the_finder(tmp_path):
         E._read_yaml(_write(sub, "base: none\n"), find=find)
 
 
+def test_shorthands_expand_in_each_document_and_override_before_merging(tmp_path):
+    """The schema's `expand` hook sees every file and every override on its own, before any
+    merging, so a short spelling in one layer keeps the keys the layers below set."""
+    seen = []
+
+    def expand(raw, where):  # `inner: 7` is short for `inner: {count: 7}`
+        seen.append(Path(where).name if where.endswith(".yaml") else where)
+        return (
+            {**raw, "inner": {"count": raw["inner"]}} if isinstance(raw.get("inner"), int) else raw
+        )
+
+    _write(tmp_path, "inner: {count: 1, rate: 0.25}\n", "below.yaml")
+    toy = E.load(Toy, _write(tmp_path, "base: below.yaml\nname: n\ninner: 3\n"), expand=expand)
+    assert (toy.inner.count, toy.inner.rate) == (3, 0.25) and seen == ["below.yaml", "c.yaml"]
+    toy = E.load(Toy, tmp_path / "below.yaml", ["name=n", "inner=9"], expand=expand)
+    assert (toy.inner.count, toy.inner.rate) == (9, 0.25) and seen[-2:] == [
+        "override name",
+        "override inner",
+    ]
+    with pytest.raises(ConfigError, match=r"inner = 3: expected a mapping"):
+        E.load(Toy, tmp_path / "c.yaml")  # without the hook the short form is not the schema's
+
+
 def test_include_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"config file not found: .*nope\.yaml"):
         E.load(Toy, tmp_path / "nope.yaml")
