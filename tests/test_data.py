@@ -6,6 +6,7 @@ folder exists.
 """
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -201,10 +202,18 @@ def test_several_files(tmp_path, tokenizer):
         load_table([a, write(tmp_path / "c.csv", ROWS, "csv")])
 
 
-def test_file_errors(tmp_path, tokenizer):
+def test_file_errors(tmp_path, tokenizer, monkeypatch):
     cache = tmp_path / "cache"
-    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl' does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.jsonl' does not exist$"):
         load_table(tmp_path / "nope.jsonl")
+    monkeypatch.chdir(tmp_path)
+    where = re.escape(f"(relative to the working directory: {tmp_path / 'nope.jsonl'})")
+    with pytest.raises(FileNotFoundError, match=r"'nope\.jsonl' does not exist " + where):
+        load_table("nope.jsonl")
+    with pytest.raises(FileNotFoundError, match=r"'cache' is a folder, not a file"):
+        cache.mkdir()
+        load_table("cache")
+    cache.rmdir()
     (tmp_path / "data.txt").write_text("hello\n")
     with pytest.raises(DataError, match=r"unsupported file extension '\.txt'; expected one of"):
         load_table(tmp_path / "data.txt")
