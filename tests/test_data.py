@@ -30,6 +30,7 @@ from jaxrl_llm.data import (
     load_table,
     num_arithmetic_problems,
     sequential_batches,
+    split_implicit_prompt,
     take_indices,
 )
 from jaxrl_llm.rewards import IntegerAnswer
@@ -405,6 +406,71 @@ def test_preference_limits_and_errors(tokenizer):
         )
     with pytest.raises(DataError, match="all 1 preference prompts are longer"):
         PreferenceDataset.from_records(rows[:1], tokenizer, max_prompt_length=8)
+
+
+def test_implicit_prompts_are_the_common_start_of_chosen_and_rejected(tmp_path, tokenizer):
+    """Without a prompt column the prompt is what chosen and rejected share (TRL's implicit-prompt
+    preference format, e.g. trl-lib/ultrafeedback_binarized): whole messages, or characters with
+    a space at the split going to the answers, as trl.data_utils.extract_prompt does."""
+    user = lambda text: {"role": "user", "content": text}
+    bot = lambda text: {"role": "assistant", "content": text}
+    sky = [user("What colour is the sky?")]
+    system = [{"role": "system", "content": "Be brief."}, user("2 + 2?")]
+    implicit = [
+        {"chosen": [*sky, bot("Blue.")], "rejected": [*sky, bot("Green.")]},
+        {"chosen": [*system, bot("4")], "rejected": [*system, bot("5"), user("Sure?"), bot("6")]},
+    ]
+    explicit = [
+        {"prompt": sky, "chosen": [bot("Blue.")], "rejected": [bot("Green.")]},
+        {"prompt": system, "chosen": [bot("4")], "rejected": [bot("6")]},  # the last reply
+    ]
+    path = write(tmp_path / "implicit.jsonl", implicit, "jsonl")
+    got = PreferenceDataset.from_file(path, tokenizer, cache_dir=tmp_path / "cache")
+    want = PreferenceDataset.from_records(explicit, tokenizer)
+    assert got.implicit_prompt and not want.implicit_prompt
+    for name in ("prompt_ids", "chosen_ids", "rejected_ids"):
+        for a, b in zip(getattr(got, name), getattr(want, name), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+    # Text: TRL's docstring example, and the split inside a word.
+    split = split_implicit_prompt
+    assert split("The sky is blue.", "The sky is green.") == ("The sky is", " blue.", " green.")
+    assert split("It costs 12", "It costs 15") == ("It costs 1", "2", "5")
+    assert split("Say hi", "Say hi!") == ("Say hi", "", "!")  # one is the start of the other
+    text = PreferenceDataset.from_records(
+        [{"good": "Q: 2+2? 4", "bad": "Q: 2+2? 5"}],
+        tokenizer,
+        chosen_field="good",
+        rejected_field="bad",
+        chat_template=False,
+    )
+    np.testing.assert_array_equal(text.prompt_ids[0], ids(tokenizer, "Q: 2+2?"))
+    np.testing.assert_array_equal(
+        text.chosen_ids[0], [*ids(tokenizer, " 4"), tokenizer.eos_token_id]
+    )
+
+    with pytest.raises(DataError, match=r"row 0: there is no prompt column, and 'chosen' and"):
+        PreferenceDataset.from_records([{"chosen": "yes", "rejected": "no"}], tokenizer)
+    with pytest.raises(DataError, match=r"row 1: with no prompt column, 'chosen' and 'rejected'"):
+        PreferenceDataset.from_records([implicit[0], {"chosen": "a b", "rejected": sky}], tokenizer)
+    # A prompt_field that misses a column it could mean is a typo, not an implicit prompt.
+    with pytest.raises(DataError, match=r"no field 'promt'.*Did you mean 'prompt'\?"):
+        PreferenceDataset.from_records(explicit, tokenizer, prompt_field="promt")
+
+
+def test_a_dpo_run_reads_implicit_prompts_and_says_so(tmp_path, tokenizer):
+    from jaxrl_llm.train import data as run_data
+
+    rows = [
+        {"chosen": f"Q{i}: 2+{i}? {2 + i}", "rejected": f"Q{i}: 2+{i}? {3 + i}", "answer": i}
+        for i in range(6)
+    ]
+    path = write(tmp_path / "hh.jsonl", rows, "jsonl")
+    spec = run_data.DataSpec(source="file", path=str(path), eval_size=2, chat_template=False)
+    got = run_data.build_data(spec, tokenizer, offline=True)
+    assert len(got.train) == 4 and len(got.eval_pairs) == 2 and got.train.implicit_prompt
+    assert got.eval_prompts is None  # an answer column, but no prompts to sample from
+    assert any("each pair's prompt is the common start of its 'chosen'" in n for n in got.notes)
 
 
 def test_preference_from_file(tmp_path, tokenizer):

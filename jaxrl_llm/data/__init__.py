@@ -35,7 +35,7 @@ from jaxrl_llm.data.iterator import (
     sequential_batches,
     take_indices,
 )
-from jaxrl_llm.data.preference import PreferenceBatch, PreferenceDataset
+from jaxrl_llm.data.preference import PreferenceBatch, PreferenceDataset, split_implicit_prompt
 from jaxrl_llm.data.prompts import PromptBatch, PromptDataset
 from jaxrl_llm.data.tokens import (
     bucket_length,
@@ -69,6 +69,7 @@ __all__ = [
     "render_prompts",
     "right_pad",
     "sequential_batches",
+    "split_implicit_prompt",
     "take_indices",
     "to_columns",
 ]

@@ -8,11 +8,17 @@ share one padded length so they stack as ``[B, 2, T]``.
 
 Pairs whose prompt is longer than ``max_prompt_length`` are dropped (``num_dropped``); answers
 longer than ``max_completion_length`` are cut to it (``num_truncated`` pairs), as TRL does.
+
+A file without a prompt column holds its prompts implicitly, as TRL's "preference with implicit
+prompt" datasets do (Anthropic HH, ``trl-lib/ultrafeedback_binarized``): each pair's prompt is
+the longest common start of its chosen and rejected conversations (whole messages) or texts
+(characters, a space at the split going to the answers), TRL's ``extract_prompt`` rule.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -28,6 +34,7 @@ from jaxrl_llm.data.files import (
 )
 from jaxrl_llm.data.prompts import keep_short
 from jaxrl_llm.data.tokens import (
+    Messages,
     as_messages,
     as_text,
     bucket_length,
@@ -69,6 +76,48 @@ def _answer_text(value: Any, *, source: str, row: int, field: str) -> str:
     return as_text(value, source=source, row=row, field=field)
 
 
+def split_implicit_prompt(
+    chosen: Any,
+    rejected: Any,
+    *,
+    source: str = "records",
+    row: int = 0,
+    fields: tuple[str, str] = ("chosen", "rejected"),
+) -> tuple[Messages | str, Messages | str, Messages | str]:
+    """``(prompt, chosen answer, rejected answer)`` of a pair whose prompt is implicit: the
+    longest common start of the two conversations (whole ``{role, content}`` messages) or of
+    the two texts (characters; a space right before the split goes to the answers, so
+    ``"Q: 2+2? 4"`` / ``"Q: 2+2? 5"`` give the prompt ``"Q: 2+2?"`` and the answers ``" 4"`` /
+    ``" 5"``). This is TRL's ``extract_prompt`` (``trl.data_utils``), except that a pair where
+    one side is the start of the other splits at the shorter side's end (an empty answer).
+
+    Raises:
+      DataError: the two sides are not both text or both messages, or share no start.
+    """
+    if isinstance(chosen, list | tuple) and isinstance(rejected, list | tuple):
+        chosen = as_messages(chosen, source=source, row=row, field=fields[0])
+        rejected = as_messages(rejected, source=source, row=row, field=fields[1])
+    elif isinstance(chosen, list | tuple) or isinstance(rejected, list | tuple):
+        raise DataError(
+            f"{source}: row {row}: with no prompt column, {fields[0]!r} and {fields[1]!r} must "
+            "both be text or both chat messages, to take the prompt from their common start"
+        )
+    else:
+        chosen = as_text(chosen, source=source, row=row, field=fields[0])
+        rejected = as_text(rejected, source=source, row=row, field=fields[1])
+    n = min(len(chosen), len(rejected))
+    idx = next((i for i in range(n) if chosen[i] != rejected[i]), n)
+    if isinstance(chosen, str) and 0 < idx < len(chosen) and chosen[idx - 1] == " ":
+        idx -= 1
+    if idx == 0:
+        raise DataError(
+            f"{source}: row {row}: there is no prompt column, and {fields[0]!r} and "
+            f"{fields[1]!r} share no start to take the prompt from; add a prompt column (or set "
+            "`prompt_field`)"
+        )
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PreferenceDataset:
     """Tokenised preference pairs. Build with :meth:`from_file` or :meth:`from_records`.
@@ -81,6 +130,8 @@ class PreferenceDataset:
       max_prompt_length, max_completion_length: the limits, in tokens.
       pad_id: the id used for padding.
       source: where the pairs came from.
+      implicit_prompt: the prompts were taken from the common start of chosen and rejected
+        (:func:`split_implicit_prompt`; the records have no prompt column).
     """
 
     prompt_ids: list[np.ndarray]
@@ -93,6 +144,7 @@ class PreferenceDataset:
     max_completion_length: int
     pad_id: int
     source: str
+    implicit_prompt: bool = False
 
     @classmethod
     def from_file(
@@ -132,22 +184,31 @@ class PreferenceDataset:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         columns = to_columns(records, source=source)
-        for field, option in (
-            (prompt_field, "prompt_field"),
-            (chosen_field, "chosen_field"),
-            (rejected_field, "rejected_field"),
-        ):
+        for field, option in ((chosen_field, "chosen_field"), (rejected_field, "rejected_field")):
             require_column(columns, field, source=source, option=option)
+        # No prompt column (and none that a misspelt prompt_field could mean): the prompts are
+        # the common starts of chosen and rejected.
+        implicit = prompt_field not in columns and not difflib.get_close_matches(
+            prompt_field, [c for c in columns if c not in (chosen_field, rejected_field)], n=1
+        )
+        pairs = list(zip(columns[chosen_field], columns[rejected_field], strict=True))
+        if not implicit:
+            require_column(columns, prompt_field, source=source, option="prompt_field")
+            triples = [(p, c, r) for p, (c, r) in zip(columns[prompt_field], pairs, strict=True)]
+        else:
+            fields = (chosen_field, rejected_field)
+            triples = [
+                split_implicit_prompt(c, r, source=source, row=i, fields=fields)
+                for i, (c, r) in enumerate(pairs)
+            ]
+        prompt_cells, chosen_cells, rejected_cells = zip(*triples, strict=True)
         prompts = [
             as_messages(v, source=source, row=i, field=prompt_field)
-            for i, v in enumerate(columns[prompt_field])
+            for i, v in enumerate(prompt_cells)
         ]
         answers = {
-            field: [
-                _answer_text(v, source=source, row=i, field=field)
-                for i, v in enumerate(columns[field])
-            ]
-            for field in (chosen_field, rejected_field)
+            field: [_answer_text(v, source=source, row=i, field=field) for i, v in enumerate(cells)]
+            for field, cells in ((chosen_field, chosen_cells), (rejected_field, rejected_cells))
         }
         prompt_ids = render_prompts(
             prompts,
@@ -180,6 +241,7 @@ class PreferenceDataset:
             max_completion_length=max_completion_length,
             pad_id=pad_token_id(tokenizer),
             source=source,
+            implicit_prompt=implicit,
         )
 
     def __len__(self) -> int:

@@ -201,7 +201,7 @@ def build_data(
             pairs = D.PreferenceDataset.from_records(
                 eval_cols, tokenizer, source=f"{source} (eval)", **pref_kwargs
             )
-            if d.answer_field in eval_cols:
+            if d.answer_field in eval_cols and not pairs.implicit_prompt:
                 prompts = D.PromptDataset.from_records(
                     eval_cols,
                     tokenizer,
@@ -209,6 +209,11 @@ def build_data(
                     source=f"{source} (eval)",
                     **{**prompt_kwargs, "prompt_field": d.prompt_field},
                 )
+        if train.implicit_prompt:
+            notes.append(
+                f"no {d.prompt_field!r} column: each pair's prompt is the common start of its "
+                f"{d.chosen_field!r} and {d.rejected_field!r} (TRL's implicit prompt)"
+            )
         notes += _notes(train, "training pairs") + (_notes(pairs, "eval pairs") if pairs else [])
         if train.num_truncated:
             notes.append(
