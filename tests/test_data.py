@@ -203,6 +203,40 @@ def test_several_files(tmp_path, tokenizer):
         load_table([a, write(tmp_path / "c.csv", ROWS, "csv")])
 
 
+def test_struct_columns_also_give_a_dotted_column_per_key(tmp_path, tokenizer):
+    """verl's data files keep the answer in ``reward_model.ground_truth`` (a Parquet struct):
+    every key of a column of mappings is a column too, at any depth, from every source."""
+    from jaxrl_llm.data.files import to_columns
+
+    rows = [
+        {"prompt": "a", "reward_model": {"ground_truth": "1", "meta": {"level": 3}}},
+        {"prompt": "b", "reward_model": None},
+        {"prompt": "c", "reward_model": {"ground_truth": "2"}},
+    ]
+    want = {
+        "reward_model.ground_truth": ["1", None, "2"],
+        "reward_model.meta": [{"level": 3}, None, None],
+        "reward_model.meta.level": [3, None, None],
+    }
+    columns = to_columns(rows, source="rows")
+    assert {k: columns[k] for k in want} == want and columns["prompt"] == ["a", "b", "c"]
+    assert to_columns(columns, source="columns") == columns  # idempotent
+    # A dotted column that exists is kept; lists and scalars are not opened.
+    kept = to_columns([{"x": {"y": 1}, "x.y": 5, "m": [{"role": "user"}]}], source="rows")
+    assert kept["x.y"] == [5] and set(kept) == {"x", "x.y", "m"}
+    path = write(tmp_path / "verl.parquet", rows, "parquet")  # struct columns in Parquet
+    ds = PromptDataset.from_file(
+        path,
+        tokenizer,
+        fields=["reward_model.ground_truth"],
+        chat_template=False,
+        cache_dir=tmp_path / "cache",
+    )
+    assert ds.fields == {"reward_model.ground_truth": ["1", None, "2"]}
+    with pytest.raises(DataError, match=r"no field 'reward_model\.ground_truht'.*Did you mean"):
+        PromptDataset.from_records(rows, tokenizer, fields=["reward_model.ground_truht"])
+
+
 def test_file_errors(tmp_path, tokenizer, monkeypatch):
     cache = tmp_path / "cache"
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl' does not exist$"):

@@ -183,7 +183,7 @@ class DataConfig:
     format: Literal["auto", "jsonl", "parquet", "csv"] = "auto"
     # Column holding the prompt text (or a list of chat messages).
     prompt_field: str = "prompt"
-    # Column holding the reference answer, passed to the rewards as a field.
+    # Column of the reference answer, passed to rewards (a struct's key: reward_model.ground_truth).
     answer_field: str = "answer"
     # dpo: column of the preferred answer.
     chosen_field: str = "chosen"

@@ -174,11 +174,35 @@ def load_table(
     return table
 
 
+def _with_nested(columns: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """``columns`` plus a dotted column for each key of a column whose cells are mappings (a
+    Parquet struct, a JSON object), at any depth: verl's data files keep the reference answer
+    in ``reward_model.ground_truth``. A row whose mapping lacks the key (or is ``None``) gets
+    ``None``; a dotted name that is already a column is left alone."""
+    out = dict(columns)
+    pending = list(columns.items())
+    while pending:
+        name, values = pending.pop(0)
+        cells = [v for v in values if v is not None]
+        if not cells or not all(isinstance(v, Mapping) for v in cells):
+            continue
+        keys = dict.fromkeys(k for cell in cells for k in cell)
+        if not all(isinstance(k, str) for k in keys):
+            continue
+        for key in keys:
+            sub = f"{name}.{key}"
+            if sub not in out:
+                out[sub] = [None if v is None else v.get(key) for v in values]
+                pending.append((sub, out[sub]))
+    return out
+
+
 def to_columns(records: Any, *, source: str) -> dict[str, list[Any]]:
     """Rows as columns: a ``datasets.Dataset``, a mapping of columns or a sequence of row dicts.
 
-    Missing keys in row dicts become ``None``. Raises :class:`DataError` for no rows or a
-    row that is not a mapping.
+    Missing keys in row dicts become ``None``. A column of mappings also gives a column per key,
+    named with a dot (``reward_model.ground_truth``; :func:`_with_nested`). Raises
+    :class:`DataError` for no rows or a row that is not a mapping.
     """
     if hasattr(records, "column_names") and hasattr(records, "to_dict"):
         columns = {k: list(v) for k, v in records.to_dict().items()}
@@ -197,7 +221,7 @@ def to_columns(records: Any, *, source: str) -> dict[str, list[Any]]:
         columns = {k: [row.get(k) for row in rows] for k in keys}
     if not columns or not next(iter(columns.values())):
         raise DataError(f"{source}: no rows")
-    return columns
+    return _with_nested(columns)
 
 
 def require_column(columns: Mapping[str, Any], field: str, *, source: str, option: str) -> None:

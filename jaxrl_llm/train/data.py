@@ -334,6 +334,29 @@ def build_run_reward(
     return R.WeightedSum(built, on_error=on_error, timeout=timeout)
 
 
+def check_reward_fields(reward: R.WeightedSum, data: RunData) -> None:
+    """Every field a reward term reads (``required_fields``: an answer reward's ``field``, which
+    defaults to ``data.answer_field``) is a column of the prompts it scores, checked before any
+    step runs rather than at the first reward call.
+
+    Raises:
+      DataError: naming the term, the field, the data and its fields.
+    """
+    scored = [data.train, data.eval_prompts]
+    for ds in [d for d in scored if isinstance(d, D.PromptDataset)]:
+        for term in reward.terms:
+            needed = getattr(term.fn, "required_fields", ())
+            missing = [f for f in needed if f != R.NUM_TOKENS_FIELD and f not in ds.fields]
+            if missing:
+                raise D.DataError(
+                    f"{ds.source}: the reward {term.name!r} reads the field {missing[0]!r}, which "
+                    f"these prompts do not have (fields: {', '.join(ds.fields) or 'none'}); set "
+                    "data.answer_field to the column holding the reference answers (a key of a "
+                    "struct column with a dot, e.g. reward_model.ground_truth), or the term's "
+                    "`field`"
+                )
+
+
 @functools.cache
 def _cached_scorer(path: str):
     return reward_model_scorer(path)

@@ -842,6 +842,8 @@ def resolve(
     # DPO scores only its held-out prompts (when it has any) with the configured reward.
     scored = not config.is_offline or data.eval_prompts is not None
     reward = build_reward(config) if scored else None
+    if reward is not None:
+        run_data.check_reward_fields(reward, data)
     stop_ids = _stop_ids(config, tokenizer, model_config, generation)
     sampler = _sampler(config, stop_ids)
     run_dir = Path(run_dir or config.run_dir or ".").expanduser().absolute()

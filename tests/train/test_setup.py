@@ -16,6 +16,7 @@ import pytest
 
 import jaxrl_llm.train
 from jaxrl_llm.config import ConfigError
+from jaxrl_llm.data import DataError
 from jaxrl_llm.recipe import PreferenceRecipe, Recipe
 from jaxrl_llm.train import setup as S
 from tests.train import helpers as H
@@ -213,6 +214,34 @@ def test_defaults_and_run_dir_from_the_config(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # Models.
+
+
+def test_verl_style_nested_answers_and_a_missing_answer_field_is_caught_at_setup(tmp_path):
+    """A verl data file keeps the answer in a struct column (``reward_model.ground_truth``):
+    data.answer_field names it with a dot. A reward field the prompts lack is an error at setup,
+    before any step, naming the field and the fields there are."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"What is {i} + 1?"}],
+            "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+            "extra_info": {"index": i},
+        }
+        for i in range(6)
+    ]
+    path = tmp_path / "gsm8k.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    data = ("data.source=file", f"data.path={path}", "data.eval_size=2", "rewards=[gsm8k]")
+    setup = resolve(*data, "data.answer_field=reward_model.ground_truth")
+    fields = setup.data.train.fields
+    assert len(fields["extra_info.index"]) == 4  # 2 held out
+    assert fields["reward_model.ground_truth"] == [str(i + 1) for i in fields["extra_info.index"]]
+    with pytest.raises(
+        DataError, match=r"the reward 'gsm8k' reads the field 'answer'.*reward_model\.ground_truth"
+    ):
+        resolve(*data)
 
 
 def test_reference_only_with_a_kl_and_a_critic_only_for_ppo():
