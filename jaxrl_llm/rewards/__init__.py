@@ -37,7 +37,7 @@ from jaxrl_llm.rewards.base import (
     checked_call,
 )
 from jaxrl_llm.rewards.combine import RewardOutput, RewardTerm, WeightedSum, score_groups
-from jaxrl_llm.rewards.external import RewardModelReward, load_callable
+from jaxrl_llm.rewards.external import RewardModelReward, VerlScore, load_callable
 from jaxrl_llm.rewards.registry import (
     COMMON_KEYS,
     REWARD_TYPES,
@@ -73,6 +73,7 @@ __all__ = [
     "Scores",
     "VerificationTimeout",
     "VerifierError",
+    "VerlScore",
     "WeightedSum",
     "build_reward",
     "build_term",

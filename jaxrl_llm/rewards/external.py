@@ -6,7 +6,8 @@ resolved against ``base_dir``, by default the working directory). Nothing is imp
 the user's config names.
 
 :class:`RewardModelReward` adapts any scorer ``score(prompts, completions) -> list[float]`` (the
-Flax scalar reward head, a remote judge, ...) to the reward protocol.
+Flax scalar reward head, a remote judge, ...) to the reward protocol, and :class:`VerlScore` a
+verl ``compute_score(data_source, solution_str, ground_truth, extra_info)`` function.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxrl_llm.rewards._validate import check_int
+from jaxrl_llm.rewards._validate import check_field_name, check_int
 from jaxrl_llm.rewards.base import RewardConfigError
 
 
@@ -125,4 +126,57 @@ class RewardModelReward:
         for start in range(0, len(completions), step):
             chunk = self.score(prompts[start : start + step], completions[start : start + step])
             out.extend(np.asarray(chunk, dtype=np.float64).reshape(-1).tolist())
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class VerlScore:
+    """A verl reward function as a reward, unchanged: verl's ``custom_reward_function``
+    (``verl.workers.reward_manager.NaiveRewardManager``) calls, per sample,
+    ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` and takes a number,
+    or a dict whose ``"score"`` is the reward (its other keys are not used here).
+
+    The arguments come from the columns of a verl data file: ``data_source`` (``None`` when the
+    data has no such column), ``reward_model.ground_truth`` (a struct column's key; see
+    ``jaxrl_llm.data``) and ``extra_info`` (a copy of the row's mapping, ``{}`` when absent);
+    ``solution_str`` is the completion's text.
+    """
+
+    compute_score: Callable[..., Any]
+    data_source_field: str = "data_source"
+    ground_truth_field: str = "reward_model.ground_truth"
+    extra_info_field: str = "extra_info"
+
+    def __post_init__(self):
+        if not callable(self.compute_score):
+            raise TypeError(f"`function` must be callable, got {type(self.compute_score).__name__}")
+        for name in ("data_source_field", "ground_truth_field", "extra_info_field"):
+            check_field_name(name, getattr(self, name))
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        return (self.ground_truth_field,)
+
+    def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
+        n = len(completions)
+        sources = fields.get(self.data_source_field, [None] * n)
+        extras = fields.get(self.extra_info_field, [None] * n)
+        out = []
+        for completion, source, truth, extra in zip(
+            completions, sources, fields[self.ground_truth_field], extras, strict=True
+        ):
+            score = self.compute_score(
+                data_source=source,
+                solution_str=completion,
+                ground_truth=truth,
+                extra_info=dict(extra or {}),
+            )
+            if isinstance(score, dict):
+                if "score" not in score:
+                    raise TypeError(
+                        f"returned a dict without 'score' (keys: {', '.join(map(str, score))}); "
+                        "verl reads the reward from its 'score'"
+                    )
+                score = score["score"]
+            out.append(score)
         return out

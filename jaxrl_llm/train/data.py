@@ -30,11 +30,17 @@ import numpy as np
 
 from jaxrl_llm import data as D
 from jaxrl_llm import rewards as R
+from jaxrl_llm.rewards import registry
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-_ANSWER_TYPES = ("integer_answer", "gsm8k", "gsm8k_answer", "boxed", "boxed_answer")
+
+def _reads_answer_field(type_name: str) -> bool:
+    """Whether a reward type compares with a reference answer read from its ``field`` option
+    (integer_answer, gsm8k, boxed, math_verify, ...), which defaults to ``data.answer_field``."""
+    name = registry.TYPE_ALIASES.get(type_name, type_name)
+    return name in registry.REWARD_TYPES and "field" in sum(registry.reward_options(name), ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,7 +323,7 @@ def build_run_reward(
     for i, term in enumerate(terms):
         item = dict(term)
         kwargs = dict(item.pop("kwargs", None) or {})
-        if item["type"] in _ANSWER_TYPES:
+        if _reads_answer_field(item["type"]):
             kwargs.setdefault("field", answer_field)
         scorer = None
         if item["type"] == "reward_model" and "score" not in kwargs:

@@ -65,6 +65,7 @@ def test_recipe_lists_and_reward_types_name_real_ones():
         "regex",
         "length_penalty",
         "reward_model",
+        "verl",
     )
     for name in validation.REWARD_TYPES:
         assert registry.TYPE_ALIASES.get(name, name) in registry.REWARD_TYPES

@@ -13,6 +13,7 @@ from jaxrl_llm.rewards import (
     LengthPenalty,
     RegexFormat,
     RewardConfigError,
+    RewardError,
     RewardModelReward,
     build_reward,
     build_term,
@@ -53,6 +54,7 @@ def test_reward_types():
         "length_penalty",
         "user",
         "reward_model",
+        "verl",
     )
     assert reward_options("regex")[0] == ("pattern",)
     assert reward_options("length_penalty")[0] == ("target",)
@@ -147,6 +149,47 @@ def test_user_function_from_file(tmp_path):
     assert load_callable(f"{folder / 'rw.py'}:exact") is fn  # imported once per file
     reward = build_reward([{"type": "user", "function": "sub/rw.py:exact"}], base_dir=tmp_path)
     assert reward.names == ("exact",)
+
+
+VERL_MODULE = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    extra_info["seen"] = True  # verl's own manager adds keys to it too
+    if data_source == "dict":
+        return {"score": 2.0, "acc": True}
+    if data_source == "no_score":
+        return {"acc": 1.0}
+    return float(solution_str.strip() == ground_truth) + extra_info.get("bonus", 0.0)
+"""
+
+
+def test_a_verl_compute_score_function_is_a_reward_unchanged(tmp_path):
+    """verl's custom_reward_function, per sample, with the columns of a verl data file:
+    data_source, reward_model.ground_truth and a copy of extra_info; a dict's "score"."""
+    (tmp_path / "verl_rw.py").write_text(textwrap.dedent(VERL_MODULE))
+    spec = {"type": "verl", "function": "verl_rw.py:compute_score"}
+    reward = build_reward([spec], base_dir=tmp_path)
+    assert reward.names == ("compute_score",)
+    extra = [{"bonus": 0.5}, None, {}]
+    fields = {
+        "data_source": ["gsm8k", "gsm8k", "dict"],
+        "reward_model.ground_truth": ["4", "5", "6"],
+        "extra_info": extra,
+    }
+    out = reward(["p"] * 3, ["4", " 4 ", "x"], **fields)
+    np.testing.assert_allclose(out.total_n, [1.5, 0.0, 2.0])
+    assert extra == [{"bonus": 0.5}, None, {}]  # the function's writes do not reach the data
+    # Without a data_source column the function gets None; other fields may be renamed.
+    other = build_reward(
+        [{**spec, "ground_truth_field": "answer", "extra_info_field": "meta"}], base_dir=tmp_path
+    )
+    np.testing.assert_allclose(other(["p"], ["7"], answer=["7"]).total_n, [1.0])
+    one = {k: v[:1] for k, v in fields.items()} | {"data_source": ["no_score"]}
+    with pytest.raises(RewardError, match=r"returned a dict without 'score' \(keys: acc\)"):
+        reward(["p"], ["x"], **one)
+    with pytest.raises(RewardError, match=r"needs the field\(s\) \['reward_model.ground_truth'\]"):
+        reward(["p"], ["x"], answer=["x"])
+    with pytest.raises(RewardConfigError, match=r"type 'verl'.*missing required key\(s\) function"):
+        build_term({"type": "verl"})
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxrl_llm.train
@@ -242,6 +243,21 @@ def test_verl_style_nested_answers_and_a_missing_answer_field_is_caught_at_setup
         DataError, match=r"the reward 'gsm8k' reads the field 'answer'.*reward_model\.ground_truth"
     ):
         resolve(*data)
+    # Every answer reward follows data.answer_field (math_verify did not), and a verl
+    # compute_score function scores the file's rows as verl would.
+    rw = tmp_path / "verl_rw.py"
+    rw.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
+        "    return float(solution_str == ground_truth) + extra_info['index']\n"
+    )
+    terms = f"rewards=[math_verify, {{type: verl, function: '{rw}:compute_score'}}]"
+    setup = resolve(*data[:-1], terms, "data.answer_field=reward_model.ground_truth")
+    assert setup.reward.terms[0].fn.field == "reward_model.ground_truth"
+    ds = setup.data.train
+    out = setup.reward(ds.prompts, ds.fields["reward_model.ground_truth"], **ds.fields)
+    np.testing.assert_allclose(
+        out.components["compute_score"], np.add(fields["extra_info.index"], 1)
+    )
 
 
 def test_reference_only_with_a_kl_and_a_critic_only_for_ppo():
