@@ -594,6 +594,15 @@ def test_rewards_take_the_spellings_of_build_reward(tmp_path):
     both = "base: quickstart\nrewards: [{type: regex, pattern: a, kwargs: {pattern: b}}]\n"
     with pytest.raises(ConfigError, match=r"rewards\.terms\[0\]\.pattern is given both"):
         load_config(_write(tmp_path, both))
+    # verl and trl terms are told apart by their functions (a `name` only when one repeats)
+    two = ["rewards=[{type: trl, function: 'a.py:fmt'}, {type: trl, function: 'a.py:acc'}]"]
+    assert [t.kwargs["function"] for t in load_config("quickstart", two).rewards.terms] == [
+        "a.py:fmt",
+        "a.py:acc",
+    ]
+    with pytest.raises(ConfigError, match=r"rewards\.terms\[1\]\.name.*not used by another"):
+        twice = "{type: verl, function: 'f.py:s'}"
+        load_config("quickstart", [f"rewards=[{twice}, {twice}]"])
     user = "base: quickstart\nrewards: [{type: 'my_rewards.py:score', tolerance: 0.01}]\n"
     with pytest.raises(ConfigError, match=r"unknown key 'rewards\.terms\[0\]\.tolerance'"):
         load_config(_write(tmp_path, user))  # a user function's arguments go in its kwargs

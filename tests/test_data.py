@@ -100,7 +100,11 @@ def test_prompts_are_chat_templated_and_tokenised(tokenizer):
     np.testing.assert_array_equal(ds.prompt_ids[1], expected)
     assert ds.prompt_ids[1].dtype == np.int32
     assert ds.prompts[1] == words(5)
-    assert ds.fields == {"answer": [r["answer"] for r in ROWS], "level": [r["level"] for r in ROWS]}
+    assert ds.fields == {
+        "raw_prompt": [r["prompt"] for r in ROWS],  # as the data gives it, for TRL's rewards
+        "answer": [r["answer"] for r in ROWS],
+        "level": [r["level"] for r in ROWS],
+    }
 
 
 def test_system_prompt_fields_and_prompt_field(tokenizer):
@@ -110,7 +114,8 @@ def test_system_prompt_fields_and_prompt_field(tokenizer):
     )
     text = "<|system|> Be brief <eos> <|user|> What is 1 + 2 ? <eos> <|assistant|>"
     np.testing.assert_array_equal(ds.prompt_ids[0], ids(tokenizer, text))
-    assert ds.fields == {"answer": ["3"]} and ds.prompts == ["What is 1 + 2 ?"]
+    assert ds.fields == {"raw_prompt": ["What is 1 + 2 ?"], "answer": ["3"]}
+    assert ds.prompts == ["What is 1 + 2 ?"]
 
 
 def test_chat_message_prompts(tokenizer):
@@ -232,7 +237,10 @@ def test_struct_columns_also_give_a_dotted_column_per_key(tmp_path, tokenizer):
         chat_template=False,
         cache_dir=tmp_path / "cache",
     )
-    assert ds.fields == {"reward_model.ground_truth": ["1", None, "2"]}
+    assert ds.fields == {
+        "raw_prompt": ["a", "b", "c"],
+        "reward_model.ground_truth": ["1", None, "2"],
+    }
     with pytest.raises(DataError, match=r"no field 'reward_model\.ground_truht'.*Did you mean"):
         PromptDataset.from_records(rows, tokenizer, fields=["reward_model.ground_truht"])
 

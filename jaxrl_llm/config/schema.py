@@ -222,7 +222,10 @@ class RewardTermConfig:
 
     @property
     def metric_name(self) -> str:
-        return self.name or self.type
+        """The name the term is told apart by: its ``name``, else its function (verl and trl
+        terms name theirs in ``kwargs.function``), else its type."""
+        function = self.kwargs.get("function") if self.type in ("verl", "trl") else None
+        return self.name or (function if isinstance(function, str) else self.type)
 
 
 @dataclasses.dataclass(**_CONFIG)

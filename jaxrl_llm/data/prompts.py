@@ -30,6 +30,7 @@ from jaxrl_llm.data.tokens import (
     render_prompts,
     reward_prompt,
 )
+from jaxrl_llm.rewards.base import RAW_PROMPT_FIELD
 
 
 class PromptBatch(NamedTuple):
@@ -80,7 +81,8 @@ class PromptDataset:
       prompt_ids: token ids (``int32[L_i]``) of each kept prompt.
       prompts: the text rewards see for each kept prompt.
       fields: ``{column: values}`` of the kept prompts (every column but the prompt's, unless
-        ``fields=`` chose some).
+        ``fields=`` chose some), and ``raw_prompt`` (``rewards.RAW_PROMPT_FIELD``): each prompt as
+        the data gives it, text or ``{role, content}`` messages (what TRL passes as ``prompts``).
       source_rows: ``int64`` row of each kept prompt in the source.
       num_dropped: prompts dropped for being longer than ``max_prompt_length`` (log it).
       max_prompt_length: the limit, in tokens (chat template included).
@@ -134,7 +136,8 @@ class PromptDataset:
             ``chat_template=False``).
           prompt_field: the column holding the prompt: text, or a list of chat messages.
           system_prompt: a system message put before every prompt (None: the template's own).
-          fields: columns passed to rewards; default every column but the prompt.
+          fields: columns passed to rewards; default every column but the prompt. The prompt
+            as read is passed too, as ``raw_prompt`` (unless the data has such a column).
           max_prompt_length: prompts with more tokens (template included) are dropped and
             counted in ``num_dropped``.
           chat_template: apply the tokenizer's chat template (else plain text).
@@ -168,7 +171,10 @@ class PromptDataset:
         return cls(
             prompt_ids=[ids[i] for i in keep],
             prompts=[reward_prompt(prompts[i]) for i in keep],
-            fields={field: [columns[field][i] for i in keep] for field in fields},
+            fields={
+                **{RAW_PROMPT_FIELD: [prompts[i] for i in keep]},
+                **{field: [columns[field][i] for i in keep] for field in fields},
+            },
             source_rows=keep.astype(np.int64),
             num_dropped=len(ids) - len(keep),
             max_prompt_length=max_prompt_length,

@@ -26,8 +26,10 @@ from jaxrl_llm.rewards.answers import (
     parse_number,
 )
 from jaxrl_llm.rewards.base import (
+    COMPLETION_IDS_FIELD,
     NUM_TOKENS_FIELD,
     ON_ERROR_MODES,
+    RAW_PROMPT_FIELD,
     RewardConfigError,
     RewardError,
     RewardExited,
@@ -37,7 +39,7 @@ from jaxrl_llm.rewards.base import (
     checked_call,
 )
 from jaxrl_llm.rewards.combine import RewardOutput, RewardTerm, WeightedSum, score_groups
-from jaxrl_llm.rewards.external import RewardModelReward, VerlScore, load_callable
+from jaxrl_llm.rewards.external import RewardModelReward, TrlReward, VerlScore, load_callable
 from jaxrl_llm.rewards.registry import (
     COMMON_KEYS,
     REWARD_TYPES,
@@ -51,8 +53,10 @@ from jaxrl_llm.rewards.verify import MathVerifier, VerificationTimeout, Verifier
 
 __all__ = [
     "COMMON_KEYS",
+    "COMPLETION_IDS_FIELD",
     "NUM_TOKENS_FIELD",
     "ON_ERROR_MODES",
+    "RAW_PROMPT_FIELD",
     "REWARD_TYPES",
     "TYPE_ALIASES",
     "BoxedAnswer",
@@ -71,6 +75,7 @@ __all__ = [
     "RewardTerm",
     "RewardTimeout",
     "Scores",
+    "TrlReward",
     "VerificationTimeout",
     "VerifierError",
     "VerlScore",

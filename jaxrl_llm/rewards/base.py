@@ -54,6 +54,11 @@ ON_ERROR_MODES: tuple[str, ...] = ("raise", "zero")
 
 #: Field the trainer fills with each completion's generated token count.
 NUM_TOKENS_FIELD = "completion_num_tokens"
+#: Field the trainer fills with each completion's generated token ids (TRL's name).
+COMPLETION_IDS_FIELD = "completion_ids"
+#: Field holding each prompt as the data gives it: text, or its ``{role, content}`` messages
+#: (``jaxrl_llm.data.PromptDataset`` adds it; the ``prompts`` argument is its user text).
+RAW_PROMPT_FIELD = "raw_prompt"
 
 _EXCERPT_CHARS = 60
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from jaxrl_llm.rewards._validate import check_real
 from jaxrl_llm.rewards.base import (
+    COMPLETION_IDS_FIELD,
     NUM_TOKENS_FIELD,
     ON_ERROR_MODES,
     OnError,
@@ -174,6 +175,7 @@ def score_groups(
     fields_b: Mapping[str, Sequence[Any]] | None = None,
     *,
     num_tokens_bg: Any = None,
+    completion_ids_bg: Sequence[Sequence[Sequence[int]]] | None = None,
 ) -> tuple[np.ndarray, RewardOutput]:
     """Scores ``G`` completions of each of ``B`` prompts.
 
@@ -184,6 +186,8 @@ def score_groups(
       fields_b: per-prompt dataset columns (each of length ``B``), repeated for the ``G``
         completions of a prompt.
       num_tokens_bg: ``int[B, G]`` generated token counts, passed as ``completion_num_tokens``.
+      completion_ids_bg: ``B`` lists of ``G`` lists of generated token ids, passed as
+        ``completion_ids``.
 
     Returns:
       ``(reward_bg, output)``: ``f32[B, G]`` total rewards and the flat :class:`RewardOutput`
@@ -210,6 +214,10 @@ def score_groups(
                 f"score_groups: num_tokens_bg has shape {num_tokens_bg.shape}, expected {(b, g)}"
             )
         fields[NUM_TOKENS_FIELD] = num_tokens_bg.reshape(-1).tolist()
+    if completion_ids_bg is not None:
+        if len(completion_ids_bg) != b or any(len(group) != g for group in completion_ids_bg):
+            raise ValueError(f"score_groups: completion_ids_bg must be {b} lists of {g} id lists")
+        fields[COMPLETION_IDS_FIELD] = [list(ids) for group in completion_ids_bg for ids in group]
     prompts = [p for p in prompts_b for _ in range(g)]
     completions = [c for group in completions_bg for c in group]
     output = reward(prompts, completions, **fields)

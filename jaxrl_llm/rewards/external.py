@@ -6,8 +6,9 @@ resolved against ``base_dir``, by default the working directory). Nothing is imp
 the user's config names.
 
 :class:`RewardModelReward` adapts any scorer ``score(prompts, completions) -> list[float]`` (the
-Flax scalar reward head, a remote judge, ...) to the reward protocol, and :class:`VerlScore` a
-verl ``compute_score(data_source, solution_str, ground_truth, extra_info)`` function.
+Flax scalar reward head, a remote judge, ...) to the reward protocol, :class:`VerlScore` a
+verl ``compute_score(data_source, solution_str, ground_truth, extra_info)`` function, and
+:class:`TrlReward` a TRL ``GRPOTrainer`` reward function.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm.rewards._validate import check_field_name, check_int
-from jaxrl_llm.rewards.base import RewardConfigError
+from jaxrl_llm.rewards.base import (
+    COMPLETION_IDS_FIELD,
+    NUM_TOKENS_FIELD,
+    RAW_PROMPT_FIELD,
+    RewardConfigError,
+)
 
 
 def _import_file(path: Path, spec: str) -> Any:
@@ -180,3 +186,46 @@ class VerlScore:
                 score = score["score"]
             out.append(score)
         return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TrlReward:
+    """A TRL ``GRPOTrainer`` reward function as a reward, unchanged: called once per batch as
+    TRL calls it (``trl.GRPOTrainer._calculate_rewards``), ``fn(prompts=, completions=,
+    completion_ids=, trainer_state=, **columns)``:
+
+    - ``prompts``: each prompt as the data gives it (``raw_prompt``): text, or for a
+      conversational dataset its list of ``{role, content}`` messages;
+    - ``completions``: the completion texts, or for a conversational dataset
+      ``[{"role": "assistant", "content": text}]`` each;
+    - ``completion_ids``: the generated token ids of each completion;
+    - ``trainer_state``: ``None`` (there is no ``transformers.TrainerState`` here); TRL's newer
+      ``log_extra`` / ``log_metric`` callbacks are not passed;
+    - the dataset's other columns, one value per completion.
+
+    A ``None`` score (TRL: "this function does not apply to the sample") counts as 0, which is
+    what TRL's ``nansum`` over the reward functions makes of it.
+    """
+
+    fn: Callable[..., Any]
+
+    def __post_init__(self):
+        if not callable(self.fn):
+            raise TypeError(f"`function` must be callable, got {type(self.fn).__name__}")
+
+    def __call__(self, prompts: list[str], completions: list[Any], **fields: Any) -> list[float]:
+        raw = fields.pop(RAW_PROMPT_FIELD, None)
+        ids = fields.pop(COMPLETION_IDS_FIELD, None)
+        fields.pop(NUM_TOKENS_FIELD, None)  # ours, not TRL's
+        if raw is not None and any(isinstance(p, list | tuple) for p in raw):
+            completions = [[{"role": "assistant", "content": c}] for c in completions]
+        out = self.fn(
+            prompts=prompts if raw is None else list(raw),
+            completions=completions,
+            completion_ids=ids,
+            trainer_state=None,
+            **fields,
+        )
+        if out is None:
+            raise TypeError("returned None; a TRL reward function returns one score per sample")
+        return [0.0 if v is None else v for v in out]

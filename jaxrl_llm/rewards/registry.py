@@ -10,6 +10,7 @@ A reward config is a list of terms (or a single term), each a mapping::
     - {type: "my_pkg.rewards:score"}                  # the same, for a module function
     - {type: reward_model, score: "my_rm:score", batch_size: 32}
     - {type: verl, function: "my_reward.py:compute_score"}  # verl's custom_reward_function
+    - {type: trl, function: "my_reward.py:accuracy_reward"}  # a TRL GRPOTrainer reward_func
 
 Keys every term takes: ``type`` (required), ``weight`` (default 1.0), ``name`` (the metrics key;
 default the type, or the function's name for a user function; ``null`` means the default;
@@ -32,7 +33,12 @@ from typing import Any
 from jaxrl_llm.rewards.answers import BoxedAnswer, Gsm8kAnswer, IntegerAnswer, MathVerifyAnswer
 from jaxrl_llm.rewards.base import OnError, RewardConfigError, RewardFn
 from jaxrl_llm.rewards.combine import RewardTerm, WeightedSum
-from jaxrl_llm.rewards.external import RewardModelReward, VerlScore, load_callable
+from jaxrl_llm.rewards.external import (
+    RewardModelReward,
+    TrlReward,
+    VerlScore,
+    load_callable,
+)
 from jaxrl_llm.rewards.shaping import LengthPenalty, RegexFormat
 
 COMMON_KEYS: tuple[str, ...] = ("type", "weight", "name")
@@ -55,6 +61,8 @@ _EXTERNAL_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "reward_model": ((), ("score", "batch_size", "path")),
     # a verl `compute_score(data_source, solution_str, ground_truth, extra_info)` function
     "verl": (("function",), ("data_source_field", "ground_truth_field", "extra_info_field")),
+    # a TRL GRPOTrainer reward function `f(prompts, completions, completion_ids, **kwargs)`
+    "trl": (("function",), ()),
 }
 
 
@@ -162,9 +170,10 @@ def build_term(
             fn: RewardFn = _OPTION_CLASSES[type_name](**options)
         elif type_name == "user":
             fn, default_name = _build_user(options, base_dir)
-        elif type_name == "verl":
+        elif type_name in ("verl", "trl"):
             spec = options.pop("function")
-            fn = VerlScore(load_callable(spec, base_dir=base_dir), **options)
+            adapter = VerlScore if type_name == "verl" else TrlReward
+            fn = adapter(load_callable(spec, base_dir=base_dir), **options)
             default_name = spec.rsplit(":", 1)[1].rsplit(".", 1)[-1]
         else:
             fn = _build_reward_model(options, reward_model, base_dir)

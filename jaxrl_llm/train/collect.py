@@ -109,8 +109,13 @@ def score_completions(
     from jaxrl_llm import rollout
 
     texts = rollout.decode_completions(tokenizer, tokens, mask)
-    num_tokens = mask.sum(-1)
-    reward_bg, out = R.score_groups(reward, prompts, texts, fields, num_tokens_bg=num_tokens)
+    ids = [
+        [t[m].tolist() for t, m in zip(t_g, m_g, strict=True)]
+        for t_g, m_g in zip(tokens, mask, strict=True)
+    ]
+    reward_bg, out = R.score_groups(
+        reward, prompts, texts, fields, num_tokens_bg=mask.sum(-1), completion_ids_bg=ids
+    )
     return reward_bg.astype(np.float32), out, texts
 
 

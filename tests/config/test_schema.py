@@ -66,6 +66,7 @@ def test_recipe_lists_and_reward_types_name_real_ones():
         "length_penalty",
         "reward_model",
         "verl",
+        "trl",
     )
     for name in validation.REWARD_TYPES:
         assert registry.TYPE_ALIASES.get(name, name) in registry.REWARD_TYPES

@@ -55,6 +55,7 @@ def test_reward_types():
         "user",
         "reward_model",
         "verl",
+        "trl",
     )
     assert reward_options("regex")[0] == ("pattern",)
     assert reward_options("length_penalty")[0] == ("target",)
@@ -190,6 +191,59 @@ def test_a_verl_compute_score_function_is_a_reward_unchanged(tmp_path):
         reward(["p"], ["x"], answer=["x"])
     with pytest.raises(RewardConfigError, match=r"type 'verl'.*missing required key\(s\) function"):
         build_term({"type": "verl"})
+
+
+TRL_MODULE = """
+def format_reward(completions, **kwargs):  # TRL's docs: conversational completions
+    return [1.0 if c[0]["content"].startswith("<think>") else 0.0 for c in completions]
+
+def length_reward(prompts, completions, completion_ids, trainer_state, solution, **kwargs):
+    seen.append((prompts, completions, solution))
+    return [None if s == "skip" else float(len(ids)) for ids, s in zip(completion_ids, solution)]
+
+seen = []
+"""
+
+
+def test_a_trl_reward_function_is_a_reward_unchanged(tmp_path):
+    """TRL's calling convention: prompts and completions as the data's format has them
+    (messages for a conversational prompt), completion_ids, trainer_state and the columns;
+    None counts 0, as TRL's nansum makes it."""
+    (tmp_path / "trl_rw.py").write_text(textwrap.dedent(TRL_MODULE))
+    specs = [
+        {"type": "trl", "function": f"trl_rw.py:{f}"} for f in ("format_reward", "length_reward")
+    ]
+    reward = build_reward(specs, base_dir=tmp_path)
+    assert reward.names == ("format_reward", "length_reward")
+    chat = [[{"role": "user", "content": "2+2?"}], [{"role": "user", "content": "3+3?"}]]
+    out = reward(
+        ["2+2?", "3+3?"],
+        ["<think>4</think>", "6"],
+        raw_prompt=chat,
+        completion_ids=[[5, 6, 7], [8]],
+        completion_num_tokens=[3, 1],
+        solution=["4", "skip"],
+    )
+    np.testing.assert_allclose(out.components["format_reward"], [1.0, 0.0])
+    np.testing.assert_allclose(out.components["length_reward"], [3.0, 0.0])
+    seen = load_callable(f"{tmp_path / 'trl_rw.py'}:length_reward").__globals__["seen"]
+    assert seen[-1] == (
+        chat,
+        [
+            [{"role": "assistant", "content": "<think>4</think>"}],
+            [{"role": "assistant", "content": "6"}],
+        ],
+        ["4", "skip"],
+    )
+    # Text prompts: text in, text out.
+    build_reward(specs[1:], base_dir=tmp_path)(
+        ["a"], ["b"], raw_prompt=["a"], completion_ids=[[1]], solution=["x"]
+    )
+    assert seen[-1] == (["a"], ["b"], ["x"])
+    with pytest.raises(RewardConfigError, match=r"type 'trl'.*unknown key 'a'"):
+        build_term(
+            {"type": "trl", "function": "trl_rw.py:seen", "kwargs": {"a": 1}}, base_dir=tmp_path
+        )
 
 
 @pytest.mark.parametrize(
