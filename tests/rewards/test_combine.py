@@ -105,7 +105,9 @@ def test_score_groups_repeats_prompts_and_fields():
         completions_bg,
         {"answer": [2, 6]},
         num_tokens_bg=[[1, 2, 3], [4, 5, 6]],
+        completion_ids_bg=[[[7], [7, 8], [7, 8, 9]], [[1] * 4, [1] * 5, [1] * 6]],
     )
+    assert seen["completion_ids"][:3] == [[7], [7, 8], [7, 8, 9]]
     assert reward_bg.shape == (2, 3) and reward_bg.dtype == np.float32
     np.testing.assert_allclose(reward_bg, [[1, 3, 3], [4, 5, 7]])
     assert seen["prompts"] == ["p0"] * 3 + ["p1"] * 3
@@ -124,6 +126,8 @@ def test_score_groups_shape_errors():
         score_groups(reward, ["p", "q"], [["1"], ["2"]], {"answer": [1]})
     with pytest.raises(ValueError, match=r"num_tokens_bg has shape \(2,\)"):
         score_groups(reward, ["p"], [["1", "2"]], {"answer": [1]}, num_tokens_bg=[1, 2])
+    with pytest.raises(ValueError, match=r"completion_ids_bg must be 1 lists of 2 id lists"):
+        score_groups(reward, ["p"], [["1", "2"]], {"answer": [1]}, completion_ids_bg=[[[1]]])
 
 
 def test_reward_model_adapter():
