@@ -38,7 +38,13 @@ from jaxrl_llm.rewards.base import (
     Scores,
     checked_call,
 )
-from jaxrl_llm.rewards.combine import RewardOutput, RewardTerm, WeightedSum, score_groups
+from jaxrl_llm.rewards.combine import (
+    CompletionIds,
+    RewardOutput,
+    RewardTerm,
+    WeightedSum,
+    score_groups,
+)
 from jaxrl_llm.rewards.external import RewardModelReward, TrlReward, VerlScore, load_callable
 from jaxrl_llm.rewards.registry import (
     COMMON_KEYS,
@@ -60,6 +66,7 @@ __all__ = [
     "REWARD_TYPES",
     "TYPE_ALIASES",
     "BoxedAnswer",
+    "CompletionIds",
     "Gsm8kAnswer",
     "IntegerAnswer",
     "LengthPenalty",

@@ -168,6 +168,26 @@ class WeightedSum:
         return RewardOutput(total.astype(np.float32), components, num_errors, correct_n)
 
 
+class CompletionIds(Sequence):
+    """The generated token ids of ``N`` completions, one ``list[int]`` per item, read from the
+    ``[N, T]`` token and mask arrays when an item is asked for: a batch of long completions
+    becomes Python lists only for a reward that reads ``completion_ids``."""
+
+    def __init__(self, tokens_nt: np.ndarray, mask_nt: np.ndarray):
+        self._tokens, self._mask = tokens_nt, mask_nt
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, i: int | slice) -> list[int] | CompletionIds:
+        if isinstance(i, slice):
+            return CompletionIds(self._tokens[i], self._mask[i])
+        return self._tokens[i][self._mask[i]].tolist()
+
+    def __repr__(self) -> str:
+        return f"CompletionIds({len(self)} completions)"
+
+
 def score_groups(
     reward: WeightedSum,
     prompts_b: Sequence[str],
@@ -175,7 +195,8 @@ def score_groups(
     fields_b: Mapping[str, Sequence[Any]] | None = None,
     *,
     num_tokens_bg: Any = None,
-    completion_ids_bg: Sequence[Sequence[Sequence[int]]] | None = None,
+    tokens_bgt: np.ndarray | None = None,
+    mask_bgt: np.ndarray | None = None,
 ) -> tuple[np.ndarray, RewardOutput]:
     """Scores ``G`` completions of each of ``B`` prompts.
 
@@ -186,8 +207,9 @@ def score_groups(
       fields_b: per-prompt dataset columns (each of length ``B``), repeated for the ``G``
         completions of a prompt.
       num_tokens_bg: ``int[B, G]`` generated token counts, passed as ``completion_num_tokens``.
-      completion_ids_bg: ``B`` lists of ``G`` lists of generated token ids, passed as
-        ``completion_ids``.
+      tokens_bgt, mask_bgt: ``int[B, G, T]`` / ``bool[B, G, T]`` generated tokens and their
+        mask, passed as ``completion_ids`` (:class:`CompletionIds`: each sample's ids are made
+        a list only when a reward reads them).
 
     Returns:
       ``(reward_bg, output)``: ``f32[B, G]`` total rewards and the flat :class:`RewardOutput`
@@ -214,10 +236,21 @@ def score_groups(
                 f"score_groups: num_tokens_bg has shape {num_tokens_bg.shape}, expected {(b, g)}"
             )
         fields[NUM_TOKENS_FIELD] = num_tokens_bg.reshape(-1).tolist()
-    if completion_ids_bg is not None:
-        if len(completion_ids_bg) != b or any(len(group) != g for group in completion_ids_bg):
-            raise ValueError(f"score_groups: completion_ids_bg must be {b} lists of {g} id lists")
-        fields[COMPLETION_IDS_FIELD] = [list(ids) for group in completion_ids_bg for ids in group]
+    if tokens_bgt is not None:
+        tokens_bgt, mask_bgt = np.asarray(tokens_bgt), np.asarray(mask_bgt, bool)
+        if (
+            tokens_bgt.ndim != 3
+            or tokens_bgt.shape[:2] != (b, g)
+            or mask_bgt.shape != tokens_bgt.shape
+        ):
+            raise ValueError(
+                f"score_groups: tokens_bgt {tokens_bgt.shape} and mask_bgt {mask_bgt.shape} must "
+                f"be [B, G, T] with (B, G) = {(b, g)}"
+            )
+        t = tokens_bgt.shape[-1]
+        fields[COMPLETION_IDS_FIELD] = CompletionIds(
+            tokens_bgt.reshape(b * g, t), mask_bgt.reshape(b * g, t)
+        )
     prompts = [p for p in prompts_b for _ in range(g)]
     completions = [c for group in completions_bg for c in group]
     output = reward(prompts, completions, **fields)

@@ -109,12 +109,8 @@ def score_completions(
     from jaxrl_llm import rollout
 
     texts = rollout.decode_completions(tokenizer, tokens, mask)
-    ids = [
-        [t[m].tolist() for t, m in zip(t_g, m_g, strict=True)]
-        for t_g, m_g in zip(tokens, mask, strict=True)
-    ]
     reward_bg, out = R.score_groups(
-        reward, prompts, texts, fields, num_tokens_bg=mask.sum(-1), completion_ids_bg=ids
+        reward, prompts, texts, fields, num_tokens_bg=mask.sum(-1), tokens_bgt=tokens, mask_bgt=mask
     )
     return reward_bg.astype(np.float32), out, texts
 

@@ -105,9 +105,15 @@ def test_score_groups_repeats_prompts_and_fields():
         completions_bg,
         {"answer": [2, 6]},
         num_tokens_bg=[[1, 2, 3], [4, 5, 6]],
-        completion_ids_bg=[[[7], [7, 8], [7, 8, 9]], [[1] * 4, [1] * 5, [1] * 6]],
+        tokens_bgt=np.arange(2 * 3 * 6).reshape(2, 3, 6),
+        mask_bgt=np.arange(6) < np.array([[1, 2, 3], [4, 5, 6]])[..., None],
     )
-    assert seen["completion_ids"][:3] == [[7], [7, 8], [7, 8, 9]]
+    ids = seen["completion_ids"]  # read on access
+    assert (
+        len(ids) == 6
+        and ids[1] == [6, 7]
+        and list(ids[4:]) == [[24, 25, 26, 27, 28], list(range(30, 36))]
+    )
     assert reward_bg.shape == (2, 3) and reward_bg.dtype == np.float32
     np.testing.assert_allclose(reward_bg, [[1, 3, 3], [4, 5, 7]])
     assert seen["prompts"] == ["p0"] * 3 + ["p1"] * 3
@@ -126,8 +132,10 @@ def test_score_groups_shape_errors():
         score_groups(reward, ["p", "q"], [["1"], ["2"]], {"answer": [1]})
     with pytest.raises(ValueError, match=r"num_tokens_bg has shape \(2,\)"):
         score_groups(reward, ["p"], [["1", "2"]], {"answer": [1]}, num_tokens_bg=[1, 2])
-    with pytest.raises(ValueError, match=r"completion_ids_bg must be 1 lists of 2 id lists"):
-        score_groups(reward, ["p"], [["1", "2"]], {"answer": [1]}, completion_ids_bg=[[[1]]])
+    with pytest.raises(ValueError, match=r"tokens_bgt \(1, 1, 1\) and mask_bgt \(1, 1, 1\)"):
+        score_groups(
+            reward, ["p"], [["1", "2"]], {"answer": [1]}, tokens_bgt=[[[1]]], mask_bgt=[[[1]]]
+        )
 
 
 def test_reward_model_adapter():
