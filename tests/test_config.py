@@ -603,6 +603,9 @@ def test_rewards_take_the_spellings_of_build_reward(tmp_path):
     with pytest.raises(ConfigError, match=r"rewards\.terms\[1\]\.name.*not used by another"):
         twice = "{type: verl, function: 'f.py:s'}"
         load_config("quickstart", [f"rewards=[{twice}, {twice}]"])
+    # an override value that is not YAML stays text, and text with spaces is no type name
+    with pytest.raises(ConfigError, match=r"rewards = '\[\{type: gsm8k\}, \{': expected a mapping"):
+        load_config("quickstart", ["rewards=[{type: gsm8k}, {"])
     user = "base: quickstart\nrewards: [{type: 'my_rewards.py:score', tolerance: 0.01}]\n"
     with pytest.raises(ConfigError, match=r"unknown key 'rewards\.terms\[0\]\.tolerance'"):
         load_config(_write(tmp_path, user))  # a user function's arguments go in its kwargs

@@ -123,6 +123,13 @@ def _read_yaml(path: Path) -> dict:
 
 
 _TERM_KEYS = frozenset(f.name for f in dataclasses.fields(RewardTermConfig))
+# A bare reward type or 'module:function' / 'path/file.py:function' (not a value that failed
+# to parse as YAML, which an override passes on as its text)
+_TYPE_NAME = re.compile(r"[\w.:/-]+")
+
+
+def _is_type_name(value: Any) -> bool:
+    return isinstance(value, str) and _TYPE_NAME.fullmatch(value) is not None
 
 
 def _expand_term(term: Any, key: str, where: str) -> Any:
@@ -130,7 +137,7 @@ def _expand_term(term: Any, key: str, where: str) -> Any:
     ``rewards.build_reward`` takes: a bare type string, and a type's options as keys of the
     term rather than in ``kwargs`` (``{type: regex, pattern: ...}``); ``{type: user, function:
     F}`` is ``{type: F}``. Anything else is left for the schema to report."""
-    if isinstance(term, str):
+    if _is_type_name(term):
         return {"type": term}
     if not isinstance(term, Mapping):
         return term
@@ -161,7 +168,7 @@ def expand_shorthands(raw: dict, where: str = "the config") -> dict:
     one type's name) as in ``rewards.build_reward``, for ``rewards.terms``, and each term may
     be written as :func:`_expand_term` describes. The documented form is left as it is."""
     rewards = raw.get("rewards")
-    if isinstance(rewards, str) or (isinstance(rewards, Mapping) and "type" in rewards):
+    if _is_type_name(rewards) or (isinstance(rewards, Mapping) and "type" in rewards):
         rewards = [rewards]
     if isinstance(rewards, list):
         rewards = {"terms": rewards}
