@@ -168,6 +168,7 @@ def test_every_step_unreadable_then_the_rerun_is_refused(run_copy, capsys):
     status, err = _cli(_train(run_copy), capsys)
     assert status == 2
     assert f"no readable checkpoint in {run_copy / 'checkpoints'}: step 1:" in err, err
+    assert "jaxrl-llm train" in err and len(err.splitlines()) <= 3, err  # not TensorStore's spec
     assert "rerun with --overwrite" in err
     assert (run_copy / "checkpoints" / "unreadable" / "1").is_dir()  # kept for inspection
     before = _snapshot(run_copy)

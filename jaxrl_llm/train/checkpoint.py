@@ -241,6 +241,13 @@ def _closing_abandoned_reads(failures: list, directory: Path) -> Any:
             sys.unraisablehook = previous
 
 
+def _one_line(error: BaseException) -> str:
+    """An unreadable step's error in one line: orbax's read errors go on to print the whole
+    TensorStore spec (~100 lines per array)."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0][:300] if lines else ''}"
+
+
 def _abandoned_task_filter(folders: list[str]) -> Any:
     """A logging filter, False for asyncio's "... exception was never retrieved" of a failed
     restore's reads: orbax's tasks (the leftovers of :func:`_abandoned_read`, wrapped in tasks),
@@ -534,7 +541,7 @@ class Checkpointer:
                 warnings.warn(
                     "; ".join(
                         f"checkpoint step {s} ({self.directory / str(s)}) is unreadable "
-                        f"({type(e).__name__}: {str(e).splitlines()[0][:300]}), moved to {moved}"
+                        f"({_one_line(e)}), moved to {moved}"
                         for s, moved, e in failed
                     )
                     + f"; resuming from the previous good checkpoint, step {candidate} "
@@ -545,7 +552,7 @@ class Checkpointer:
             return out
         raise FileNotFoundError(
             f"no readable checkpoint in {self.directory}: "
-            + "; ".join(f"step {s}: {type(e).__name__}: {e}" for s, _, e in failed)
+            + "; ".join(f"step {s}: {_one_line(e)}" for s, _, e in failed)
             + f" (moved to {self.directory / UNREADABLE_DIR})"
         )
 
