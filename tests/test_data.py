@@ -253,8 +253,8 @@ def test_file_errors(tmp_path, tokenizer, monkeypatch):
     where = re.escape(f"(relative to the working directory: {tmp_path / 'nope.jsonl'})")
     with pytest.raises(FileNotFoundError, match=r"'nope\.jsonl' does not exist " + where):
         load_table("nope.jsonl")
+    cache.mkdir()
     with pytest.raises(FileNotFoundError, match=r"'cache' is a folder, not a file"):
-        cache.mkdir()
         load_table("cache")
     cache.rmdir()
     (tmp_path / "data.txt").write_text("hello\n")

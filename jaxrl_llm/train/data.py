@@ -358,8 +358,8 @@ def check_reward_fields(reward: R.WeightedSum, data: RunData) -> None:
                     f"{ds.source}: the reward {term.name!r} reads the field {missing[0]!r}, which "
                     f"these prompts do not have (fields: {', '.join(ds.fields) or 'none'}); set "
                     "data.answer_field to the column holding the reference answers (a key of a "
-                    "struct column with a dot, e.g. reward_model.ground_truth), or the term's "
-                    "`field`"
+                    "struct column with a dot, e.g. reward_model.ground_truth), or the term's own "
+                    "option (`field`; for verl, `ground_truth_field`)"
                 )
 
 
