@@ -14,9 +14,9 @@ A reward config is a list of terms (or a single term), each a mapping::
 
 Keys every term takes: ``type`` (required), ``weight`` (default 1.0), ``name`` (the metrics key;
 default the type, or the function's name for a user, verl or trl function; ``null`` means the
-default; repeated names get ``_2``, ``_3``...). The type's options (:func:`reward_options`) are given
-either as keys of the term or inside a ``kwargs`` mapping (not both for one key); for a user
-function ``kwargs`` are its keyword arguments. A type containing ``:`` is a user function, and
+default; repeated names get ``_2``, ``_3``...). The type's options (:func:`reward_options`) are
+given either as keys of the term or inside a ``kwargs`` mapping (not both for one key); for a
+user function ``kwargs`` are its keyword arguments. A type containing ``:`` is a user function, and
 ``gsm8k`` / ``boxed`` are accepted for ``gsm8k_answer`` / ``boxed_answer``. A bare string is
 shorthand for ``{type: <string>}``.
 """
