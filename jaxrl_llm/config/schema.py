@@ -23,6 +23,7 @@ from jaxrl_llm import algorithms
 from jaxrl_llm import numerics as _numerics
 from jaxrl_llm.config.engine import FrozenDict, _field
 from jaxrl_llm.recipe import PREFERENCE_PAIRS
+from jaxrl_llm.rewards.registry import ADAPTERS
 
 
 def _first_names(table: Mapping[str, Any]) -> tuple[str, ...]:
@@ -223,8 +224,9 @@ class RewardTermConfig:
     @property
     def metric_name(self) -> str:
         """The name the term is told apart by: its ``name``, else its function (verl and trl
-        terms name theirs in ``kwargs.function``), else its type."""
-        function = self.kwargs.get("function") if self.type in ("verl", "trl") else None
+        terms, ``rewards.registry.ADAPTERS``, name theirs in ``kwargs.function``), else its
+        type."""
+        function = self.kwargs.get("function") if self.type in ADAPTERS else None
         return self.name or (function if isinstance(function, str) else self.type)
 
 

@@ -172,7 +172,7 @@ class PromptDataset:
             prompt_ids=[ids[i] for i in keep],
             prompts=[reward_prompt(prompts[i]) for i in keep],
             fields={
-                **{RAW_PROMPT_FIELD: [prompts[i] for i in keep]},
+                RAW_PROMPT_FIELD: [prompts[i] for i in keep],
                 **{field: [columns[field][i] for i in keep] for field in fields},
             },
             source_rows=keep.astype(np.int64),

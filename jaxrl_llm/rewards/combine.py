@@ -206,7 +206,8 @@ def score_groups(
       completions_bg: ``B`` lists of ``G`` decoded completions.
       fields_b: per-prompt dataset columns (each of length ``B``), repeated for the ``G``
         completions of a prompt.
-      num_tokens_bg: ``int[B, G]`` generated token counts, passed as ``completion_num_tokens``.
+      num_tokens_bg: ``int[B, G]`` generated token counts, passed as ``completion_num_tokens``
+        (default with ``tokens_bgt``: ``mask_bgt``'s row sums).
       tokens_bgt, mask_bgt: ``int[B, G, T]`` / ``bool[B, G, T]`` generated tokens and their
         mask, passed as ``completion_ids`` (:class:`CompletionIds`: each sample's ids are made
         a list only when a reward reads them).
@@ -229,13 +230,6 @@ def score_groups(
                 f"score_groups: field {key!r} has {len(column)} values for {b} prompts"
             )
         fields[key] = [value for value in column for _ in range(g)]
-    if num_tokens_bg is not None:
-        num_tokens_bg = np.asarray(num_tokens_bg)
-        if num_tokens_bg.shape != (b, g):
-            raise ValueError(
-                f"score_groups: num_tokens_bg has shape {num_tokens_bg.shape}, expected {(b, g)}"
-            )
-        fields[NUM_TOKENS_FIELD] = num_tokens_bg.reshape(-1).tolist()
     if tokens_bgt is not None:
         tokens_bgt, mask_bgt = np.asarray(tokens_bgt), np.asarray(mask_bgt, bool)
         if (
@@ -251,6 +245,15 @@ def score_groups(
         fields[COMPLETION_IDS_FIELD] = CompletionIds(
             tokens_bgt.reshape(b * g, t), mask_bgt.reshape(b * g, t)
         )
+        if num_tokens_bg is None:
+            num_tokens_bg = mask_bgt.sum(-1)
+    if num_tokens_bg is not None:
+        num_tokens_bg = np.asarray(num_tokens_bg)
+        if num_tokens_bg.shape != (b, g):
+            raise ValueError(
+                f"score_groups: num_tokens_bg has shape {num_tokens_bg.shape}, expected {(b, g)}"
+            )
+        fields[NUM_TOKENS_FIELD] = num_tokens_bg.reshape(-1).tolist()
     prompts = [p for p in prompts_b for _ in range(g)]
     completions = [c for group in completions_bg for c in group]
     output = reward(prompts, completions, **fields)

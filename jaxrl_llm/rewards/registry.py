@@ -86,6 +86,10 @@ def reward_options(type_name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
 #: Every reward type a config may name.
 REWARD_TYPES: tuple[str, ...] = (*_OPTION_CLASSES, *_EXTERNAL_KEYS)
 
+#: Types that call a peer trainer's reward function, named by their ``function`` option, as
+#: that trainer calls it.
+ADAPTERS: dict[str, type] = {"verl": VerlScore, "trl": TrlReward}
+
 
 def _suggest(word: str, choices: Sequence[str]) -> str:
     close = difflib.get_close_matches(word, list(choices), n=1)
@@ -170,11 +174,10 @@ def build_term(
             fn: RewardFn = _OPTION_CLASSES[type_name](**options)
         elif type_name == "user":
             fn, default_name = _build_user(options, base_dir)
-        elif type_name in ("verl", "trl"):
+        elif type_name in ADAPTERS:
             spec = options.pop("function")
-            adapter = VerlScore if type_name == "verl" else TrlReward
-            fn = adapter(load_callable(spec, base_dir=base_dir), **options)
-            default_name = spec.rsplit(":", 1)[1].rsplit(".", 1)[-1]
+            fn = ADAPTERS[type_name](load_callable(spec, base_dir=base_dir), **options)
+            default_name = _function_name(spec)
         else:
             fn = _build_reward_model(options, reward_model, base_dir)
         return RewardTerm(
@@ -186,13 +189,18 @@ def build_term(
         raise RewardConfigError(f"{where}: {exc}") from exc
 
 
+def _function_name(spec: str) -> str:
+    """A function spec's default metrics name: ``"pkg.mod:Class.score"`` -> ``"score"``."""
+    return spec.rsplit(":", 1)[1].rsplit(".", 1)[-1]
+
+
 def _build_user(options: dict[str, Any], base_dir: str | Path | None) -> tuple[RewardFn, str]:
     spec = options["function"]
     fn = load_callable(spec, base_dir=base_dir)
     kwargs = options.get("kwargs") or {}
     if not isinstance(kwargs, Mapping):
         raise TypeError(f"`kwargs` must be a mapping of keyword arguments, got {kwargs!r}")
-    name = spec.rsplit(":", 1)[1].rsplit(".", 1)[-1]
+    name = _function_name(spec)
     return (functools.partial(fn, **kwargs) if kwargs else fn), name
 
 

@@ -110,7 +110,7 @@ def score_completions(
 
     texts = rollout.decode_completions(tokenizer, tokens, mask)
     reward_bg, out = R.score_groups(
-        reward, prompts, texts, fields, num_tokens_bg=mask.sum(-1), tokens_bgt=tokens, mask_bgt=mask
+        reward, prompts, texts, fields, tokens_bgt=tokens, mask_bgt=mask
     )
     return reward_bg.astype(np.float32), out, texts
 
