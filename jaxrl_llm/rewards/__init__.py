@@ -9,6 +9,7 @@ host between rollout and update. The trainer builds one :class:`WeightedSum` fro
     reward_bg, out = score_groups(reward, prompts_b, completions_bg, {"answer": answers_b},
                                   num_tokens_bg=num_tokens_bg)
     out.metrics()  # reward/mean, reward/std, reward/<name>/mean, .../num_errors, accuracy
+    out.sample_details()  # per sample: each term's score, the columns the rewards reported
 
 See docs/rewards_and_data.md.
 """
@@ -30,13 +31,17 @@ from jaxrl_llm.rewards.base import (
     NUM_TOKENS_FIELD,
     ON_ERROR_MODES,
     RAW_PROMPT_FIELD,
+    TRAINER_STATE_FIELD,
+    Checked,
     RewardConfigError,
     RewardError,
     RewardExited,
     RewardFn,
     RewardTimeout,
     Scores,
+    TrainerState,
     checked_call,
+    checked_scores,
 )
 from jaxrl_llm.rewards.combine import (
     CompletionIds,
@@ -64,8 +69,10 @@ __all__ = [
     "ON_ERROR_MODES",
     "RAW_PROMPT_FIELD",
     "REWARD_TYPES",
+    "TRAINER_STATE_FIELD",
     "TYPE_ALIASES",
     "BoxedAnswer",
+    "Checked",
     "CompletionIds",
     "Gsm8kAnswer",
     "IntegerAnswer",
@@ -82,6 +89,7 @@ __all__ = [
     "RewardTerm",
     "RewardTimeout",
     "Scores",
+    "TrainerState",
     "TrlReward",
     "VerificationTimeout",
     "VerifierError",
@@ -90,6 +98,7 @@ __all__ = [
     "build_reward",
     "build_term",
     "checked_call",
+    "checked_scores",
     "expected_number",
     "extract_boxed",
     "gsm8k_answer",

@@ -27,6 +27,16 @@ timeout is a property of the sampled completion, not a bug to stop training for)
 A reward may declare ``required_fields`` (a tuple of field names); a missing one is a wiring
 error and raises :class:`RewardError` whatever ``on_error`` says.
 
+:class:`Scores` also carries what a reward reports beside its scores: ``extras``, per-sample
+columns (verl's ``reward_extra_info``: the keys of a ``compute_score`` dict other than
+``"score"``; TRL's ``log_extra`` columns), and ``metrics``, batch scalars (TRL's
+``log_metric``). :func:`checked_scores` returns them with the scores; the trainer writes the
+columns beside each logged completion and the means of the numeric ones, and the scalars, to
+the metrics. A column with the wrong number of values, or a non-finite scalar, is a wiring
+error (:class:`RewardError`, whatever ``on_error`` says). When a batch falls back to one call
+per sample, each sample's columns come from its own call (missing values are ``None``) and a
+scalar is the mean of the calls that logged it.
+
 Two more failures are errors of the reward, never of the run: a reward that calls ``sys.exit``
 (``SystemExit`` is caught and reported as :class:`RewardExited`, not left to end the process
 with status 0 mid-run), and, with a ``timeout``, a reward that does not return in time. With a
@@ -40,12 +50,13 @@ thread (e.g. one that sets ``signal`` handlers) needs ``timeout=None``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -56,6 +67,8 @@ ON_ERROR_MODES: tuple[str, ...] = ("raise", "zero")
 NUM_TOKENS_FIELD = "completion_num_tokens"
 #: Field the trainer fills with each completion's generated token ids (TRL's name).
 COMPLETION_IDS_FIELD = "completion_ids"
+#: Field the trainer fills with the run's progress, a :class:`TrainerState` (TRL's name).
+TRAINER_STATE_FIELD = "trainer_state"
 #: Field holding each prompt as the data gives it: text, or its ``{role, content}`` messages
 #: (``jaxrl_llm.data.PromptDataset`` adds it; the ``prompts`` argument is its user text).
 RAW_PROMPT_FIELD = "raw_prompt"
@@ -71,17 +84,65 @@ class RewardFn(Protocol):
     ) -> Sequence[float]: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+    """The run's progress when a batch is scored, passed to every reward as the
+    ``trainer_state`` field (the same object for each sample), and to a TRL reward function as
+    its ``trainer_state`` argument, in place of ``transformers.TrainerState`` (the attributes a
+    reward that shapes itself by training progress reads, e.g.
+    ``trainer_state.global_step / trainer_state.max_steps``).
+
+    Attributes:
+      global_step: update steps done before the step that trains on this batch (0 for the
+        first); in an async run too, so a batch's rewards do not depend on the staleness.
+      max_steps: the run's ``train.max_steps``.
+    """
+
+    global_step: int
+    max_steps: int
+
+
 class Scores(list):
-    """One score per completion, plus the indices of samples scored despite a soft error.
+    """One score per completion, plus the indices of samples scored despite a soft error, and
+    what the reward reports beside its scores.
 
     ``Scores([1.0, 0.0], soft_errors=[1])``: sample 1 was scored (its ``incorrect`` value) but
     could not be checked (e.g. a verification timeout); :func:`checked_call` counts it in
     ``num_errors`` and keeps its score, in both ``on_error`` modes.
+
+    ``extras``: ``{column: one value per sample}`` (e.g. ``{"pred": ["12", None]}``), written
+    beside each logged completion; a column of numbers (or booleans) also gives its mean to the
+    metrics. ``metrics``: ``{name: float}`` for the whole batch (see the module docstring).
     """
 
-    def __init__(self, scores: Sequence[float] = (), soft_errors: Sequence[int] = ()):
+    def __init__(
+        self,
+        scores: Sequence[float] = (),
+        soft_errors: Sequence[int] = (),
+        *,
+        extras: Mapping[str, Sequence[Any]] | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ):
         super().__init__(scores)
         self.soft_errors: tuple[int, ...] = tuple(sorted(set(soft_errors)))
+        self.extras: dict[str, list[Any]] = {str(k): list(v) for k, v in (extras or {}).items()}
+        self.metrics: dict[str, Any] = {str(k): v for k, v in (metrics or {}).items()}
+
+
+class Checked(NamedTuple):
+    """What :func:`checked_scores` returns for ``N`` samples.
+
+    Attributes:
+      scores_n: ``f32[N]`` finite scores.
+      num_errors: samples scored 0 because of an error, plus the soft errors.
+      extras: ``{column: N values}`` the reward reported (:class:`Scores`).
+      metrics: ``{name: float}`` the reward reported for the batch.
+    """
+
+    scores_n: np.ndarray
+    num_errors: int
+    extras: dict[str, list[Any]]
+    metrics: dict[str, float]
 
 
 class RewardError(ValueError):
@@ -188,12 +249,12 @@ def _as_float(value: Any) -> float | None:
     return None
 
 
-def _describe_count(values: list[Any] | None, raw: Any) -> str:
+def _describe_count(values: list[Any] | None, raw: Any, unit: str = "scores") -> str:
     if values is None:
         return f"a {type(raw).__name__}" + (
             f" of shape {np.shape(raw)}" if hasattr(raw, "__array__") else ""
         )
-    return f"{len(values)} scores"
+    return f"{len(values)} {unit}"
 
 
 def check_inputs(
@@ -224,6 +285,24 @@ def checked_call(
     on_error: OnError = "raise",
     timeout: float | None = None,
 ) -> tuple[np.ndarray, int]:
+    """``(scores_n, num_errors)`` of :func:`checked_scores` (the same arguments), without what
+    the reward reported beside its scores."""
+    checked = checked_scores(
+        fn, prompts, completions, fields, name=name, on_error=on_error, timeout=timeout
+    )
+    return checked.scores_n, checked.num_errors
+
+
+def checked_scores(
+    fn: RewardFn,
+    prompts: Sequence[str],
+    completions: Sequence[str],
+    fields: Mapping[str, Sequence[Any]] | None = None,
+    *,
+    name: str,
+    on_error: OnError = "raise",
+    timeout: float | None = None,
+) -> Checked:
     """Calls ``fn`` on a batch and validates what it returns.
 
     Args:
@@ -236,12 +315,14 @@ def checked_call(
         one-sample retries); ``None`` waits forever and calls ``fn`` in this thread.
 
     Returns:
-      ``(scores_n, num_errors)``: ``f32[N]`` finite scores and the number of samples scored 0
-      because of an error (none with ``on_error="raise"``), plus the samples the reward flagged
-      as soft errors (:class:`Scores`, counted in both modes).
+      :class:`Checked`: ``f32[N]`` finite scores; the number of samples scored 0 because of an
+      error (none with ``on_error="raise"``), plus the samples the reward flagged as soft
+      errors (:class:`Scores`, counted in both modes); the columns and scalars the reward
+      reported (:class:`Scores`; none from a batch scored 0 whole).
 
     Raises:
-      RewardError: with ``on_error="raise"``, on the first failing sample.
+      RewardError: with ``on_error="raise"``, on the first failing sample; in both modes, for a
+        reported column without one value per sample or a non-finite reported scalar.
     """
     if on_error not in ON_ERROR_MODES:
         raise ValueError(f"on_error must be one of {ON_ERROR_MODES}, got {on_error!r}")
@@ -256,7 +337,7 @@ def checked_call(
             reward=name,
         )
     if n == 0:
-        return np.zeros((0,), np.float32), 0
+        return Checked(np.zeros((0,), np.float32), 0, {}, {})
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds or None, got {timeout!r}")
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -272,7 +353,7 @@ def checked_call(
                 "such batches 0",
                 reward=name,
             ) from None
-        return np.zeros((n,), np.float32), n
+        return Checked(np.zeros((n,), np.float32), n, {}, {})
     except Exception as exc:
         return _one_by_one(call, prompts, completions, fields, name, on_error, cause=exc)
     values = _as_values(raw)
@@ -304,7 +385,33 @@ def checked_call(
             continue
         scores[i] = score
         num_errors += i in soft
-    return scores.astype(np.float32), num_errors
+    return Checked(scores.astype(np.float32), num_errors, *_reported(raw, n, name))
+
+
+def _reported(raw: Any, n: int, name: str) -> tuple[dict[str, list[Any]], dict[str, float]]:
+    """The columns and scalars ``raw`` (a reward's return value) reports, checked."""
+    extras = {}
+    for key, column in getattr(raw, "extras", {}).items():
+        values = _as_values(column)
+        if values is None or len(values) != n:
+            raise RewardError(
+                f"reward {name!r} reported the column {key!r} with "
+                f"{_describe_count(values, column, 'values')} for {n} "
+                "samples; a reported column has one value per sample",
+                reward=name,
+            )
+        extras[key] = values
+    metrics = {}
+    for key, value in getattr(raw, "metrics", {}).items():
+        number = _as_float(value)
+        if number is None or not math.isfinite(number):
+            raise RewardError(
+                f"reward {name!r} reported the metric {key!r} = {value!r}; a reported metric "
+                "is a finite number",
+                reward=name,
+            )
+        metrics[key] = number
+    return extras, metrics
 
 
 class _Caller:
@@ -352,11 +459,18 @@ def _one_by_one(
     name: str,
     on_error: OnError,
     cause: BaseException | None,
-) -> tuple[np.ndarray, int]:
+) -> Checked:
     """Scores each sample alone: finds the failing sample, or zeroes just the failing ones."""
     n = len(completions)
     scores = np.zeros((n,), np.float64)
     num_errors = 0
+    extras: dict[str, list[Any]] = {}
+    reported: dict[str, list[float]] = {}
+
+    def done() -> Checked:
+        metrics = {k: float(np.mean(v)) for k, v in reported.items()}
+        return Checked(scores.astype(np.float32), num_errors, extras, metrics)
+
     for i in range(n):
         exc: BaseException | None = None
         problem = None
@@ -371,7 +485,8 @@ def _one_by_one(
                     reward=name,
                     index=i,
                 ) from cause
-            return scores.astype(np.float32), num_errors + n - i  # the rest are unscored
+            num_errors += n - i  # the rest are unscored
+            return done()
         except Exception as e:
             exc = e
             problem = f"raised {type(e).__name__}: {e}"
@@ -386,6 +501,11 @@ def _one_by_one(
                 else:
                     scores[i] = score
                     num_errors += 0 in set(getattr(raw, "soft_errors", ()))
+                    columns, metrics = _reported(raw, 1, name)
+                    for key, (value,) in columns.items():
+                        extras.setdefault(key, [None] * n)[i] = value
+                    for key, value in metrics.items():
+                        reported.setdefault(key, []).append(value)
         if problem is None:
             continue
         if on_error == "raise":
@@ -402,4 +522,4 @@ def _one_by_one(
             f"(each sample alone scores fine)",
             reward=name,
         ) from cause
-    return scores.astype(np.float32), num_errors
+    return done()

@@ -2,7 +2,7 @@
 
     total_i = Σ_k w_k · r_k(prompt_i, completion_i, fields_i)
 
-Each component ``r_k`` goes through :func:`checked_call`, so a failing reward either raises a
+Each component ``r_k`` goes through :func:`checked_scores`, so a failing reward either raises a
 :class:`RewardError` or (``on_error="zero"``) scores the failing samples 0 and counts them.
 :func:`score_groups` is the trainer's entry point: ``B`` prompts × ``G`` completions in, the
 ``f32[B, G]`` reward of :class:`jaxrl_llm.Rollout` out.
@@ -11,8 +11,10 @@ Each component ``r_k`` goes through :func:`checked_call`, so a failing reward ei
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import re
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -22,10 +24,13 @@ from jaxrl_llm.rewards.base import (
     COMPLETION_IDS_FIELD,
     NUM_TOKENS_FIELD,
     ON_ERROR_MODES,
+    TRAINER_STATE_FIELD,
     OnError,
+    RewardError,
     RewardFn,
+    TrainerState,
     check_inputs,
-    checked_call,
+    checked_scores,
 )
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -63,16 +68,24 @@ class RewardOutput(NamedTuple):
       num_errors: ``{name: int}`` samples each reward scored 0 because of an error.
       correct_n: ``bool[N]`` the accuracy term's verdict (its score equals its ``correct``
         value, 1.0 when it has none), or ``None`` when there is no accuracy term.
+      extras: ``{name: {column: N values}}`` the columns each reward reported beside its
+        scores (:class:`~jaxrl_llm.rewards.Scores`; verl's extra info, TRL's ``log_extra``).
+      reported: ``{name: {metric: float}}`` the scalars each reward reported (TRL's
+        ``log_metric``).
     """
 
     total_n: np.ndarray
     components: dict[str, np.ndarray]
     num_errors: dict[str, int]
     correct_n: np.ndarray | None
+    extras: Mapping[str, Mapping[str, list[Any]]] = MappingProxyType({})
+    reported: Mapping[str, Mapping[str, float]] = MappingProxyType({})
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """``{prefix}/mean``, ``{prefix}/std``, ``{prefix}/<name>/mean``,
-        ``{prefix}/<name>/num_errors`` and ``accuracy`` (when there is an accuracy term)."""
+        ``{prefix}/<name>/num_errors``, ``accuracy`` (when there is an accuracy term), and what
+        the rewards reported: ``{prefix}/<name>/<metric>`` for each scalar and
+        ``{prefix}/<name>/<column>/mean`` for each column of numbers (``None`` skipped)."""
         out: dict[str, float] = {}
         if self.total_n.size:
             out[f"{prefix}/mean"] = float(np.mean(self.total_n))
@@ -81,9 +94,56 @@ class RewardOutput(NamedTuple):
             if scores.size:
                 out[f"{prefix}/{name}/mean"] = float(np.mean(scores))
             out[f"{prefix}/{name}/num_errors"] = float(self.num_errors[name])
+        for name, columns in self.extras.items():
+            for column, values in columns.items():
+                numbers = _numbers(values)
+                if numbers:
+                    out[f"{prefix}/{name}/{column}/mean"] = float(np.mean(numbers))
+        for name, scalars in self.reported.items():
+            for metric, value in scalars.items():
+                out[f"{prefix}/{name}/{metric}"] = float(value)
         if self.correct_n is not None and self.correct_n.size:
             out["accuracy"] = float(np.mean(self.correct_n))
         return out
+
+    def sample_details(self) -> list[dict[str, Any]]:
+        """Per sample, ``{"rewards": {name: score}}`` (each term's unweighted score) and, when
+        the rewards reported columns, ``"extra": {column: value}`` (a column that several
+        terms report is named ``<name>/<column>``): what a logged completion shows beside its
+        total reward."""
+        n = len(self.total_n)
+        counts: dict[str, int] = {}
+        for columns in self.extras.values():
+            for column in columns:
+                counts[column] = counts.get(column, 0) + 1
+        out = []
+        for i in range(n):
+            details: dict[str, Any] = {
+                "rewards": {name: float(s[i]) for name, s in self.components.items()}
+            }
+            extra = {
+                (column if counts[column] == 1 else f"{name}/{column}"): values[i]
+                for name, columns in self.extras.items()
+                for column, values in columns.items()
+            }
+            if extra:
+                details["extra"] = extra
+            out.append(details)
+        return out
+
+
+def _numbers(values: Sequence[Any]) -> list[float] | None:
+    """The values as floats when each is a real number, a boolean or ``None`` (skipped)."""
+    out = []
+    for v in values:
+        if v is None:
+            continue
+        if isinstance(v, str | bytes) or not isinstance(
+            v, numbers.Real | np.bool_ | np.integer | np.floating
+        ):
+            return None
+        out.append(float(v))
+    return out
 
 
 def _is_answer_reward(fn: Any) -> bool:
@@ -149,8 +209,10 @@ class WeightedSum:
         components: dict[str, np.ndarray] = {}
         num_errors: dict[str, int] = {}
         correct_n = None
+        extras: dict[str, dict[str, list[Any]]] = {}
+        reported: dict[str, dict[str, float]] = {}
         for term in self.terms:
-            scores, errors = checked_call(
+            scores, errors, columns, scalars = checked_scores(
                 term.fn,
                 prompts,
                 completions,
@@ -159,13 +221,26 @@ class WeightedSum:
                 on_error=self.on_error,
                 timeout=self.timeout,
             )
+            clash = sorted(set(scalars) & {"mean", "num_errors"})
+            if clash:
+                raise RewardError(
+                    f"reward {term.name!r} reported a metric named {clash[0]!r}, which names "
+                    f"the term's own reward/{term.name}/{clash[0]}; pick another name",
+                    reward=term.name,
+                )
             components[term.name] = scores
             num_errors[term.name] = errors
+            if columns:
+                extras[term.name] = columns
+            if scalars:
+                reported[term.name] = scalars
             total += term.weight * scores.astype(np.float64)
             if term.name == self.accuracy:
                 correct_value = getattr(term.fn, "correct", 1.0)
                 correct_n = np.isclose(scores, np.float32(correct_value))
-        return RewardOutput(total.astype(np.float32), components, num_errors, correct_n)
+        return RewardOutput(
+            total.astype(np.float32), components, num_errors, correct_n, extras, reported
+        )
 
 
 class CompletionIds(Sequence):
@@ -197,6 +272,7 @@ def score_groups(
     num_tokens_bg: Any = None,
     tokens_bgt: np.ndarray | None = None,
     mask_bgt: np.ndarray | None = None,
+    trainer_state: TrainerState | None = None,
 ) -> tuple[np.ndarray, RewardOutput]:
     """Scores ``G`` completions of each of ``B`` prompts.
 
@@ -211,6 +287,8 @@ def score_groups(
       tokens_bgt, mask_bgt: ``int[B, G, T]`` / ``bool[B, G, T]`` generated tokens and their
         mask, passed as ``completion_ids`` (:class:`CompletionIds`: each sample's ids are made
         a list only when a reward reads them).
+      trainer_state: the run's progress, passed as the ``trainer_state`` field (the same
+        :class:`~jaxrl_llm.rewards.TrainerState` for every sample).
 
     Returns:
       ``(reward_bg, output)``: ``f32[B, G]`` total rewards and the flat :class:`RewardOutput`
@@ -254,6 +332,13 @@ def score_groups(
                 f"score_groups: num_tokens_bg has shape {num_tokens_bg.shape}, expected {(b, g)}"
             )
         fields[NUM_TOKENS_FIELD] = num_tokens_bg.reshape(-1).tolist()
+    if trainer_state is not None:
+        if not isinstance(trainer_state, TrainerState):
+            raise TypeError(
+                f"score_groups: trainer_state must be a TrainerState, got "
+                f"{type(trainer_state).__name__}"
+            )
+        fields[TRAINER_STATE_FIELD] = [trainer_state] * (b * g)
     prompts = [p for p in prompts_b for _ in range(g)]
     completions = [c for group in completions_bg for c in group]
     output = reward(prompts, completions, **fields)

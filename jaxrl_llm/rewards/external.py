@@ -13,11 +13,14 @@ verl ``compute_score(data_source, solution_str, ground_truth, extra_info)`` func
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import difflib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,7 +33,9 @@ from jaxrl_llm.rewards.base import (
     COMPLETION_IDS_FIELD,
     NUM_TOKENS_FIELD,
     RAW_PROMPT_FIELD,
+    TRAINER_STATE_FIELD,
     RewardConfigError,
+    Scores,
 )
 
 
@@ -140,7 +145,10 @@ class VerlScore:
     """A verl reward function as a reward, unchanged: verl's ``custom_reward_function``
     (``verl.workers.reward_manager.NaiveRewardManager``) calls, per sample,
     ``compute_score(data_source=, solution_str=, ground_truth=, extra_info=)`` and takes a number,
-    or a dict whose ``"score"`` is the reward (its other keys are not used here).
+    or a dict whose ``"score"`` is the reward. A dict's other keys are verl's
+    ``reward_extra_info``: they are reported as columns (:class:`~jaxrl_llm.rewards.Scores`;
+    ``None`` for a sample whose dict lacks the key), so they appear beside each logged
+    completion, and the mean of a numeric one in the metrics (``reward/<name>/<key>/mean``).
 
     The arguments come from the columns of a verl data file: ``data_source`` (``None`` when the
     data has no such column), ``reward_model.ground_truth`` (a struct column's key; see
@@ -166,16 +174,17 @@ class VerlScore:
     def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
         n = len(completions)
         sources = fields.get(self.data_source_field, [None] * n)
-        extras = fields.get(self.extra_info_field, [None] * n)
+        infos = fields.get(self.extra_info_field, [None] * n)
         out = []
-        for completion, source, truth, extra in zip(
-            completions, sources, fields[self.ground_truth_field], extras, strict=True
+        columns: dict[str, list[Any]] = {}
+        for i, (completion, source, truth, info) in enumerate(
+            zip(completions, sources, fields[self.ground_truth_field], infos, strict=True)
         ):
             score = self.compute_score(
                 data_source=source,
                 solution_str=completion,
                 ground_truth=truth,
-                extra_info=dict(extra or {}),
+                extra_info=dict(info or {}),
             )
             if isinstance(score, dict):
                 if "score" not in score:
@@ -183,9 +192,12 @@ class VerlScore:
                         f"returned a dict without 'score' (keys: {', '.join(map(str, score))}); "
                         "verl reads the reward from its 'score'"
                     )
+                for key, value in score.items():
+                    if key != "score":
+                        columns.setdefault(str(key), [None] * n)[i] = value
                 score = score["score"]
             out.append(score)
-        return out
+        return Scores(out, extras=columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,12 +211,18 @@ class TrlReward:
     - ``completions``: the completion texts, or for a conversational dataset
       ``[{"role": "assistant", "content": text}]`` each;
     - ``completion_ids``: the generated token ids of each completion;
-    - ``trainer_state``: ``None`` (there is no ``transformers.TrainerState`` here); TRL's newer
-      ``log_extra`` / ``log_metric`` callbacks are not passed;
+    - ``trainer_state``: the run's :class:`~jaxrl_llm.rewards.TrainerState` (``global_step``,
+      ``max_steps``, as on ``transformers.TrainerState``), ``None`` when the caller gives none;
+    - ``log_extra(column, values)``: one value per completion, shown beside each logged
+      completion (TRL's completions table; a second call for the same column replaces it);
+    - ``log_metric(name, value)``: a scalar, in the metrics as ``reward/<term>/<name>`` (the
+      mean of the batch's calls);
     - the dataset's other columns, one value per completion.
 
-    A ``None`` score (TRL: "this function does not apply to the sample") counts as 0, which is
-    what TRL's ``nansum`` over the reward functions makes of it.
+    An ``async def`` function is awaited (in a fresh event loop; in a thread of its own when
+    the caller's thread already runs one, as in a notebook). A ``None`` score (TRL: "this
+    function does not apply to the sample") counts as 0, which is what TRL's ``nansum`` over
+    the reward functions makes of it.
     """
 
     fn: Callable[..., Any]
@@ -217,15 +235,59 @@ class TrlReward:
         raw = fields.pop(RAW_PROMPT_FIELD, None)
         ids = fields.pop(COMPLETION_IDS_FIELD, None)
         fields.pop(NUM_TOKENS_FIELD, None)  # ours, not TRL's
+        states = fields.pop(TRAINER_STATE_FIELD, None)
+        n = len(completions)
         if raw is not None and any(isinstance(p, list | tuple) for p in raw):
             completions = [[{"role": "assistant", "content": c}] for c in completions]
+        columns: dict[str, list[Any]] = {}
+        logged: dict[str, list[Any]] = {}
+
+        def log_extra(column: str, values: Sequence[Any]) -> None:
+            values = list(values)
+            if len(values) != n:
+                raise ValueError(
+                    f"log_extra({column!r}, ...) got {len(values)} values for {n} completions; "
+                    "it takes one value per completion"
+                )
+            columns[str(column)] = values
+
+        def log_metric(name: str, value: float) -> None:
+            logged.setdefault(str(name), []).append(value)
+
         out = self.fn(
             prompts=prompts if raw is None else list(raw),
             completions=completions,
             completion_ids=ids,
-            trainer_state=None,
+            trainer_state=states[0] if states else None,
+            log_extra=log_extra,
+            log_metric=log_metric,
             **fields,
         )
+        if inspect.isawaitable(out):
+            out = _await(out)
         if out is None:
             raise TypeError("returned None; a TRL reward function returns one score per sample")
-        return [0.0 if v is None else v for v in out]
+        metrics = {}
+        for name, values in logged.items():
+            try:
+                metrics[name] = float(np.mean(np.asarray(values, np.float64)))
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"log_metric({name!r}, ...) got {values[0]!r}; it takes a number"
+                ) from None
+        return Scores([0.0 if v is None else v for v in out], extras=columns, metrics=metrics)
+
+
+def _await(awaitable: Any) -> Any:
+    """The result of an awaitable, run to completion in a fresh event loop: in this thread, or
+    in a new one when this thread already runs a loop (a notebook)."""
+
+    async def main() -> Any:
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(main())
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxrl-llm-reward") as pool:
+        return pool.submit(asyncio.run, main()).result()

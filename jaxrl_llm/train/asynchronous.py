@@ -149,6 +149,19 @@ def staleness_metrics(pending: Pending, train_version: int, max_staleness: int) 
 # The buffer in a checkpoint.
 
 _FIELDS = Groups._fields
+_TEXT_FIELDS = ("details_bg",)  # str arrays: saved as the UTF-8 bytes of their JSON list
+
+
+def _to_saved(name: str, x: Any) -> np.ndarray:
+    if name in _TEXT_FIELDS:
+        return np.frombuffer(json.dumps(np.asarray(x).tolist()).encode(), np.uint8)
+    return np.asarray(x)
+
+
+def _from_saved(name: str, x: np.ndarray) -> np.ndarray:
+    if name in _TEXT_FIELDS:
+        return np.asarray(json.loads(np.asarray(x, np.uint8).tobytes().decode()), np.str_)
+    return x
 
 
 _INFLIGHT_SCALARS = ("last_version", "segments")
@@ -183,7 +196,7 @@ def buffer_to_host(entries: list[Any]) -> tuple[dict[str, np.ndarray], list[dict
         fields = []
         for name, x in zip(_FIELDS, p.groups, strict=True):
             if x is not None:
-                arrays[f"b{i}.{name}"] = np.asarray(x)
+                arrays[f"b{i}.{name}"] = _to_saved(name, x)
                 fields.append(name)
         if p.version_bgt is not None:
             arrays[f"b{i}.version_bgt"] = np.asarray(p.version_bgt, np.int32)
@@ -220,7 +233,7 @@ def buffer_from_host(
                 )
             )
             continue
-        values = {name: arrays[f"b{i}.{name}"] for name in d["fields"]}
+        values = {name: _from_saved(name, arrays[f"b{i}.{name}"]) for name in d["fields"]}
         groups = Groups(**{name: values.get(name) for name in _FIELDS})
         version_bgt = arrays[f"b{i}.version_bgt"] if d.get("partial") else None
         out.append(
@@ -308,7 +321,7 @@ class PartialRollouts:
         out = jax.tree.map(np.asarray, partial.finish(entry.state))
         batch = self._batch(entry, iterator)
         groups, metrics, version_bgt = score_generated(
-            self.setup, batch, out, sample_seconds=entry.seconds
+            self.setup, batch, out, sample_seconds=entry.seconds, step=entry.step
         )
         del self._batches[entry.step]
         valid = version_bgt >= 0
@@ -325,8 +338,9 @@ class AsyncDriver:
     """The online step of an async (or split-placement) run: ``step(state, iterator, key)``.
 
     Args:
-      collect: ``collect(policy, iterator, key) -> (groups, metrics)``, the host's part of a
-        step, sampling with ``policy`` (the rollout weights' ``(graphdef, params)``).
+      collect: ``collect(policy, iterator, key, step) -> (groups, metrics)``, the host's part
+        of update step ``step``, sampling with ``policy`` (the rollout weights' ``(graphdef,
+        params)``).
       rl_step: the device step of :func:`~jaxrl_llm.train.step.make_rl_step`; its
         ``dispatch(state, groups) -> (state, wait)`` returns before the step is done (``wait()``
         gives the metrics), so the rollout overlaps it.
@@ -396,7 +410,7 @@ class AsyncDriver:
         if self.partial is not None:
             entry = self.partial.begin(step, iterator, key)
             return self._continue(entry, iterator, phases, due=due, t0=t0)
-        groups, metrics = self.collect(self.weights.sampling_policy(), iterator, key)
+        groups, metrics = self.collect(self.weights.sampling_policy(), iterator, key, step)
         version = int(self.weights.version)
         phases.append(self._phase("rollout", t0, for_step=step, version=version))
         return Pending(step, version, groups, metrics)

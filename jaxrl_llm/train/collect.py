@@ -11,6 +11,7 @@ device step (:mod:`jaxrl_llm.train.step`) takes as it is.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from jaxrl_llm import recipe as rc
 from jaxrl_llm import rewards as R
 from jaxrl_llm.data import BatchIterator
 from jaxrl_llm.models import sharding as shd
+from jaxrl_llm.train.completions import jsonable
 from jaxrl_llm.train.setup import Models, Sampler, Setup
 from jaxrl_llm.train.step import Groups
 from jaxrl_llm.train.update import DPOBatch
@@ -104,15 +106,39 @@ def score_completions(
     fields: dict[str, Any],
     tokens: np.ndarray,
     mask: np.ndarray,
+    *,
+    trainer_state: R.TrainerState | None = None,
 ) -> tuple[np.ndarray, R.RewardOutput, list]:
     """``(f32[B, G] rewards, the reward's output, the decoded texts)`` of the completions."""
     from jaxrl_llm import rollout
 
     texts = rollout.decode_completions(tokenizer, tokens, mask)
     reward_bg, out = R.score_groups(
-        reward, prompts, texts, fields, tokens_bgt=tokens, mask_bgt=mask
+        reward,
+        prompts,
+        texts,
+        fields,
+        tokens_bgt=tokens,
+        mask_bgt=mask,
+        trainer_state=trainer_state,
     )
     return reward_bg.astype(np.float32), out, texts
+
+
+def trainer_state(setup: Setup, step: int | None) -> R.TrainerState | None:
+    """The rewards' :class:`~jaxrl_llm.rewards.TrainerState` for the batch that update step
+    ``step`` (1-based) trains; ``None`` when no step is given."""
+    if step is None:
+        return None
+    return R.TrainerState(global_step=int(step) - 1, max_steps=int(setup.loop.max_steps))
+
+
+def details_json(out: R.RewardOutput) -> np.ndarray:
+    """``str[N]``: each sample's :meth:`~jaxrl_llm.rewards.RewardOutput.sample_details` as
+    JSON (host values, through gathers, buffers and selections like the other fields)."""
+    return np.asarray(
+        [json.dumps(d, default=jsonable) for d in out.sample_details()], dtype=np.str_
+    )
 
 
 def _gather_reward_output(out: R.RewardOutput) -> R.RewardOutput:
@@ -132,12 +158,53 @@ def _gather_reward_output(out: R.RewardOutput) -> R.RewardOutput:
         tiled=True,
     )
     counts = errors.sum(axis=0)
+    extras, reported = _gather_reported(out)
     return R.RewardOutput(
         total_n=total,
         components=components,
         num_errors={k: int(c) for k, c in zip(names, counts, strict=True)},
         correct_n=correct,
+        extras=extras,
+        reported=reported,
     )
+
+
+def _gather_reported(out: R.RewardOutput) -> tuple[dict, dict]:
+    """Every process's reported columns (in process order; ``None`` where a process's rewards
+    did not report one) and scalars (each the mean over the processes that reported it), as
+    JSON over the coordination service: their keys and value types may differ by process."""
+    n = len(out.total_n)
+    columns = [
+        json.dumps(
+            {name: {k: v[i] for k, v in cols.items()} for name, cols in out.extras.items()},
+            default=jsonable,
+        )
+        for i in range(n)
+    ]
+    rows, scalars = dist.host_allgather(
+        (
+            np.asarray(columns, dtype=np.str_).reshape(n),
+            np.asarray([json.dumps(out.reported)], dtype=np.str_),
+        ),
+        what="reported reward values",
+        tiled=True,
+    )
+    rows = [json.loads(r) for r in rows.tolist()]
+    extras: dict[str, dict[str, list]] = {}
+    for i, row in enumerate(rows):
+        for name, cols in row.items():
+            for key, value in cols.items():
+                extras.setdefault(name, {}).setdefault(key, [None] * len(rows))[i] = value
+    per_process: dict[str, dict[str, list[float]]] = {}
+    for blob in scalars.tolist():
+        for name, values in json.loads(blob).items():
+            for key, value in values.items():
+                per_process.setdefault(name, {}).setdefault(key, []).append(value)
+    reported = {
+        name: {k: float(np.mean(v)) for k, v in values.items()}
+        for name, values in per_process.items()
+    }
+    return extras, reported
 
 
 def policy_rows(policy: tuple[Any, dict], num_rows: int) -> slice:
@@ -167,6 +234,7 @@ def _generate_round(
     batch: Any,
     key: jax.Array,
     policy: tuple[Any, dict] | None = None,
+    step: int | None = None,
 ):
     """Samples and scores one global batch of prompts; every process returns all its groups.
 
@@ -189,7 +257,8 @@ def _generate_round(
         key,
         policy=policy,
     )
-    return _score_round(setup, params, batch, rows, out, key, policy, time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return _score_round(setup, params, batch, rows, out, key, policy, seconds, step)
 
 
 def _score_round(
@@ -201,10 +270,13 @@ def _score_round(
     key: jax.Array,
     policy: tuple[Any, dict] | None,
     sample_seconds: float,
+    step: int | None,
 ):
     """Scores this process's ``rows`` of ``batch`` sampled as ``out`` (Generation fields, host
-    arrays), then gathers the groups of every process (see :func:`_generate_round`)."""
+    arrays) for update step ``step``, then gathers the groups of every process (see
+    :func:`_generate_round`)."""
     t1 = time.perf_counter()
+    state = trainer_state(setup, step)
     reward_bg, reward_out, _ = score_completions(
         setup.tokenizer,
         setup.reward,
@@ -212,6 +284,7 @@ def _score_round(
         {k: v[rows] for k, v in batch.fields.items()},
         out.tokens,
         out.mask,
+        trainer_state=state,
     )
     t2 = time.perf_counter()
     local = dict(
@@ -246,6 +319,7 @@ def _score_round(
             {k: v[rows] for k, v in batch.fields.items()},
             greedy.tokens,
             greedy.mask,
+            trainer_state=state,
         )
         local["baseline"] = baseline_b1[:, 0]
     t3 = time.perf_counter()
@@ -255,6 +329,9 @@ def _score_round(
     if dist.is_multiprocess():
         mesh = setup.models.mesh if policy is None else policy_mesh(policy)
     local, reward_out = dist.gather(local, mesh), _gather_reward_output(reward_out)
+    details = None
+    if setup.loop.log_completions:  # what a logged completion shows beside its reward
+        details = details_json(reward_out).reshape(local["reward"].shape)
     mask_bgt = local["mask"]
     if setup.sampler.mask_truncated:  # no loss on cut completions (TRL's option)
         mask_bgt = mask_bgt & ~local["truncated"][..., None]
@@ -269,6 +346,7 @@ def _score_round(
         baseline_b=local.get("baseline"),
         reward_bgk=local.get("reward_k"),
         logp_full_bgt=local.get("logp_full"),
+        details_bg=details,
     )
     metrics = {"time/rollout": sample_seconds + (t3 - t2), "time/reward": t2 - t1}
     return groups, reward_out, local["truncated"], metrics
@@ -318,13 +396,14 @@ def _selected(
             reward_bg=take(groups.reward_bg),
             reward_bgk=None if groups.reward_bgk is None else take(groups.reward_bgk),
             logp_full_bgt=None if groups.logp_full_bgt is None else take(groups.logp_full_bgt),
+            details_bg=None if groups.details_bg is None else take(groups.details_bg),
         )
         member, extra_bg = take(member), tuple(take(x) for x in extra_bg)
     return groups._replace(member_bg=member), extra_bg
 
 
 def score_generated(
-    setup: Setup, batch: Any, out: Any, *, sample_seconds: float = 0.0
+    setup: Setup, batch: Any, out: Any, *, sample_seconds: float = 0.0, step: int | None = None
 ) -> tuple[Groups, dict[str, float], np.ndarray | None]:
     """Scores and selects one batch sampled elsewhere (partial rollouts: ``out`` has the
     :class:`~jaxrl_llm.rollout.Generation` fields, host arrays, for the whole batch, and
@@ -338,7 +417,7 @@ def score_generated(
         )
     rows = slice(0, len(batch.prompts))
     groups, reward_out, truncated, times = _score_round(
-        setup, None, batch, rows, out, None, None, sample_seconds
+        setup, None, batch, rows, out, None, None, sample_seconds, step
     )
     metrics = _round_metrics(groups, reward_out, truncated)
     version = getattr(out, "version", None)
@@ -354,8 +433,10 @@ def collect(
     key: jax.Array,
     *,
     policy: tuple[Any, dict] | None = None,
+    step: int | None = None,
 ) -> tuple[Groups, dict[str, float]]:
-    """Generates, scores and selects this step's groups (see the module docstring).
+    """Generates, scores and selects the groups update step ``step`` trains (see the module
+    docstring; ``step`` is what the rewards' ``trainer_state`` says, ``None`` without one).
 
     ``policy``: the ``(graphdef, params)`` to sample from instead of
     ``setup.models.sampling_policy(params)``, e.g. ``RolloutWeights.sampling_policy()`` on the
@@ -371,7 +452,7 @@ def collect(
     rounds = 0
     while True:
         groups, reward_out, truncated, t = _generate_round(
-            setup, params, it.next_batch(), jax.random.fold_in(key, rounds), policy
+            setup, params, it.next_batch(), jax.random.fold_in(key, rounds), policy, step
         )
         for k, v in t.items():
             times[k] += v
@@ -402,7 +483,10 @@ def collect(
 
 def to_global(models: Models, tree: Any) -> Any:
     """Several processes: host arrays become global arrays, each process giving its own rows
-    (``make_array_from_process_local_data``); one process: unchanged (the step places them)."""
+    (``make_array_from_process_local_data``); one process: unchanged (the step places them).
+    Groups lose their host-only ``details_bg``."""
+    if isinstance(tree, Groups):
+        tree = tree.for_update()
     if not dist.is_multiprocess():
         return tree
     return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else models.to_device(x), tree)

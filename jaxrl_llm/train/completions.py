@@ -7,14 +7,19 @@ step's batch (those of the first process; 0 turns it off) are written as one JSO
 
     {"step": 12, "prompt": "<|im_start|>user\\nWhat is 7 + 5?...", "reward_mean": 0.5,
      "samples": [{"completion": "7 + 5 = 12", "reward": 1.0, "num_tokens": 9,
-                  "truncated": false, "trained": true}, ...]}
+                  "truncated": false, "trained": true,
+                  "rewards": {"gsm8k": 1.0, "format": 0.0},
+                  "extra": {"pred": "12"}}, ...]}
 
 ``prompt`` is the prompt as the model read it (chat template and special tokens included,
 padding dropped); ``completion`` the sampled text cut at its stop token, special tokens
 dropped; ``trained`` whether the sample reaches the update (False for groups dropped by DAPO's
 dynamic sampling; with PODS a group lists only the samples it kept); ``truncated`` whether it ran to
 ``rollout.max_new_tokens`` without a stop id (its text is logged also when
-``rollout.mask_truncated_completions`` gives it no loss). The records come from the step's
+``rollout.mask_truncated_completions`` gives it no loss); ``rewards`` each reward term's
+unweighted score (TRL's per-function columns); ``extra``, only when a reward reported columns,
+their values (verl's ``reward_extra_info``, TRL's ``log_extra``; see
+:class:`~jaxrl_llm.rewards.Scores`). The records come from the step's
 groups as the update receives them, so an async run logs each batch under the step that trains
 it. Each held-out evaluation adds the same number of its prompts, their records marked
 ``"eval": true`` (verl's validation generations; no ``trained`` key). On resume from step
@@ -34,6 +39,19 @@ from jaxrl_llm.train.metrics import COMPLETIONS_FILE, _truncate
 from jaxrl_llm.train.step import Groups
 
 
+def jsonable(value: Any) -> Any:
+    """``json.dumps``' ``default`` for what rewards report: NumPy scalars and arrays as Python
+    values, anything else JSON cannot write as its ``str``."""
+    if isinstance(value, np.generic | np.ndarray):
+        return value.tolist()
+    return str(value)
+
+
+def _plain(details: dict[str, Any]) -> dict[str, Any]:
+    """``details`` as JSON will write it (see :func:`jsonable`)."""
+    return json.loads(json.dumps(details, default=jsonable))
+
+
 def group_records(
     tokenizer: Any, groups: Groups, step: int, num_groups: int, *, stop_ids: tuple[int, ...] = ()
 ) -> list[dict[str, Any]]:
@@ -47,6 +65,7 @@ def group_records(
     mask = np.asarray(groups.mask_bgt, bool)
     reward = np.asarray(groups.reward_bg, np.float64)
     member = np.asarray(groups.member_bg, bool)
+    details = groups.details_bg
     stops = frozenset(int(s) for s in stop_ids)
     records = []
     for b in range(min(num_groups, tokens.shape[0])):
@@ -64,6 +83,7 @@ def group_records(
                     "num_tokens": int(valid.sum()),
                     "truncated": bool(truncated),
                     "trained": bool(member[b, g]),
+                    **({} if details is None else json.loads(str(details[b, g]))),
                 }
             )
         records.append(
@@ -86,10 +106,14 @@ def eval_records(
     num_tokens_bg: np.ndarray,
     truncated_bg: np.ndarray,
     step: int,
+    *,
+    details: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Records of held-out prompts and their evaluation completions (already decoded), marked
-    ``"eval": true`` (verl's validation generations log)."""
+    ``"eval": true`` (verl's validation generations log); ``details``: each sample's
+    :meth:`~jaxrl_llm.rewards.RewardOutput.sample_details`, in order (sample ``b * G + g``)."""
     reward_bg = np.asarray(reward_bg, np.float64)
+    g_count = reward_bg.shape[1] if reward_bg.ndim == 2 else 1
     records = []
     for b in range(len(texts)):
         mask = np.asarray(prompt_mask_bp[b], bool)
@@ -105,6 +129,7 @@ def eval_records(
                         "reward": float(reward_bg[b, g]),
                         "num_tokens": int(num_tokens_bg[b, g]),
                         "truncated": bool(truncated_bg[b, g]),
+                        **({} if details is None else _plain(details[b * g_count + g])),
                     }
                     for g, text in enumerate(texts[b])
                 ],

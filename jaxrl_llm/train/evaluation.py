@@ -160,6 +160,7 @@ def evaluate_prompts(
             {f: v[mine] for f, v in fields.items()},
             tokens,
             tmask,
+            trainer_state=R.TrainerState(global_step=step, max_steps=setup.loop.max_steps),
         )
         correct_bg = reward_out.correct_n
         if correct_bg is not None:
@@ -176,6 +177,7 @@ def evaluate_prompts(
                     tmask[:shown].sum(-1),
                     np.asarray(out.truncated)[:shown],
                     step,
+                    details=reward_out.sample_details()[: shown * reward_bg.shape[1]],
                 )
             )
         # [rows, K] per process (K = 1: the single sample's column, as before).

@@ -121,7 +121,7 @@ def make_train_step(
     def online(
         state: st.TrainState, iterator: BatchIterator, key: jax.Array
     ) -> tuple[st.TrainState, dict[str, float]]:
-        groups, metrics = collect(setup, state.params, iterator, key)
+        groups, metrics = collect(setup, state.params, iterator, key, step=int(state.step) + 1)
         if completions is not None:
             completions.record(groups)
         groups = to_global(models, groups)
@@ -168,8 +168,8 @@ def make_async_driver(
     n = setup.loop.partial_rollout_tokens
     partial = asynchronous.PartialRollouts(setup, n) if n > 0 else None
 
-    def collect_with(policy: Any, iterator: BatchIterator, key: jax.Array) -> tuple:
-        return collect(setup, None, iterator, key, policy=policy)
+    def collect_with(policy: Any, iterator: BatchIterator, key: jax.Array, step: int) -> tuple:
+        return collect(setup, None, iterator, key, policy=policy, step=step)
 
     return asynchronous.AsyncDriver(
         collect=collect_with,

@@ -98,6 +98,10 @@ class Groups(NamedTuple):
       logp_full_bgt: ``f32[B, G, T]`` the sampler's full-vocabulary log-probs at temperature 1
         (``rollout.full_logprobs``; ``Generation.full_logprobs``), or None. Carried, not yet
         read by the step.
+      details_bg: ``str[B, G]`` host only: each completion's reward terms and the columns the
+        rewards reported, as JSON (:func:`~jaxrl_llm.train.collect.details_json`), for the
+        completions log; None when the run logs no completions. The step drops it
+        (:meth:`for_update`).
     """
 
     prompt_ids_bp: jax.Array
@@ -110,6 +114,11 @@ class Groups(NamedTuple):
     baseline_b: jax.Array | None = None
     reward_bgk: jax.Array | None = None
     logp_full_bgt: jax.Array | None = None
+    details_bg: np.ndarray | None = None
+
+    def for_update(self) -> Groups:
+        """The groups as the device step takes them: without the host-only ``details_bg``."""
+        return self if self.details_bg is None else self._replace(details_bg=None)
 
 
 def _spans_processes(x: Any) -> bool:
@@ -448,6 +457,7 @@ def make_rl_step(
         """The step without waiting for it: the new state (its arrays still being computed,
         JAX's asynchronous dispatch) and a function that waits for the metrics. The async
         loop samples the next batch in between (:mod:`jaxrl_llm.train.asynchronous`)."""
+        groups = groups.for_update()
         g_sharding = groups_sharding(groups)
         plan, shape = plan_of(groups)
         key = jax.tree.structure(groups), tuple(g_sharding), shape
@@ -479,6 +489,7 @@ def make_rl_step(
         plan reads them): :mod:`jaxrl_llm.train.plan` compiles it for a target's devices.
         ``platforms``: lower for these instead of the devices' own (``("cuda",)`` on a machine
         without a GPU: the GPU program's StableHLO, which this machine cannot compile)."""
+        groups = groups.for_update()
         plan, shape = plan_of(groups)
         jitted = jit_for(shape, groups_sharding(groups))
         with jax.set_mesh(mesh):

@@ -106,9 +106,30 @@ COMPLETION_COLUMNS = [
 ]
 
 
+def completion_columns(records: list[dict[str, Any]]) -> list[str]:
+    """The table's columns for ``records``: :data:`COMPLETION_COLUMNS`, then ``reward/<name>``
+    for each reward term and ``extra/<column>`` for each column the rewards reported (in the
+    order they first appear)."""
+    terms: dict[str, None] = {}
+    extras: dict[str, None] = {}
+    for r in records:
+        for x in r["samples"]:
+            terms.update(dict.fromkeys(x.get("rewards", ())))
+            extras.update(dict.fromkeys(x.get("extra", ())))
+    return COMPLETION_COLUMNS + [f"reward/{t}" for t in terms] + [f"extra/{k}" for k in extras]
+
+
+def _cell(value: Any) -> Any:
+    """A reported value as a table cell: lists and mappings as their JSON text."""
+    return json.dumps(value) if isinstance(value, list | dict) else value
+
+
 def completion_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
-    """One row per sample of ``completions.jsonl`` records, in :data:`COMPLETION_COLUMNS`
-    (``kind`` is ``train`` or ``eval``; ``trained`` is None for an evaluation's samples)."""
+    """One row per sample of ``completions.jsonl`` records, in :func:`completion_columns`
+    (``kind`` is ``train`` or ``eval``; ``trained`` is None for an evaluation's samples; a
+    term or column a sample lacks is None)."""
+    columns = completion_columns(records)
+    wanted = [(c.split("/", 1)[0], c.split("/", 1)[1]) for c in columns[len(COMPLETION_COLUMNS) :]]
     return [
         [
             "eval" if r.get("eval") else "train",
@@ -118,6 +139,10 @@ def completion_rows(records: list[dict[str, Any]]) -> list[list[Any]]:
             x["num_tokens"],
             x["truncated"],
             x.get("trained"),
+        ]
+        + [
+            _cell(x.get("rewards" if kind == "reward" else "extra", {}).get(key))
+            for kind, key in wanted
         ]
         for r in records
         for x in r["samples"]
@@ -135,7 +160,11 @@ def completions_markdown(records: list[dict[str, Any]]) -> str:
         for i, x in enumerate(r["samples"], 1):
             cut = ", truncated" if x["truncated"] else ""
             dropped = ", not trained" if x.get("trained") is False else ""
-            head = f"{i}. reward {x['reward']:g}, {x['num_tokens']} tokens{cut}{dropped}"
+            terms = "".join(f", {k} {v:g}" for k, v in x.get("rewards", {}).items())
+            extra = "".join(f", {k}: {_cell(v)}" for k, v in x.get("extra", {}).items())
+            head = (
+                f"{i}. reward {x['reward']:g}{terms}{extra}, {x['num_tokens']} tokens{cut}{dropped}"
+            )
             parts.append(f"{head}\n\n```\n{x['completion']}\n```")
     return "\n\n".join(parts)
 
@@ -262,7 +291,9 @@ class WandbTracker:
         self._run.log({**_finite(record), "step": int(step)})
 
     def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
-        table = self._wandb.Table(columns=COMPLETION_COLUMNS, data=completion_rows(records))
+        table = self._wandb.Table(
+            columns=completion_columns(records), data=completion_rows(records)
+        )
         self._run.log({"completions": table, "step": int(step)})
 
     def close(self) -> None:
@@ -310,7 +341,9 @@ class TrackioTracker:
         self._trackio.log(_finite(record), step=int(step))
 
     def log_completions(self, step: int, records: list[dict[str, Any]]) -> None:
-        table = self._trackio.Table(columns=COMPLETION_COLUMNS, data=completion_rows(records))
+        table = self._trackio.Table(
+            columns=completion_columns(records), data=completion_rows(records)
+        )
         self._trackio.log({"completions": table}, step=int(step))
 
     def close(self) -> None:

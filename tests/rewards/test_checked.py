@@ -6,7 +6,7 @@ import pickle
 import numpy as np
 import pytest
 
-from jaxrl_llm.rewards import RewardError, checked_call
+from jaxrl_llm.rewards import RewardError, Scores, checked_call, checked_scores
 
 PROMPTS = ["What is 1 + 1?", "What is 2 + 2?", "What is 3 + 3?"]
 COMPLETIONS = ["2", "4", "boom"]
@@ -153,3 +153,37 @@ def test_reward_error_pickles():
 def test_empty_batch():
     scores, errors = checked_call(lambda p, c, **f: [], [], [], name="r")
     assert scores.shape == (0,) and errors == 0
+
+
+def test_reported_columns_and_metrics_are_checked_and_kept_one_sample_at_a_time():
+    """Scores' extras and metrics through checked_scores: a column of the wrong length and a
+    non-finite metric are wiring errors in both on_error modes; when a batch falls back to
+    one call per sample, each sample's columns come from its own call."""
+
+    def reports(prompts, completions, **fields):
+        if len(completions) > 1 and "boom" in completions:
+            raise ValueError("batch fails")
+        if completions == ["boom"]:
+            raise ValueError("this one fails")
+        return Scores(
+            [1.0] * len(completions),
+            extras={"text": list(completions)},
+            metrics={"n": float(len(completions))},
+        )
+
+    checked = checked_scores(reports, ["p"] * 2, ["a", "b"], name="r")
+    assert checked.extras == {"text": ["a", "b"]} and checked.metrics == {"n": 2.0}
+    checked = checked_scores(reports, ["p"] * 3, ["a", "boom", "c"], name="r", on_error="zero")
+    np.testing.assert_allclose(checked.scores_n, [1.0, 0.0, 1.0])
+    assert checked.num_errors == 1
+    assert checked.extras == {"text": ["a", None, "c"]} and checked.metrics == {"n": 1.0}
+    assert checked_call(reports, ["p"], ["a"], name="r")[1] == 0  # the public pair, unchanged
+    for scores, match in (
+        (Scores([1.0, 1.0], extras={"c": [1]}), r"reported the column 'c' with 1 values for 2"),
+        (Scores([1.0, 1.0], metrics={"m": float("nan")}), r"reported the metric 'm' = nan"),
+    ):
+        for on_error in ("raise", "zero"):
+            with pytest.raises(RewardError, match=match):
+                checked_scores(
+                    lambda p, c, s=scores: s, ["p"] * 2, ["a", "b"], name="r", on_error=on_error
+                )

@@ -1,5 +1,6 @@
 """build_reward / build_term: every type from config, and every config error."""
 
+import asyncio
 import textwrap
 
 import numpy as np
@@ -15,6 +16,7 @@ from jaxrl_llm.rewards import (
     RewardConfigError,
     RewardError,
     RewardModelReward,
+    TrainerState,
     build_reward,
     build_term,
     load_callable,
@@ -191,6 +193,15 @@ def test_a_verl_compute_score_function_is_a_reward_unchanged(tmp_path):
         reward(["p"], ["x"], answer=["x"])
     with pytest.raises(RewardConfigError, match=r"type 'verl'.*missing required key\(s\) function"):
         build_term({"type": "verl"})
+    # A dict's other keys are verl's reward_extra_info: reported columns (None where a sample's
+    # dict lacks the key), whose numeric means reach the metrics.
+    assert out.extras == {"compute_score": {"acc": [None, None, True]}}
+    assert out.metrics()["reward/compute_score/acc/mean"] == 1.0
+    assert [d.get("extra") for d in out.sample_details()] == [
+        {"acc": None},
+        {"acc": None},
+        {"acc": True},
+    ]
 
 
 TRL_MODULE = """
@@ -244,6 +255,73 @@ def test_a_trl_reward_function_is_a_reward_unchanged(tmp_path):
         build_term(
             {"type": "trl", "function": "trl_rw.py:seen", "kwargs": {"a": 1}}, base_dir=tmp_path
         )
+
+
+TRL_LOGGING_MODULE = """
+import asyncio
+
+def curriculum(prompts, completions, trainer_state, log_extra, log_metric, **kwargs):
+    # TRL >= 1.x: shape by progress, add completions-table columns and scalar metrics
+    log_extra("answer", [c[-1] for c in completions])
+    log_extra("length", [len(c) for c in completions])
+    log_metric("progress", trainer_state.global_step / trainer_state.max_steps)
+    log_metric("calls", 1.0)
+    log_metric("calls", 3.0)
+    return [float(trainer_state.global_step)] * len(completions)
+
+async def judged(prompts, completions, **kwargs):  # TRL awaits async reward functions
+    await asyncio.sleep(0)
+    return [float(len(c)) for c in completions]
+
+def bad_column(completions, log_extra, **kwargs):
+    log_extra("short", [1])
+    return [0.0] * len(completions)
+
+def bad_metric(completions, log_metric, **kwargs):
+    log_metric("m", "high")
+    return [0.0] * len(completions)
+
+def mean_metric(completions, log_metric, **kwargs):
+    log_metric("mean", 1.0)
+    return [0.0] * len(completions)
+"""
+
+
+def test_trl_reward_functions_get_trainer_state_log_extra_log_metric_and_may_be_async(tmp_path):
+    """What TRL 1.16's _calculate_rewards passes beyond the data: the trainer state (global
+    step, max steps), log_extra (one value per completion: columns beside the logged
+    completions) and log_metric (scalars, averaged over the batch's calls); async functions
+    are awaited, also under a running event loop (a notebook)."""
+    (tmp_path / "trl_log.py").write_text(textwrap.dedent(TRL_LOGGING_MODULE))
+    spec = lambda f: {"type": "trl", "function": f"trl_log.py:{f}"}
+    reward = build_reward([spec("curriculum"), spec("judged")], base_dir=tmp_path)
+    state = TrainerState(global_step=3, max_steps=12)
+    out = reward(["p", "q"], ["ab", "xyz"], trainer_state=[state, state])
+    np.testing.assert_allclose(out.components["curriculum"], [3.0, 3.0])
+    np.testing.assert_allclose(out.components["judged"], [2.0, 3.0])
+    assert out.extras == {"curriculum": {"answer": ["b", "z"], "length": [2, 3]}}
+    assert out.reported == {"curriculum": {"progress": 0.25, "calls": 2.0}}
+    metrics = out.metrics()
+    assert metrics["reward/curriculum/progress"] == 0.25
+    assert metrics["reward/curriculum/calls"] == 2.0
+    assert metrics["reward/curriculum/length/mean"] == 2.5
+    assert "reward/curriculum/answer/mean" not in metrics  # text: shown, not averaged
+    assert out.sample_details()[1] == {
+        "rewards": {"curriculum": 3.0, "judged": 3.0},
+        "extra": {"answer": "z", "length": 3},
+    }
+
+    async def in_a_notebook():  # the caller's thread already runs an event loop
+        return reward(["p"], ["abcd"], trainer_state=[state])
+
+    np.testing.assert_allclose(asyncio.run(in_a_notebook()).components["judged"], [4.0])
+    for name, match in (
+        ("bad_column", r"log_extra\('short', \.\.\.\) got 1 values for 2 completions"),
+        ("bad_metric", r"log_metric\('m', \.\.\.\) got 'high'; it takes a number"),
+        ("mean_metric", r"reported a metric named 'mean'.*reward/mean_metric/mean"),
+    ):
+        with pytest.raises(RewardError, match=match):
+            build_reward([spec(name)], base_dir=tmp_path)(["p", "q"], ["a", "b"])
 
 
 @pytest.mark.parametrize(

@@ -113,3 +113,100 @@ def test_a_run_logs_its_steps_and_evaluations(tmp_path, capsys):
     assert out.count("--- reward ") == 2 and '"eval/reward_mean"' in out
     assert main(["evaluate", "--run-dir", str(tmp_path), "--show", "-1"]) == 2
     assert "--show -1: expected an integer ≥ 0" in capsys.readouterr().err
+
+
+REPORTING_REWARDS = """
+def progress(prompts, completions, trainer_state, log_extra, log_metric, **kwargs):
+    log_metric("global_step", trainer_state.global_step)
+    log_metric("max_steps", trainer_state.max_steps)
+    log_extra("first_char", [c[:1] for c in completions])
+    return [0.0] * len(completions)
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 0.5, "length": len(solution_str), "truth": ground_truth}
+"""
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_what_rewards_report_reaches_the_logged_completions_and_the_metrics(tmp_path, staleness):
+    """A TRL function's trainer_state (the step's global_step, the same at any staleness),
+    log_metric and log_extra, and a verl dict's extra keys, through a training run: each
+    logged completion lists every term's score and the reported columns, the metrics the
+    scalars and the numeric columns' means; evaluations too."""
+    from jaxrl_llm.train import loop
+    from jaxrl_llm.train import metrics as M
+    from tests.train import helpers as H
+
+    (tmp_path / "report_rw.py").write_text(REPORTING_REWARDS)
+    terms = (
+        "rewards=[integer_answer, "
+        f"{{type: trl, function: '{tmp_path}/report_rw.py:progress'}}, "
+        f"{{type: verl, function: '{tmp_path}/report_rw.py:compute_score', "
+        "ground_truth_field: answer}]"
+    )
+    config = H.config(
+        "tiny.yaml",
+        terms,
+        "data.eval_size=2",
+        "logging.completions=1",
+        "train.eval_every=2",
+        f"train.max_staleness={staleness}",
+    )
+    run_dir = tmp_path / "run"
+    loop.train(config, run_dir=run_dir, max_steps=2, progress=False, log=lambda *_: None)
+    records = [json.loads(x) for x in (run_dir / COMPLETIONS_FILE).open()]
+    train = [r for r in records if not r.get("eval")]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in records:
+        for x in r["samples"]:
+            assert set(x["rewards"]) == {"integer_answer", "progress", "compute_score"}
+            assert x["rewards"]["progress"] == 0.0 and x["rewards"]["compute_score"] == 0.5
+            assert x["extra"]["first_char"] == x["completion"][:1]
+            assert x["extra"]["length"] == len(x["completion"])
+        truths = {x["extra"]["truth"] for x in r["samples"]}  # the prompt's answer column
+        assert len(truths) == 1 and str(truths.pop()).strip()
+    assert any(r.get("eval") for r in records)
+    rows = [m for m in M.read_metrics(run_dir) if "reward/progress/global_step" in m]
+    assert [(m["step"], m["reward/progress/global_step"]) for m in rows] == [(1, 0.0), (2, 1.0)]
+    assert all(m["reward/progress/max_steps"] == 2.0 for m in rows)
+    assert all(m["reward/compute_score/length/mean"] >= 0.0 for m in rows)
+    assert all("reward/compute_score/truth/mean" not in m for m in rows)  # text
+
+
+def test_reported_values_of_several_processes_are_merged_in_process_order(monkeypatch):
+    """_gather_reported: process 1 reported another column and scalar than process 0; the
+    columns are joined in process order (None where a process had none), a scalar is the mean
+    over the processes that reported it (two processes simulated over host_allgather)."""
+    from jaxrl_llm import rewards as R
+    from jaxrl_llm.train import collect
+
+    def output(extras, reported):
+        return R.RewardOutput(
+            np.zeros(2, np.float32),
+            {"t": np.zeros(2, np.float32)},
+            {"t": 0},
+            None,
+            extras,
+            reported,
+        )
+
+    mine = output({"t": {"pred": ["1", "2"]}}, {"t": {"m": 1.0}})
+    other = output({"t": {"length": [3, 4]}}, {"t": {"m": 3.0, "k": 5.0}})
+    captured = {}
+
+    def two_processes(tree, *, what, tiled):
+        assert tiled and what == "reported reward values"
+        monkeypatch.setattr(collect.dist, "host_allgather", original)
+        theirs = collect._gather_reported(other)  # one process: its own values
+        captured["theirs"] = theirs
+        rows, scalars = tree
+        other_rows = np.asarray([json.dumps({"t": {"length": v}}) for v in (3, 4)], dtype=np.str_)
+        other_scalars = np.asarray([json.dumps(other.reported)], dtype=np.str_)
+        return np.concatenate([rows, other_rows]), np.concatenate([scalars, other_scalars])
+
+    original = collect.dist.host_allgather
+    monkeypatch.setattr(collect.dist, "host_allgather", two_processes)
+    extras, reported = collect._gather_reported(mine)
+    assert captured["theirs"] == ({"t": {"length": [3, 4]}}, {"t": {"m": 3.0, "k": 5.0}})
+    assert extras == {"t": {"pred": ["1", "2", None, None], "length": [None, None, 3, 4]}}
+    assert reported == {"t": {"m": 2.0, "k": 5.0}}

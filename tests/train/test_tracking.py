@@ -163,6 +163,30 @@ def test_completion_tables_and_markdown():
     assert "**evaluation prompt** (reward mean 1)" in text
 
 
+def test_completion_tables_show_each_terms_score_and_the_reported_columns():
+    """Records with per-term scores and reported columns (``rewards`` / ``extra``): one
+    column each, in first-seen order, None where a sample lacks one; lists as JSON text."""
+    records = json.loads(json.dumps(RECORDS))
+    first, second = records[0]["samples"]
+    first.update(rewards={"acc": 1.0, "fmt": 0.5}, extra={"pred": "2", "steps": [1, 2]})
+    second.update(rewards={"acc": 0.0, "fmt": 0.0}, extra={"pred": None})
+    assert T.completion_columns(records) == [
+        *T.COMPLETION_COLUMNS,
+        "reward/acc",
+        "reward/fmt",
+        "extra/pred",
+        "extra/steps",
+    ]
+    rows = T.completion_rows(records)
+    assert [r[len(T.COMPLETION_COLUMNS) :] for r in rows] == [
+        [1.0, 0.5, "2", "[1, 2]"],
+        [0.0, 0.0, None, None],
+        [None, None, None, None],  # the evaluation's sample reports nothing
+    ]
+    text = T.completions_markdown(records)
+    assert "1. reward 1, acc 1, fmt 0.5, pred: 2, steps: [1, 2], 4 tokens" in text
+
+
 def _log_steps(run_dir: Path, plan: T.TrackingPlan, start: int, stop: int, **kw) -> None:
     with M.MetricsLogger(
         run_dir, max_steps=stop, start_step=start, progress=False, tracking=plan, **kw
