@@ -334,6 +334,8 @@ class LoopConfig:
     eval_max_new_tokens: int | None = _field(None, ge=1)
     # Completions sampled per eval prompt (K > 1: sampled, pass@k, maj@K, best@K); 1 = as above.
     eval_num_samples: int = _field(1, ge=1)
+    # Eval prompt column whose values split the eval metrics (eval/<value>/...); None = off.
+    eval_group_by: str | None = "data_source"
     # Save a checkpoint every this many steps, and at the end; 0 = only at the end.
     save_every: int = _field(50, ge=0)
     # Checkpoints kept on disk (the oldest are deleted).

@@ -96,9 +96,9 @@ class RewardOutput(NamedTuple):
             out[f"{prefix}/{name}/num_errors"] = float(self.num_errors[name])
         for name, columns in self.extras.items():
             for column, values in columns.items():
-                numbers = _numbers(values)
-                if numbers:
-                    out[f"{prefix}/{name}/{column}/mean"] = float(np.mean(numbers))
+                found = numeric_values(values)
+                if found:
+                    out[f"{prefix}/{name}/{column}/mean"] = float(np.mean(found))
         for name, scalars in self.reported.items():
             for metric, value in scalars.items():
                 out[f"{prefix}/{name}/{metric}"] = float(value)
@@ -132,7 +132,7 @@ class RewardOutput(NamedTuple):
         return out
 
 
-def _numbers(values: Sequence[Any]) -> list[float] | None:
+def numeric_values(values: Sequence[Any]) -> list[float] | None:
     """The values as floats when each is a real number, a boolean or ``None`` (skipped)."""
     out = []
     for v in values:

@@ -141,7 +141,7 @@ def details_json(out: R.RewardOutput) -> np.ndarray:
     )
 
 
-def _gather_reward_output(out: R.RewardOutput) -> R.RewardOutput:
+def gather_reward_output(out: R.RewardOutput) -> R.RewardOutput:
     """Every process's scores, in process order (error counts summed); host values, so over
     the coordination service (:func:`~jaxrl_llm.distributed.host_allgather`)."""
     if not dist.is_multiprocess():
@@ -328,7 +328,7 @@ def _score_round(
     mesh = None
     if dist.is_multiprocess():
         mesh = setup.models.mesh if policy is None else policy_mesh(policy)
-    local, reward_out = dist.gather(local, mesh), _gather_reward_output(reward_out)
+    local, reward_out = dist.gather(local, mesh), gather_reward_output(reward_out)
     details = None
     if setup.loop.log_completions:  # what a logged completion shows beside its reward
         details = details_json(reward_out).reshape(local["reward"].shape)
@@ -537,6 +537,7 @@ def dpo_batch(
 __all__ = [
     "collect",
     "dpo_batch",
+    "gather_reward_output",
     "policy_rows",
     "sample_completions",
     "score_completions",

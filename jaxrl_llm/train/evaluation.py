@@ -20,8 +20,14 @@ from jaxrl_llm import rewards as R
 from jaxrl_llm.data import sequential_batches
 from jaxrl_llm.models import sharding as shd
 from jaxrl_llm.rewards import answers as A
+from jaxrl_llm.rewards.combine import numeric_values
 from jaxrl_llm.train import eval_metrics as EM
-from jaxrl_llm.train.collect import dpo_batch, sample_completions, score_completions
+from jaxrl_llm.train.collect import (
+    dpo_batch,
+    gather_reward_output,
+    sample_completions,
+    score_completions,
+)
 from jaxrl_llm.train.completions import eval_records
 from jaxrl_llm.train.setup import PAD_MULTIPLE, Models, Setup
 
@@ -113,6 +119,13 @@ def evaluate_prompts(
     prompts), and ``eval/num_samples``. ``eval/accuracy`` and ``eval/reward_mean`` are then
     the means over all K samples (``eval/accuracy`` = ``eval/pass@1``). DPO evaluates one
     greedy completion.
+
+    What the rewards report (:class:`~jaxrl_llm.rewards.Scores`) is evaluated too:
+    ``eval/reward/<term>/<column>/mean`` over the samples for each column of numbers, and
+    ``eval/reward/<term>/<metric>`` (the mean over the batches) for each scalar. When the
+    prompts have the column ``setup.evaluation.group_by`` (``train.eval_group_by``, verl's
+    ``data_source`` by default), every metric but the scalars is also given per value of it,
+    as ``eval/<value>/...`` (verl's per-data-source validation metrics).
     """
     ds = setup.data.eval_prompts
     if ds is None or len(ds) == 0:
@@ -136,6 +149,9 @@ def evaluate_prompts(
     key = jax.random.fold_in(jax.random.key(plan.seed), step)
     extract = answer_extractor(setup.reward) if n_samples > 1 else None
     correct, rewards, lengths, answers = [], [], [], []
+    group_by = plan.group_by if plan.group_by in ds.fields else None
+    groups: list[Any] = []
+    reported = _Reported()
     for i, batch in enumerate(sequential_batches(ds, bs, pad_multiple=PAD_MULTIPLE)):
         k = len(batch.prompts)
         ids, mask = batch.prompt_ids_bt, batch.prompt_mask_bt
@@ -191,6 +207,9 @@ def evaluate_prompts(
             what="evaluation scores",
             tiled=True,
         )
+        reported.add(gather_reward_output(reward_out), k * n_samples)
+        if group_by is not None:
+            groups.extend(batch.fields[group_by][:k])
         rewards.append(np.asarray(scores["reward"])[:k])
         lengths.append(np.asarray(scores["length"])[:k])
         if scores["correct"] is not None:
@@ -199,26 +218,79 @@ def evaluate_prompts(
             answers.append(np.asarray(scores["answer"])[:k])
     reward_pk = np.concatenate(rewards)
     correct_pk = np.concatenate(correct) if correct else None
-    result = {
-        "eval/reward_mean": float(reward_pk.mean()),
-        "eval/response_length": float(np.concatenate(lengths).mean()),
-        "eval/num_prompts": float(len(ds)),
-    }
-    if correct_pk is not None:
-        result["eval/accuracy"] = float(correct_pk.mean())
-    if n_samples > 1:
-        result["eval/num_samples"] = float(n_samples)
-        result.update(
-            EM.sampled_metrics(
-                reward_pk,
-                correct_pk,
-                np.concatenate(answers) if answers and correct_pk is not None else None,
-                prefix="eval/",
-                invalid=-1,
-                seed=plan.seed,
+    length_pk = np.concatenate(lengths)
+    answer_pk = np.concatenate(answers) if answers and correct_pk is not None else None
+
+    def summary(rows: np.ndarray | slice, prefix: str) -> dict[str, float]:
+        take = lambda x: None if x is None else x[rows]
+        out = {
+            f"{prefix}reward_mean": float(reward_pk[rows].mean()),
+            f"{prefix}response_length": float(length_pk[rows].mean()),
+            f"{prefix}num_prompts": float(len(reward_pk[rows])),
+        }
+        if correct_pk is not None:
+            out[f"{prefix}accuracy"] = float(correct_pk[rows].mean())
+        if n_samples > 1:
+            out[f"{prefix}num_samples"] = float(n_samples)
+            out.update(
+                EM.sampled_metrics(
+                    reward_pk[rows],
+                    take(correct_pk),
+                    take(answer_pk),
+                    prefix=prefix,
+                    invalid=-1,
+                    seed=plan.seed,
+                )
             )
-        )
+        out.update(reported.column_means(rows, n_samples, prefix=f"{prefix}reward/"))
+        return out
+
+    result = summary(slice(None), "eval/")
+    result.update(reported.scalar_means(prefix="eval/reward/"))
+    if group_by is not None:
+        for value in dict.fromkeys(map(str, groups)):  # in order of first appearance
+            rows = np.flatnonzero(np.asarray([str(x) == value for x in groups]))
+            result.update(summary(rows, f"eval/{value}/"))
     return result
+
+
+class _Reported:
+    """What the rewards reported over an evaluation's batches: each term's columns, one value
+    per sample in prompt-major order (``None`` where a batch's rewards reported none), and its
+    scalars, one per batch."""
+
+    def __init__(self):
+        self.columns: dict[tuple[str, str], list[Any]] = {}
+        self.scalars: dict[tuple[str, str], list[float]] = {}
+        self.size = 0
+
+    def add(self, out: R.RewardOutput, n: int) -> None:
+        """The first ``n`` samples of a batch's (gathered) reward output."""
+        for name, columns in out.extras.items():
+            for column, values in columns.items():
+                have = self.columns.setdefault((name, column), [None] * self.size)
+                have.extend(list(values)[:n])
+        self.size += n
+        for values in self.columns.values():
+            values.extend([None] * (self.size - len(values)))
+        for name, scalars in out.reported.items():
+            for metric, value in scalars.items():
+                self.scalars.setdefault((name, metric), []).append(float(value))
+
+    def column_means(self, rows: np.ndarray | slice, k: int, *, prefix: str) -> dict[str, float]:
+        """``{prefix}<term>/<column>/mean`` of the columns of numbers over the samples of the
+        prompts ``rows`` (``k`` samples each)."""
+        out = {}
+        for (name, column), values in self.columns.items():
+            per_prompt = np.asarray(values, dtype=object).reshape(-1, k)[rows].reshape(-1)
+            numbers = numeric_values(per_prompt.tolist())
+            if numbers:
+                out[f"{prefix}{name}/{column}/mean"] = float(np.mean(numbers))
+        return out
+
+    def scalar_means(self, *, prefix: str) -> dict[str, float]:
+        """``{prefix}<term>/<metric>``: each scalar's mean over the batches."""
+        return {f"{prefix}{n}/{m}": float(np.mean(v)) for (n, m), v in self.scalars.items()}
 
 
 def evaluate_pairs(

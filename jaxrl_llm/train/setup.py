@@ -210,13 +210,15 @@ class CheckpointPlan:
 class EvalPlan:
     """Held-out evaluation every ``every`` steps (0: only before the first and after the last),
     ``mode`` greedy or sampled with ``sampler``, keyed from ``seed``; ``num_samples`` K
-    completions per prompt (K > 1: sampled, with pass@k / maj@K / best@K / mean@K)."""
+    completions per prompt (K > 1: sampled, with pass@k / maj@K / best@K / mean@K);
+    ``group_by``: the prompt column whose values split the metrics (None: not split)."""
 
     every: int
     mode: str
     sampler: Sampler
     seed: int
     num_samples: int = 1
+    group_by: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -817,6 +819,7 @@ def _eval_plan(config: TrainConfig, sampler: Sampler | None, stop_ids: Sequence[
         sampler=eval_sampler,
         seed=t.seed + 1,
         num_samples=k,
+        group_by=t.eval_group_by,
     )
 
 

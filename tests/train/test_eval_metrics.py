@@ -230,3 +230,66 @@ def test_training_logs_the_sampled_metrics(tmp_path):
         assert 0 <= record["eval/pass@1"] <= record["eval/pass@2"] <= 1
         for m in ("mean@2", "best@2", "pass@1", "pass@2", "maj@2"):
             assert record[f"eval/{m}_ci_low"] <= record[f"eval/{m}"] <= record[f"eval/{m}_ci_high"]
+
+
+GROUPED_REWARDS = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": float(len(solution_str) % 3), "odd": len(solution_str) % 2 == 1,
+            "pred": solution_str[:3]}
+
+def judge(completions, log_metric, **kwargs):
+    log_metric("batch_size", len(completions))
+    return [0.0] * len(completions)
+"""
+
+
+def test_evaluation_splits_by_data_source_and_evaluates_what_rewards_report(tmp_path):
+    """verl's validation metrics: with a data_source column every eval metric is also given
+    per source (the per-source values weigh back to the overall ones), and the numeric
+    columns and scalars the rewards report are evaluated; eval_group_by=null turns the split
+    off."""
+    rows = [("What is 2 + 3?", "5", "gsm8k")] * 3 + [("What is 4 - 1?", "3", "math/easy")] * 2
+    data = tmp_path / "eval.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": p, "answer": a, "data_source": s}) + "\n" for p, a, s in rows)
+    )
+    (tmp_path / "grouped_rw.py").write_text(GROUPED_REWARDS)
+    terms = (
+        f"rewards=[integer_answer, {{type: verl, function: '{tmp_path}/grouped_rw.py:"
+        "compute_score', ground_truth_field: answer}, "
+        f"{{type: trl, function: '{tmp_path}/grouped_rw.py:judge'}}]"
+    )
+    base = (
+        "tiny.yaml",
+        terms,
+        "data.source=file",
+        f"data.path={data}",
+        f"data.eval_path={data}",
+        "train.eval_num_samples=2",
+    )
+    out = loop.evaluate(H.config(*base), run_dir=tmp_path / "run", log=lambda *a: None)
+    assert out["eval/num_prompts"] == 5
+    assert out["eval/gsm8k/num_prompts"] == 3 and out["eval/math/easy/num_prompts"] == 2
+    for name in (
+        "reward_mean",
+        "accuracy",
+        "mean@2",
+        "response_length",
+        "reward/compute_score/odd/mean",
+    ):
+        parts = 3 * out[f"eval/gsm8k/{name}"] + 2 * out[f"eval/math/easy/{name}"]
+        assert parts / 5 == pytest.approx(out[f"eval/{name}"]), name
+    assert out["eval/math/easy/num_samples"] == 2 and "eval/gsm8k/pass@2" in out
+    assert 0.0 <= out["eval/reward/compute_score/odd/mean"] <= 1.0
+    assert "eval/reward/compute_score/pred/mean" not in out  # text: not averaged
+    assert out["eval/reward/judge/batch_size"] == 10.0  # one batch of 5 prompts x 2 samples
+    assert "eval/gsm8k/reward/judge/batch_size" not in out  # scalars are not split
+    off = loop.evaluate(
+        H.config(*base, "train.eval_group_by=null"), run_dir=tmp_path / "run", log=lambda *a: None
+    )
+    assert not [k for k in off if k.startswith(("eval/gsm8k/", "eval/math/"))]
+    assert {k: v for k, v in off.items() if k != "eval/time"} == {
+        k: v
+        for k, v in out.items()
+        if k != "eval/time" and "/gsm8k/" not in k and "/math/" not in k
+    }
