@@ -215,6 +215,11 @@ CASES = [
         ("rollout.temperature = 'hot: 1'", "': ' makes a mapping", "quote the value"),
     ),
     Case(
+        "override_value_is_not_yaml",
+        train("rewards=[gsm8k, {type: regex"),
+        ("rewards = '[gsm8k, {type: regex'", "not valid YAML", "expected ',' or '}'"),
+    ),
+    Case(
         "evaluate_without_held_out_set",
         other("evaluate", "--config", TINY, "--run-dir", "{run}", "data.eval_size=0"),
         ("data.eval_size = 0", "no held-out set", "data.eval_size=N"),

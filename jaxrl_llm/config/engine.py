@@ -384,14 +384,17 @@ _KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 class _RawText(str):
     """An override value taken as the literal text typed because YAML would have read it as
     something else: a ``#`` that starts a comment (``data.system_prompt=# Task`` would be null)
-    or ``: `` that makes a mapping (``data.system_prompt=Answer: 42``). A field that wants a
-    string gets the text; any other field reports it with "quote the value" (:func:`_convert`).
+    or ``: `` that makes a mapping (``data.system_prompt=Answer: 42``), or cannot read it at
+    all (``rewards=[gsm8k, {type: regex``). A field that wants a string gets the text; any
+    other field reports it with "quote the value", or with YAML's error (:func:`_convert`).
 
     Attributes:
       yaml_value: what YAML reads the text as.
+      yaml_error: why YAML cannot read it (``None`` when it can).
     """
 
     yaml_value: Any = None
+    yaml_error: str | None = None
 
 
 _COMMENT_RE = re.compile(r"(?:^|\s)#")
@@ -405,7 +408,9 @@ def _override_value(text: str, where: str) -> Any:
     except ConfigError as e:
         if "malformed YAML" not in str(e):
             raise  # an alias bomb or a recursive alias
-        return text
+        raw = _RawText(text)
+        raw.yaml_error = str(e).split("malformed YAML: ", 1)[1]
+        return raw
     comment = _COMMENT_RE.search(text)
     swallowed = False
     if comment is not None:
@@ -425,6 +430,11 @@ def _quote_hint(value: Any, key: str) -> str:
     """For a :class:`_RawText` value: why it is text, and how to give it as YAML."""
     if not isinstance(value, _RawText):
         return ""
+    if value.yaml_error is not None:
+        return (
+            f" (the value is not valid YAML, so it was read as text: {value.yaml_error}; "
+            "check its brackets, braces and quotes)"
+        )
     why = "'#' starts a YAML comment" if _COMMENT_RE.search(value) else "': ' makes a mapping"
     return (
         f" (as YAML, {value!r} reads as {value.yaml_value!r}: {why}; quote the value inside "
@@ -578,7 +588,7 @@ def _build(cls: type, raw: Any, key: str) -> Any:
         where = key or "the config"
         raise ConfigError(
             f"{where} = {raw!r}: expected a mapping with keys "
-            f"{', '.join(f.name for f in dataclasses.fields(cls))}",
+            f"{', '.join(f.name for f in dataclasses.fields(cls))}{_quote_hint(raw, key)}",
             key,
         )
     fields = {f.name: f for f in dataclasses.fields(cls)}

@@ -296,6 +296,13 @@ def test_overrides_that_yaml_would_misread():
         with pytest.raises(ConfigError, match="quote the value") as e:
             E.build(Toy, E.merge_overrides({"name": "x"}, [override]))
         assert f"reads as {reads_as}" in str(e.value) and f"'{key}=\"...\"'" in str(e.value)
+    # Text YAML cannot read at all (an unclosed bracket): a string field gets it, any other
+    # field's error quotes YAML's complaint.
+    assert E.build(Toy, E.merge_overrides({}, ["name=[draft"])).name == "[draft"
+    for override, expected in [("limit=[3", "an integer"), ("inner=[a, {b: 1", "a mapping")]:
+        with pytest.raises(ConfigError, match=f"expected {expected}") as e:
+            E.build(Toy, E.merge_overrides({"name": "x"}, [override]))
+        assert "not valid YAML, so it was read as text: while parsing a flow" in str(e.value)
     # Free-form mappings get plain strings (YAML-dumpable).
     toy = E.build(Toy, E.merge_overrides({"name": "x"}, ["extra.note=# n"]))
     assert type(toy.extra["note"]) is str and "note: '# n'" in E.dump_yaml(toy)
