@@ -4,7 +4,7 @@ Wire them into the main parser with ``add_train_parsers(subparsers)``::
 
     jaxrl-llm train --config FILE --run-dir DIR [--max-steps N] [dotted.key=value ...]
     jaxrl-llm evaluate --run-dir DIR [--config FILE] [--mode greedy|sampled] [key=value ...]
-    jaxrl-llm export --run-dir DIR [--config FILE] [--out DIR] [key=value ...]
+    jaxrl-llm export --run-dir DIR [--config FILE] [--out DIR] [--critic] [key=value ...]
 
 Re-running ``train`` on a directory with checkpoints resumes; ``--overwrite`` starts over (a
 directory that holds a run without a usable checkpoint is refused without it; one writer per
@@ -260,7 +260,13 @@ def _export(args: argparse.Namespace) -> int:
 
     primary = _init_distributed(args)  # every process joins the gathers; process 0 writes
     config = _load(args, need_config=False)
-    path = export(config, run_dir=args.run_dir, out=args.out, log=print if primary else _quiet)
+    path = export(
+        config,
+        run_dir=args.run_dir,
+        out=args.out,
+        log=print if primary else _quiet,
+        critic=args.critic,
+    )
     if primary:
         print(f"exported to {path}")
     return 0
@@ -338,6 +344,12 @@ def add_train_parsers(sub: argparse._SubParsersAction) -> None:
     )
     _common(p, config_required=False)
     p.add_argument("--out", default=None, help="output folder (default RUN_DIR/export)")
+    p.add_argument(
+        "--critic",
+        action="store_true",
+        help="also write a PPO run's critic to OUT/critic (a value model: "
+        "AutoModelForSequenceClassification loads it, critic.path starts a run from it)",
+    )
     _add_distributed_args(p)
     p.set_defaults(func=_export)
 

@@ -35,7 +35,14 @@ import numpy as np
 
 from jaxrl_llm import distributed as dist
 from jaxrl_llm import memory_maps
-from jaxrl_llm.config import TrainConfig, save_config, to_dict, to_yaml
+from jaxrl_llm.config import (
+    ConfigError,
+    TrainConfig,
+    build_recipe,
+    save_config,
+    to_dict,
+    to_yaml,
+)
 from jaxrl_llm.data import BatchIterator
 from jaxrl_llm.train import asynchronous, forward, hostmem, rundir
 from jaxrl_llm.train import state as st
@@ -615,12 +622,23 @@ def config_changes(saved_yaml: str | None, config: TrainConfig) -> list[str]:
 # evaluate / export.
 
 
-def export_policy(setup: Setup, params: dict, out: str | Path | None = None) -> Path:
+def export_policy(
+    setup: Setup,
+    params: dict,
+    out: str | Path | None = None,
+    *,
+    critic_params: dict | None = None,
+) -> Path:
     """Writes the policy with ``params`` as a Hugging Face folder (default RUN_DIR/export).
 
     The model files of a previous export there are removed first (a stale shard index would
     load the old weights); a folder holding something else, a file, or ``RUN_DIR/export`` as a
-    symlink is refused (:func:`~jaxrl_llm.train.rundir.prepare_export_dir`)."""
+    symlink is refused (:func:`~jaxrl_llm.train.rundir.prepare_export_dir`).
+
+    ``critic_params`` (a PPO run's): the critic is written too, to ``<out>/critic``, as the
+    value model ``transformers.AutoModelForSequenceClassification`` (one label) loads and
+    ``critic.path`` starts a run from (a LoRA critic merged into its trunk), as verl keeps its
+    critic's Hugging Face folder and OpenRLHF's ``--save_value_network`` saves it."""
     from jaxrl_llm.models import lora, save_pretrained
     from jaxrl_llm.models.hub import read_generation_config
 
@@ -628,8 +646,15 @@ def export_policy(setup: Setup, params: dict, out: str | Path | None = None) -> 
     out = Path(out).expanduser().absolute() if out is not None else setup.run_dir / EXPORT_DIR
     if dist.is_primary():
         rundir.prepare_export_dir(out, default=default)
+        if critic_params is not None:
+            rundir.prepare_export_dir(out / rundir.CRITIC_EXPORT_DIR, default=False)
     policy = setup.policy(params)
     models = setup.models
+    if critic_params is not None:
+        critic = setup.models.critic(critic_params)
+        if models.critic_frozen is not None:
+            critic = lora.merge_into_base(critic)
+        save_pretrained(critic, out / rundir.CRITIC_EXPORT_DIR, tokenizer=setup.tokenizer)
     if models.lora is not None:  # LoRA: the adapter in PEFT's format, then the merged model
         from jaxrl_llm.models import peft
 
@@ -705,10 +730,13 @@ def export(
     run_dir: str | Path | None = None,
     out: str | Path | None = None,
     log: Callable[..., None] = print,
+    critic: bool = False,
 ) -> Path:
-    """Exports the latest checkpoint of ``run_dir`` as a Hugging Face folder.
+    """Exports the latest checkpoint of ``run_dir`` as a Hugging Face folder; ``critic``: the
+    run's critic too, to ``<out>/critic`` (see :func:`export_policy`).
 
-    Raises ``FileNotFoundError`` when ``run_dir`` has no checkpoint (nothing was trained).
+    Raises ``FileNotFoundError`` when ``run_dir`` has no checkpoint (nothing was trained), and
+    ``ConfigError`` for ``critic`` when the run's recipe has no critic.
     """
     directory = rundir.run_dir_path(run_dir, config.run_dir)
     rundir.check_run_dir(directory, writing=False)
@@ -719,11 +747,23 @@ def export(
         )
     target = Path(out).expanduser().absolute() if out is not None else directory / EXPORT_DIR
     primary = dist.is_primary()
+    if critic and getattr(build_recipe(config), "critic", None) is None:
+        raise ConfigError(
+            f"--critic: the run in {directory} has no critic to export (algorithm.name = "
+            f"{config.algorithm.name!r}; only recipes with a value model, e.g. ppo, have one)",
+            "algorithm.name",
+        )
     if primary:  # before loading: a refused folder costs nothing
         rundir.check_export_dir(target, default=out is None)
+        if critic:
+            rundir.check_export_dir(target / rundir.CRITIC_EXPORT_DIR, default=False)
     with rundir.locked(directory, primary=primary, multiprocess=jax.process_count() > 1):
         setup, state = _restored(config, directory, log)
-        return export_policy(setup, state.params, out)
+        if not critic and state.critic_params is not None:
+            log("the run's critic is not exported; add --critic to write it to <out>/critic")
+        return export_policy(
+            setup, state.params, out, critic_params=state.critic_params if critic else None
+        )
 
 
 __all__ = [

@@ -53,6 +53,7 @@ from jaxrl_llm.train.metrics import COMPLETIONS_FILE, METRICS_FILE, PLOT_FILE, r
 
 CONFIG_FILE = "config.yaml"
 EXPORT_DIR = "export"
+CRITIC_EXPORT_DIR = "critic"  # inside an export folder: a PPO run's critic (export --critic)
 ADAPTER_DIR = "adapter"  # setup.ADAPTER_DIR: a LoRA run's adapter in PEFT's format
 CHECKPOINT_DIR = "checkpoints"
 TENSORBOARD_DIR = "tensorboard"
@@ -485,6 +486,7 @@ def prepare_export_dir(out: Path, *, default: bool) -> list[str]:
 
 __all__ = [
     "CHECKPOINTED",
+    "CRITIC_EXPORT_DIR",
     "LOCK_FILE",
     "RUN_FILES",
     "START_OVER",

@@ -285,6 +285,15 @@ class Models:
         """The policy module with ``params`` (joined with the frozen base under LoRA)."""
         return nnx.merge(self.graphdef, self.full_params(params))
 
+    def critic(self, critic_params: dict) -> nnx.Module:
+        """The critic module with ``critic_params`` (joined with its frozen trunk under
+        LoRA); a run without a critic raises ``ValueError``."""
+        if self.critic_graphdef is None:
+            raise ValueError("this run has no critic (only recipes with a value model have one)")
+        if self.critic_frozen is not None:
+            critic_params = train_models.combine(self.critic_frozen, critic_params)
+        return nnx.merge(self.critic_graphdef, critic_params)
+
     @property
     def batch_axes(self) -> Any:
         """The mesh axes a batch's leading axis is split over."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 
@@ -209,6 +210,39 @@ def test_one_loop_step_per_kind_of_recipe(tmp_path, monkeypatch, name, overrides
     assert [k for k in final if k.startswith(FINAL_METRICS) and not k.startswith(("eval/", "step"))]
     assert {"where": "jaxrl-llm train"} in guarded
     assert {"where": "rollout.generate"} in guarded  # dpo: its evaluation samples
+    if name == "ppo":
+        _check_the_critic_export(tmp_path, config)
+    elif name == "dapo":  # no critic to export: refused before anything is loaded
+        assert _cli("export", "--run-dir", str(tmp_path), "--critic") == 2
+
+
+def _check_the_critic_export(run_dir, config):
+    """``export --critic``: the critic beside the policy, as a value model transformers loads
+    (its score at the last token is ours), which ``critic.path`` starts a new run from."""
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    from jaxrl_llm import models
+
+    assert _cli("export", "--run-dir", str(run_dir), "--critic") == 0
+    folder = run_dir / "export" / "critic"
+    assert (run_dir / "export" / "config.json").is_file()  # the policy, as before
+    s = setup.resolve(config, run_dir)
+    with Checkpointer(run_dir / "checkpoints") as ckpt:
+        state = ckpt.restore(s.state)[0]
+    tokens = np.random.default_rng(0).integers(3, 100, (2, 7)).astype(np.int32)
+    values = np.asarray(s.models.critic(state.critic_params)(jnp.asarray(tokens)))
+    loaded = models.from_pretrained(folder, head="value", dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(loaded(jnp.asarray(tokens))), values, atol=1e-5)
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(folder)
+    with torch.no_grad():
+        logits = hf(torch.as_tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(logits[:, 0], values[:, -1], atol=1e-4)
+    again = setup.resolve(
+        dataclasses.replace(config, critic=dataclasses.replace(config.critic, path=str(folder)))
+    )
+    assert H.tree_max_diff(again.state.critic_params, state.critic_params) < 1e-6
 
 
 @pytest.mark.slow  # ~30 s: 4 two-device engines compile their programs
