@@ -335,6 +335,35 @@ def test_training_starts_from_a_peft_adapter_folder(tmp_path):
         )
 
 
+def test_a_lora_critic_exports_merged_into_its_trunk(tmp_path):
+    """export --critic of a LoRA PPO run: the critic's adapters merged into its trunk, giving
+    the values the adapted critic gives."""
+    from jaxrl_llm import models
+
+    config = H.config(
+        "tiny.yaml",
+        LORA,
+        "critic.lora={rank: 4, alpha: 8}",
+        "algorithm.name=ppo",
+        "algorithm.hparams={}",
+        "data.eval_size=0",
+    )
+    s = setup_lib.resolve(config, tmp_path)
+    leaves, treedef = jax.tree.flatten(s.state.critic_params)
+    keys = jax.random.split(jax.random.key(0), len(leaves))
+    moved = [
+        x + 0.05 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)
+    ]
+    critic_params = jax.tree.unflatten(treedef, moved)  # adapters away from their zero start
+    loop.export_policy(s, s.state.params, tmp_path / "out", critic_params=critic_params)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(3, 100, (2, 6)), jnp.int32)
+    adapted = np.asarray(s.models.critic(critic_params)(tokens))
+    base = np.asarray(s.models.critic(s.state.critic_params)(tokens))
+    assert np.abs(adapted - base).max() > 1e-3  # the adapters change the values
+    merged = models.from_pretrained(tmp_path / "out" / "critic", head="value", dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(merged(tokens)), adapted, atol=1e-5)
+
+
 def test_save_pretrained_refuses_an_unmerged_model(tmp_path):
     from jaxrl_llm.models import save_pretrained
 
