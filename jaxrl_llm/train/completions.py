@@ -113,7 +113,7 @@ def eval_records(
     ``"eval": true`` (verl's validation generations log); ``details``: each sample's
     :meth:`~jaxrl_llm.rewards.RewardOutput.sample_details`, in order (sample ``b * G + g``)."""
     reward_bg = np.asarray(reward_bg, np.float64)
-    g_count = reward_bg.shape[1] if reward_bg.ndim == 2 else 1
+    g_count = reward_bg.shape[1]
     records = []
     for b in range(len(texts)):
         mask = np.asarray(prompt_mask_bp[b], bool)
