@@ -4,7 +4,8 @@ A reward is any callable
 
     fn(prompts: list[str], completions: list[str], **fields: list) -> Sequence[float]
 
-scoring ``N`` samples at once on the host. ``fields`` are per-sample dataset columns (e.g.
+scoring ``N`` samples at once on the host (an ``async def`` reward is awaited, each call in a
+fresh event loop). ``fields`` are per-sample dataset columns (e.g.
 ``answer=["30", "12", ...]``), each a list of length ``N``; a reward takes the ones it needs and
 ignores the rest (hence ``**fields`` in every signature). The trainer also passes
 ``completion_num_tokens`` (the number of tokens the policy generated for each completion).
@@ -50,7 +51,10 @@ thread (e.g. one that sets ``signal`` handlers) needs ``timeout=None``.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
+import inspect
 import math
 import numbers
 import threading
@@ -175,13 +179,36 @@ class RewardTimeout(TimeoutError):
     """A reward did not return within its time limit (``rewards.timeout``)."""
 
 
+def run_awaitable(awaitable: Any) -> Any:
+    """The result of an awaitable (an ``async def`` reward's call), run to completion in a
+    fresh event loop: in this thread, or in a new one when this thread already runs a loop
+    (a notebook)."""
+
+    async def main() -> Any:
+        return await awaitable
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(main())
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxrl-llm-reward") as pool:
+        return pool.submit(asyncio.run, main()).result()
+
+
+def _called(fn: RewardFn, args: tuple, fields: Mapping[str, Any]) -> Any:
+    """``fn(*args, **fields)``, awaited when ``fn`` is ``async``."""
+    value = fn(*args, **fields)
+    return run_awaitable(value) if inspect.isawaitable(value) else value
+
+
 def _call(fn: RewardFn, args: tuple, fields: Mapping[str, Any], deadline: float | None) -> Any:
-    """``fn(*args, **fields)``: inline without a ``deadline`` (a ``time.monotonic()`` value),
-    else in a daemon thread waited on until the deadline (:class:`RewardTimeout` past it).
-    ``SystemExit`` becomes :class:`RewardExited`; KeyboardInterrupt passes through."""
+    """``fn(*args, **fields)`` (awaited for an ``async def`` reward): inline without a
+    ``deadline`` (a ``time.monotonic()`` value), else in a daemon thread waited on until the
+    deadline (:class:`RewardTimeout` past it). ``SystemExit`` becomes :class:`RewardExited`;
+    KeyboardInterrupt passes through."""
     if deadline is None:
         try:
-            return fn(*args, **fields)
+            return _called(fn, args, fields)
         except SystemExit as e:  # keeps the traceback: the CLI names the line that exited
             raise RewardExited(_exit_message(e)).with_traceback(e.__traceback__) from None
     box: dict[str, Any] = {}
@@ -189,7 +216,7 @@ def _call(fn: RewardFn, args: tuple, fields: Mapping[str, Any], deadline: float 
 
     def run() -> None:
         try:
-            box["value"] = fn(*args, **fields)
+            box["value"] = _called(fn, args, fields)
         except BaseException as e:  # relayed to the caller, SystemExit included
             box["error"] = e
         finally:

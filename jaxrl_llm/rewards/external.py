@@ -14,7 +14,6 @@ verl ``compute_score(data_source, solution_str, ground_truth, extra_info)`` func
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
 import difflib
 import hashlib
@@ -22,7 +21,7 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from jaxrl_llm.rewards.base import (
     TRAINER_STATE_FIELD,
     RewardConfigError,
     Scores,
+    run_awaitable,
 )
 
 
@@ -153,19 +153,26 @@ class VerlScore:
     The arguments come from the columns of a verl data file: ``data_source`` (``None`` when the
     data has no such column), ``reward_model.ground_truth`` (a struct column's key; see
     ``jaxrl_llm.data``) and ``extra_info`` (a copy of the row's mapping, ``{}`` when absent);
-    ``solution_str`` is the completion's text.
+    ``solution_str`` is the completion's text. ``reward_kwargs`` are passed too, as verl's
+    ``custom_reward_function.reward_kwargs`` are. An ``async def`` function (verl's reward loop
+    awaits one) is awaited for every sample of the batch at once, in one event loop.
     """
 
     compute_score: Callable[..., Any]
     data_source_field: str = "data_source"
     ground_truth_field: str = "reward_model.ground_truth"
     extra_info_field: str = "extra_info"
+    reward_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if not callable(self.compute_score):
             raise TypeError(f"`function` must be callable, got {type(self.compute_score).__name__}")
         for name in ("data_source_field", "ground_truth_field", "extra_info_field"):
             check_field_name(name, getattr(self, name))
+        if not isinstance(self.reward_kwargs, Mapping):
+            raise TypeError(
+                f"`reward_kwargs` must be a mapping, got {type(self.reward_kwargs).__name__}"
+            )
 
     @property
     def required_fields(self) -> tuple[str, ...]:
@@ -175,17 +182,29 @@ class VerlScore:
         n = len(completions)
         sources = fields.get(self.data_source_field, [None] * n)
         infos = fields.get(self.extra_info_field, [None] * n)
-        out = []
-        columns: dict[str, list[Any]] = {}
-        for i, (completion, source, truth, info) in enumerate(
-            zip(completions, sources, fields[self.ground_truth_field], infos, strict=True)
-        ):
-            score = self.compute_score(
+        results = [
+            self.compute_score(
                 data_source=source,
                 solution_str=completion,
                 ground_truth=truth,
                 extra_info=dict(info or {}),
+                **self.reward_kwargs,
             )
+            for completion, source, truth, info in zip(
+                completions, sources, fields[self.ground_truth_field], infos, strict=True
+            )
+        ]
+        waiting = [i for i, r in enumerate(results) if inspect.isawaitable(r)]
+        if waiting:
+
+            async def every() -> list[Any]:
+                return await asyncio.gather(*(results[i] for i in waiting))
+
+            for i, result in zip(waiting, run_awaitable(every()), strict=True):
+                results[i] = result
+        out = []
+        columns: dict[str, list[Any]] = {}
+        for i, score in enumerate(results):
             if isinstance(score, dict):
                 if "score" not in score:
                     raise TypeError(
@@ -264,7 +283,7 @@ class TrlReward:
             **fields,
         )
         if inspect.isawaitable(out):
-            out = _await(out)
+            out = run_awaitable(out)
         if out is None:
             raise TypeError("returned None; a TRL reward function returns one score per sample")
         metrics = {}
@@ -276,18 +295,3 @@ class TrlReward:
                     f"log_metric({name!r}, ...) got {values[0]!r}; it takes a number"
                 ) from None
         return Scores([0.0 if v is None else v for v in out], extras=columns, metrics=metrics)
-
-
-def _await(awaitable: Any) -> Any:
-    """The result of an awaitable, run to completion in a fresh event loop: in this thread, or
-    in a new one when this thread already runs a loop (a notebook)."""
-
-    async def main() -> Any:
-        return await awaitable
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(main())
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxrl-llm-reward") as pool:
-        return pool.submit(asyncio.run, main()).result()

@@ -60,7 +60,10 @@ _EXTERNAL_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # `path` is the reward model's folder: the trainer loads it and passes `reward_model=`.
     "reward_model": ((), ("score", "batch_size", "path")),
     # a verl `compute_score(data_source, solution_str, ground_truth, extra_info)` function
-    "verl": (("function",), ("data_source_field", "ground_truth_field", "extra_info_field")),
+    "verl": (
+        ("function",),
+        ("data_source_field", "ground_truth_field", "extra_info_field", "reward_kwargs"),
+    ),
     # a TRL GRPOTrainer reward function `f(prompts, completions, completion_ids, **kwargs)`
     "trl": (("function",), ()),
 }

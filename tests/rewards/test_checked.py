@@ -187,3 +187,27 @@ def test_reported_columns_and_metrics_are_checked_and_kept_one_sample_at_a_time(
                 checked_scores(
                     lambda p, c, s=scores: s, ["p"] * 2, ["a", "b"], name="r", on_error=on_error
                 )
+
+
+def test_an_async_reward_is_awaited_with_or_without_a_timeout_and_inside_a_running_loop():
+    """The reward protocol takes ``async def`` functions: awaited in a fresh event loop (in a
+    thread of its own under a caller's running loop, as in a notebook), in the batched call,
+    the one-by-one retries and the timeout's worker thread alike."""
+    import asyncio
+
+    async def lengths(prompts, completions, **fields):
+        await asyncio.sleep(0)
+        if "bad" in completions and len(completions) > 1:
+            raise ValueError("the batch fails")
+        return [float(len(c)) for c in completions]
+
+    for timeout in (None, 10.0):
+        checked = checked_scores(lengths, ["p"] * 2, ["ab", "c"], name="r", timeout=timeout)
+        np.testing.assert_allclose(checked.scores_n, [2.0, 1.0])
+    checked = checked_scores(lengths, ["p"] * 2, ["bad", "c"], name="r", on_error="zero")
+    np.testing.assert_allclose(checked.scores_n, [3.0, 1.0])  # one by one, each scores
+
+    async def in_a_notebook():
+        return checked_call(lengths, ["p"], ["abcd"], name="r")
+
+    assert asyncio.run(in_a_notebook())[0].tolist() == [4.0]

@@ -155,6 +155,17 @@ def test_user_function_from_file(tmp_path):
 
 
 VERL_MODULE = """
+import asyncio
+
+in_flight = [0, 0]  # now, most
+
+async def judged(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
+    in_flight[0] += 1
+    in_flight[1] = max(in_flight)
+    await asyncio.sleep(0)
+    in_flight[0] -= 1
+    return {"score": scale * float(solution_str == ground_truth), "judge": "async"}
+
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     extra_info["seen"] = True  # verl's own manager adds keys to it too
     if data_source == "dict":
@@ -202,6 +213,17 @@ def test_a_verl_compute_score_function_is_a_reward_unchanged(tmp_path):
         {"acc": None},
         {"acc": True},
     ]
+    # verl's reward loop awaits an async compute_score: every sample of the batch at once, in
+    # one event loop; reward_kwargs (custom_reward_function.reward_kwargs) go to each call.
+    judged = build_reward(
+        [{"type": "verl", "function": "verl_rw.py:judged", "reward_kwargs": {"scale": 2.0}}],
+        base_dir=tmp_path,
+    )
+    out = judged(["p"] * 3, ["4", "5", "x"], **fields)
+    np.testing.assert_allclose(out.total_n, [2.0, 2.0, 0.0])
+    assert out.extras == {"judged": {"judge": ["async"] * 3}}
+    in_flight = load_callable(f"{tmp_path / 'verl_rw.py'}:judged").__globals__["in_flight"]
+    assert in_flight == [0, 3]  # all three awaited together
 
 
 TRL_MODULE = """
