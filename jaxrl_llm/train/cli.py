@@ -207,6 +207,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from jaxrl_llm.config import ConfigError, apply_overrides, check_evaluation, check_model_limits
     from jaxrl_llm.data import DataError
     from jaxrl_llm.train.loop import evaluate
+    from jaxrl_llm.train.tracking import sample_summary
 
     primary = _init_distributed(args)
     config = _load(args, need_config=False)
@@ -246,8 +247,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         for i, record in enumerate(shown, 1):
             print(f"### held-out prompt {i}/{len(shown)}\n{record['prompt']}")
             for sample in record["samples"]:
-                cut = ", truncated" if sample["truncated"] else ""
-                print(f"--- reward {sample['reward']:g}, {sample['num_tokens']} tokens{cut}")
+                print(f"--- {sample_summary(sample)}")
                 print(sample["completion"])
             print()
         print(json.dumps(out, indent=2))

@@ -158,15 +158,19 @@ def completions_markdown(records: list[dict[str, Any]]) -> str:
         head = f"**{kind} prompt** (reward mean {r['reward_mean']:g})"
         parts.append(f"{head}\n\n```\n{r['prompt']}\n```")
         for i, x in enumerate(r["samples"], 1):
-            cut = ", truncated" if x["truncated"] else ""
-            dropped = ", not trained" if x.get("trained") is False else ""
-            terms = "".join(f", {k} {v:g}" for k, v in x.get("rewards", {}).items())
-            extra = "".join(f", {k}: {_cell(v)}" for k, v in x.get("extra", {}).items())
-            head = (
-                f"{i}. reward {x['reward']:g}{terms}{extra}, {x['num_tokens']} tokens{cut}{dropped}"
-            )
-            parts.append(f"{head}\n\n```\n{x['completion']}\n```")
+            parts.append(f"{i}. {sample_summary(x)}\n\n```\n{x['completion']}\n```")
     return "\n\n".join(parts)
+
+
+def sample_summary(sample: dict[str, Any]) -> str:
+    """One line on a ``completions.jsonl`` sample: its reward, each term's score, what the
+    rewards reported, its length, and whether it was cut or left out of the update, e.g.
+    ``reward 1, gsm8k 1, format 0, pred: 12, 9 tokens, truncated``."""
+    terms = "".join(f", {k} {v:g}" for k, v in sample.get("rewards", {}).items())
+    extra = "".join(f", {k}: {_cell(v)}" for k, v in sample.get("extra", {}).items())
+    cut = ", truncated" if sample["truncated"] else ""
+    dropped = ", not trained" if sample.get("trained") is False else ""
+    return f"reward {sample['reward']:g}{terms}{extra}, {sample['num_tokens']} tokens{cut}{dropped}"
 
 
 def _finite(record: Record) -> dict[str, float | int]:
