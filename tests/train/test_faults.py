@@ -248,12 +248,10 @@ def _poison_step(monkeypatch, bad_step: int):
     """Makes one reward, hence the advantages of its group, of training step ``bad_step``
     (from 1) NaN: the host hands the device step a NaN it must not write into the state."""
     original = loop.collect
-    calls = []
 
-    def poisoned(setup, params, iterator, key):
-        groups, metrics = original(setup, params, iterator, key)
-        calls.append(None)
-        if len(calls) == bad_step:
+    def poisoned(setup, params, iterator, key, *, step):
+        groups, metrics = original(setup, params, iterator, key, step=step)
+        if step == bad_step:
             reward_bg = np.array(groups.reward_bg)
             reward_bg[0, 0] = np.nan
             groups = groups._replace(reward_bg=reward_bg)
