@@ -59,6 +59,7 @@ from jaxrl_llm.rewards.registry import (
     build_term,
     reward_options,
 )
+from jaxrl_llm.rewards.route import Routed
 from jaxrl_llm.rewards.shaping import LengthPenalty, RegexFormat
 from jaxrl_llm.rewards.verify import MathVerifier, VerificationTimeout, VerifierError
 
@@ -88,6 +89,7 @@ __all__ = [
     "RewardOutput",
     "RewardTerm",
     "RewardTimeout",
+    "Routed",
     "Scores",
     "TrainerState",
     "TrlReward",

@@ -11,6 +11,7 @@ A reward config is a list of terms (or a single term), each a mapping::
     - {type: reward_model, score: "my_rm:score", batch_size: 32}
     - {type: verl, function: "my_reward.py:compute_score"}  # verl's custom_reward_function
     - {type: trl, function: "my_reward.py:accuracy_reward"}  # a TRL GRPOTrainer reward_func
+    - {type: route, by: data_source, routes: {openai/gsm8k: gsm8k, lighteval/MATH: math_verify}}
 
 Keys every term takes: ``type`` (required), ``weight`` (default 1.0), ``name`` (the metrics key;
 default the type, or the function's name for a user, verl or trl function; ``null`` means the
@@ -39,6 +40,7 @@ from jaxrl_llm.rewards.external import (
     VerlScore,
     load_callable,
 )
+from jaxrl_llm.rewards.route import Routed
 from jaxrl_llm.rewards.shaping import LengthPenalty, RegexFormat
 
 COMMON_KEYS: tuple[str, ...] = ("type", "weight", "name")
@@ -66,6 +68,8 @@ _EXTERNAL_KEYS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     # a TRL GRPOTrainer reward function `f(prompts, completions, completion_ids, **kwargs)`
     "trl": (("function",), ()),
+    # each sample scored by the reward its `by` field names (verl's default_compute_score)
+    "route": (("routes",), ("by", "default")),
 }
 
 
@@ -177,6 +181,8 @@ def build_term(
             fn: RewardFn = _OPTION_CLASSES[type_name](**options)
         elif type_name == "user":
             fn, default_name = _build_user(options, base_dir)
+        elif type_name == "route":
+            fn = _build_route(options, reward_model, base_dir)
         elif type_name in ADAPTERS:
             spec = options.pop("function")
             fn = ADAPTERS[type_name](load_callable(spec, base_dir=base_dir), **options)
@@ -190,6 +196,39 @@ def build_term(
         raise RewardConfigError(f"{where}: {exc}") from exc
     except (TypeError, ValueError) as exc:
         raise RewardConfigError(f"{where}: {exc}") from exc
+
+
+def _build_route(
+    options: dict[str, Any],
+    reward_model: Callable[[list[str], list[str]], Sequence[float]] | None,
+    base_dir: str | Path | None,
+) -> Routed:
+    routes = options["routes"]
+    if not isinstance(routes, Mapping) or not routes:
+        raise RewardConfigError(
+            f"`routes` must map values of the `by` field to rewards, e.g. "
+            f"{{openai/gsm8k: gsm8k, lighteval/MATH: math_verify}}; got {routes!r}"
+        )
+
+    def routed(spec: Any, label: str) -> RewardFn:
+        if isinstance(spec, Mapping):
+            own = sorted({"weight", "name"} & set(spec))
+            if own:
+                raise RewardConfigError(
+                    f"{label}: a routed reward has no {own[0]} of its own (give it to the route "
+                    "term)"
+                )
+        if _normalize(spec, label).get("type") == "route":
+            raise RewardConfigError(f"{label}: routes do not nest; route on one field")
+        return build_term(spec, where=label, reward_model=reward_model, base_dir=base_dir).fn
+
+    built = {str(k): routed(v, f"routes[{str(k)!r}]") for k, v in routes.items()}
+    default = options.get("default")
+    return Routed(
+        built,
+        by=options.get("by", "data_source"),
+        default=None if default is None else routed(default, "default"),
+    )
 
 
 def _function_name(spec: str) -> str:

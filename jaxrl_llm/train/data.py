@@ -325,6 +325,8 @@ def build_run_reward(
         kwargs = dict(item.pop("kwargs", None) or {})
         if _reads_answer_field(item["type"]):
             kwargs.setdefault("field", answer_field)
+        elif item["type"] == "route":  # the routed answer rewards read it too
+            kwargs = _route_answer_field(kwargs, answer_field)
         scorer = None
         if item["type"] == "reward_model" and "score" not in kwargs:
             scorer = _cached_scorer(kwargs["path"])
@@ -338,6 +340,27 @@ def build_run_reward(
             )
         )
     return R.WeightedSum(built, on_error=on_error, timeout=timeout)
+
+
+def _route_answer_field(kwargs: dict[str, Any], answer_field: str) -> dict[str, Any]:
+    """A ``route`` term's options with ``field`` defaulting to ``answer_field`` in each routed
+    answer reward (a spec in any of :func:`~jaxrl_llm.rewards.build_term`'s spellings)."""
+
+    def with_field(spec: Any) -> Any:
+        flat = {"type": spec} if isinstance(spec, str) else spec
+        if not isinstance(flat, Mapping) or not _reads_answer_field(str(flat.get("type"))):
+            return spec
+        inner = flat.get("kwargs") or {}
+        if "field" in flat or (isinstance(inner, Mapping) and "field" in inner):
+            return spec
+        return {**flat, "field": answer_field}
+
+    out = dict(kwargs)
+    if isinstance(out.get("routes"), Mapping):
+        out["routes"] = {k: with_field(v) for k, v in out["routes"].items()}
+    if out.get("default") is not None:
+        out["default"] = with_field(out["default"])
+    return out
 
 
 def check_reward_fields(reward: R.WeightedSum, data: RunData) -> None:
@@ -359,7 +382,7 @@ def check_reward_fields(reward: R.WeightedSum, data: RunData) -> None:
                     f"these prompts do not have (fields: {', '.join(ds.fields) or 'none'}); set "
                     "data.answer_field to the column holding the reference answers (a key of a "
                     "struct column with a dot, e.g. reward_model.ground_truth), or the term's own "
-                    "option (`field`; for verl, `ground_truth_field`)"
+                    "option (`field`; for verl, `ground_truth_field`; for route, `by`)"
                 )
 
 

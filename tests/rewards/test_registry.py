@@ -418,3 +418,42 @@ def test_config_layer_spelling(user_module):
 def test_config_layer_spelling_errors(config, match):
     with pytest.raises(RewardConfigError, match=match):
         build_term(config)
+
+
+def test_route_scores_each_sample_with_the_reward_its_data_source_names():
+    """verl's default_compute_score dispatches on data_source: a GSM8K sample is checked as
+    GSM8K, an arithmetic one as an integer; an unknown source is an error unless a default is
+    given; each route's mean is reported; an all-answer route is the accuracy term."""
+    spec = {
+        "type": "route",
+        "by": "source",
+        "routes": {"gsm": "gsm8k", "arith": {"type": "integer_answer"}},
+    }
+    reward = build_reward([spec, {"type": "regex", "pattern": "x", "weight": 0.0}])
+    assert reward.accuracy == "route"
+    completions = ["so #### 12", "12", "it is 7", "#### 7"]
+    fields = {"source": ["gsm", "gsm", "arith", "arith"], "answer": ["12", "12", "7", "8"]}
+    out = reward(["p"] * 4, completions, **fields)
+    # "12" has no "####" (strict GSM8K); "#### 7" is 7 as an integer answer, not 8
+    np.testing.assert_allclose(out.components["route"], [1.0, 0.0, 1.0, 0.0])
+    assert out.reported["route"] == {"gsm/mean": 0.5, "arith/mean": 0.5}
+    metrics = out.metrics()
+    assert metrics["reward/route/gsm/mean"] == 0.5 and metrics["accuracy"] == 0.5
+    unknown = {"source": ["gsm", "math"], "answer": ["1", "2"]}
+    with pytest.raises(RewardError, match=r"no reward for source = 'math'.*'gsm', 'arith'"):
+        reward(["p"] * 2, ["#### 1", "2"], **unknown)
+    with_default = build_reward([{**spec, "default": "integer_answer"}])
+    np.testing.assert_allclose(
+        with_default(["p"] * 2, ["#### 1", "2"], **unknown).total_n, [1.0, 1.0]
+    )
+    fmt = {"type": "regex", "pattern": "x"}
+    shaped = build_reward([{**spec, "routes": {**spec["routes"], "fmt": fmt}}])
+    assert shaped.accuracy is None  # a non-answer route: no accuracy term
+    for bad, match in (
+        ({"routes": {}}, "`routes` must map values"),
+        ({"routes": {"gsm": {"type": "gsm8k", "weight": 2}}}, "has no weight of its own"),
+        ({"routes": {"gsm": {"type": "route", "routes": {"a": "gsm8k"}}}}, "do not nest"),
+        ({"routes": {"gsm": "gsm9k"}}, r"'route'\): routes\['gsm'\]: unknown reward type 'gsm9k'"),
+    ):
+        with pytest.raises(RewardConfigError, match=match):
+            build_term({**spec, **bad})

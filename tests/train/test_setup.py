@@ -258,6 +258,28 @@ def test_verl_style_nested_answers_and_a_missing_answer_field_is_caught_at_setup
     np.testing.assert_allclose(
         out.components["compute_score"], np.add(fields["extra_info.index"], 1)
     )
+    # A mixed file routes each row by its data_source (verl's default_compute_score); the
+    # routed answer rewards follow data.answer_field too, and a missing `by` column is caught
+    # at setup.
+    route = "rewards=[{type: route, routes: {easy: integer_answer, hard: {type: gsm8k}}}]"
+    with pytest.raises(DataError, match=r"the reward 'route' reads the field 'data_source'"):
+        resolve(*data[:-1], route, "data.answer_field=reward_model.ground_truth")
+    for i, row in enumerate(rows):
+        row["data_source"] = "easy" if i % 2 else "hard"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    setup = resolve(*data[:-1], route, "data.answer_field=reward_model.ground_truth")
+    routed = setup.reward.terms[0].fn
+    assert {r.field for r in routed.routes.values()} == {"reward_model.ground_truth"}
+    ds = setup.data.train
+    answers = [
+        f"#### {a}" if s == "hard" else a
+        for a, s in zip(
+            ds.fields["reward_model.ground_truth"], ds.fields["data_source"], strict=True
+        )
+    ]
+    out = setup.reward(ds.prompts, answers, **ds.fields)
+    np.testing.assert_allclose(out.components["route"], 1.0)  # each checked its own way
+    assert set(out.reported["route"]) == {"easy/mean", "hard/mean"}
 
 
 def test_reference_only_with_a_kl_and_a_critic_only_for_ppo():
