@@ -67,6 +67,7 @@ def test_recipe_lists_and_reward_types_name_real_ones():
         "reward_model",
         "verl",
         "trl",
+        "route",
     )
     for name in validation.REWARD_TYPES:
         assert registry.TYPE_ALIASES.get(name, name) in registry.REWARD_TYPES
