@@ -58,6 +58,7 @@ def test_reward_types():
         "reward_model",
         "verl",
         "trl",
+        "route",
     )
     assert reward_options("regex")[0] == ("pattern",)
     assert reward_options("length_penalty")[0] == ("target",)
