@@ -98,7 +98,7 @@ class Routed:
             )
             if inspect.isawaitable(raw):
                 raw = run_awaitable(raw)
-            values = list(raw) if isinstance(raw, Sequence) else None
+            values = _as_list(raw)
             if values is None or len(values) != len(rows):
                 got = "no list" if values is None else f"{len(values)} scores"
                 raise ValueError(
@@ -122,6 +122,15 @@ class Routed:
             if mean is not None:
                 metrics[f"{value}/mean"] = mean
         return Scores(scores, soft_errors=soft, extras=columns, metrics=metrics)
+
+
+def _as_list(raw: Any) -> list[Any] | None:
+    """A routed reward's scores as a list (a sequence or a 1-D array), else ``None``."""
+    if hasattr(raw, "__array__"):
+        return np.asarray(raw).tolist() if np.ndim(raw) == 1 else None
+    if isinstance(raw, Sequence) and not isinstance(raw, str | bytes):
+        return list(raw)
+    return None
 
 
 def _finite_mean(values: list[Any]) -> float | None:

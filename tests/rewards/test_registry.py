@@ -16,6 +16,7 @@ from jaxrl_llm.rewards import (
     RewardConfigError,
     RewardError,
     RewardModelReward,
+    Routed,
     TrainerState,
     build_reward,
     build_term,
@@ -450,6 +451,8 @@ def test_route_scores_each_sample_with_the_reward_its_data_source_names():
     fmt = {"type": "regex", "pattern": "x"}
     shaped = build_reward([{**spec, "routes": {**spec["routes"], "fmt": fmt}}])
     assert shaped.accuracy is None  # a non-answer route: no accuracy term
+    arrays = Routed({"a": lambda p, c, **f: np.ones(len(c))}, by="source")  # NumPy scores
+    assert arrays(["p"], ["x"], source=["a"]) == [1.0]
     for bad, match in (
         ({"routes": {}}, "`routes` must map values"),
         ({"routes": {"gsm": {"type": "gsm8k", "weight": 2}}}, "has no weight of its own"),
