@@ -11,7 +11,6 @@ Each component ``r_k`` goes through :func:`checked_scores`, so a failing reward 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import re
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -29,6 +28,7 @@ from jaxrl_llm.rewards.base import (
     RewardError,
     RewardFn,
     TrainerState,
+    _as_float,
     check_inputs,
     checked_scores,
 )
@@ -138,11 +138,10 @@ def numeric_values(values: Sequence[Any]) -> list[float] | None:
     for v in values:
         if v is None:
             continue
-        if isinstance(v, str | bytes) or not isinstance(
-            v, numbers.Real | np.bool_ | np.integer | np.floating
-        ):
+        number = _as_float(v)
+        if number is None:
             return None
-        out.append(float(v))
+        out.append(number)
     return out
 
 

@@ -138,6 +138,7 @@ def build_term(
     where: str = "reward",
     reward_model: Callable[[list[str], list[str]], Sequence[float]] | None = None,
     base_dir: str | Path | None = None,
+    answer_field: str | None = None,
 ) -> RewardTerm:
     """One :class:`RewardTerm` from its config (see the module docstring for the schema).
 
@@ -147,6 +148,9 @@ def build_term(
       reward_model: the scorer for a ``reward_model`` term without a ``score`` key (the trainer
         passes the reward head it built).
       base_dir: folder that relative ``path/to/file.py:function`` specs are resolved against.
+      answer_field: the ``field`` of an answer reward (a type with that option) that names
+        none, also inside a ``route`` (the trainer's ``data.answer_field``); ``None``: the
+        type's own default.
 
     Raises:
       RewardConfigError: unknown type or key (with the nearest valid name), a missing required
@@ -175,6 +179,8 @@ def build_term(
     if missing:
         raise RewardConfigError(f"{where}: missing required key(s) {', '.join(missing)}")
     options = {k: v for k, v in config.items() if k not in COMMON_KEYS}
+    if answer_field is not None and "field" in optional:
+        options.setdefault("field", answer_field)
     default_name = type_name
     try:
         if type_name in _OPTION_CLASSES:
@@ -182,7 +188,7 @@ def build_term(
         elif type_name == "user":
             fn, default_name = _build_user(options, base_dir)
         elif type_name == "route":
-            fn = _build_route(options, reward_model, base_dir)
+            fn = _build_route(options, reward_model, base_dir, answer_field)
         elif type_name in ADAPTERS:
             spec = options.pop("function")
             fn = ADAPTERS[type_name](load_callable(spec, base_dir=base_dir), **options)
@@ -202,6 +208,7 @@ def _build_route(
     options: dict[str, Any],
     reward_model: Callable[[list[str], list[str]], Sequence[float]] | None,
     base_dir: str | Path | None,
+    answer_field: str | None,
 ) -> Routed:
     routes = options["routes"]
     if not isinstance(routes, Mapping) or not routes:
@@ -220,7 +227,14 @@ def _build_route(
                 )
         if _normalize(spec, label).get("type") == "route":
             raise RewardConfigError(f"{label}: routes do not nest; route on one field")
-        return build_term(spec, where=label, reward_model=reward_model, base_dir=base_dir).fn
+        term = build_term(
+            spec,
+            where=label,
+            reward_model=reward_model,
+            base_dir=base_dir,
+            answer_field=answer_field,
+        )
+        return term.fn
 
     built = {str(k): routed(v, f"routes[{str(k)!r}]") for k, v in routes.items()}
     default = options.get("default")

@@ -26,13 +26,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from jaxrl_llm.rewards._validate import check_field_name
-from jaxrl_llm.rewards.base import RewardFn, Scores, run_awaitable
+from jaxrl_llm.rewards.base import RewardFn, Scores, _as_values, run_awaitable
+from jaxrl_llm.rewards.combine import numeric_values
 
 
 def _answer_values(fn: Any) -> tuple[float, float] | None:
@@ -98,7 +99,7 @@ class Routed:
             )
             if inspect.isawaitable(raw):
                 raw = run_awaitable(raw)
-            values = _as_list(raw)
+            values = _as_values(raw)
             if values is None or len(values) != len(rows):
                 got = "no list" if values is None else f"{len(values)} scores"
                 raise ValueError(
@@ -118,28 +119,7 @@ class Routed:
                     cells[i] = cell
             for name, scalar in getattr(raw, "metrics", {}).items():
                 metrics[f"{value}/{name}"] = scalar
-            mean = _finite_mean(values)
-            if mean is not None:
-                metrics[f"{value}/mean"] = mean
+            found = numeric_values(values)  # None or non-finite: the outer check reports it
+            if found is not None and len(found) == len(values) and all(map(math.isfinite, found)):
+                metrics[f"{value}/mean"] = float(np.mean(found))
         return Scores(scores, soft_errors=soft, extras=columns, metrics=metrics)
-
-
-def _as_list(raw: Any) -> list[Any] | None:
-    """A routed reward's scores as a list (a sequence or a 1-D array), else ``None``."""
-    if hasattr(raw, "__array__"):
-        return np.asarray(raw).tolist() if np.ndim(raw) == 1 else None
-    if isinstance(raw, Sequence) and not isinstance(raw, str | bytes):
-        return list(raw)
-    return None
-
-
-def _finite_mean(values: list[Any]) -> float | None:
-    """The mean of ``values`` when all are finite real numbers (else the outer check reports
-    the bad one)."""
-    try:
-        numbers = np.asarray(values, np.float64)
-    except (TypeError, ValueError):
-        return None
-    if numbers.ndim != 1 or not all(math.isfinite(x) for x in numbers):
-        return None
-    return float(numbers.mean())

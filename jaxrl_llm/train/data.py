@@ -30,17 +30,9 @@ import numpy as np
 
 from jaxrl_llm import data as D
 from jaxrl_llm import rewards as R
-from jaxrl_llm.rewards import registry
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-
-def _reads_answer_field(type_name: str) -> bool:
-    """Whether a reward type compares with a reference answer read from its ``field`` option
-    (integer_answer, gsm8k, boxed, math_verify, ...), which defaults to ``data.answer_field``."""
-    name = registry.TYPE_ALIASES.get(type_name, type_name)
-    return name in registry.REWARD_TYPES and "field" in sum(registry.reward_options(name), ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,10 +315,6 @@ def build_run_reward(
     for i, term in enumerate(terms):
         item = dict(term)
         kwargs = dict(item.pop("kwargs", None) or {})
-        if _reads_answer_field(item["type"]):
-            kwargs.setdefault("field", answer_field)
-        elif item["type"] == "route":  # the routed answer rewards read it too
-            kwargs = _route_answer_field(kwargs, answer_field)
         scorer = None
         if item["type"] == "reward_model" and "score" not in kwargs:
             scorer = _cached_scorer(kwargs["path"])
@@ -337,30 +325,10 @@ def build_run_reward(
                 where=f"rewards.terms[{i}]",
                 reward_model=scorer,
                 base_dir=base_dir,
+                answer_field=answer_field,
             )
         )
     return R.WeightedSum(built, on_error=on_error, timeout=timeout)
-
-
-def _route_answer_field(kwargs: dict[str, Any], answer_field: str) -> dict[str, Any]:
-    """A ``route`` term's options with ``field`` defaulting to ``answer_field`` in each routed
-    answer reward (a spec in any of :func:`~jaxrl_llm.rewards.build_term`'s spellings)."""
-
-    def with_field(spec: Any) -> Any:
-        flat = {"type": spec} if isinstance(spec, str) else spec
-        if not isinstance(flat, Mapping) or not _reads_answer_field(str(flat.get("type"))):
-            return spec
-        inner = flat.get("kwargs") or {}
-        if "field" in flat or (isinstance(inner, Mapping) and "field" in inner):
-            return spec
-        return {**flat, "field": answer_field}
-
-    out = dict(kwargs)
-    if isinstance(out.get("routes"), Mapping):
-        out["routes"] = {k: with_field(v) for k, v in out["routes"].items()}
-    if out.get("default") is not None:
-        out["default"] = with_field(out["default"])
-    return out
 
 
 def check_reward_fields(reward: R.WeightedSum, data: RunData) -> None:
