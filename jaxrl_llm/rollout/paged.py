@@ -287,24 +287,22 @@ def gather_dense(pool: PagePool, table_nw: jax.Array) -> DenseContext:
 def forward_decode_dense(
     lm: CausalLM,
     layers: tuple[DecoderLayer, ...],
-    pool: PagePool,
     dense: DenseContext,
     token_n: jax.Array,
     lens_n: jax.Array,
     alive_n: jax.Array,
-    write_page_n: jax.Array,
-    write_off_n: jax.Array,
-) -> tuple[jax.Array, PagePool, DenseContext]:
+) -> tuple[jax.Array, DenseContext]:
     """One decode step of the reference engine over a dispatch's :class:`DenseContext`.
 
     Row ``n`` feeds ``token_n`` at position ``lens_n``: each layer writes its new key/value
-    into the pool (page ``write_page_n``, offset ``write_off_n``; the trash page for idle rows)
-    and into the dense context at slot ``lens_n`` (live rows only), then attends over slots
+    into the dense context at slot ``lens_n`` (live rows only), then attends over slots
     ``s <= lens_n`` inside its window (``decode._attention``, the static engine's). The same
     numbers as :func:`forward_paged` (same keys, same masks, f32 softmax), without gathering
     the pages at every step: XLA:CPU's gather of a layer's context (~3 MB at 32 rows x 128
-    tokens) costs about as much as the rest of the attention, 60 of them per step.
-    Returns the final hidden states ``[N, 1, D]``, the pool and the dense context.
+    tokens) costs about as much as the rest of the attention, 60 of them per step. The pool
+    is not written here: :func:`write_back` copies a dispatch's new keys and values into it
+    once, after its last step.
+    Returns the final hidden states ``[N, 1, D]`` and the dense context.
     """
     c = lm.config
     decoder = lm.model
@@ -319,23 +317,56 @@ def forward_decode_dense(
         if window is not None:
             ok_ns = ok_ns & (lens_n[:, None] - slot_s[None] < window)
         allowed[window] = ok_ns
-    pk, pv, dk, dv = list(pool.k), list(pool.v), list(dense.k), list(dense.v)
+    dk, dv = list(dense.k), list(dense.v)
     for i, layer in enumerate(layers):
 
         def attend(
             q_bthd: jax.Array, k_btkd: jax.Array, v_btkd: jax.Array, i: int = i
         ) -> jax.Array:
             k_nkd, v_nkd = k_btkd[:, 0], v_btkd[:, 0]
-            pk[i] = pk[i].at[write_page_n, write_off_n].set(k_nkd.astype(pk[i].dtype))
-            pv[i] = pv[i].at[write_page_n, write_off_n].set(v_nkd.astype(pv[i].dtype))
             dk[i] = dk[i].at[rows, :, :, dense_pos_n].set(k_nkd.astype(dk[i].dtype), mode="drop")
             dv[i] = dv[i].at[rows, :, dense_pos_n].set(v_nkd.astype(dv[i].dtype), mode="drop")
             out_nhd = dense_decode_attention(q_bthd[:, 0], dk[i], dv[i], allowed[c.window(i)])
             return out_nhd[:, None]
 
         x_n1d, _ = layer(x_n1d, cos, sin, attend)
-    pool = PagePool(tuple(pk), tuple(pv))
-    return decoder.norm(x_n1d), pool, DenseContext(tuple(dk), tuple(dv))
+    return decoder.norm(x_n1d), DenseContext(tuple(dk), tuple(dv))
+
+
+def write_back(
+    pool: PagePool,
+    dense: DenseContext,
+    table_nw: jax.Array,
+    lens_n: jax.Array,
+    valid_kn: jax.Array,
+    page_size: int,
+) -> PagePool:
+    """The pool with a decode dispatch's new keys and values copied in from its dense context.
+
+    Row ``n`` decoded at step ``j`` of the dispatch (``valid_kn[j, n]``) wrote position
+    ``lens_n + j`` (``lens_n``: its length when the dispatch began; a row that stops stays
+    stopped, so its valid steps are the first ones); that slot of the dense context goes to
+    page ``table_nw[n, pos // page_size]``, offset ``pos % page_size``, and invalid steps to
+    the trash page. One gather and one scatter per layer and pool array, where writing at
+    every step took two small scatters per layer and step (measured on XLA:CPU, the fixed
+    rollout workload: BENCHMARKS.md "Rollout engines").
+    """
+    k = valid_kn.shape[0]
+    pos_nk = lens_n[:, None] + jnp.arange(k, dtype=jnp.int32)[None]
+    valid_nk = valid_kn.T
+    s = dense.k[0].shape[-1]
+    slot_nk = jnp.where(valid_nk, pos_nk, 0) % s  # invalid steps read a slot, write the trash
+    rows_n1 = jnp.arange(lens_n.shape[0])[:, None]
+    page_nk = jnp.where(valid_nk, table_nw[rows_n1, slot_nk // page_size], TRASH_PAGE)
+    off_nk = jnp.where(valid_nk, slot_nk % page_size, 0)
+
+    def write(buf: jax.Array, new_nkkd: jax.Array) -> jax.Array:
+        return buf.at[page_nk, off_nk].set(new_nkkd.astype(buf.dtype))
+
+    # dense keys [N, K, Dh, S] and values [N, K, S, Dh]: both give [N, k, K, Dh] here
+    new_k = [write(b, x[rows_n1, :, :, slot_nk]) for b, x in zip(pool.k, dense.k, strict=True)]
+    new_v = [write(b, x[rows_n1, :, slot_nk]) for b, x in zip(pool.v, dense.v, strict=True)]
+    return PagePool(tuple(new_k), tuple(new_v))
 
 
 def forward_paged_kernel(
@@ -696,9 +727,9 @@ def _decode(
 
     def step(carry: tuple) -> tuple:
         i, (pool, dense), st, tok_kn, logp_kn, valid_kn, full_kn = carry
-        page_n = jnp.where(st.alive_n, table_nw[rows, st.lens_n // ps], TRASH_PAGE)
-        off_n = jnp.where(st.alive_n, st.lens_n % ps, 0)
         if static.kernel is not None:  # write first, then attend
+            page_n = jnp.where(st.alive_n, table_nw[rows, st.lens_n // ps], TRASH_PAGE)
+            off_n = jnp.where(st.alive_n, st.lens_n % ps, 0)
             # An idle row's stale length may exceed its (trash) table: read one token.
             h_n1d, pool = forward_paged_kernel(
                 lm,
@@ -712,8 +743,8 @@ def _decode(
                 static.kernel,
             )
         else:
-            h_n1d, pool, dense = forward_decode_dense(
-                lm, layers, pool, dense, st.token_n, st.lens_n, st.alive_n, page_n, off_n
+            h_n1d, dense = forward_decode_dense(
+                lm, layers, dense, st.token_n, st.lens_n, st.alive_n
             )
         logits_nv = lm.logits(h_n1d[:, 0])
         new_n, logp_n, full_n = _pick(
@@ -744,19 +775,27 @@ def _decode(
         live = jnp.sum(st.alive_n)
         return (i < k) & (finished < refill_at) & (live > shrink_at) & (live > 0)
 
-    # The reference path gathers the rows' contexts once per dispatch (``DenseContext``).
+    # The reference path gathers the rows' contexts once per dispatch (``DenseContext``) and
+    # writes the pool once after it (``write_back``); the kernels write the pool at every step.
     dense = gather_dense(pool, table_nw) if static.kernel is None else None
     carry = (
         jnp.int32(0),
-        (pool, dense),
+        (pool if dense is None else None, dense),
         state,
         jnp.full((k, n), static.pad_token_id, jnp.int32),
         jnp.zeros((k, n), jnp.float32),
         jnp.zeros((k, n), bool),
         jnp.zeros((k, n), jnp.float32) if static.full_logprobs else None,
     )
-    _, (pool, _), *rest = jax.lax.while_loop(cond, step, carry)
-    return (pages_lib.constrain_pool(pool, static.kernel, lm.config.num_kv_heads), *rest)
+    _, (kernel_pool, dense), st, tok_kn, logp_kn, valid_kn, full_kn = jax.lax.while_loop(
+        cond, step, carry
+    )
+    if dense is None:
+        pool = kernel_pool
+    else:
+        pool = write_back(pool, dense, table_nw, state.lens_n, valid_kn, ps)
+    pool = pages_lib.constrain_pool(pool, static.kernel, lm.config.num_kv_heads)
+    return pool, st, tok_kn, logp_kn, valid_kn, full_kn
 
 
 # ---------------------------------------------------------------------------------------------

@@ -290,6 +290,40 @@ def test_reference_attention_equals_a_dense_softmax():
                     np.testing.assert_allclose(np.asarray(got)[i, j, hh], want, atol=1e-5)
 
 
+def test_a_dispatch_writes_its_new_tokens_back_to_the_pool_once():
+    """``write_back`` against a loop: row n's valid steps j (its first ones: a stopped row stays
+    stopped) copy dense slot ``lens_n + j`` to its table's page and offset; other pages keep
+    their values, and only the trash page takes the invalid steps."""
+    rng = np.random.RandomState(3)
+    n, k, kv, d, ps, w, num_pages = 3, 4, 2, 5, 4, 3, 10
+    s = w * ps
+    table = np.array([[1, 2, 3], [4, 5, 0], [6, 7, 8]], np.int32)  # row 1 has 2 pages
+    lens = np.array([2, 6, 11], np.int32)  # row 2 may write 1 token, at slot 11
+    valid = np.array([[1, 1, 1], [1, 1, 0], [1, 0, 0], [0, 0, 0]], bool)  # [k, N]
+    keys_nkds = rng.randn(n, kv, d, s).astype(np.float32)
+    values_nksd = rng.randn(n, kv, s, d).astype(np.float32)
+    pool_k, pool_v = (rng.randn(num_pages, ps, kv, d).astype(np.float32) for _ in range(2))
+    got = paged.write_back(
+        pages.PagePool((jnp.asarray(pool_k),), (jnp.asarray(pool_v),)),
+        paged.DenseContext((jnp.asarray(keys_nkds),), (jnp.asarray(values_nksd),)),
+        jnp.asarray(table),
+        jnp.asarray(lens),
+        jnp.asarray(valid),
+        ps,
+    )
+    want_k, want_v = pool_k.copy(), pool_v.copy()
+    for row in range(n):
+        for j in range(k):
+            if valid[j, row]:
+                pos = lens[row] + j
+                page, off = table[row, pos // ps], pos % ps
+                want_k[page, off] = keys_nkds[row, :, :, pos]
+                want_v[page, off] = values_nksd[row, :, pos]
+    live = np.arange(num_pages) != pages.TRASH_PAGE
+    np.testing.assert_array_equal(np.asarray(got.k[0])[live], want_k[live])
+    np.testing.assert_array_equal(np.asarray(got.v[0])[live], want_v[live])
+
+
 def test_pallas_gpu_paged_attention_wiring_in_interpret_mode():
     """JAX's Pallas GPU paged-attention kernel on this pool layout equals the reference."""
     rng = np.random.RandomState(1)
