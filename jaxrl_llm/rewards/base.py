@@ -59,7 +59,7 @@ import math
 import numbers
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
@@ -193,6 +193,40 @@ def run_awaitable(awaitable: Any) -> Any:
         return asyncio.run(main())
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxrl-llm-reward") as pool:
         return pool.submit(asyncio.run, main()).result()
+
+
+def is_async_reward(fn: Any) -> bool:
+    """Whether calling ``fn`` gives an awaitable: an ``async def`` function (or ``__call__``,
+    or a ``functools.partial`` of one), or an adapter whose ``is_async`` says its wrapped
+    function is one (the ``trl`` and ``verl`` types, a ``route`` with an async route)."""
+    flag = getattr(fn, "is_async", None)
+    if isinstance(flag, bool):
+        return flag
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(fn.__call__)
+
+
+def run_concurrently(calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Each call's value, or the exception it raised, the calls run at once in daemon threads
+    of their own (the async rewards of a sum: each waits on its own I/O, e.g. a judge model's
+    server, as TRL's ``asyncio.gather`` of its async reward functions does). A daemon thread
+    does not keep the process alive after Ctrl-C."""
+    results: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = calls[i]()
+        except BaseException as e:  # relayed to the caller in order, SystemExit included
+            results[i] = e
+
+    threads = [
+        threading.Thread(target=run, args=(i,), name="jaxrl-llm-reward", daemon=True)
+        for i in range(len(calls))
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def _called(fn: RewardFn, args: tuple, fields: Mapping[str, Any]) -> Any:

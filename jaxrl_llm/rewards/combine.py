@@ -11,6 +11,7 @@ Each component ``r_k`` goes through :func:`checked_scores`, so a failing reward 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from types import MappingProxyType
@@ -24,6 +25,7 @@ from jaxrl_llm.rewards.base import (
     NUM_TOKENS_FIELD,
     ON_ERROR_MODES,
     TRAINER_STATE_FIELD,
+    Checked,
     OnError,
     RewardError,
     RewardFn,
@@ -31,6 +33,8 @@ from jaxrl_llm.rewards.base import (
     _as_float,
     check_inputs,
     checked_scores,
+    is_async_reward,
+    run_concurrently,
 )
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
@@ -160,6 +164,10 @@ class WeightedSum:
         answer reward (integer/gsm8k/boxed); ``None`` when there is none.
       timeout: seconds each term may take to score one batch (see :func:`checked_call`);
         ``None`` waits forever and calls the terms in the calling thread.
+
+    Two or more ``async def`` terms (or ``trl`` / ``verl`` functions / routes that are) score
+    each batch at the same time, each in a thread of its own, as TRL gathers its async reward
+    functions; the first error, in term order, is raised after all have returned.
     """
 
     def __init__(
@@ -210,8 +218,9 @@ class WeightedSum:
         correct_n = None
         extras: dict[str, dict[str, list[Any]]] = {}
         reported: dict[str, dict[str, float]] = {}
-        for term in self.terms:
-            scores, errors, columns, scalars = checked_scores(
+
+        def score(term: RewardTerm) -> Checked:
+            return checked_scores(
                 term.fn,
                 prompts,
                 completions,
@@ -220,6 +229,19 @@ class WeightedSum:
                 on_error=self.on_error,
                 timeout=self.timeout,
             )
+
+        # Async terms (e.g. judge models behind a server) score the batch at the same time, as
+        # TRL gathers its async reward functions; the others run one after another here.
+        waiting = [t for t in self.terms if is_async_reward(t.fn)]
+        gathered = {}
+        if len(waiting) > 1:
+            calls = [functools.partial(score, t) for t in waiting]
+            gathered = dict(zip((t.name for t in waiting), run_concurrently(calls), strict=True))
+        for term in self.terms:
+            checked = gathered[term.name] if term.name in gathered else score(term)
+            if isinstance(checked, BaseException):
+                raise checked
+            scores, errors, columns, scalars = checked
             clash = sorted(set(scalars) & {"mean", "num_errors"})
             if clash:
                 raise RewardError(

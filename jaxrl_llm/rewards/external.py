@@ -35,6 +35,7 @@ from jaxrl_llm.rewards.base import (
     TRAINER_STATE_FIELD,
     RewardConfigError,
     Scores,
+    is_async_reward,
     run_awaitable,
 )
 
@@ -178,6 +179,10 @@ class VerlScore:
     def required_fields(self) -> tuple[str, ...]:
         return (self.ground_truth_field,)
 
+    @property
+    def is_async(self) -> bool:
+        return is_async_reward(self.compute_score)
+
     def __call__(self, prompts: list[str], completions: list[str], **fields: Any) -> list[float]:
         n = len(completions)
         sources = fields.get(self.data_source_field, [None] * n)
@@ -249,6 +254,10 @@ class TrlReward:
     def __post_init__(self):
         if not callable(self.fn):
             raise TypeError(f"`function` must be callable, got {type(self.fn).__name__}")
+
+    @property
+    def is_async(self) -> bool:
+        return is_async_reward(self.fn)
 
     def __call__(self, prompts: list[str], completions: list[Any], **fields: Any) -> list[float]:
         raw = fields.pop(RAW_PROMPT_FIELD, None)

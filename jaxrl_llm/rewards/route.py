@@ -32,7 +32,13 @@ from typing import Any
 import numpy as np
 
 from jaxrl_llm.rewards._validate import check_field_name
-from jaxrl_llm.rewards.base import RewardFn, Scores, _as_values, run_awaitable
+from jaxrl_llm.rewards.base import (
+    RewardFn,
+    Scores,
+    _as_values,
+    is_async_reward,
+    run_awaitable,
+)
 from jaxrl_llm.rewards.combine import numeric_values
 
 
@@ -68,6 +74,11 @@ class Routed:
             correct, incorrect = answers.pop()
             object.__setattr__(self, "correct", correct)
             object.__setattr__(self, "incorrect", incorrect)
+
+    @property
+    def is_async(self) -> bool:
+        rewards = [*self.routes.values(), *([self.default] if self.default is not None else [])]
+        return any(map(is_async_reward, rewards))
 
     @property
     def required_fields(self) -> tuple[str, ...]:

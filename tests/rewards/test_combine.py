@@ -1,6 +1,8 @@
 """WeightedSum, its metrics and score_groups (B prompts × G completions → reward_bg)."""
 
+import asyncio
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ from jaxrl_llm.rewards import (
     RewardError,
     RewardModelReward,
     RewardTerm,
+    TrlReward,
     WeightedSum,
     build_reward,
     score_groups,
@@ -148,3 +151,54 @@ def test_reward_model_adapter():
     wrong = WeightedSum([RewardTerm("rm", RewardModelReward(lambda p, c: np.ones((len(c), 2))))])
     with pytest.raises(RewardError, match="'rm' returned 4 scores for 2 samples"):
         wrong(["p", "p"], ["a", "b"])
+
+
+def test_async_terms_score_a_batch_at_the_same_time_and_errors_come_in_term_order():
+    """Two async terms (a plain ``async def`` and a TRL function) overlap: each waits until the
+    other has started, which one after the other would never see (it would time out and
+    fail). A sync term beside them runs as before. Errors: the first term's, in term order."""
+    started = {"judge": threading.Event(), "trl_judge": threading.Event()}
+
+    async def wait_for(me, other):
+        started[me].set()
+        for _ in range(3000):  # up to 30 s
+            if started[other].is_set():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{me} scored alone: the async terms did not overlap")
+
+    async def judge(prompts, completions, **fields):
+        await wait_for("judge", "trl_judge")
+        return [1.0] * len(completions)
+
+    async def trl_judge(prompts, completions, **kwargs):
+        await wait_for("trl_judge", "judge")
+        return [0.5] * len(completions)
+
+    terms = [
+        RewardTerm("judge", judge),
+        RewardTerm("exact", IntegerAnswer()),
+        RewardTerm("trl_judge", TrlReward(trl_judge), weight=2.0),
+    ]
+    out = WeightedSum(terms)(["p", "q"], ["3", "4"], answer=["3", "5"])
+    np.testing.assert_allclose(out.total_n, [3.0, 2.0])
+    assert set(started) == {k for k, e in started.items() if e.is_set()}
+
+    async def broken(prompts, completions, **fields):
+        raise ValueError("judge server down")
+
+    async def also_broken(prompts, completions, **fields):
+        raise KeyError("later")
+
+    both = WeightedSum([RewardTerm("first", broken), RewardTerm("second", also_broken)])
+    with pytest.raises(RewardError, match=r"'first'.*judge server down"):
+        both(["p"], ["3"])
+    zeroed = WeightedSum(
+        [RewardTerm("first", broken), RewardTerm("second", judge_free)], on_error="zero"
+    )(["p"], ["3"])
+    assert zeroed.num_errors == {"first": 1, "second": 0}
+    np.testing.assert_allclose(zeroed.total_n, [0.25])
+
+
+async def judge_free(prompts, completions, **fields):
+    return [0.25] * len(completions)
