@@ -14,11 +14,14 @@ from jaxrl_llm.rewards import (
     RewardError,
     RewardModelReward,
     RewardTerm,
+    Routed,
     TrlReward,
+    VerlScore,
     WeightedSum,
     build_reward,
     score_groups,
 )
+from jaxrl_llm.rewards.base import is_async_reward
 
 
 def test_weighted_sum_numbers_and_components():
@@ -183,6 +186,11 @@ def test_async_terms_score_a_batch_at_the_same_time_and_errors_come_in_term_orde
     out = WeightedSum(terms)(["p", "q"], ["3", "4"], answer=["3", "5"])
     np.testing.assert_allclose(out.total_n, [3.0, 2.0])
     assert set(started) == {k for k, e in started.items() if e.is_set()}
+    # which terms count as async: what an adapter or a route wraps decides
+    assert [is_async_reward(t.fn) for t in terms] == [True, False, True]
+    assert VerlScore(judge_free).is_async and not VerlScore(lambda **kw: 1.0).is_async
+    assert Routed({"a": IntegerAnswer()}, default=judge_free).is_async
+    assert not Routed({"a": IntegerAnswer()}).is_async
 
     async def broken(prompts, completions, **fields):
         raise ValueError("judge server down")
