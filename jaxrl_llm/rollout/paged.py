@@ -347,9 +347,10 @@ def write_back(
     ``lens_n + j`` (``lens_n``: its length when the dispatch began; a row that stops stays
     stopped, so its valid steps are the first ones); that slot of the dense context goes to
     page ``table_nw[n, pos // page_size]``, offset ``pos % page_size``, and invalid steps to
-    the trash page. One gather and one scatter per layer and pool array, where writing at
-    every step took two small scatters per layer and step (measured on XLA:CPU, the fixed
-    rollout workload: BENCHMARKS.md "Rollout engines").
+    the trash page. One gather and one scatter per layer and pool array per dispatch, in
+    place of two small scatters per layer at every step, and the pool stays out of the decode
+    loop's carry (on XLA:CPU the rollout benchmark moved by less than its run-to-run noise:
+    BENCHMARKS.md "Rollout engines").
     """
     k = valid_kn.shape[0]
     pos_nk = lens_n[:, None] + jnp.arange(k, dtype=jnp.int32)[None]
