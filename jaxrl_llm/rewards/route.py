@@ -24,7 +24,6 @@ so the metrics show ``reward/<name>/<value>/mean`` per task.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -36,8 +35,8 @@ from jaxrl_llm.rewards.base import (
     RewardFn,
     Scores,
     _as_values,
+    _called,
     is_async_reward,
-    run_awaitable,
 )
 from jaxrl_llm.rewards.combine import numeric_values
 
@@ -65,25 +64,28 @@ class Routed:
         check_field_name("by", self.by)
         if not isinstance(self.routes, Mapping) or not self.routes:
             raise TypeError("`routes` must be a non-empty mapping of field values to rewards")
-        rewards = [*self.routes.values(), *([self.default] if self.default is not None else [])]
-        for reward in rewards:
+        for reward in self._rewards:
             if not callable(reward):
                 raise TypeError(f"a route's reward must be callable, got {reward!r}")
-        answers = {_answer_values(r) for r in rewards}
+        answers = {_answer_values(r) for r in self._rewards}
         if len(answers) == 1 and None not in answers:
             correct, incorrect = answers.pop()
             object.__setattr__(self, "correct", correct)
             object.__setattr__(self, "incorrect", incorrect)
 
     @property
+    def _rewards(self) -> tuple[RewardFn, ...]:
+        """Every route's reward, then ``default`` when there is one."""
+        return (*self.routes.values(), *(() if self.default is None else (self.default,)))
+
+    @property
     def is_async(self) -> bool:
-        rewards = [*self.routes.values(), *([self.default] if self.default is not None else [])]
-        return any(map(is_async_reward, rewards))
+        return any(map(is_async_reward, self._rewards))
 
     @property
     def required_fields(self) -> tuple[str, ...]:
         needed = [self.by]
-        for reward in [*self.routes.values(), self.default]:
+        for reward in self._rewards:
             needed += [f for f in getattr(reward, "required_fields", ()) if f not in needed]
         return tuple(needed)
 
@@ -103,13 +105,11 @@ class Routed:
                     f"no reward for {self.by} = {value!r} (sample {rows[0]}); the routes are "
                     f"{', '.join(map(repr, self.routes))}: add one, or set `default`"
                 )
-            raw = reward(
-                [prompts[i] for i in rows],
-                [completions[i] for i in rows],
-                **{k: [column[i] for i in rows] for k, column in fields.items()},
+            raw = _called(
+                reward,
+                ([prompts[i] for i in rows], [completions[i] for i in rows]),
+                {k: [column[i] for i in rows] for k, column in fields.items()},
             )
-            if inspect.isawaitable(raw):
-                raw = run_awaitable(raw)
             values = _as_values(raw)
             if values is None or len(values) != len(rows):
                 got = "no list" if values is None else f"{len(values)} scores"

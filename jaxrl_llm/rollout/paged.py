@@ -355,8 +355,7 @@ def write_back(
     k = valid_kn.shape[0]
     pos_nk = lens_n[:, None] + jnp.arange(k, dtype=jnp.int32)[None]
     valid_nk = valid_kn.T
-    s = dense.k[0].shape[-1]
-    slot_nk = jnp.where(valid_nk, pos_nk, 0) % s  # invalid steps read a slot, write the trash
+    slot_nk = jnp.where(valid_nk, pos_nk, 0)  # invalid steps read slot 0, write the trash
     rows_n1 = jnp.arange(lens_n.shape[0])[:, None]
     page_nk = jnp.where(valid_nk, table_nw[rows_n1, slot_nk // page_size], TRASH_PAGE)
     off_nk = jnp.where(valid_nk, slot_nk % page_size, 0)
