@@ -140,6 +140,10 @@ class RolloutConfig:
     paged_kernel_tuning: Mapping[str, int] = _field(FrozenDict())
     # Devices per paged engine (vLLM's tensor_parallel_size); 0 = one per data shard; rollout.md.
     tensor_parallel: int = _field(0, ge=0)
+    # Paged engine's decode slots (vLLM's max_num_seqs); 0 = min(next_pow2(B·G), 256).
+    max_num_seqs: int = _field(0, ge=0)
+    # Paged engine's KV pool in tokens (SGLang's max_total_tokens); 0 = 64 × (P + T).
+    max_total_tokens: int = _field(0, ge=0)
     # Completions cut at max_new_tokens carry no loss (TRL's mask_truncated_completions).
     mask_truncated_completions: bool = False
     # Also collect each token's full-vocabulary log-prob at τ = 1, no top-k/top-p (Groups).

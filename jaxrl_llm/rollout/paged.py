@@ -8,12 +8,17 @@ prompt's full pages (prefill once, no copy, reference-counted); only the partial
 prompt page exists once per sample, written G times by the prefill itself (copy-on-write done
 eagerly for that one page).
 
-Scheduling (continuous batching, Yu et al. 2022, "Orca"): ``num_slots`` decode slots. A prompt
-is admitted when G slots are free and the pool can hold its worst case (prompt plus each
-sample's budget; the reservation is counted, pages are taken lazily), so no admitted sequence
-ever waits for a page and nothing is preempted. Up to 32 admitted prompts are prefilled together,
-in chunks of at most ``prefill_chunk`` tokens (chunked prefill, Agrawal et al. 2023, "Sarathi"),
-between decode dispatches; each decode dispatch is a ``lax.while_loop`` of
+Scheduling (continuous batching, Yu et al. 2022, "Orca"; admission and preemption as in vLLM,
+Kwon et al. 2023): ``num_slots`` decode slots. A prompt is admitted when G slots are free and
+the free pages hold its prompt and its samples' next dispatch, not its worst case: KV memory,
+and so the number of sequences decoding at once, follows the live tokens. Before each decode
+dispatch every live slot takes the pages its next tokens need; when the pool cannot give them,
+the dispatch runs fewer steps, and when it cannot give even one step's, the most recently
+admitted sequence is preempted: its pages go back to the pool and it waits, first in the queue,
+to be recomputed (its prompt and tokens so far prefilled again, into pages of its own) and
+continued from the token it had reached with the same keys. Up to 32 admitted prompts are
+prefilled together, in chunks of at most ``prefill_chunk`` tokens (chunked prefill, Agrawal et
+al. 2023, "Sarathi"), between decode dispatches; each decode dispatch is a ``lax.while_loop`` of
 ``steps_per_dispatch`` one-token steps over the live slots, packed into the smallest power-of-two
 row bucket that holds them (at least 8, at most ``num_slots``: the batch's long tail decodes
 at the width of what is left), so the host is visited once per k tokens. A slot whose sequence
@@ -111,6 +116,13 @@ def _chunk_width(n: int) -> int:
 _MIN_SLOT_BUCKET = 8
 """Decode dispatches run at least this many rows (or ``num_slots``): fewer compiled shapes."""
 
+_DEFAULT_MAX_SLOTS = 256
+"""The default ``num_slots`` is at most this (vLLM's default ``max_num_seqs``)."""
+
+_DEFAULT_POOL_SEQS = 64
+"""The default pool holds this many sequences' worst case (a longest prompt and
+``max_new_tokens``), or ``num_slots`` if fewer; more, shorter ones decode in it at once."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PagedOptions:
@@ -118,12 +130,15 @@ class PagedOptions:
 
     Attributes:
       page_size: tokens per page.
-      num_slots: decode slots (sequences decoded at once); default ``min(next_pow2(B·G), 64)``
-        and at least G. Must be >= G (a prompt's G samples are admitted together).
-      num_pages: pages in the pool, the trash page included; default enough for every slot
-        to hold a longest prompt plus ``max_new_tokens`` (the static engine's memory for
-        ``num_slots`` rows), plus the trash page. The pool is allocated at this size; a
-        smaller value caps KV memory (admission then waits until a prompt's worst case fits).
+      num_slots: decode slots (the most sequences decoded at once; vLLM's ``max_num_seqs``);
+        default ``min(next_pow2(B·G), 256)`` and at least G. Must be >= G (a prompt's G
+        samples are admitted together).
+      num_pages: pages in the pool, the trash page included; default enough for
+        ``min(num_slots, 64)`` sequences to hold a longest prompt plus ``max_new_tokens`` each
+        (the static engine's memory for that many rows), plus the trash page. The pool is
+        allocated at this size and caps KV memory: sequences are admitted while their live
+        tokens fit, and preempted (recomputed later) when they outgrow it. Each sample's
+        worst case alone must fit.
       steps_per_dispatch: the most decode steps per compiled dispatch (the host visits once
         per k tokens); a dispatch returns earlier when G slots free up for waiting prompts, or
         when the live rows fit half its row bucket (none waiting).
@@ -162,13 +177,15 @@ class PagedOptions:
 
 class PagedStats(NamedTuple):
     """What a paged run used: peak pages held (trash excluded), bytes per page (keys and
-    values of every layer), compiled-program calls, and pages still held at the end (0)."""
+    values of every layer), compiled-program calls, pages still held at the end (0), and how
+    many times a sequence was preempted (its pages taken back, to be recomputed)."""
 
     peak_pages: int
     page_bytes: int
     decode_dispatches: int
     prefill_calls: int
     pages_in_use_at_end: int
+    preemptions: int = 0
 
     @property
     def peak_kv_bytes(self) -> int:
@@ -711,10 +728,12 @@ def _decode(
     stop_ids_s: jax.Array,
     refill_at: jax.Array,
     shrink_at: jax.Array,
+    max_steps: jax.Array,
     *,
     static: _Static,
 ) -> tuple[PagePool, _SlotState, jax.Array, jax.Array, jax.Array, jax.Array | None]:
-    """Up to ``static.steps`` decode steps of every slot: ``(pool, state, tokens, logps,
+    """Up to ``min(static.steps, max_steps)`` decode steps of every slot (``max_steps``: what
+    the pages the host gave the slots hold): ``(pool, state, tokens, logps,
     valid, full logps or None)``, the last four ``[k, N]``. Returns early, after the step in which
     ``refill_at`` of the slots have finished (the host has prompts waiting for that many
     slots; a large value: never), or in which the live slots drop to ``shrink_at`` (they fit
@@ -773,7 +792,12 @@ def _decode(
         i, _, st, *_ = carry
         finished = jnp.sum(state.alive_n & ~st.alive_n)
         live = jnp.sum(st.alive_n)
-        return (i < k) & (finished < refill_at) & (live > shrink_at) & (live > 0)
+        return (
+            (i < jnp.minimum(k, max_steps))
+            & (finished < refill_at)
+            & (live > shrink_at)
+            & (live > 0)
+        )
 
     # The reference path gathers the rows' contexts once per dispatch (``DenseContext``) and
     # writes the pool once after it (``write_back``); the kernels write the pool at every step.
@@ -813,7 +837,7 @@ class _Seq:
     prompt_len: int
     budget: int
     pages: list[int]
-    reserved: int
+    admitted: int  # admission order (prompts are admitted in order): latest preempted first
     tokens: list[int] = dataclasses.field(default_factory=list)
     logps: list[float] = dataclasses.field(default_factory=list)
     full_logps: list[float] = dataclasses.field(default_factory=list)
@@ -850,7 +874,7 @@ def resolve_options(
         )
     slots = o.num_slots
     if slots is None:
-        slots = max(min(_next_pow2(num_seqs), 64), _next_pow2(num_samples))
+        slots = max(min(_next_pow2(num_seqs), _DEFAULT_MAX_SLOTS), _next_pow2(num_samples))
     if slots < num_samples:
         raise ValueError(
             f"generate(engine='paged'): num_slots={slots} is smaller than num_samples="
@@ -858,7 +882,8 @@ def resolve_options(
         )
     pages = o.num_pages
     if pages is None:
-        pages = 1 + slots * _ceil_div(longest_prompt + max_new_tokens, o.page_size)
+        seqs = min(slots, _DEFAULT_POOL_SEQS)
+        pages = 1 + seqs * _ceil_div(longest_prompt + max_new_tokens, o.page_size)
     if pages < 2:
         raise ValueError(
             f"generate(engine='paged'): num_pages={pages} leaves no page for tokens (page "
@@ -908,7 +933,8 @@ def prefill_rows(prompts: int) -> int:
 
 def max_prefill_group(num_prompts: int, num_samples: int, num_slots: int) -> int:
     """The most prompts ``run`` admits (and prefills) together: at most :data:`_PREFILL_ROWS`,
-    the prompts there are, and ``num_slots // G`` (a prompt's G samples take G free slots)."""
+    the prompts there are, and ``num_slots // G`` (a prompt's G samples take G free slots).
+    Also the most preempted sequences recomputed in one prefill call."""
     return max(1, min(_PREFILL_ROWS, num_prompts, num_slots // num_samples))
 
 
@@ -1012,7 +1038,8 @@ def worst_case_programs(
     - prefill: :func:`max_prefill_group` prompts in :func:`prefill_rows` rows; of the longest
       prompt's chunks (:func:`prefill_chunk_shape`), the one with the largest
       ``width × table pages`` (its attention scores' size; one chunk unless the prompt is
-      longer than ``prefill_chunk``).
+      longer than ``prefill_chunk``); when the pool cannot hold every sequence's longest
+      context at once (so ``run`` may preempt), of the longest recomputed context's chunks.
     """
     g, ps = num_samples, options.page_size
 
@@ -1067,14 +1094,20 @@ def worst_case_programs(
         sds((num_stop_ids,)),
         i32,
         i32,
+        i32,
     )
     decode = ProgramArgs(_decode, decode_args, static, n, options.steps_per_dispatch, width)
 
     r = prefill_rows(max_prefill_group(num_prompts, g, options.num_slots))
     chunk = options.prefill_chunk
+    # A pool that cannot hold every sequence's longest context may preempt: a recomputed
+    # sequence's context (its prompt and up to T - 1 tokens) is prefilled too.
+    longest = longest_prompt
+    if options.num_pages - 1 < min(options.num_slots, num_prompts * g) * held:
+        longest = longest_prompt + max_new_tokens - 1
     shapes = [
-        prefill_chunk_shape(start, min(chunk, longest_prompt - start), chunk, ps, kernel)
-        for start in range(0, longest_prompt, chunk)
+        prefill_chunk_shape(start, min(chunk, longest - start), chunk, ps, kernel)
+        for start in range(0, longest, chunk)
     ]
     c, cover = max(shapes, key=lambda wp: wp[0] * wp[1])
     prefill_args = (
@@ -1169,13 +1202,20 @@ def run(
     if token_offsets_bg is None:
         token_offsets_bg = np.zeros((b_count, g), np.int32)
 
-    def group_need(b: int) -> int:
-        n_full = len(prompts[b]) // ps
-        per = [_ceil_div(len(prompts[b]) + int(budgets_bg[b, i]) - 1, ps) for i in range(g)]
-        return n_full + sum(max(p, n_full) - n_full for p in per)
+    def group_pages(b: int, horizon: int) -> int:
+        """Pages prompt ``b``'s G samples hold with up to ``horizon`` tokens each decoded: the
+        shared full prompt pages once, then each sample's partial last prompt page and new
+        pages."""
+        p = len(prompts[b])
+        n_full = p // ps
+        per = [_ceil_div(p + min(horizon, int(budgets_bg[b, i])) - 1, ps) for i in range(g)]
+        return n_full + sum(max(q, n_full) - n_full for q in per)
 
     for b in range(b_count):
-        need = group_need(b)
+        # Admitted, the group needs its prompt and first tokens' pages; alone, each sample
+        # must be able to finish (every other sequence preempted).
+        alone = max(_ceil_div(len(prompts[b]) + int(x) - 1, ps) for x in budgets_bg[b])
+        need = max(group_pages(b, 1), alone)
         if need > options.num_pages - 1:
             raise ValueError(
                 f"generate(engine='paged'): prompt {b} ({len(prompts[b])} tokens, G={g}, "
@@ -1195,47 +1235,103 @@ def run(
     max_width = max_table_width(max(len(p) for p in prompts), max_new_tokens, ps)
 
     pending = deque(range(b_count))
+    most = max_prefill_group(b_count, g, slots)  # entries per prefill call
+    resume: list[int] = []  # preempted sequences, oldest admission first: recomputed first
     finished: dict[int, _Seq] = {}
-    dispatches = prefills = 0
+    dispatches = prefills = preemptions = 0
+
+    def take(n: int, refs: int = 1) -> list[int]:
+        assert alloc.reserve(n), (n, alloc.available)
+        return alloc.take(n, refs=refs)
 
     def finish(s: int) -> None:
         seq = seqs.pop(s)
         alloc.release(seq.pages)
-        alloc.unreserve(seq.reserved)
         finished[s] = seq
 
-    def reserve_group(b: int) -> np.ndarray:
-        """Reserves prompt ``b``'s worst case, takes its prompt pages, registers its G
-        sequences; returns the page of each prompt token for each sample, ``[P_b, G]``: the
-        shared full pages, then sample ``i``'s own copy of the partial last page."""
+    def seat(sid: int) -> None:
+        """Puts sequence ``sid`` (its KV cache written up to its last token) in a free slot."""
+        seq = seqs[sid]
+        slot = slot_seq.index(-1)
+        n = len(seq.tokens)
+        slot_seq[slot] = sid
+        lens[slot], token[slot], alive[slot] = seq.prompt_len + n - 1, seq.tokens[-1], True
+        remaining[slot] = seq.budget - n
+        gen_pos[slot] = token_offsets_bg[seq.prompt, seq.sample] + n
+        seq_id[slot] = seq_ids_bg[seq.prompt, seq.sample]
+
+    def preempt(slot: int) -> None:
+        """Takes slot ``slot``'s sequence off the pool (vLLM's recompute preemption): its pages
+        go back, its tokens stay, and it waits to be prefilled again and continued."""
+        nonlocal preemptions
+        sid = slot_seq[slot]
+        seq = seqs[sid]
+        alloc.release(seq.pages)
+        seq.pages = []
+        slot_seq[slot], alive[slot] = -1, False
+        resume.append(sid)
+        resume.sort(key=lambda s: seqs[s].admitted)
+        preemptions += 1
+
+    def new_group(b: int) -> tuple[np.ndarray, np.ndarray, Any]:
+        """Registers prompt ``b``'s G sequences and takes its prompt pages; returns its prefill
+        entry: the prompt, the page of each prompt token for each sample ``[P_b, G]`` (the
+        shared full pages, then sample ``i``'s own copy of the partial last page) and how to
+        seat the samples."""
         p = len(prompts[b])
-        assert alloc.reserve(group_need(b))
         n_full, tail = p // ps, p % ps
-        shared = alloc.take(n_full, refs=g)
-        tails = [alloc.take(1) for _ in range(g)] if tail else [[] for _ in range(g)]
+        shared = take(n_full, refs=g)
+        tails = [take(1) for _ in range(g)] if tail else [[] for _ in range(g)]
         for i in range(g):
-            total = max(_ceil_div(p + int(budgets_bg[b, i]) - 1, ps), n_full)
-            owned = n_full + len(tails[i])
             budget = int(budgets_bg[b, i])
-            seqs[b * g + i] = _Seq(b, i, p, budget, shared + tails[i], total - owned)
+            seqs[b * g + i] = _Seq(b, i, p, budget, shared + tails[i], admitted=b)
         page_of_jg = np.empty((p, g), np.int32)
         page_of_jg[: n_full * ps] = np.repeat(np.asarray(shared, np.int32), ps)[:, None]
         if tail:
             page_of_jg[n_full * ps :] = np.asarray([t[0] for t in tails], np.int32)[None]
-        return page_of_jg
 
-    def admit(group: list[int]) -> None:
-        """Prefills the prompts ``group`` together (chunk by chunk, the rows of a chunk the
-        prompts that still have tokens), then seats their samples in free slots."""
+        def start(first: tuple[np.ndarray, np.ndarray, np.ndarray | None]) -> None:
+            tok_g, logp_g, full_g = first
+            for i in range(g):
+                sid = b * g + i
+                seq = seqs[sid]
+                seq.tokens.append(int(tok_g[i]))
+                seq.logps.append(float(logp_g[i]))
+                if full_g is not None:
+                    seq.full_logps.append(float(full_g[i]))
+                seq.stopped = int(tok_g[i]) in stop_set
+                if seq.stopped or seq.budget == 1:
+                    finish(sid)
+                else:
+                    seat(sid)
+
+        return prompts[b], page_of_jg, (seq_ids_bg[b], token_offsets_bg[b], start)
+
+    def recompute(sid: int) -> tuple[np.ndarray, np.ndarray, Any]:
+        """The prefill entry of preempted sequence ``sid``: its prompt and all its tokens but
+        the last (the next input), into pages of its own (every sample column the same); the
+        prefill's sampled token is not used."""
+        seq = seqs[sid]
+        ctx = np.concatenate([prompts[seq.prompt], np.asarray(seq.tokens[:-1], np.int32)])
+        seq.pages = take(_ceil_div(len(ctx), ps))
+        page_of = np.repeat(np.asarray(seq.pages, np.int32), ps)[: len(ctx)]
+        ids = np.full((g,), seq_ids_bg[seq.prompt, seq.sample], np.int32)
+        pos = np.full((g,), token_offsets_bg[seq.prompt, seq.sample], np.int32)
+        return ctx, np.repeat(page_of[:, None], g, axis=1), (ids, pos, lambda _: seat(sid))
+
+    def prefill(entries: list[tuple[np.ndarray, np.ndarray, Any]]) -> None:
+        """Prefills ``entries`` (context tokens, page of each token per sample ``[n, G]``,
+        (sequence ids ``[G]``, token offsets ``[G]``, seat callback)) together, chunk by chunk
+        (the rows of a chunk the entries that still have tokens), then seats each entry's
+        sequences (the callback gets the entry's sampled tokens, log-probs, full log-probs)."""
         nonlocal pool, prefills
-        page_of = {b: reserve_group(b) for b in group}
         first: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
         start = 0
-        while len(first) < len(group):
+        while len(first) < len(entries):
             memory_maps.relieve(where="rollout.generate (paged prefill)")
-            rows_b = [b for b in group if len(prompts[b]) > start]
-            rows = prefill_rows(len(rows_b))
-            length_r = [min(chunk, len(prompts[b]) - start) for b in rows_b]
+            rows_e = [e for e, (ctx, _, _) in enumerate(entries) if len(ctx) > start]
+            rows = prefill_rows(len(rows_e))
+            length_r = [min(chunk, len(entries[e][0]) - start) for e in rows_e]
             # The chunk is written first and read from the pool too: the table covers
             # start + width_c (the reference exactly, the kernels in multiples of 128
             # tokens). Chunk widths are bucketed and start is a multiple of the chunk: a few
@@ -1249,15 +1345,16 @@ def run(
             last = np.zeros((rows,), np.int32)
             ids = np.zeros((rows, g), np.int32)
             pos = np.zeros((rows, g), np.int32)
-            for r, (b, n) in enumerate(zip(rows_b, length_r, strict=True)):
-                tok[r, :n] = prompts[b][start : start + n]
+            for r, (e, n) in enumerate(zip(rows_e, length_r, strict=True)):
+                ctx, page_of, (ids_g, pos_g, _) = entries[e]
+                tok[r, :n] = ctx[start : start + n]
                 valid[r, :n] = True
-                wpage[r, :n] = page_of[b][start : start + n]
+                wpage[r, :n] = page_of[start : start + n]
                 woff[r, :n] = np.arange(start, start + n) % ps
-                table[r, : _ceil_div(start + n, ps)] = page_of[b][: start + n : ps, 0]
+                table[r, : _ceil_div(start + n, ps)] = page_of[: start + n : ps, 0]
                 last[r] = n - 1
-                ids[r] = seq_ids_bg[b]
-                pos[r] = token_offsets_bg[b]
+                ids[r] = ids_g
+                pos[r] = pos_g
             pool, tok_rg, logp_rg, full_rg = _prefill(
                 graphdef,
                 params,
@@ -1278,36 +1375,67 @@ def run(
                 static=static,
             )
             prefills += 1
-            ends = [r for r, b in enumerate(rows_b) if len(prompts[b]) <= start + chunk]
+            ends = [r for r, e in enumerate(rows_e) if len(entries[e][0]) <= start + chunk]
             if ends:
                 tok_rg, logp_rg = np.asarray(tok_rg), np.asarray(logp_rg)
                 full_rg = None if full_rg is None else np.asarray(full_rg)
                 for r in ends:
-                    first[rows_b[r]] = (
-                        tok_rg[r],
-                        logp_rg[r],
-                        None if full_rg is None else full_rg[r],
-                    )
+                    full = None if full_rg is None else full_rg[r]
+                    first[rows_e[r]] = (tok_rg[r], logp_rg[r], full)
             start += chunk
-        free_slots = [i for i, s in enumerate(slot_seq) if s < 0]
-        for b in group:
-            tok_g, logp_g, full_g = first[b]
-            for i in range(g):
-                sid = b * g + i
-                seq = seqs[sid]
-                seq.tokens.append(int(tok_g[i]))
-                seq.logps.append(float(logp_g[i]))
-                if full_g is not None:
-                    seq.full_logps.append(float(full_g[i]))
-                seq.stopped = int(tok_g[i]) in stop_set
-                if seq.stopped or seq.budget == 1:
-                    finish(sid)
-                    continue
-                slot = free_slots.pop(0)
-                slot_seq[slot] = sid
-                lens[slot], token[slot], alive[slot] = len(prompts[b]), tok_g[i], True
-                remaining[slot], gen_pos[slot] = seq.budget - 1, token_offsets_bg[b, i] + 1
-                seq_id[slot] = seq_ids_bg[b, i]
+        for e, (_, _, (_, _, seat_entry)) in enumerate(entries):
+            seat_entry(first[e])
+
+    def admit() -> bool:
+        """Prefills what fits now: preempted sequences first (oldest first; nothing new is
+        admitted while one waits), then prompts in order, up to :func:`max_prefill_group`
+        entries. An entry fits when its slots are free and the free pages hold its context and
+        its sequences' next dispatch (only the next token when nothing is decoding: then it
+        always fits)."""
+        entries, free = [], slot_seq.count(-1)
+        available = alloc.available
+        while resume and len(entries) < most and free >= 1:
+            seq = seqs[resume[0]]
+            horizon = k if any(alive) or entries else 1
+            ctx = seq.prompt_len + len(seq.tokens) - 1
+            need = _ceil_div(ctx + min(horizon, seq.budget - len(seq.tokens)), ps)
+            if need > available:
+                break
+            available -= need
+            free -= 1
+            entries.append(recompute(resume.pop(0)))
+        while not resume and pending and len(entries) < most and free >= g:
+            horizon = k if any(alive) or entries else 1
+            need = group_pages(pending[0], horizon)
+            if need > available:
+                break
+            available -= need
+            free -= g
+            entries.append(new_group(pending.popleft()))
+        if entries:
+            prefill(entries)
+        return bool(entries)
+
+    def plan_pages() -> int:
+        """Gives every live slot the pages of its next dispatch's tokens (oldest admission
+        first) and returns the dispatch's steps: ``k``, or fewer when the free pages do not
+        hold ``k`` more tokens of every live slot; when they do not hold even one, the most
+        recently admitted sequences are preempted until they do."""
+        while True:
+            live = sorted(np.flatnonzero(alive), key=lambda s: seqs[slot_seq[s]].admitted)
+
+            def extra(s: int, steps: int) -> int:
+                want = _ceil_div(int(lens[s]) + min(steps, int(remaining[s])), ps)
+                return max(want - len(seqs[slot_seq[s]].pages), 0)
+
+            steps = k
+            while steps >= 1 and sum(extra(s, steps) for s in live) > alloc.available:
+                steps //= 2
+            if steps >= 1:
+                for s in live:
+                    seqs[slot_seq[s]].pages += take(extra(s, steps))
+                return steps
+            preempt(live[-1])
 
     with contextlib.ExitStack() as stack:
         if mesh is not None:
@@ -1315,29 +1443,14 @@ def run(
         while pending or seqs:
             # XLA:CPU: each new bucket's programs map hundreds of regions (memory_maps).
             memory_maps.relieve(where="rollout.generate (paged decode)")
-            while True:  # admit groups of up to 8 prompts while slots and pages allow
-                group, free, available = [], sum(s < 0 for s in slot_seq), alloc.available
-                while pending and len(group) < _PREFILL_ROWS and free >= g:
-                    if available < group_need(pending[0]):
-                        break
-                    available -= group_need(pending[0])
-                    free -= g
-                    group.append(pending.popleft())
-                if not group:
-                    break
-                admit(group)
+            while admit():
+                pass
             if not any(alive):
+                # Nothing decoding holds no page, and each sequence alone fits the pool.
+                assert not (pending or resume), "paged scheduler: nothing admissible"
                 continue
-            # Pages for the next k tokens of every live slot (from its reservation).
-            needed = 1
-            for slot in np.flatnonzero(alive):
-                seq = seqs[slot_seq[slot]]
-                want = _ceil_div(int(lens[slot]) + min(k, int(remaining[slot])), ps)
-                extra = want - len(seq.pages)
-                if extra > 0:
-                    seq.pages += alloc.take(extra)
-                    seq.reserved -= extra
-                needed = max(needed, len(seq.pages))
+            steps = plan_pages()
+            needed = max(len(seqs[slot_seq[s]].pages) for s in np.flatnonzero(alive))
             width = decode_table_width(needed, ps, max_width)
             # The live slots, packed into the smallest slot bucket that holds them (a
             # sequence's tokens do not depend on its row): the long tail of a batch decodes
@@ -1351,10 +1464,12 @@ def run(
                 table[j, : len(pages)] = pages
             arrays = (lens, token, alive, remaining, gen_pos, seq_id)
             state = _SlotState(*(x[rows_j] for x in arrays))
-            # With prompts waiting, return as soon as enough slots free up to admit one.
-            waiting = bool(pending)
-            free_now = sum(s < 0 for s in slot_seq)
-            refill_at = np.int32(max(g - free_now, 1) if waiting else 2**30)
+            # With sequences waiting, return as soon as enough slots free up to admit one (a
+            # preempted sequence needs one, a prompt G); the pages they need free up too.
+            waiting = bool(pending or resume)
+            free_now = slot_seq.count(-1)
+            wanted = 1 if resume else g
+            refill_at = np.int32(max(wanted - free_now, 1) if waiting else 2**30)
             # Without prompts waiting, also return once the live rows fit half the bucket, so
             # that the tail decodes at its own width whatever steps_per_dispatch is.
             half = bucket // 2
@@ -1372,6 +1487,7 @@ def run(
                 stop_ids,
                 refill_at,
                 shrink_at,
+                np.int32(steps),
                 static=static,
             )
             dispatches += 1
@@ -1410,7 +1526,7 @@ def run(
         truncated[seq.prompt, seq.sample] = not seq.stopped
         if full is not None:
             full[seq.prompt, seq.sample, :n] = seq.full_logps
-    stats = PagedStats(alloc.peak, page_bytes, dispatches, prefills, alloc.in_use)
+    stats = PagedStats(alloc.peak, page_bytes, dispatches, prefills, alloc.in_use, preemptions)
     outputs = (tokens, mask, logps, truncated)
     return (outputs if full is None else (*outputs, full)), stats
 

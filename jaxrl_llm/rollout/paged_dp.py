@@ -86,6 +86,7 @@ class DataParallelStats(paged.PagedStats):
             decode_dispatches=sum(s.decode_dispatches for s in ran),
             prefill_calls=sum(s.prefill_calls for s in ran),
             pages_in_use_at_end=sum(s.pages_in_use_at_end for s in ran),
+            preemptions=sum(s.preemptions for s in ran),
         )
         out.shards = tuple(shards)
         return out

@@ -1057,11 +1057,15 @@ def plan_paged_rollout(
     )
     kept = int(kept) if resident else 0
     try:
+        from jaxrl_llm.train import setup as su
+
         options = paged.resolve_options(
-            paged.PagedOptions(
-                attention=r.paged_attention,
-                kernel_tuning=r.paged_kernel_tuning,
-                tensor_parallel=r.tensor_parallel,
+            su.paged_options(
+                r.paged_attention,
+                r.paged_kernel_tuning,
+                r.tensor_parallel,
+                r.max_num_seqs,
+                r.max_total_tokens,
             ),
             num_seqs=per_engine * g,
             num_samples=g,

@@ -69,6 +69,27 @@ PAD_MULTIPLE = 32  # prompt widths are padded to a multiple of this (fewer disti
 # The resolved values.
 
 
+def paged_options(
+    attention: str,
+    kernel_tuning: Any,
+    tensor_parallel: int,
+    max_num_seqs: int,
+    max_total_tokens: int,
+) -> PagedOptions:
+    """The paged engine's options from the ``rollout`` config's knobs (``paged_attention``,
+    ``paged_kernel_tuning``, ``tensor_parallel``, ``max_num_seqs``, ``max_total_tokens``;
+    0: the engine's default): the pool is ``max_total_tokens`` rounded up to whole pages, plus
+    the trash page."""
+    page_size = PagedOptions.page_size
+    return PagedOptions(
+        attention=attention,
+        kernel_tuning=kernel_tuning,
+        tensor_parallel=tensor_parallel,
+        num_slots=max_num_seqs or None,
+        num_pages=1 + -(-max_total_tokens // page_size) if max_total_tokens else None,
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampler:
     """How completions are drawn.
@@ -87,6 +108,8 @@ class Sampler:
       paged_kernel_tuning: its GPU decode kernel's launch parameters
         (``PagedOptions.kernel_tuning``), as sorted pairs.
       tensor_parallel: devices per paged engine (``PagedOptions.tensor_parallel``).
+      max_num_seqs: the paged engine's decode slots (``PagedOptions.num_slots``; 0: default).
+      max_total_tokens: its pool in tokens (``PagedOptions.num_pages`` pages; 0: default).
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).
       full_logprobs: also sample the full-vocabulary τ = 1 log-probs
@@ -104,15 +127,19 @@ class Sampler:
     paged_attention: str = "auto"
     paged_kernel_tuning: tuple[tuple[str, int], ...] = ()
     tensor_parallel: int = 0
+    max_num_seqs: int = 0
+    max_total_tokens: int = 0
     mask_truncated: bool = False
     full_logprobs: bool = False
 
     def paged_options(self) -> PagedOptions:
         """The paged engine's options this sampler sets (the rest: the engine's defaults)."""
-        return PagedOptions(
-            attention=self.paged_attention,
-            kernel_tuning=self.paged_kernel_tuning,
-            tensor_parallel=self.tensor_parallel,
+        return paged_options(
+            self.paged_attention,
+            self.paged_kernel_tuning,
+            self.tensor_parallel,
+            self.max_num_seqs,
+            self.max_total_tokens,
         )
 
     def greedy(self, max_new_tokens: int | None = None) -> Sampler:
@@ -806,6 +833,8 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         paged_attention=r.paged_attention,
         paged_kernel_tuning=tuple(sorted(r.paged_kernel_tuning.items())),
         tensor_parallel=r.tensor_parallel,
+        max_num_seqs=r.max_num_seqs,
+        max_total_tokens=r.max_total_tokens,
         mask_truncated=r.mask_truncated_completions,
         full_logprobs=r.full_logprobs,
     )

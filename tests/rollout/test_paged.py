@@ -125,11 +125,11 @@ def test_sampled_tokens_do_not_depend_on_slots_order_or_neighbours(tiny_pair):
     assert stats.prefill_calls == 2
     assert_same(one_group, wide)
     # A pool just big enough for the largest prompt's worst case (9 pages): admission waits
-    # for pages, the samples are the same.
+    # for pages and sequences are preempted and recomputed; the samples are the same.
     tight = dataclasses.replace(SMALL, num_pages=10)
     tight, stats = rollout.generate(model, ids, mask, paged_options=tight, return_stats=True, **kw)
     assert_same(tight, wide)
-    assert stats.peak_pages <= 9 and stats.pages_in_use_at_end == 0
+    assert stats.peak_pages <= 9 and stats.pages_in_use_at_end == 0 and stats.preemptions > 0
     # The first two prompts alone (other neighbours, other admission times) sample the same.
     kw["max_new_tokens_bg"] = BUDGETS[:2]
     alone = rollout.generate(model, ids[:2], mask[:2], paged_options=SMALL, **kw)
@@ -141,6 +141,70 @@ def test_sampled_tokens_do_not_depend_on_slots_order_or_neighbours(tiny_pair):
     kw["rng"] = jax.random.key(8)
     other = rollout.generate(model, ids[:2], mask[:2], paged_options=SMALL, **kw)
     assert not np.array_equal(np.asarray(other.tokens), np.asarray(alone.tokens))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_pool_smaller_than_the_live_tokens_preempts_and_recomputes_the_same_tokens(
+    tiny_pair, temperature
+):
+    """11 usable pages for 10 sequences that need up to 9 each: decoding together, they
+    outgrow the pool; the latest admitted are preempted, recomputed and continued. Tokens,
+    log-probs and full log-probs are those of a pool that holds them all."""
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=6, lengths=LENGTHS)
+    kw = dict(
+        rng=jax.random.key(4),
+        max_new_tokens=T,
+        num_samples=G,
+        temperature=temperature,
+        top_k=20,
+        stop_token_ids=(),
+        engine="paged",
+        return_full_logprobs=True,
+        return_stats=True,
+    )
+    wide = dataclasses.replace(SMALL, num_slots=16)
+    ref, ref_stats = rollout.generate(model, ids, mask, paged_options=wide, **kw)
+    assert ref_stats.preemptions == 0
+    tight = dataclasses.replace(wide, num_pages=12)
+    out, stats = rollout.generate(model, ids, mask, paged_options=tight, **kw)
+    assert stats.preemptions >= 3 and stats.peak_pages <= 11 and stats.pages_in_use_at_end == 0
+    assert_same(ref, out)
+    np.testing.assert_allclose(
+        np.asarray(out.full_logprobs), np.asarray(ref.full_logprobs), atol=1e-5
+    )
+    np.testing.assert_array_equal(np.asarray(out.mask).sum(-1), T)  # every token made
+    with CompileCounter() as compiles:  # the recompute prefill's shapes are reused
+        again, again_stats = rollout.generate(model, ids, mask, paged_options=tight, **kw)
+        jax.block_until_ready(again)
+    assert compiles.count == 0 and again_stats.preemptions == stats.preemptions
+    assert_same(out, again, logp_atol=0.0)
+
+
+def test_admission_follows_live_tokens_not_the_worst_case(tiny_pair):
+    """A pool that holds two groups' worst case (7 pages each: 4-token prompts, G = 2, T =
+    12) admits all four prompts in one prefill call when their tokens fit: each sequence here
+    stops by its third token (a stop id), so nothing is preempted and the tokens are those of
+    a larger pool. Reserving the worst case would have admitted two prompts at a time."""
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=7, lengths=(4, 4, 4, 4))
+    kw = dict(
+        rng=jax.random.key(5),
+        max_new_tokens=T,
+        num_samples=G,
+        temperature=0.0,
+        engine="paged",
+        return_stats=True,
+    )
+    options = paged.PagedOptions(page_size=4, num_slots=8, steps_per_dispatch=4)
+    free_run, _ = rollout.generate(model, ids, mask, paged_options=options, stop_token_ids=(), **kw)
+    stop = sorted(set(np.asarray(free_run.tokens)[:, :, 2].ravel().tolist()))
+    ref, _ = rollout.generate(model, ids, mask, paged_options=options, stop_token_ids=stop, **kw)
+    assert np.asarray(ref.mask).sum(-1).max() <= 3
+    tight = dataclasses.replace(options, num_pages=1 + 2 * 7)
+    out, stats = rollout.generate(model, ids, mask, paged_options=tight, stop_token_ids=stop, **kw)
+    assert stats.prefill_calls == 1 and stats.preemptions == 0
+    assert_same(ref, out)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -387,6 +451,14 @@ def test_rollout_engine_config_reaches_the_sampler():
     assert setup.sampler.engine == "paged" and setup.sampler.greedy().engine == "paged"
     with pytest.raises(ConfigError, match="engine"):
         H.config("tiny.yaml", "rollout.engine=vllm")
+    # The slots and the pool: the engine's defaults, or the config's (tokens -> whole pages).
+    options = setup.sampler.paged_options()
+    assert options.num_slots is None and options.num_pages is None
+    sized = ("rollout.max_num_seqs=8", "rollout.max_total_tokens=100")
+    options = S.resolve(H.config("tiny.yaml", *small, *sized)).sampler.paged_options()
+    assert options.num_slots == 8 and options.num_pages == 1 + 7  # 16-token pages
+    with pytest.raises(ConfigError, match="max_total_tokens"):
+        H.config("tiny.yaml", "rollout.max_total_tokens=-1")
 
 
 @pytest.mark.slow

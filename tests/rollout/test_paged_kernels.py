@@ -257,7 +257,7 @@ def test_engine_programs_with_the_tpu_kernel_compile_for_a_tpu(tiny_pair):
     state = paged._SlotState(sds((n,)), sds((n,)), sds((n,), bool), sds((n,)), sds((n,)), sds((n,)))
     with jax.set_mesh(mesh):  # Mosaic reads the chip generation from the mesh's device
         decode = paged._decode.lower(
-            *args, sds((n, w)), state, key, f32, f32, sds((2,)), sds(()), sds(()), static=static
+            *args, sds((n, w)), state, key, f32, f32, sds((2,)), *(sds(()),) * 3, static=static
         ).compile()
         prefill = paged._prefill.lower(
             *args,
