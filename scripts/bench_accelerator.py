@@ -488,7 +488,9 @@ def part_decode(
     mask = np.ones((batch, prompt), bool)
 
     if engine == "paged":
-        paged_options = paged.PagedOptions(num_slots=batch, attention=attention)  # all rows
+        # All rows at once, and a pool that holds them all (no preemption).
+        pool = paged.pool_pages(batch, prompt, new)
+        paged_options = paged.PagedOptions(num_slots=batch, num_pages=pool, attention=attention)
         options = {"paged_options": paged_options, "return_stats": True}
         kernel = paged.attention_kernel(cfg, paged_options, jnp.bfloat16, params=params)
         attention = "reference" if kernel is None else kernel.name
@@ -778,7 +780,8 @@ def check_paged_sampler(
     )
     runs = {}
     for which in dict.fromkeys((attention, "reference")):
-        options = paged.PagedOptions(num_slots=batch, attention=which)
+        pool = paged.pool_pages(batch, prompt, new)
+        options = paged.PagedOptions(num_slots=batch, num_pages=pool, attention=which)
         spec = paged.attention_kernel(cfg, options, jnp.bfloat16, params=params)
         gen = rollout.generate(
             (graphdef, params),

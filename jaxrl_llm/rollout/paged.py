@@ -844,6 +844,17 @@ class _Seq:
     stopped: bool = False
 
 
+def pool_pages(
+    num_seqs: int, longest_prompt: int, max_new_tokens: int, options: PagedOptions | None = None
+) -> int:
+    """``num_pages`` for a pool that holds ``num_seqs`` sequences' worst case at once (a
+    longest prompt and ``max_new_tokens`` each, in ``options.page_size`` pages) plus the trash
+    page: the static engine's memory for that many rows, and a pool in which those sequences
+    never preempt."""
+    page_size = (options or PagedOptions()).page_size
+    return 1 + num_seqs * _ceil_div(longest_prompt + max_new_tokens, page_size)
+
+
 def resolve_options(
     options: PagedOptions | None,
     *,
@@ -882,8 +893,7 @@ def resolve_options(
         )
     pages = o.num_pages
     if pages is None:
-        seqs = min(slots, _DEFAULT_POOL_SEQS)
-        pages = 1 + seqs * _ceil_div(longest_prompt + max_new_tokens, o.page_size)
+        pages = pool_pages(min(slots, _DEFAULT_POOL_SEQS), longest_prompt, max_new_tokens, o)
     if pages < 2:
         raise ValueError(
             f"generate(engine='paged'): num_pages={pages} leaves no page for tokens (page "
