@@ -142,7 +142,7 @@ class RolloutConfig:
     tensor_parallel: int = _field(0, ge=0)
     # Paged engine's decode slots (vLLM's max_num_seqs); 0 = min(next_pow2(B·G), 256).
     max_num_seqs: int = _field(0, ge=0)
-    # Paged engine's KV pool in tokens (SGLang's max_total_tokens); 0 = 64 × (P + T).
+    # Paged engine's KV pool in tokens (SGLang's max_total_tokens); 0 = min(slots, 64) × (P + T).
     max_total_tokens: int = _field(0, ge=0)
     # Completions cut at max_new_tokens carry no loss (TRL's mask_truncated_completions).
     mask_truncated_completions: bool = False

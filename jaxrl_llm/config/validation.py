@@ -722,6 +722,19 @@ def _check_kernel_tuning(config: TrainConfig) -> None:
         raise ConfigError(str(e), key) from None
 
 
+def _check_max_num_seqs(config: TrainConfig) -> None:
+    """``rollout.max_num_seqs``: a prompt's G samples are admitted together, so at least G."""
+    r = config.rollout
+    if r is None or not r.max_num_seqs or r.max_num_seqs >= r.num_samples:
+        return
+    key = "rollout.max_num_seqs"
+    raise ConfigError(
+        f"{key} = {r.max_num_seqs} is smaller than rollout.num_samples = {r.num_samples}: a "
+        f"prompt's samples decode together; expected 0 (auto) or >= {r.num_samples}",
+        key,
+    )
+
+
 def _check_placement(config: TrainConfig) -> None:
     """``placement``: split needs a rollout (not dpo) and a valid rollout mesh; the device
     counts are checked in :func:`check_devices`."""
@@ -832,6 +845,7 @@ def validate(config: TrainConfig) -> TrainConfig:
     _check_mesh(config.mesh)
     _check_placement(config)
     _check_kernel_tuning(config)
+    _check_max_num_seqs(config)
     _check_seeds(config)
     _check_lora(config)
     _check_reward_components(config)

@@ -459,6 +459,10 @@ def test_rollout_engine_config_reaches_the_sampler():
     assert options.num_slots == 8 and options.num_pages == 1 + 7  # 16-token pages
     with pytest.raises(ConfigError, match="max_total_tokens"):
         H.config("tiny.yaml", "rollout.max_total_tokens=-1")
+    with pytest.raises(
+        ConfigError, match=r"max_num_seqs = 1 is smaller than rollout\.num_samples = 2:"
+    ):
+        H.config("tiny.yaml", *small, "rollout.max_num_seqs=1")
 
 
 @pytest.mark.slow
