@@ -65,6 +65,7 @@ fails in jax 0.10.2). Neither kernel has been run on its hardware here.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import functools
@@ -1279,8 +1280,7 @@ def run(
         alloc.release(seq.pages)
         seq.pages = []
         slot_seq[slot], alive[slot] = -1, False
-        resume.append(sid)
-        resume.sort(key=lambda s: seqs[s].admitted)
+        bisect.insort(resume, sid, key=lambda s: seqs[s].admitted)
         preemptions += 1
 
     def new_group(b: int) -> tuple[np.ndarray, np.ndarray, Any]:
@@ -1431,13 +1431,13 @@ def run(
         first) and returns the dispatch's steps: ``k``, or fewer when the free pages do not
         hold ``k`` more tokens of every live slot; when they do not hold even one, the most
         recently admitted sequences are preempted until they do."""
+
+        def extra(s: int, steps: int) -> int:
+            want = _ceil_div(int(lens[s]) + min(steps, int(remaining[s])), ps)
+            return max(want - len(seqs[slot_seq[s]].pages), 0)
+
+        live = sorted(np.flatnonzero(alive), key=lambda s: seqs[slot_seq[s]].admitted)
         while True:
-            live = sorted(np.flatnonzero(alive), key=lambda s: seqs[slot_seq[s]].admitted)
-
-            def extra(s: int, steps: int) -> int:
-                want = _ceil_div(int(lens[s]) + min(steps, int(remaining[s])), ps)
-                return max(want - len(seqs[slot_seq[s]].pages), 0)
-
             steps = k
             while steps >= 1 and sum(extra(s, steps) for s in live) > alloc.available:
                 steps //= 2
@@ -1445,7 +1445,7 @@ def run(
                 for s in live:
                     seqs[slot_seq[s]].pages += take(extra(s, steps))
                 return steps
-            preempt(live[-1])
+            preempt(live.pop())
 
     with contextlib.ExitStack() as stack:
         if mesh is not None:
