@@ -135,8 +135,9 @@ class PagedOptions:
         default ``min(next_pow2(B·G), 256)`` and at least G. Must be >= G (a prompt's G
         samples are admitted together).
       num_pages: pages in the pool, the trash page included; default enough for
-        ``min(num_slots, 64)`` sequences to hold a longest prompt plus ``max_new_tokens`` each
-        (the static engine's memory for that many rows), plus the trash page. The pool is
+        ``min(num_slots, 64)`` sequences to hold a longest prompt (``max_prompt_length``, or
+        the call's longest prompt if longer) plus ``max_new_tokens`` each (the static engine's
+        memory for that many rows), plus the trash page. The pool is
         allocated at this size and caps KV memory: sequences are admitted while their live
         tokens fit, and preempted (recomputed later) when they outgrow it. Each sample's
         worst case alone must fit.
@@ -164,6 +165,12 @@ class PagedOptions:
         devices regrouped into ``n / t`` engines of ``t`` consecutive devices, the weights
         split over each engine's devices (heads, MLP, vocabulary), whatever the train layout
         (``paged_dp.regroup``): under FSDP alone each engine otherwise holds a whole copy.
+      max_prompt_length: the longest prompt the default pool is sized for (vLLM sizes its
+        pool once, not per request). The pool's shape is part of every compiled program, so
+        a pool sized from each call's longest prompt recompiles the engine whenever a batch's
+        longest prompt crosses a page; with this set (the trainer sets
+        ``data.max_prompt_length``), calls whose prompts are no longer share one pool shape.
+        ``None``: each call's longest prompt.
     """
 
     page_size: int = 16
@@ -174,6 +181,7 @@ class PagedOptions:
     attention: str = "auto"
     kernel_tuning: Any = ()
     tensor_parallel: int = 0
+    max_prompt_length: int | None = None
 
 
 class PagedStats(NamedTuple):
@@ -892,9 +900,16 @@ def resolve_options(
             f"generate(engine='paged'): num_slots={slots} is smaller than num_samples="
             f"{num_samples}; a prompt's G samples are admitted together, so num_slots >= G"
         )
+    bound = o.max_prompt_length
+    if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
+        raise ValueError(
+            f"generate(engine='paged'): max_prompt_length must be an int >= 1 or None, got "
+            f"{bound!r}"
+        )
     pages = o.num_pages
     if pages is None:
-        pages = pool_pages(min(slots, _DEFAULT_POOL_SEQS), longest_prompt, max_new_tokens, o)
+        sized_for = max(longest_prompt, bound or 0)
+        pages = pool_pages(min(slots, _DEFAULT_POOL_SEQS), sized_for, max_new_tokens, o)
     if pages < 2:
         raise ValueError(
             f"generate(engine='paged'): num_pages={pages} leaves no page for tokens (page "

@@ -1066,6 +1066,7 @@ def plan_paged_rollout(
                 r.tensor_parallel,
                 r.max_num_seqs,
                 r.max_total_tokens,
+                longest,
             ),
             num_seqs=per_engine * g,
             num_samples=g,

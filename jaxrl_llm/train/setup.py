@@ -75,11 +75,13 @@ def paged_options(
     tensor_parallel: int,
     max_num_seqs: int,
     max_total_tokens: int,
+    max_prompt_length: int = 0,
 ) -> PagedOptions:
     """The paged engine's options from the ``rollout`` config's knobs (``paged_attention``,
     ``paged_kernel_tuning``, ``tensor_parallel``, ``max_num_seqs``, ``max_total_tokens``;
     0: the engine's default): the pool is ``max_total_tokens`` rounded up to whole pages, plus
-    the trash page."""
+    the trash page; by default it is sized for prompts of ``max_prompt_length`` tokens
+    (``data.max_prompt_length``; 0: each call's longest), one pool shape for the whole run."""
     page_size = PagedOptions.page_size
     return PagedOptions(
         attention=attention,
@@ -87,6 +89,7 @@ def paged_options(
         tensor_parallel=tensor_parallel,
         num_slots=max_num_seqs or None,
         num_pages=1 + -(-max_total_tokens // page_size) if max_total_tokens else None,
+        max_prompt_length=max_prompt_length or None,
     )
 
 
@@ -110,6 +113,9 @@ class Sampler:
       tensor_parallel: devices per paged engine (``PagedOptions.tensor_parallel``).
       max_num_seqs: the paged engine's decode slots (``PagedOptions.num_slots``; 0: default).
       max_total_tokens: its pool in tokens (``PagedOptions.num_pages`` pages; 0: default).
+      max_prompt_length: the longest prompt its default pool is sized for
+        (``PagedOptions.max_prompt_length``; the run's ``data.max_prompt_length``; 0: each
+        call's longest prompt).
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).
       full_logprobs: also sample the full-vocabulary τ = 1 log-probs
@@ -129,6 +135,7 @@ class Sampler:
     tensor_parallel: int = 0
     max_num_seqs: int = 0
     max_total_tokens: int = 0
+    max_prompt_length: int = 0
     mask_truncated: bool = False
     full_logprobs: bool = False
 
@@ -140,6 +147,7 @@ class Sampler:
             self.tensor_parallel,
             self.max_num_seqs,
             self.max_total_tokens,
+            self.max_prompt_length,
         )
 
     def greedy(self, max_new_tokens: int | None = None) -> Sampler:
@@ -835,6 +843,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         tensor_parallel=r.tensor_parallel,
         max_num_seqs=r.max_num_seqs,
         max_total_tokens=r.max_total_tokens,
+        max_prompt_length=config.data.max_prompt_length,
         mask_truncated=r.mask_truncated_completions,
         full_logprobs=r.full_logprobs,
     )

@@ -303,6 +303,46 @@ def test_no_recompilation_for_new_prompts_and_keys(tiny_pair):
     assert compiles.count == 0  # ...and reused
 
 
+def test_a_pool_sized_for_max_prompt_length_compiles_nothing_for_new_prompt_lengths(tiny_pair):
+    """The pool's shape is in every program: sized from each call's longest prompt, a batch
+    whose longest prompt crosses a page recompiles the engine; sized for ``max_prompt_length``
+    (the trainer's ``data.max_prompt_length``), prompts up to it share one pool."""
+    _, model = tiny_pair("llama3")
+    kw = dict(max_new_tokens=T, num_samples=G, temperature=1.0, engine="paged", return_stats=True)
+    longer = tuple(n + 9 for n in LENGTHS)  # 32 tokens at most: 2 more pages of 4 tokens
+    bounded = dataclasses.replace(SMALL, max_prompt_length=max(longer))
+    counts = {}
+    for name, options in (("per call", SMALL), ("bounded", bounded)):
+        for i, lengths in enumerate((LENGTHS, longer)):
+            ids, mask = prompts(seed=10 + i, lengths=lengths)
+            with CompileCounter() as compiles:
+                out, stats = rollout.generate(
+                    model, ids, mask, rng=jax.random.key(i), paged_options=options, **kw
+                )
+                jax.block_until_ready(out)
+            assert stats.pages_in_use_at_end == 0
+            counts[name, i] = compiles.count
+    assert counts["per call", 1] > 0  # a larger pool: every program again
+    assert counts["bounded", 1] == 0, counts
+    # A prompt longer than the bound still runs: the pool grows to hold it (and compiles).
+    ids, mask = prompts(seed=12, lengths=(40, 3))
+    tight = dataclasses.replace(SMALL, max_prompt_length=8)
+    out, stats = rollout.generate(
+        model, ids, mask, rng=jax.random.key(3), paged_options=tight, **kw
+    )
+    assert np.asarray(out.mask).sum() > 0 and stats.pages_in_use_at_end == 0
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=r"max_prompt_length must be an int >= 1 or None"):
+            rollout.generate(
+                model,
+                ids,
+                mask,
+                rng=jax.random.key(0),
+                paged_options=dataclasses.replace(SMALL, max_prompt_length=bad),
+                **kw,
+            )
+
+
 def test_bad_input_is_a_clear_error(tiny_pair):
     _, model = tiny_pair("llama3")
     ids, mask = prompts(seed=0, lengths=(9, 4))
@@ -454,6 +494,9 @@ def test_rollout_engine_config_reaches_the_sampler():
     # The slots and the pool: the engine's defaults, or the config's (tokens -> whole pages).
     options = setup.sampler.paged_options()
     assert options.num_slots is None and options.num_pages is None
+    # the default pool is sized once, for data.max_prompt_length (one pool shape per run)
+    assert options.max_prompt_length == H.config("tiny.yaml").data.max_prompt_length
+    assert setup.sampler.greedy().paged_options().max_prompt_length == options.max_prompt_length
     sized = ("rollout.max_num_seqs=8", "rollout.max_total_tokens=100")
     options = S.resolve(H.config("tiny.yaml", *small, *sized)).sampler.paged_options()
     assert options.num_slots == 8 and options.num_pages == 1 + 7  # 16-token pages

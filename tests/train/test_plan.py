@@ -634,7 +634,10 @@ def test_paged_plan_kv_is_the_pools_bytes_and_grows_with_its_pages():
     plan = P.plan_run(config, P.parse_target(devices=1, device_memory="1GiB"))
     cfg = P.model_config(config.model, accelerator=False)
     options = paged_lib.resolve_options(
-        paged_lib.PagedOptions(attention=config.rollout.paged_attention),
+        paged_lib.PagedOptions(
+            attention=config.rollout.paged_attention,
+            max_prompt_length=config.data.max_prompt_length,  # the trainer's, as planned
+        ),
         num_seqs=2 * 2,
         num_samples=2,
         longest_prompt=config.data.max_prompt_length,
