@@ -142,8 +142,10 @@ class RolloutConfig:
     tensor_parallel: int = _field(0, ge=0)
     # Paged engine's decode slots (vLLM's max_num_seqs); 0 = min(next_pow2(B·G), 256).
     max_num_seqs: int = _field(0, ge=0)
-    # Paged engine's KV pool in tokens (SGLang's max_total_tokens); 0 = min(slots, 64) × (P + T).
+    # Paged engine's KV pool in tokens (SGLang's max_total_tokens); 0 = sized as rollout.md says.
     max_total_tokens: int = _field(0, ge=0)
+    # GPU/TPU memory in use while sampling, with no max_total_tokens (gpu_memory_utilization).
+    memory_utilization: float = _field(0.9, gt=0, le=1)
     # Completions cut at max_new_tokens carry no loss (TRL's mask_truncated_completions).
     mask_truncated_completions: bool = False
     # Also collect each token's full-vocabulary log-prob at τ = 1, no top-k/top-p (Groups).

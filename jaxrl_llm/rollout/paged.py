@@ -77,7 +77,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxrl_llm import memory_maps
 from jaxrl_llm.models.rope import rope_cos_sin, rope_frequencies
@@ -171,6 +171,15 @@ class PagedOptions:
         longest prompt crosses a page; with this set (the trainer sets
         ``data.max_prompt_length``), calls whose prompts are no longer share one pool shape.
         ``None``: each call's longest prompt.
+      memory_utilization: with ``num_pages`` not given, on devices that report their memory
+        (GPU, TPU; ``Device.memory_stats``), the fraction of each device's memory
+        (``bytes_limit``) that may be in use while the engine samples (vLLM's and verl's
+        ``gpu_memory_utilization``): the pool takes what is left of it after the arrays
+        resident when the engine starts (the trainer's state, the engine's weights) and the
+        temporaries of the engine's largest programs (compiled once to measure them), up to
+        every live sequence's worst case. Sized at an engine's first call and kept for the
+        process (one pool shape, no recompiles; :func:`fit_pool_to_memory`). ``None``, a
+        CPU, or ``num_pages`` given: the default above.
     """
 
     page_size: int = 16
@@ -182,12 +191,15 @@ class PagedOptions:
     kernel_tuning: Any = ()
     tensor_parallel: int = 0
     max_prompt_length: int | None = None
+    memory_utilization: float | None = 0.9
 
 
 class PagedStats(NamedTuple):
     """What a paged run used: peak pages held (trash excluded), bytes per page (keys and
-    values of every layer), compiled-program calls, pages still held at the end (0), and how
-    many times a sequence was preempted (its pages taken back, to be recomputed)."""
+    values of every layer), compiled-program calls, pages still held at the end (0), how
+    many times a sequence was preempted (its pages taken back, to be recomputed), and the
+    pool's pages (the trash page included; :attr:`PagedOptions.num_pages` as run, after
+    :attr:`PagedOptions.memory_utilization`)."""
 
     peak_pages: int
     page_bytes: int
@@ -195,6 +207,7 @@ class PagedStats(NamedTuple):
     prefill_calls: int
     pages_in_use_at_end: int
     preemptions: int = 0
+    pool_pages: int = 0
 
     @property
     def peak_kv_bytes(self) -> int:
@@ -906,17 +919,29 @@ def resolve_options(
             f"generate(engine='paged'): max_prompt_length must be an int >= 1 or None, got "
             f"{bound!r}"
         )
+    util = o.memory_utilization
+    if util is not None and (
+        isinstance(util, bool) or not isinstance(util, int | float) or not 0 < util <= 1
+    ):
+        raise ValueError(
+            f"generate(engine='paged'): memory_utilization must be a fraction in (0, 1] or "
+            f"None, got {util!r}"
+        )
     pages = o.num_pages
     if pages is None:
         sized_for = max(longest_prompt, bound or 0)
         pages = pool_pages(min(slots, _DEFAULT_POOL_SEQS), sized_for, max_new_tokens, o)
+    else:
+        util = None  # the pool asked for is the pool run
     if pages < 2:
         raise ValueError(
             f"generate(engine='paged'): num_pages={pages} leaves no page for tokens (page "
             f"{TRASH_PAGE} is the trash page); give at least 2"
         )
     tuning = pages_lib.check_kernel_tuning(o.kernel_tuning)  # hashable pairs, checked early
-    return dataclasses.replace(o, num_slots=slots, num_pages=pages, kernel_tuning=tuning)
+    return dataclasses.replace(
+        o, num_slots=slots, num_pages=pages, kernel_tuning=tuning, memory_utilization=util
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1157,6 +1182,169 @@ def worst_case_programs(
     return WorstCase(pool, prefill, decode)
 
 
+class PoolFit(NamedTuple):
+    """:func:`fit_pool_to_memory`'s reading of an engine's devices (bytes per device, the
+    tightest device's): ``limit`` and ``in_use`` of ``Device.memory_stats``, ``reserve`` the
+    largest program's temporaries and new outputs, ``page_bytes`` one page's, ``pages`` the
+    pool it gives (the trash page included)."""
+
+    limit: int
+    in_use: int
+    reserve: int
+    page_bytes: int
+    pages: int
+
+
+_FITTED: dict[Any, PoolFit] = {}  # an engine's first call's sizing, kept (one pool shape)
+
+
+def _memory_stats(device: jax.Device) -> dict[str, int] | None:
+    """``device.memory_stats()`` (None on a CPU, which reports none)."""
+    return device.memory_stats()
+
+
+def _program_reserve(graphdef: nnx.GraphDef, worst: WorstCase, mesh: Any) -> int:
+    """Bytes a call of the larger of ``worst``'s programs allocates beyond its arguments:
+    temporaries plus outputs not aliased to a donated argument (XLA's memory analysis of the
+    compiled program, per device)."""
+    reserve = 0
+    for call in (worst.prefill, worst.decode):
+        with jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+            m = call.fn.lower(graphdef, *call.args, static=call.static).compile().memory_analysis()
+        own = m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+        reserve = max(reserve, int(own))
+    return reserve
+
+
+def fit_pool_to_memory(
+    graphdef: nnx.GraphDef,
+    mesh: jax.sharding.Mesh | None,
+    params: EngineParams,
+    options: PagedOptions,
+    kernel: KernelSpec | None,
+    *,
+    num_prompts: int,
+    num_samples: int,
+    longest_prompt: int,
+    max_new_tokens: int,
+    cache_dtype: jnp.dtype,
+    **program: Any,
+) -> PagedOptions:
+    """``options`` with ``num_pages`` sized by ``options.memory_utilization`` u on the engine's
+    devices (``mesh``'s, else the parameters'), vLLM's rule: per device,
+
+        pages = ⌊(u · bytes_limit − bytes_in_use − reserve) / page_bytes⌋,
+
+    at most every live sequence's worst case (``min(num_slots, B·G)`` sequences of the
+    longest prompt, at least ``options.max_prompt_length``, plus ``max_new_tokens``: a pool
+    that never preempts), the tightest device's. ``reserve`` is what the engine's largest
+    prefill or decode call allocates (:func:`worst_case_programs`, compiled, XLA's memory
+    analysis): for that largest pool first, and if it does not fit, for a pool that may
+    preempt (its recompute prefill is larger); ``page_bytes`` a page's bytes on one device
+    (split by KV head over a ``tensor`` axis). ``jaxrl-llm plan`` sizes it the same way
+    (``plan.fit_paged``). Computed at an engine's first call and kept for the process
+    (``_FITTED``), as vLLM sizes its pool once: later calls share the pool's shape.
+
+    ``options`` unchanged where ``memory_utilization`` is None (``num_pages`` was given) or a
+    device reports no memory (CPU). ``program``: ``worst_case_programs``' sampling arguments
+    (``greedy``, ``top_k``, ``top_p``, ``pad_token_id``, ``num_stop_ids``,
+    ``full_logprobs``).
+
+    Raises:
+      ValueError: the memory left holds less than one sequence's worst case.
+    """
+    util = options.memory_utilization
+    if util is None:
+        return options
+    if mesh is not None:
+        devices = list(mesh.devices.flat)
+    else:
+        devices = sorted(jax.tree.leaves(params)[0].devices(), key=lambda d: d.id)
+    stats = [_memory_stats(d) for d in devices]
+    if any(st is None or "bytes_limit" not in st for st in stats):
+        return dataclasses.replace(options, memory_utilization=None)
+    cfg = _model_config(graphdef, *params)
+    ps = options.page_size
+    sized_for = max(longest_prompt, options.max_prompt_length or 0)
+    per_seq = _ceil_div(sized_for + max_new_tokens, ps)
+    key = (
+        tuple(d.id for d in devices),
+        dataclasses.replace(options, num_pages=None),
+        repr(cfg),
+        num_prompts,
+        num_samples,
+        sized_for,
+        max_new_tokens,
+        str(jnp.dtype(cache_dtype)),
+        tuple(sorted(program.items())),
+        kernel,
+    )
+    if key not in _FITTED:
+        rep = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
+        abstract = EngineParams(
+            *jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
+            )
+        )
+
+        def reserve_at(num_pages: int) -> int:
+            worst = worst_case_programs(
+                cfg,
+                abstract,
+                dataclasses.replace(options, num_pages=num_pages),
+                kernel,
+                num_prompts=num_prompts,
+                num_samples=num_samples,
+                longest_prompt=sized_for,
+                max_new_tokens=max_new_tokens,
+                cache_dtype=cache_dtype,
+                sharding=rep,
+                **program,
+            )
+            return _program_reserve(graphdef, worst, mesh)
+
+        on = pool_sharding(kernel, cfg, mesh) if mesh is not None else None
+
+        def pool_bytes(n: int) -> int:
+            pool = jax.eval_shape(
+                lambda: pages_lib.init_pool(
+                    kernel, cfg.num_layers, n, ps, cfg.num_kv_heads, cfg.head_dim, cache_dtype
+                )
+            )
+            shapes = (on.shard_shape(x.shape) if on else x.shape for x in jax.tree.leaves(pool))
+            dtypes = (x.dtype.itemsize for x in jax.tree.leaves(pool))
+            return sum(int(np.prod(sh)) * b for sh, b in zip(shapes, dtypes, strict=True))
+
+        page_bytes = pool_bytes(3) - pool_bytes(2)
+        fits = [(int(util * st["bytes_limit"]) - int(st["bytes_in_use"]), st) for st in stats]
+        free, st = min(fits, key=lambda f: f[0])
+        # Every live sequence's worst case: a pool that never preempts. A smaller one may, and
+        # its programs' worst case is then the larger recompute prefill.
+        cap = 1 + min(options.num_slots, num_prompts * num_samples) * per_seq
+        reserve = reserve_at(cap)
+        pages = min(max(free - reserve, 0) // page_bytes, cap)
+        if pages < cap:
+            reserve = reserve_at(1 + per_seq)
+            pages = min(max(free - reserve, 0) // page_bytes, cap)
+        _FITTED[key] = PoolFit(
+            int(st["bytes_limit"]), int(st["bytes_in_use"]), reserve, page_bytes, int(pages)
+        )
+    fit = _FITTED[key]
+    gib = 2.0**30
+    if fit.pages < 1 + per_seq:
+        raise ValueError(
+            f"generate(engine='paged'): at memory_utilization={util} the pool gets "
+            f"{max(fit.pages, 0)} pages of {fit.page_bytes} bytes, fewer than one sequence's "
+            f"worst case ({per_seq} pages of {ps} tokens: a {sized_for}-token prompt and "
+            f"{max_new_tokens} new tokens) and the trash page: a device's limit is "
+            f"{fit.limit / gib:.2f} GiB, {fit.in_use / gib:.2f} GiB are in use and the "
+            f"engine's largest program needs {fit.reserve / gib:.2f} GiB more. Raise "
+            "memory_utilization, free device memory, split the engine over more devices "
+            "(tensor_parallel), shorten the prompts or max_new_tokens, or set num_pages"
+        )
+    return dataclasses.replace(options, num_pages=fit.pages, memory_utilization=None)
+
+
 def run(
     graphdef: nnx.GraphDef,
     mesh: jax.sharding.Mesh | None,
@@ -1204,6 +1392,24 @@ def run(
     params, layers_l = params
     cfg = _model_config(graphdef, params, layers_l)
     kernel = attention_kernel(cfg, options, cache_dtype, mesh=mesh, params=params)
+    options = fit_pool_to_memory(
+        graphdef,
+        mesh,
+        EngineParams(params, layers_l),
+        options,
+        kernel,
+        num_prompts=b_count,
+        num_samples=g,
+        longest_prompt=max(len(p) for p in prompts),
+        max_new_tokens=max_new_tokens,
+        cache_dtype=cache_dtype,
+        greedy=greedy,
+        top_k=top_k,
+        top_p=float(top_p),
+        pad_token_id=pad_token_id,
+        num_stop_ids=len(stop_ids),
+        full_logprobs=full_logprobs,
+    )
     pool = pages_lib.init_pool(
         kernel, cfg.num_layers, options.num_pages, ps, cfg.num_kv_heads, cfg.head_dim, cache_dtype
     )
@@ -1551,7 +1757,9 @@ def run(
         truncated[seq.prompt, seq.sample] = not seq.stopped
         if full is not None:
             full[seq.prompt, seq.sample, :n] = seq.full_logps
-    stats = PagedStats(alloc.peak, page_bytes, dispatches, prefills, alloc.in_use, preemptions)
+    stats = PagedStats(
+        alloc.peak, page_bytes, dispatches, prefills, alloc.in_use, preemptions, options.num_pages
+    )
     outputs = (tokens, mask, logps, truncated)
     return (outputs if full is None else (*outputs, full)), stats
 

@@ -87,6 +87,7 @@ class DataParallelStats(paged.PagedStats):
             prefill_calls=sum(s.prefill_calls for s in ran),
             pages_in_use_at_end=sum(s.pages_in_use_at_end for s in ran),
             preemptions=sum(s.preemptions for s in ran),
+            pool_pages=sum(s.pool_pages for s in ran),
         )
         out.shards = tuple(shards)
         return out

@@ -975,6 +975,7 @@ def plan_paged_rollout(
     mesh: jax.sharding.Mesh | None = None,
     resident: bool = True,
     full_logprobs: bool = False,
+    num_pages: int | None = None,
 ) -> tuple[PagedRollout, tuple[str, ...]]:
     """The paged engine's programs (:mod:`jaxrl_llm.rollout.paged`) for the run's B prompts,
     G samples, T new tokens (``rollout.*`` or the evaluation's, as :func:`lower_rollout`),
@@ -1003,6 +1004,7 @@ def plan_paged_rollout(
       the compute dtype), the pool and the rest replicated over the engine's devices, the pool
       donated;
       ``full_logprobs``: ``rollout.full_logprobs`` (the training rollout's; not evaluation's).
+    - ``num_pages``: the pool's pages in place of the resolved default (:func:`fit_paged`).
 
     Each program's ``resident``: the bytes of its parameter argument that are the run's own
     buffers (of the non-layer parameters, neither cast nor resharded; 0 with
@@ -1067,12 +1069,15 @@ def plan_paged_rollout(
                 r.max_num_seqs,
                 r.max_total_tokens,
                 longest,
+                r.memory_utilization,
             ),
             num_seqs=per_engine * g,
             num_samples=g,
             longest_prompt=longest,
             max_new_tokens=t,
         )
+        if num_pages is not None:
+            options = dataclasses.replace(options, num_pages=num_pages, memory_utilization=None)
         platform = {"tpu": "tpu", "local": jax.default_backend()}.get(target.platform, "cpu")
         kernel = paged.attention_kernel(cfg, options, cache_dtype, mesh=on, platform=platform)
     except ValueError as e:
@@ -1141,6 +1146,61 @@ def plan_paged_rollout(
         ),
         notes,
     )
+
+
+def fit_paged(
+    planned: tuple[PagedRollout, tuple[str, ...]],
+    replan: Any,
+    *,
+    base: int,
+    config: Any,
+    target: Target,
+    max_new_tokens: int | None = None,
+    num_samples: int | None = None,
+) -> tuple[PagedRollout, tuple[str, ...]]:
+    """The paged engine's pool as a run on the target's devices sizes it
+    (:func:`~jaxrl_llm.rollout.paged.fit_pool_to_memory`): with ``rollout.memory_utilization``
+    u, no ``rollout.max_total_tokens`` and a known HBM per device, the pool's pages are
+
+        ⌊(u · HBM − base − (program − resident − pool)) / page bytes⌋,
+
+    at most every live sequence's worst case (``min(num_slots, prompts · G)`` of them):
+    ``base`` what is resident while sampling (the state, or the rollout copy), the rest the
+    planned program's bytes other than the pool and the state's own buffers
+    (:attr:`PagedRollout.program`). ``planned``: the default pool's plan;
+    ``replan(num_pages)`` plans again with that pool, until the pages agree with the program
+    planned for them (a pool that may preempt plans a larger recompute prefill). A pool below
+    one sequence's worst case is planned at that size with a note: the run would stop with
+    the engine's error."""
+    paged, notes = planned
+    r = config.rollout
+    if r.memory_utilization is None or r.max_total_tokens or target.hbm_bytes is None:
+        return planned
+    o = paged.options
+    t = max_new_tokens or r.max_new_tokens
+    per_seq = -(-(config.data.max_prompt_length + t) // o.page_size)
+    page = paged.pool.per_device // o.num_pages
+    budget = int(r.memory_utilization * target.hbm_bytes)
+    short = None
+    for _ in range(3):
+        prog = paged.program
+        other = base + prog.bytes - prog.resident - paged.pool.per_device
+        live = min(paged.options.num_slots, paged.prompts * (num_samples or r.num_samples))
+        pages = min((budget - other) // page, 1 + live * per_seq)
+        if pages < 1 + per_seq:
+            short, pages = max(pages, 0), 1 + per_seq
+        if pages == paged.options.num_pages:
+            break
+        paged, said = replan(int(pages))
+        notes += tuple(n for n in said if n not in notes)
+    if short is not None:
+        notes += (
+            f"rollout.memory_utilization={r.memory_utilization} leaves {short} pages of "
+            f"{page} bytes per device for the paged pool, less than one sequence's worst case "
+            f"({per_seq} pages) and the trash page: the run would stop with the engine's "
+            "error; planned with that minimum",
+        )
+    return paged, notes
 
 
 def _on_lowest_ids(on: Any, mesh: Any, args: Any) -> tuple[Any, Any]:
@@ -1826,14 +1886,27 @@ def plan_run(config: Any, target: Target) -> Plan:
         rollout_run = run
     merged = run.models.merge_for_sampling and run.models.frozen is not None
     paged = paged_eval = None
+    s = run.state
+    # Resident while sampling (Plan.state; split: the rollout copy, RolloutSide.copy).
+    reference = None if run.models.frozen is not None else run.models.ref_params  # LoRA: base
+    held = (s.params, run.models.frozen, s.opt_state, reference)
+    held += ((s.critic_params, s.critic_opt_state, run.models.critic_frozen),)
+    base = side.copy if side is not None else sum(tree_bytes(x).per_device for x in held)
     if rollout_engine(config) == "paged":
-        paged, said = plan_paged_rollout(
-            rollout_run,
-            config,
-            target,
-            mesh=rollout_mesh,
-            resident=split or not merged,  # split: the merged copy is the rollout copy's
-            full_logprobs=config.rollout.full_logprobs,
+
+        def plan_rollout(num_pages: int | None = None) -> Any:
+            return plan_paged_rollout(
+                rollout_run,
+                config,
+                target,
+                mesh=rollout_mesh,
+                resident=split or not merged,  # split: the merged copy is the rollout copy's
+                full_logprobs=config.rollout.full_logprobs,
+                num_pages=num_pages,
+            )
+
+        paged, said = fit_paged(
+            plan_rollout(), plan_rollout, base=base, config=config, target=target
         )
         rollout, kv = paged.program, paged.pool
         notes += said
@@ -1861,13 +1934,30 @@ def plan_run(config: Any, target: Target) -> Plan:
             "blocks' buffers; Triton's own are not estimated)",
         )
     update = _program("update", lowered, shared=shared)
-    s = run.state
     resident = 0 if merged else tree_bytes(run.sampler[1]).per_device
     programs = []
     evaluation = _eval_shape(config)
     if evaluation is not None and paged is not None:  # the evaluation samples as the rollout
-        paged_eval, said = plan_paged_rollout(
-            run, config, target, name="eval rollout", resident=not merged, **evaluation
+
+        def plan_eval(num_pages: int | None = None) -> Any:
+            return plan_paged_rollout(
+                run,
+                config,
+                target,
+                name="eval rollout",
+                resident=not merged,
+                num_pages=num_pages,
+                **evaluation,
+            )
+
+        paged_eval, said = fit_paged(
+            plan_eval(),
+            plan_eval,
+            base=sum(tree_bytes(x).per_device for x in held),
+            config=config,
+            target=target,
+            max_new_tokens=evaluation.get("max_new_tokens"),
+            num_samples=evaluation.get("num_samples"),
         )
         programs.append(paged_eval.program)
         notes += tuple(n for n in said if n not in notes)

@@ -76,12 +76,15 @@ def paged_options(
     max_num_seqs: int,
     max_total_tokens: int,
     max_prompt_length: int = 0,
+    memory_utilization: float | None = 0.9,
 ) -> PagedOptions:
     """The paged engine's options from the ``rollout`` config's knobs (``paged_attention``,
     ``paged_kernel_tuning``, ``tensor_parallel``, ``max_num_seqs``, ``max_total_tokens``;
     0: the engine's default): the pool is ``max_total_tokens`` rounded up to whole pages, plus
     the trash page; by default it is sized for prompts of ``max_prompt_length`` tokens
-    (``data.max_prompt_length``; 0: each call's longest), one pool shape for the whole run."""
+    (``data.max_prompt_length``; 0: each call's longest), one pool shape for the whole run;
+    on a GPU or TPU, what ``memory_utilization`` of the devices' memory leaves
+    (``PagedOptions.memory_utilization``; None: the CPU's rule there too)."""
     page_size = PagedOptions.page_size
     return PagedOptions(
         attention=attention,
@@ -90,6 +93,7 @@ def paged_options(
         num_slots=max_num_seqs or None,
         num_pages=1 + -(-max_total_tokens // page_size) if max_total_tokens else None,
         max_prompt_length=max_prompt_length or None,
+        memory_utilization=memory_utilization,
     )
 
 
@@ -116,6 +120,8 @@ class Sampler:
       max_prompt_length: the longest prompt its default pool is sized for
         (``PagedOptions.max_prompt_length``; the run's ``data.max_prompt_length``; 0: each
         call's longest prompt).
+      memory_utilization: on a GPU or TPU, the fraction of device memory in use while sampling
+        that sizes its default pool (``PagedOptions.memory_utilization``; None: not used).
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).
       full_logprobs: also sample the full-vocabulary τ = 1 log-probs
@@ -136,6 +142,7 @@ class Sampler:
     max_num_seqs: int = 0
     max_total_tokens: int = 0
     max_prompt_length: int = 0
+    memory_utilization: float | None = 0.9
     mask_truncated: bool = False
     full_logprobs: bool = False
 
@@ -148,6 +155,7 @@ class Sampler:
             self.max_num_seqs,
             self.max_total_tokens,
             self.max_prompt_length,
+            self.memory_utilization,
         )
 
     def greedy(self, max_new_tokens: int | None = None) -> Sampler:
@@ -844,6 +852,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         max_num_seqs=r.max_num_seqs,
         max_total_tokens=r.max_total_tokens,
         max_prompt_length=config.data.max_prompt_length,
+        memory_utilization=r.memory_utilization,
         mask_truncated=r.mask_truncated_completions,
         full_logprobs=r.full_logprobs,
     )

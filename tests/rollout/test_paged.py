@@ -343,6 +343,82 @@ def test_a_pool_sized_for_max_prompt_length_compiles_nothing_for_new_prompt_leng
             )
 
 
+def test_memory_utilization_sizes_the_pool_from_the_devices_memory(tiny_pair, monkeypatch):
+    """On a device that reports its memory (GPU, TPU; faked here), the default pool is what
+    ``memory_utilization`` of it leaves after the memory in use and the engine's largest
+    program, up to every slot's worst case: sized once, then kept. A tight pool preempts and
+    samples the same tokens; too little memory is a clear error; ``num_pages`` wins."""
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=0, lengths=LENGTHS)
+    kw = dict(
+        rng=jax.random.key(5),
+        max_new_tokens=T,
+        num_samples=G,
+        temperature=1.0,
+        max_new_tokens_bg=BUDGETS,
+        engine="paged",
+        return_stats=True,
+    )
+    options = dataclasses.replace(SMALL, steps_per_dispatch=2)
+    # A CPU reports no memory: the default pool.
+    base, base_stats = rollout.generate(model, ids, mask, paged_options=options, **kw)
+    default = paged.resolve_options(
+        options, num_seqs=10, num_samples=G, longest_prompt=max(LENGTHS), max_new_tokens=T
+    )
+    assert base_stats.pool_pages == default.num_pages and default.memory_utilization == 0.9
+
+    memory = {"bytes_limit": 1 << 30, "bytes_in_use": 0}
+    monkeypatch.setattr(paged, "_memory_stats", lambda device: dict(memory))
+    monkeypatch.setattr(paged, "_FITTED", {})
+    # Plenty of memory: every slot's worst case (4 slots x ceil((23 + 12) / 4) pages).
+    per_seq = -(-(max(LENGTHS) + T) // SMALL.page_size)
+    out, stats = rollout.generate(model, ids, mask, paged_options=options, **kw)
+    assert stats.pool_pages == 1 + SMALL.num_slots * per_seq and stats.preemptions == 0
+    assert_same(base, out)
+    (fit,) = paged._FITTED.values()
+    assert fit.page_bytes == base_stats.page_bytes  # the run's own page, measured apart
+    assert fit.reserve > 0 and fit.limit == 1 << 30
+
+    # Memory for one sequence's worst case and the trash page: the pool the run gets.
+    pages = 1 + per_seq
+    memory["bytes_in_use"] = int(0.9 * (1 << 30)) - fit.reserve - pages * fit.page_bytes
+    paged._FITTED.clear()
+    out, stats = rollout.generate(model, ids, mask, paged_options=options, **kw)
+    assert stats.pool_pages == pages and stats.preemptions > 0
+    assert stats.pages_in_use_at_end == 0
+    assert_same(base, out)
+    # Sized once: more memory in use later keeps the pool's shape (nothing recompiles).
+    memory["bytes_in_use"] += 10 * fit.page_bytes
+    with CompileCounter() as compiles:
+        again, stats = rollout.generate(model, ids, mask, paged_options=options, **kw)
+        jax.block_until_ready(again)
+    assert compiles.count == 0 and stats.pool_pages == pages
+    # Less than one sequence's worst case: a clear error, naming the figures.
+    paged._FITTED.clear()
+    with pytest.raises(
+        ValueError,
+        match=r"at memory_utilization=0\.9 the pool gets \d+ pages of \d+ bytes, fewer than "
+        r"one sequence's worst case \(9 pages of 4 tokens.*GiB are in use.*set num_pages",
+    ):
+        rollout.generate(model, ids, mask, paged_options=options, **kw)
+    # num_pages given (or no memory_utilization): the device's memory is not read.
+    for given in (dict(num_pages=60), dict(memory_utilization=None)):
+        out, stats = rollout.generate(
+            model, ids, mask, paged_options=dataclasses.replace(options, **given), **kw
+        )
+        assert stats.pool_pages == given.get("num_pages", default.num_pages)
+        assert_same(base, out)
+    for bad in (0, 1.5, True, "0.9"):
+        with pytest.raises(ValueError, match=r"memory_utilization must be a fraction in \(0, 1\]"):
+            rollout.generate(
+                model,
+                ids,
+                mask,
+                paged_options=dataclasses.replace(options, memory_utilization=bad),
+                **kw,
+            )
+
+
 def test_bad_input_is_a_clear_error(tiny_pair):
     _, model = tiny_pair("llama3")
     ids, mask = prompts(seed=0, lengths=(9, 4))
@@ -497,6 +573,13 @@ def test_rollout_engine_config_reaches_the_sampler():
     # the default pool is sized once, for data.max_prompt_length (one pool shape per run)
     assert options.max_prompt_length == H.config("tiny.yaml").data.max_prompt_length
     assert setup.sampler.greedy().paged_options().max_prompt_length == options.max_prompt_length
+    # on a GPU/TPU, sized by the fraction of device memory in use while sampling
+    assert options.memory_utilization == 0.9
+    tight = S.resolve(H.config("tiny.yaml", *small, "rollout.memory_utilization=0.5"))
+    assert tight.sampler.paged_options().memory_utilization == 0.5
+    for bad in ("0", "1.2"):
+        with pytest.raises(ConfigError, match="memory_utilization"):
+            H.config("tiny.yaml", f"rollout.memory_utilization={bad}")
     sized = ("rollout.max_num_seqs=8", "rollout.max_total_tokens=100")
     options = S.resolve(H.config("tiny.yaml", *small, *sized)).sampler.paged_options()
     assert options.num_slots == 8 and options.num_pages == 1 + 7  # 16-token pages

@@ -682,6 +682,49 @@ def test_paged_plan_kv_is_the_pools_bytes_and_grows_with_its_pages():
 
 
 @pytest.mark.slow
+def test_the_paged_pool_is_planned_as_memory_utilization_sizes_it():
+    """With a known HBM per device, the plan sizes the paged pool as the engine does on the
+    devices (``rollout.memory_utilization`` of the memory, less the state and the engine's
+    program): ample memory gives every slot's worst case; a tighter HBM fewer pages, planned
+    with the program of a pool that may preempt (its recompute prefill) and filling u · HBM
+    to within a page at the rollout's peak; too little plans the minimum with a note;
+    ``max_total_tokens`` or no HBM keeps the CPU rule."""
+    # 32 slots, prefilled 4 prompts at a time: a pool large beside the programs
+    more = ["rollout.prompts_per_step=8", "rollout.num_samples=8", "rollout.max_num_seqs=32"]
+    config = load_config(TINY, more)
+    plan = P.plan_run(config, P.parse_target(devices=1, device_memory="1GiB"))
+    o = plan.paged.options
+    per_seq = -(-(config.data.max_prompt_length + config.rollout.max_new_tokens) // o.page_size)
+    assert o.num_pages == 1 + o.num_slots * per_seq  # every slot's worst case
+    page = plan.paged.pool.per_device // o.num_pages
+
+    def other(p):  # the rollout's peak less its pool
+        prog = p.paged.program
+        return p.state + prog.bytes - prog.resident - p.paged.pool.per_device
+
+    # A pool of one sequence's worst case (it may preempt): the programs a tight pool plans.
+    minimum = load_config(TINY, [*more, f"rollout.max_total_tokens={per_seq * o.page_size}"])
+    small = P.plan_run(minimum, P.parse_target(devices=1, device_memory="1GiB"))
+    assert small.paged.options.num_pages == 1 + per_seq and other(small) >= other(plan)
+    want = 1 + per_seq + 20
+    hbm = int((other(small) + want * page + page // 2) / 0.9)
+    tight = P.plan_run(config, P.parse_target(devices=1, device_memory=str(hbm)))
+    assert tight.paged.options.num_pages == want < o.num_pages
+    assert tight.paged.pool.per_device == want * page
+    assert tight.rollout_peak <= 0.9 * hbm < tight.rollout_peak + page  # filled to a page
+    assert not any("memory_utilization" in n for n in tight.notes)
+    short = P.plan_run(config, P.parse_target(devices=1, device_memory=str(other(small))))
+    assert short.paged.options.num_pages == 1 + per_seq
+    assert any("less than one sequence's worst case" in n for n in short.notes), short.notes
+    # the pool asked for, or no HBM known: as before
+    fixed = P.plan_run(minimum, P.parse_target(devices=1, device_memory=str(hbm)))
+    assert fixed.paged.options.num_pages == 1 + per_seq
+    assert P.plan_run(config, P.parse_target(devices=1)).paged.options.num_pages == (
+        1 + min(o.num_slots, 64) * per_seq
+    )
+
+
+@pytest.mark.slow
 def test_static_engine_is_planned_as_before():
     """rollout.engine=static: the static sampler's one program over a KV cache of P + T
     slots for B·G rows, nothing donated, no paged figures."""
@@ -1215,7 +1258,8 @@ def test_split_plan_of_the_paged_engine_runs_one_engine_per_rollout_data_shard()
     plan = P.plan_run(config, P.parse_target(devices=8, device_memory="1GiB"))
     sp, pg = plan.split, plan.paged
     assert plan.rollout_engine == "paged" and (pg.engines, pg.prompts) == (2, 3)
-    assert (pg.options.num_slots, pg.options.num_pages) == (8, 1 + 8 * 9)  # 3·2 sequences
+    # 3·2 sequences in 8 slots; 1 GiB known: the pool holds every sequence's worst case
+    assert (pg.options.num_slots, pg.options.num_pages) == (8, 1 + 6 * 9)
     assert plan.kv_cache.per_device == pg.pool.per_device and plan.kv_cache.total == (
         2 * pg.pool.per_device
     )
