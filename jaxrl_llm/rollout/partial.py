@@ -62,6 +62,7 @@ weights of the same structure never recompile.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -258,8 +259,13 @@ def _paged_segment(
     sampler: _Sampler,
     paged_options: paged.PagedOptions | None,
 ) -> Segment:
-    """One segment on the paged engine; its pool shape from ``sizes = (B, G, T, P)`` only."""
+    """One segment on the paged engine; its pool shape from ``sizes = (B, G, T, P)`` only
+    (not from device memory: ``PagedOptions.memory_utilization`` would size each segment's
+    pool from its own contexts, a new shape as they grow)."""
     b, g, t, p = sizes
+    paged_options = dataclasses.replace(
+        paged_options or paged.PagedOptions(), memory_utilization=None
+    )
     options = paged.resolve_options(
         paged_options, num_seqs=b * g, num_samples=g, longest_prompt=p, max_new_tokens=t
     )
