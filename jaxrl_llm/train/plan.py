@@ -1193,6 +1193,15 @@ def fit_paged(
             break
         paged, said = replan(int(pages))
         notes += tuple(n for n in said if n not in notes)
+    live = min(paged.options.num_slots, paged.prompts * (num_samples or r.num_samples))
+    if short is None and paged.options.num_pages < 1 + live * per_seq:
+        held = (paged.options.num_pages - 1) // per_seq
+        notes += (
+            f"rollout.memory_utilization={r.memory_utilization} leaves a paged pool of "
+            f"{paged.options.num_pages} pages per engine: {held} of its {live} live sequences' "
+            "worst case at once; the engine admits by live tokens and preempts (recomputes) "
+            "above that",
+        )
     if short is not None:
         notes += (
             f"rollout.memory_utilization={r.memory_utilization} leaves {short} pages of "

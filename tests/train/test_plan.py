@@ -712,7 +712,8 @@ def test_the_paged_pool_is_planned_as_memory_utilization_sizes_it():
     assert tight.paged.options.num_pages == want < o.num_pages
     assert tight.paged.pool.per_device == want * page
     assert tight.rollout_peak <= 0.9 * hbm < tight.rollout_peak + page  # filled to a page
-    assert not any("memory_utilization" in n for n in tight.notes)
+    assert not any("memory_utilization" in n for n in plan.notes)
+    assert any(f"a paged pool of {want} pages per engine: 3 of its 32" in n for n in tight.notes)
     short = P.plan_run(config, P.parse_target(devices=1, device_memory=str(other(small))))
     assert short.paged.options.num_pages == 1 + per_seq
     assert any("less than one sequence's worst case" in n for n in short.notes), short.notes
