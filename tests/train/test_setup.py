@@ -57,6 +57,7 @@ def test_sampler_and_eval_plan_from_the_rollout_section():
         stop_ids=(eos,),  # rollout.stop_token_ids = null: the tokenizer's eos
         cache_dtype=jnp.dtype("bfloat16"),
         engine="paged",  # rollout.engine = auto, and completions stop at the eos
+        max_prompt_length=128,  # data.max_prompt_length: the paged pool sized once for it
     )
     assert not setup.offline and isinstance(setup.recipe, Recipe)
     # Evaluation: greedy by default, one completion per prompt of the rollout's length.
