@@ -346,8 +346,9 @@ def test_a_pool_sized_for_max_prompt_length_compiles_nothing_for_new_prompt_leng
 def test_memory_utilization_sizes_the_pool_from_the_devices_memory(tiny_pair, monkeypatch):
     """On a device that reports its memory (GPU, TPU; faked here), the default pool is what
     ``memory_utilization`` of it leaves after the memory in use and the engine's largest
-    program, up to every slot's worst case: sized once, then kept. A tight pool preempts and
-    samples the same tokens; too little memory is a clear error; ``num_pages`` wins."""
+    program, up to every live sequence's worst case: sized once, then kept. A tight pool
+    preempts and samples the same tokens; too little memory is a clear error; ``num_pages``
+    wins."""
     _, model = tiny_pair("llama3")
     ids, mask = prompts(seed=0, lengths=LENGTHS)
     kw = dict(
