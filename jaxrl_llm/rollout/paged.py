@@ -1218,6 +1218,7 @@ def _program_reserve(graphdef: nnx.GraphDef, worst: WorstCase, mesh: Any) -> int
 
 def fit_pool_to_memory(
     graphdef: nnx.GraphDef,
+    cfg: Any,
     mesh: jax.sharding.Mesh | None,
     params: EngineParams,
     options: PagedOptions,
@@ -1246,9 +1247,9 @@ def fit_pool_to_memory(
     (``_FITTED``), as vLLM sizes its pool once: later calls share the pool's shape.
 
     ``options`` unchanged where ``memory_utilization`` is None (``num_pages`` was given) or a
-    device reports no memory (CPU). ``program``: ``worst_case_programs``' sampling arguments
-    (``greedy``, ``top_k``, ``top_p``, ``pad_token_id``, ``num_stop_ids``,
-    ``full_logprobs``).
+    device reports no memory (CPU). ``cfg``: the model's config (``run``'s). ``program``:
+    ``worst_case_programs``' sampling arguments (``greedy``, ``top_k``, ``top_p``,
+    ``pad_token_id``, ``num_stop_ids``, ``full_logprobs``).
 
     Raises:
       ValueError: the memory left holds less than one sequence's worst case.
@@ -1263,10 +1264,9 @@ def fit_pool_to_memory(
     stats = [_memory_stats(d) for d in devices]
     if any(st is None or "bytes_limit" not in st for st in stats):
         return dataclasses.replace(options, memory_utilization=None)
-    cfg = _model_config(graphdef, *params)
     ps = options.page_size
     sized_for = max(longest_prompt, options.max_prompt_length or 0)
-    per_seq = _ceil_div(sized_for + max_new_tokens, ps)
+    minimum = pool_pages(1, sized_for, max_new_tokens, options)  # one sequence and the trash
     key = (
         tuple(d.id for d in devices),
         dataclasses.replace(options, num_pages=None),
@@ -1320,22 +1320,23 @@ def fit_pool_to_memory(
         free, st = min(fits, key=lambda f: f[0])
         # Every live sequence's worst case: a pool that never preempts. A smaller one may, and
         # its programs' worst case is then the larger recompute prefill.
-        cap = 1 + min(options.num_slots, num_prompts * num_samples) * per_seq
+        live = min(options.num_slots, num_prompts * num_samples)
+        cap = pool_pages(live, sized_for, max_new_tokens, options)
         reserve = reserve_at(cap)
         pages = min(max(free - reserve, 0) // page_bytes, cap)
         if pages < cap:
-            reserve = reserve_at(1 + per_seq)
+            reserve = reserve_at(minimum)
             pages = min(max(free - reserve, 0) // page_bytes, cap)
         _FITTED[key] = PoolFit(
             int(st["bytes_limit"]), int(st["bytes_in_use"]), reserve, page_bytes, int(pages)
         )
     fit = _FITTED[key]
     gib = 2.0**30
-    if fit.pages < 1 + per_seq:
+    if fit.pages < minimum:
         raise ValueError(
             f"generate(engine='paged'): at memory_utilization={util} the pool gets "
             f"{max(fit.pages, 0)} pages of {fit.page_bytes} bytes, fewer than one sequence's "
-            f"worst case ({per_seq} pages of {ps} tokens: a {sized_for}-token prompt and "
+            f"worst case ({minimum - 1} pages of {ps} tokens: a {sized_for}-token prompt and "
             f"{max_new_tokens} new tokens) and the trash page: a device's limit is "
             f"{fit.limit / gib:.2f} GiB, {fit.in_use / gib:.2f} GiB are in use and the "
             f"engine's largest program needs {fit.reserve / gib:.2f} GiB more. Raise "
@@ -1394,6 +1395,7 @@ def run(
     kernel = attention_kernel(cfg, options, cache_dtype, mesh=mesh, params=params)
     options = fit_pool_to_memory(
         graphdef,
+        cfg,
         mesh,
         EngineParams(params, layers_l),
         options,

@@ -1176,25 +1176,28 @@ def fit_paged(
     r = config.rollout
     if r.memory_utilization is None or r.max_total_tokens or target.hbm_bytes is None:
         return planned
+    from jaxrl_llm.rollout.paged import pool_pages
+
     o = paged.options
     t = max_new_tokens or r.max_new_tokens
-    per_seq = -(-(config.data.max_prompt_length + t) // o.page_size)
+    live = min(o.num_slots, paged.prompts * (num_samples or r.num_samples))
+    minimum = pool_pages(1, config.data.max_prompt_length, t, o)  # one sequence and the trash
+    cap = pool_pages(live, config.data.max_prompt_length, t, o)  # every live sequence
+    per_seq = minimum - 1
     page = paged.pool.per_device // o.num_pages
     budget = int(r.memory_utilization * target.hbm_bytes)
     short = None
     for _ in range(3):
         prog = paged.program
         other = base + prog.bytes - prog.resident - paged.pool.per_device
-        live = min(paged.options.num_slots, paged.prompts * (num_samples or r.num_samples))
-        pages = min((budget - other) // page, 1 + live * per_seq)
-        if pages < 1 + per_seq:
-            short, pages = max(pages, 0), 1 + per_seq
+        pages = min((budget - other) // page, cap)
+        if pages < minimum:
+            short, pages = max(pages, 0), minimum
         if pages == paged.options.num_pages:
             break
         paged, said = replan(int(pages))
         notes += tuple(n for n in said if n not in notes)
-    live = min(paged.options.num_slots, paged.prompts * (num_samples or r.num_samples))
-    if short is None and paged.options.num_pages < 1 + live * per_seq:
+    if short is None and paged.options.num_pages < cap:
         held = (paged.options.num_pages - 1) // per_seq
         notes += (
             f"rollout.memory_utilization={r.memory_utilization} leaves a paged pool of "
@@ -1896,11 +1899,16 @@ def plan_run(config: Any, target: Target) -> Plan:
     merged = run.models.merge_for_sampling and run.models.frozen is not None
     paged = paged_eval = None
     s = run.state
-    # Resident while sampling (Plan.state; split: the rollout copy, RolloutSide.copy).
-    reference = None if run.models.frozen is not None else run.models.ref_params  # LoRA: base
-    held = (s.params, run.models.frozen, s.opt_state, reference)
-    held += ((s.critic_params, s.critic_opt_state, run.models.critic_frozen),)
-    base = side.copy if side is not None else sum(tree_bytes(x).per_device for x in held)
+    state = dict(
+        parameters=tree_bytes(s.params),
+        optimizer=tree_bytes(s.opt_state),
+        # under LoRA the reference is the frozen base (counted there), not a copy
+        reference=tree_bytes(None if run.models.frozen is not None else run.models.ref_params),
+        critic=tree_bytes((s.critic_params, s.critic_opt_state, run.models.critic_frozen)),
+        frozen=tree_bytes(run.models.frozen),
+    )
+    held = sum(b.per_device for b in state.values())  # Plan.state, while sampling
+    base = side.copy if side is not None else held  # split: the rollout copy's
     if rollout_engine(config) == "paged":
 
         def plan_rollout(num_pages: int | None = None) -> Any:
@@ -1962,7 +1970,7 @@ def plan_run(config: Any, target: Target) -> Plan:
         paged_eval, said = fit_paged(
             plan_eval(),
             plan_eval,
-            base=sum(tree_bytes(x).per_device for x in held),
+            base=held,
             config=config,
             target=target,
             max_new_tokens=evaluation.get("max_new_tokens"),
@@ -1981,11 +1989,7 @@ def plan_run(config: Any, target: Target) -> Plan:
         mesh=dict(sizes),
         preset=config.mesh.preset,
         model=_model_info(config, model_cfg, n_params, s.params, run.models.ref_params is not None),
-        parameters=tree_bytes(s.params),
-        optimizer=tree_bytes(s.opt_state),
-        # under LoRA the reference is the frozen base (counted there), not a copy
-        reference=tree_bytes(None if run.models.frozen is not None else run.models.ref_params),
-        critic=tree_bytes((s.critic_params, s.critic_opt_state, run.models.critic_frozen)),
+        **state,
         batch=tree_bytes(run.groups),
         kv_cache=kv,
         rollout=rollout,
@@ -1993,7 +1997,6 @@ def plan_run(config: Any, target: Target) -> Plan:
         rollout_flops_analytic=2.0 * n_params * tokens / rollout_mesh.size,
         update_flops_analytic=_update_flops(config, recipe, run) / mesh.size,
         seconds=time.perf_counter() - t0,
-        frozen=tree_bytes(run.models.frozen),
         merged_copy=tree_bytes(run.sampler[1]) if merged and not split else Bytes(),
         programs=tuple(programs),
         notes=notes,
