@@ -70,11 +70,14 @@ def sample_completions(
     key: jax.Array,
     *,
     policy: tuple[Any, dict] | None = None,
+    with_stats: bool = False,
 ) -> Any:
     """``sampler``'s completions of the prompts with the policy ``params``, as host arrays
     (the fields of :func:`jaxrl_llm.rollout.generate`'s result). ``policy``: a ``(graphdef,
     params)`` to sample from instead of ``models.sampling_policy(params)`` (the rollout
-    weights of :mod:`jaxrl_llm.train.placement`, on their own mesh)."""
+    weights of :mod:`jaxrl_llm.train.placement`, on their own mesh). ``with_stats``: the pair
+    ``(completions, stats)``, ``stats`` the paged engine's
+    :class:`~jaxrl_llm.rollout.paged.PagedStats` (None for the static engine)."""
     from jaxrl_llm import rollout
 
     if policy is None:
@@ -95,8 +98,58 @@ def sample_completions(
         engine=sampler.engine,
         paged_options=sampler.paged_options(),
         return_full_logprobs=sampler.full_logprobs,
+        return_stats=with_stats,
     )
+    if with_stats:
+        out, stats = out
+        return jax.tree.map(np.asarray, jax.device_get(out)), stats
     return jax.tree.map(np.asarray, jax.device_get(out))
+
+
+KV_FIELDS = ("peak_pages", "pool_pages", "page_bytes", "preemptions", "decode_dispatches")
+"""The :class:`~jaxrl_llm.rollout.paged.PagedStats` fields that :func:`kv_metrics` reads, the
+columns of :func:`engine_rows`."""
+
+
+def engine_rows(stats: Any) -> np.ndarray:
+    """``int64[E, len(KV_FIELDS)]``: one row of :data:`KV_FIELDS` per paged engine that ran
+    in this process (a data-parallel run's shards; none for the static engine, ``stats`` None).
+    In a multi-process run, every process's rows (over the coordination service; every process
+    must call it)."""
+    engines = getattr(stats, "shards", None) or (stats,)
+    rows = np.asarray(
+        [[getattr(s, f) for f in KV_FIELDS] for s in engines if s is not None], np.int64
+    ).reshape(-1, len(KV_FIELDS))
+    if dist.is_multiprocess():
+        rows = dist.host_allgather(rows, what="paged engine stats", tiled=True)
+    return rows
+
+
+def kv_metrics(rounds: list[np.ndarray]) -> dict[str, float]:
+    """The rollout's KV-cache metrics from each generation round's :func:`engine_rows`
+    (vLLM's cache usage and preemption counts); empty when no paged engine ran.
+
+    Per engine (one pool on one data shard's devices), the most over engines and rounds:
+    ``rollout/kv_peak_gib`` the pages held at the busiest moment, ``rollout/kv_pool_gib`` the
+    pool as allocated (its trash page included), ``rollout/kv_usage_peak`` the peak's fraction
+    of the pool's usable pages (1.0: the pool was the limit; with preemptions, a larger pool —
+    ``rollout.memory_utilization``, ``rollout.max_total_tokens`` — would have run them without
+    recomputation). Summed over engines and rounds: ``rollout/preemptions``, sequences whose
+    pages were taken back to be recomputed. ``rollout/decode_dispatches``: the busiest
+    engine's compiled decode calls, summed over rounds (the host's share of the rollout
+    grows with it)."""
+    rows = [r for r in rounds if len(r)]
+    if not rows:
+        return {}
+    peak, pool, page_bytes, preempt, _ = np.concatenate(rows).T.astype(np.float64)
+    gib = float(2**30)
+    return {
+        "rollout/kv_peak_gib": float(np.max(peak * page_bytes)) / gib,
+        "rollout/kv_pool_gib": float(np.max(pool * page_bytes)) / gib,
+        "rollout/kv_usage_peak": float(np.max(peak / np.maximum(pool - 1, 1))),
+        "rollout/preemptions": float(np.sum(preempt)),
+        "rollout/decode_dispatches": float(sum(np.max(r[:, 4]) for r in rows)),
+    }
 
 
 def score_completions(
@@ -248,7 +301,7 @@ def _generate_round(
     else:
         rows = policy_rows(policy, len(batch.prompts))
     t0 = time.perf_counter()
-    out = sample_completions(
+    out, stats = sample_completions(
         setup.models,
         params,
         setup.sampler,
@@ -256,9 +309,11 @@ def _generate_round(
         batch.prompt_mask_bt[rows],
         key,
         policy=policy,
+        with_stats=True,
     )
     seconds = time.perf_counter() - t0
-    return _score_round(setup, params, batch, rows, out, key, policy, seconds, step)
+    kv_rows = engine_rows(stats)
+    return (*_score_round(setup, params, batch, rows, out, key, policy, seconds, step), kv_rows)
 
 
 def _score_round(
@@ -450,10 +505,12 @@ def collect(
     metrics: dict[str, float] = {}
     times = {"time/rollout": 0.0, "time/reward": 0.0}
     rounds = 0
+    kv_rounds: list[np.ndarray] = []
     while True:
-        groups, reward_out, truncated, t = _generate_round(
+        groups, reward_out, truncated, t, kv_rows = _generate_round(
             setup, params, it.next_batch(), jax.random.fold_in(key, rounds), policy, step
         )
+        kv_rounds.append(kv_rows)
         for k, v in t.items():
             times[k] += v
         if rounds == 0:
@@ -478,6 +535,7 @@ def collect(
     else:
         final = _concat(kept, pad=pad)
     metrics.update(times)
+    metrics.update(kv_metrics(kv_rounds))
     return final, metrics
 
 
@@ -537,7 +595,9 @@ def dpo_batch(
 __all__ = [
     "collect",
     "dpo_batch",
+    "engine_rows",
     "gather_reward_output",
+    "kv_metrics",
     "policy_rows",
     "sample_completions",
     "score_completions",

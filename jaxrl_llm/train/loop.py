@@ -377,6 +377,7 @@ def _train_locked(
     final: dict[str, float] = {}
     step = start
     stop, saved = StopSignals(), False
+    preempted = False
     try:
         stop.install()  # SIGTERM / SIGINT: stop after the step, with a checkpoint
         with (MetricsLogger if primary else NullLogger)(
@@ -414,6 +415,9 @@ def _train_locked(
                         f"and optimizer state unchanged; {skipped} steps skipped so far)"
                     )
                 metrics = _step_metrics(metrics, t_step) | {"train/skipped_steps": skipped}
+                if not preempted and metrics.get("rollout/preemptions", 0) > 0:
+                    preempted = True  # once a run, as vLLM warns of its first preemption
+                    logger.write(_preemption_message(step, metrics))
                 if step % plan.log_every == 0 or step == plan.max_steps:
                     logger.log(step, metrics)
                 logger.progress(step, metrics)
@@ -560,6 +564,19 @@ def _meta(config: TrainConfig, iterator: BatchIterator, skipped: int = 0) -> dic
         "config": to_yaml(config),
         "skipped_steps": skipped,
     }
+
+
+def _preemption_message(step: int, metrics: dict[str, float]) -> str:
+    """The warning of a rollout's first preemption (metrics: :func:`collect.kv_metrics`)."""
+    return (
+        f"step {step}: the rollout's KV-cache pool ({metrics['rollout/kv_pool_gib']:.3g} GiB "
+        "per engine) could not hold every live sequence: "
+        f"{metrics['rollout/preemptions']:.0f} sequences were preempted and recomputed, which "
+        "slows the rollout (not its tokens). A larger pool avoids it: "
+        "rollout.memory_utilization (GPU/TPU), rollout.max_total_tokens, or fewer "
+        "rollout.max_num_seqs; the metrics rollout/preemptions and rollout/kv_usage_peak "
+        "follow it"
+    )
 
 
 def data_fingerprint(dataset: Any) -> str | None:

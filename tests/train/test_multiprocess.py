@@ -383,10 +383,13 @@ def test_two_processes_end_with_the_parameters_of_one(tmp_path):
     train_lines = [r for r in records_two if "reward/mean" in r]
     assert [r["step"] for r in train_lines] == [1, 2]
     assert any(r["reward/std"] > 0 for r in train_lines), "no reward signal: the test is vacuous"
+    # the paged engines' KV metrics: one engine per process, gathered; one per data shard there
+    kv = ("rollout/kv_peak_gib", "rollout/kv_pool_gib", "rollout/decode_dispatches")
+    assert all(k in r for r in train_lines for k in kv), train_lines
     two_by_step = {(r["step"], "reward/mean" in r): r for r in records_two}
     for a in records_one:
         b = two_by_step[a["step"], "reward/mean" in a]
-        for key in ("reward/mean", "reward/std", "actor/pg_loss", "eval/reward_mean"):
+        for key in ("reward/mean", "reward/std", "actor/pg_loss", "eval/reward_mean", *kv):
             if key in a:
                 assert b[key] == pytest.approx(a[key], abs=1e-6), (a["step"], key)
     assert (multi_dir / "config.yaml").exists() and (multi_dir / "curves.png").exists()
