@@ -1229,6 +1229,7 @@ def fit_pool_to_memory(
     longest_prompt: int,
     max_new_tokens: int,
     cache_dtype: jnp.dtype,
+    continued: bool = False,
     **program: Any,
 ) -> PagedOptions:
     """``options`` with ``num_pages`` sized by ``options.memory_utilization`` u on the engine's
@@ -1249,7 +1250,10 @@ def fit_pool_to_memory(
     ``options`` unchanged where ``memory_utilization`` is None (``num_pages`` was given) or a
     device reports no memory (CPU). ``cfg``: the model's config (``run``'s). ``program``:
     ``worst_case_programs``' sampling arguments (``greedy``, ``top_k``, ``top_p``,
-    ``pad_token_id``, ``num_stop_ids``, ``full_logprobs``).
+    ``pad_token_id``, ``num_stop_ids``, ``full_logprobs``). ``continued``: the sizes are a
+    whole rollout's that runs in segments (``partial.py``: each segment continues the live
+    sequences, their contexts as its prompts); the reserve then also covers every one of the
+    ``B·G`` sequences prefilled alone from a context of up to ``P + T − 1`` tokens.
 
     Raises:
       ValueError: the memory left holds less than one sequence's worst case.
@@ -1278,6 +1282,7 @@ def fit_pool_to_memory(
         str(jnp.dtype(cache_dtype)),
         tuple(sorted(program.items())),
         kernel,
+        continued,
     )
     if key not in _FITTED:
         rep = NamedSharding(mesh, PartitionSpec()) if mesh is not None else None
@@ -1287,21 +1292,29 @@ def fit_pool_to_memory(
             )
         )
 
+        # (prompts, samples each, longest prompt, new tokens) of the calls to cover
+        calls = [(num_prompts, num_samples, sized_for, max_new_tokens)]
+        if continued:  # a later segment: each sequence alone, its context as the prompt
+            calls.append((num_prompts * num_samples, 1, sized_for + max_new_tokens - 1, 1))
+
         def reserve_at(num_pages: int) -> int:
-            worst = worst_case_programs(
-                cfg,
-                abstract,
-                dataclasses.replace(options, num_pages=num_pages),
-                kernel,
-                num_prompts=num_prompts,
-                num_samples=num_samples,
-                longest_prompt=sized_for,
-                max_new_tokens=max_new_tokens,
-                cache_dtype=cache_dtype,
-                sharding=rep,
-                **program,
-            )
-            return _program_reserve(graphdef, worst, mesh)
+            worst = [
+                worst_case_programs(
+                    cfg,
+                    abstract,
+                    dataclasses.replace(options, num_pages=num_pages),
+                    kernel,
+                    num_prompts=b,
+                    num_samples=g,
+                    longest_prompt=p,
+                    max_new_tokens=t,
+                    cache_dtype=cache_dtype,
+                    sharding=rep,
+                    **program,
+                )
+                for b, g, p, t in calls
+            ]
+            return max(_program_reserve(graphdef, w, mesh) for w in worst)
 
         on = pool_sharding(kernel, cfg, mesh) if mesh is not None else None
 
@@ -1366,6 +1379,7 @@ def run(
     seq_ids_bg: np.ndarray | None = None,
     token_offsets_bg: np.ndarray | None = None,
     full_logprobs: bool = False,
+    whole_rollout: tuple[int, int, int, int] | None = None,
 ) -> tuple[tuple[np.ndarray, ...], PagedStats]:
     """Samples ``budgets_bg[b, g]`` tokens (or up to a stop id) for each prompt and sample.
 
@@ -1383,7 +1397,10 @@ def run(
     Token ``t`` of sample ``(b, g)`` is drawn with ``fold_in(fold_in(rng, id), offset + t)``,
     ``id = seq_ids_bg[b, g]`` (default ``b·G + g``) and ``offset = token_offsets_bg[b, g]``
     (default 0): a partial rollout (``partial.py``) continues a sequence from its token
-    ``offset`` with the keys a one-shot run would have used there.
+    ``offset`` with the keys a one-shot run would have used there. It passes
+    ``whole_rollout``, the ``(B, G, P, T)`` of the rollout this call is a segment of: a pool
+    fitted to device memory (``options.memory_utilization``) is then fitted for that whole
+    rollout (:func:`fit_pool_to_memory`, ``continued``), so every segment shares one pool shape.
     """
     b_count, g = budgets_bg.shape
     ps, slots, k = options.page_size, options.num_slots, options.steps_per_dispatch
@@ -1393,6 +1410,12 @@ def run(
     params, layers_l = params
     cfg = _model_config(graphdef, params, layers_l)
     kernel = attention_kernel(cfg, options, cache_dtype, mesh=mesh, params=params)
+    fit_b, fit_g, fit_p, fit_t = whole_rollout or (
+        b_count,
+        g,
+        max(len(p) for p in prompts),
+        max_new_tokens,
+    )
     options = fit_pool_to_memory(
         graphdef,
         cfg,
@@ -1400,10 +1423,11 @@ def run(
         EngineParams(params, layers_l),
         options,
         kernel,
-        num_prompts=b_count,
-        num_samples=g,
-        longest_prompt=max(len(p) for p in prompts),
-        max_new_tokens=max_new_tokens,
+        num_prompts=fit_b,
+        num_samples=fit_g,
+        longest_prompt=fit_p,
+        max_new_tokens=fit_t,
+        continued=whole_rollout is not None,
         cache_dtype=cache_dtype,
         greedy=greedy,
         top_k=top_k,

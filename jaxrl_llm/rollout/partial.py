@@ -44,7 +44,9 @@ depends only on ``(B, G, T)`` and the prompts' padded width ``P``, never on how 
 samples got:
 
 - paged: the pool has ``1 + S·⌈(P + T)/page⌉`` pages (``S = max(min(next_pow2(B·G), 64),
-  next_pow2(G))`` slots unless ``paged_options`` says otherwise); prefill chunks of 1, 2, 4 or 8
+  next_pow2(G))`` slots unless ``paged_options`` says otherwise; on a GPU or TPU, what
+  ``paged_options.memory_utilization`` of the devices' memory leaves, fitted once for the
+  whole rollout, at most ``min(S, B·G)`` worst cases); prefill chunks of 1, 2, 4 or 8
   rows and a power-of-two width in ``[16, prefill_chunk]``, with ``G`` or 1 samples per row;
   decode dispatches of a power-of-two number of rows in ``[min(8, S), S]``; page tables a
   multiple of 128 tokens wide, at most ``w = ⌈(P + T)/128⌉`` widths. At most
@@ -62,7 +64,6 @@ weights of the same structure never recompile.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -259,13 +260,13 @@ def _paged_segment(
     sampler: _Sampler,
     paged_options: paged.PagedOptions | None,
 ) -> Segment:
-    """One segment on the paged engine; its pool shape from ``sizes = (B, G, T, P)`` only
-    (not from device memory: ``PagedOptions.memory_utilization`` would size each segment's
-    pool from its own contexts, a new shape as they grow)."""
+    """One segment on the paged engine; its pool shape from ``sizes = (B, G, T, P)`` only,
+    not from its own contexts: by default for ``min(num_slots, 64)`` of the whole rollout's
+    worst cases, on a GPU or TPU what ``PagedOptions.memory_utilization`` of the devices'
+    memory leaves, fitted once for the whole rollout (``paged.run``'s ``whole_rollout``),
+    so every segment shares the pool."""
     b, g, t, p = sizes
-    paged_options = dataclasses.replace(
-        paged_options or paged.PagedOptions(), memory_utilization=None
-    )
+    paged_options = paged_options or paged.PagedOptions()
     options = paged.resolve_options(
         paged_options, num_seqs=b * g, num_samples=g, longest_prompt=p, max_new_tokens=t
     )
@@ -292,6 +293,7 @@ def _paged_segment(
         seq_ids_bg=rows.seq_ids,
         token_offsets_bg=rows.offsets,
         full_logprobs=sampler.full_logprobs,
+        whole_rollout=(b, g, p, t),
     )
     return _rows_of(seg, *arrays)
 
@@ -399,7 +401,8 @@ def advance(
       engine: ``"paged"`` or ``"static"``: either samples the same tokens (same per-row keys;
         module docstring); the static engine runs one process only.
       paged_options: the paged engine's sizes; ``num_slots`` and ``num_pages`` default from
-        ``(B, G, T, P)`` only, so every segment of a batch shares one pool shape.
+        ``(B, G, T, P)`` only (and the devices' memory, ``memory_utilization``), so every
+        segment of a batch shares one pool shape.
 
     Returns:
       The new :class:`InFlight` (fresh arrays).

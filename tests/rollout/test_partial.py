@@ -13,7 +13,7 @@ from jaxrl_llm import rollout
 from jaxrl_llm.models.transformer import CausalLM
 from jaxrl_llm.rollout import paged, partial
 from tests.rollout.test_generate import prompts, training_logprobs
-from tests.rollout.test_paged import CompileCounter
+from tests.rollout.test_paged import CompileCounter, assert_same
 
 LENGTHS = (9, 4, 1, 6, 23)  # ragged; 23 > prefill_chunk: chunked (re-)prefills
 T, G = 12, 2
@@ -186,6 +186,62 @@ def test_a_second_batch_compiles_nothing(tiny_pair):
         jax.block_until_ready(out)
     assert first.count > 0 and second.count == 0
     assert set(np.unique(np.asarray(out.version))) == {-1, 0, 1}  # the last model serves segment 3
+
+
+def test_memory_utilization_fits_one_pool_for_the_whole_rollout(tiny_pair, monkeypatch):
+    """On a device that reports its memory (faked), every segment runs the pool fitted once
+    for the whole rollout (B, G, T, P), not for its own contexts, and samples one-shot's
+    tokens; its reserve covers the later segments' programs (each sequence prefilled alone
+    from its context), so it is at least a one-shot call's."""
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=3, lengths=LENGTHS)
+    kw = dict(rng=jax.random.key(2), temperature=1.0, stop_token_ids=(), **KW)
+    ref = one_shot(model, ids, mask, **kw)  # a CPU reports no memory: the default pool
+    pools = []
+    run = paged.run
+
+    def recording_run(*args, **kwargs):
+        arrays, stats = run(*args, **kwargs)
+        pools.append((stats.pool_pages, stats.preemptions))
+        return arrays, stats
+
+    worst_cases = []
+    worst = paged.worst_case_programs
+
+    def recording_worst(*args, **kwargs):
+        sizes = ("num_prompts", "num_samples", "longest_prompt", "max_new_tokens")
+        worst_cases.append(tuple(kwargs[k] for k in sizes))
+        return worst(*args, **kwargs)
+
+    memory = {"bytes_limit": 1 << 30, "bytes_in_use": 0}
+    monkeypatch.setattr(paged, "_memory_stats", lambda device: dict(memory))
+    monkeypatch.setattr(paged, "_FITTED", {})
+    monkeypatch.setattr(partial.paged, "run", recording_run)
+    monkeypatch.setattr(paged, "worst_case_programs", recording_worst)
+    # Plenty of memory: every live sequence's worst case of the whole rollout, every segment.
+    cap = paged.pool_pages(SMALL.num_slots, ids.shape[1], T, SMALL)  # 4 slots < B·G = 10
+    out = partial.generate_partial([model], ids, mask, segment_tokens=3, **kw)
+    assert_same(ref, out)
+    assert len(pools) >= 3 and {p for p, _ in pools} == {cap}, pools
+    (fit,) = paged._FITTED.values()
+    b, p = len(LENGTHS), ids.shape[1]
+    # the first segment's programs, and a later one's: each sequence alone, a P + T - 1 context
+    assert set(worst_cases) == {(b, G, p, T), (b * G, 1, p + T - 1, 1)}, worst_cases
+    with monkeypatch.context() as m:  # a one-shot call's fit, for comparison
+        m.setattr(paged, "_FITTED", {})
+        one_shot(model, ids, mask, **kw)
+        (one,) = paged._FITTED.values()
+    assert fit.reserve >= one.reserve > 0 and fit.page_bytes == one.page_bytes
+
+    # Memory for one sequence's worst case: every segment gets that pool, preempts, and still
+    # samples one-shot's tokens.
+    pages = paged.pool_pages(1, ids.shape[1], T, SMALL)
+    memory["bytes_in_use"] = int(0.9 * (1 << 30)) - fit.reserve - pages * fit.page_bytes
+    paged._FITTED.clear()
+    pools.clear()
+    out = partial.generate_partial([model], ids, mask, segment_tokens=3, **kw)
+    assert_same(ref, out)
+    assert {p for p, _ in pools} == {pages} and sum(n for _, n in pools) > 0, pools
 
 
 def test_bad_input_is_a_clear_error(tiny_pair):
