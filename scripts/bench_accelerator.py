@@ -3,7 +3,7 @@
     python scripts/bench_accelerator.py --out /tmp/bench.json            # the device run
     python scripts/bench_accelerator.py --tiny --out /tmp/bench.json     # CPU, tiny shapes
 
-Nine parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
+Ten parts, each in a fresh Python (so that ``device.memory_stats()["peak_bytes_in_use"]``,
 which cannot be reset, is that part's own peak), run in the order of :data:`PARTS`; all shapes
 are random weights from a ``config.json`` (``configs/models/llama-3.2-1b``: Llama-3.2-1B's
 published shapes, 1.236 B parameters), so nothing is downloaded:
@@ -54,6 +54,11 @@ published shapes, 1.236 B parameters), so nothing is downloaded:
              micro-batches) with ``model.attention=cudnn`` and with ``pallas_gpu`` (the Pallas
              Triton flash attention with O(T) segment ids instead of cuDNN's dense
              ``[B, 1, T, S]`` mask), side by side; the ``check`` part checks the numbers of both.
+``pool_fit``  the paged pool sized from the device's memory (``rollout.memory_utilization``,
+             the trainer's default) on the real allocator (:func:`part_pool_fit`): a u that
+             leaves half of every sequence's worst case, then whether the engine got that
+             pool, preempted, kept the peak under ``u · bytes_limit`` and sampled a large
+             pool's tokens.
 ``decode_tuning``  the ``decode`` part, then the decode again with a few other launch
              parameters of the Pallas kernel (``PagedOptions.kernel_tuning``: pages per
              compute block, warps, pipeline stages; the defaults ran at ~35% of HBM bandwidth
@@ -73,11 +78,12 @@ import the working tree), from the repository root::
         --profile /tmp/prof --out $OUT/bench_a.json
     PYTHONPATH=$PWD python3 scripts/bench_accelerator.py \
         --parts decode,decode_dense,decode_static,plan --profile /tmp/prof --out $OUT/bench_b.json
-    PYTHONPATH=$PWD python3 scripts/bench_accelerator.py --parts decode_tuning,update_attention \
-        --out $OUT/bench_c.json
+    PYTHONPATH=$PWD python3 scripts/bench_accelerator.py \
+        --parts pool_fit,decode_tuning,update_attention --out $OUT/bench_c.json
 
 (several device commands: the parts need ~600 s there, more than one command's limit; the
-third, ~90 + ~40 s, only if device time is left).
+third, ~90 + ~40 s and the pool fit's (not yet run on a device), only if device time is
+left).
 """
 
 from __future__ import annotations
@@ -186,6 +192,7 @@ SHAPES = {
             "new": 256,
             "engine": "static",
         },
+        "pool_fit": {"model": MODEL_1B, "batch": 256, "prompt": 128, "new": 256},
     },
     "tiny": {
         "plan": {"config": TINY_CONFIG, "overrides": ["data.eval_size=0"]},
@@ -228,6 +235,7 @@ SHAPES = {
             "new": 4,
             "engine": "static",
         },
+        "pool_fit": {"model": "tiny-random", "batch": 4, "prompt": 16, "new": 8},
     },
 }
 
@@ -572,6 +580,124 @@ def part_decode(
         "hbm_bytes_per_s": bandwidth,
         "roofline_tokens_per_s": roofline,
         "percent_of_roofline": None if roofline is None else 100 * tokens_per_s / roofline,
+    }
+
+
+def part_pool_fit(model: str, batch: int, prompt: int, new: int, fraction: float = 0.5) -> dict:
+    """The paged pool sized from the device's memory (``PagedOptions.memory_utilization``, the
+    trainer's default) on a real allocator: ``bytes_in_use`` as the allocator reports it with
+    the weights resident, XLA's memory analysis for the programs' reserve, and whether the
+    process's peak stays under ``u · bytes_limit``.
+
+    First the fit at the default u = 0.9 (no sampling): its reserve, page bytes and the cap
+    (every sequence's worst case). Then u is set so that the pool holds ``fraction`` of the
+    cap, ``u = (bytes_in_use + reserve + pages · page_bytes) / bytes_limit``, and the engine
+    samples ``batch`` greedy rows of ``new`` tokens (no stop) in it: it must get those pages,
+    preempt, and keep the peak (``peak_bytes_in_use``, this fresh process's) under ``u ·
+    bytes_limit``; then once more with a pool for every sequence, whose tokens the tight
+    pool's should equal (in bf16 a recomputed context's logits may round otherwise than the
+    decode's, so a near-tie can flip a row: the fraction of equal rows is reported). On a CPU (no ``memory_stats``) the devices' memory is faked, 1 GiB with
+    nothing in use, so that the path runs; its peak is not measured (``memory: "faked"``)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxrl_llm import rollout
+    from jaxrl_llm.rollout import engine, paged
+    from jaxrl_llm.train import state as st
+
+    cfg = _model_config(model)
+    graphdef, params = st.split_params(_random_model(cfg))
+    real = paged._memory_stats(jax.devices()[0])
+    faked = real is None or "bytes_limit" not in real
+    if faked:
+        paged._memory_stats = lambda d: {"bytes_limit": 1 << 30, "bytes_in_use": 0}
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, cfg.vocab_size, (batch, prompt), dtype=np.int32)
+    mask = np.ones((batch, prompt), bool)
+    options = paged.PagedOptions(num_slots=batch)  # memory_utilization=0.9, no num_pages
+
+    def sample(opts: paged.PagedOptions):
+        out, stats = rollout.generate(
+            (graphdef, params),
+            ids,
+            mask,
+            rng=jax.random.key(0),
+            max_new_tokens=new,
+            temperature=0.0,
+            stop_token_ids=(),
+            cache_dtype="bfloat16",
+            engine="paged",
+            paged_options=opts,
+            return_stats=True,
+        )
+        return jax.tree.map(np.asarray, jax.block_until_ready(out)), stats
+
+    # The fit at u = 0.9, without sampling: what generate's first call computes.
+    engine_params = paged.engine_params(params, cfg.jnp_dtype)
+    resolved = paged.resolve_options(
+        options, num_seqs=batch, num_samples=1, longest_prompt=prompt, max_new_tokens=new
+    )
+    kernel = paged.attention_kernel(cfg, resolved, jnp.bfloat16, params=engine_params[0])
+    fit_kw = dict(
+        num_prompts=batch,
+        num_samples=1,
+        longest_prompt=prompt,
+        max_new_tokens=new,
+        cache_dtype=jnp.dtype(jnp.bfloat16),
+        greedy=True,
+        top_k=0,
+        top_p=1.0,
+        pad_token_id=engine._pad_id(cfg),
+        num_stop_ids=8,
+        full_logprobs=False,
+    )
+    t0 = time.perf_counter()
+    wide = paged.fit_pool_to_memory(graphdef, cfg, None, engine_params, resolved, kernel, **fit_kw)
+    fit_s = time.perf_counter() - t0
+    (fit,) = paged._FITTED.values()
+    cap = paged.pool_pages(batch, prompt, new, resolved)
+    stats0 = paged._memory_stats(jax.devices()[0])
+    pages = max(paged.pool_pages(1, prompt, new, resolved), int(fraction * cap))
+    u = (stats0["bytes_in_use"] + fit.reserve + pages * fit.page_bytes) / stats0["bytes_limit"]
+    u = min(u + 1e-6, 1.0)  # rounding: floor((u·limit − in_use − reserve) / page) = pages
+    paged._FITTED.clear()
+    t0 = time.perf_counter()
+    tight_out, tight = sample(dataclasses.replace(options, memory_utilization=u))
+    tight_s = time.perf_counter() - t0
+    after = paged._memory_stats(jax.devices()[0])
+    peak = None if faked else int(after.get("peak_bytes_in_use", 0))
+    budget = int(u * stats0["bytes_limit"])
+    full_out, full = sample(dataclasses.replace(options, num_pages=cap))
+    rows_same = (tight_out.tokens == full_out.tokens).all(axis=(1, 2))
+    return {
+        "model": model,
+        "memory": "faked" if faked else "device",
+        "batch": batch,
+        "prompt": prompt,
+        "new_tokens": new,
+        "bytes_limit": int(stats0["bytes_limit"]),
+        "bytes_in_use_before": int(stats0["bytes_in_use"]),
+        "fit_at_0.9": {
+            "pool_pages": int(wide.num_pages),
+            "cap_pages": int(cap),
+            "reserve_bytes": int(fit.reserve),
+            "page_bytes": int(fit.page_bytes),
+            "fit_s": fit_s,
+        },
+        "memory_utilization": u,
+        "planned_pool_pages": int(pages),
+        "pool_pages": int(tight.pool_pages),
+        "preemptions": int(tight.preemptions),
+        "peak_pages": int(tight.peak_pages),
+        "generate_s": tight_s,
+        "peak_bytes_in_use": peak,
+        "budget_bytes": budget,
+        "peak_within_budget": None if peak is None else peak <= budget,
+        "headroom_bytes": None if peak is None else budget - peak,
+        "full_pool_preemptions": int(full.preemptions),
+        "tokens_equal_full_pool": bool(rows_same.all()),
+        "rows_equal_full_pool_fraction": float(rows_same.mean()),
     }
 
 
@@ -1152,6 +1278,7 @@ PARTS = (
     "plan",
     "decode_tuning",
     "update_attention",
+    "pool_fit",
 )
 #: Each part's subprocess timeout, seconds (the plan part compiles its two programs twice,
 #: planned and real; the check part took 176 s on the H200 with all 16 layers of the 1B model,
@@ -1167,6 +1294,7 @@ BUDGETS = {
     "plan": 300.0,
     "decode_tuning": 150.0,
     "update_attention": 120.0,
+    "pool_fit": 150.0,
 }
 #: The whole run's default limit: a device command may run 600 s, and the machine's start and
 #: the transfers come on top, so 540 s leaves room to see the output.
@@ -1184,6 +1312,8 @@ def run_part(name: str, shapes: dict, num_devices: int | None) -> dict:
         return part_update(s["config"], list(s["overrides"]), dict(s["variants"]), s["steps"])
     if name == "check":
         return part_check(**s)
+    if name == "pool_fit":
+        return part_pool_fit(**s)
     return part_decode(**s)  # decode, decode_dense, decode_static, decode_tuning
 
 

@@ -105,6 +105,28 @@ def test_mfu_and_decode_parts_on_tiny_shapes(bench):
     json.dumps({"mfu": mfu, **decodes})
 
 
+def test_pool_fit_part_on_faked_memory(bench, monkeypatch):
+    """The ``pool_fit`` part on CPU, whose devices report no memory (faked: 1 GiB, none in
+    use): the memory_utilization it sets for half the cap gives a pool below the cap, which
+    preempts and samples the full pool's greedy tokens; no peak is measured here. (Fewer
+    pages than planned: XLA:CPU's programs convert the bf16 pool to f32 to scatter into it,
+    temporaries that grow with the pool, which the fit takes off.)"""
+    from jaxrl_llm.rollout import paged
+
+    monkeypatch.setattr(paged, "_FITTED", {})
+    monkeypatch.setattr(paged, "_memory_stats", paged._memory_stats)  # the part fakes it
+    d = bench.part_pool_fit("tiny-random", batch=4, prompt=16, new=8)
+    fit = d["fit_at_0.9"]
+    assert d["memory"] == "faked" and d["bytes_limit"] == 1 << 30
+    assert fit["pool_pages"] == fit["cap_pages"] and fit["reserve_bytes"] > 0  # 1 GiB: ample
+    assert d["planned_pool_pages"] == fit["cap_pages"] // 2  # 9 // 2, above the minimum (3)
+    assert 3 <= d["pool_pages"] < fit["cap_pages"]  # the minimum: one sequence and the trash
+    assert d["preemptions"] > 0 and d["full_pool_preemptions"] == 0
+    assert d["tokens_equal_full_pool"] and d["peak_within_budget"] is None
+    assert 0 < d["memory_utilization"] < 0.9
+    json.dumps(d)
+
+
 def test_update_part_sweeps_its_variants_on_tiny_shapes(bench):
     """Each variant compiles and times the trainer's fused step on a synthetic rollout; remat
     changes the hardware's FLOPs, not the model FLOPs MFU counts; a variant that fails is

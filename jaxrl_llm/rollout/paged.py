@@ -69,6 +69,7 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+import math
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -1241,8 +1242,11 @@ def fit_pool_to_memory(
     longest prompt, at least ``options.max_prompt_length``, plus ``max_new_tokens``: a pool
     that never preempts), the tightest device's. ``reserve`` is what the engine's largest
     prefill or decode call allocates (:func:`worst_case_programs`, compiled, XLA's memory
-    analysis): for that largest pool first, and if it does not fit, for a pool that may
-    preempt (its recompute prefill is larger); ``page_bytes`` a page's bytes on one device
+    analysis): for that largest pool first; if it does not fit, for a pool that may
+    preempt (its recompute prefill is larger), where temporaries may grow with the pool: the
+    smallest pool's and that of the pool it leaves room for, then the pool where the line
+    through the two meets the memory, measured and shrunk until it fits with its own
+    reserve; ``page_bytes`` a page's bytes on one device
     (split by KV head over a ``tensor`` axis). ``jaxrl-llm plan`` sizes it the same way
     (``plan.fit_paged``). Computed at an engine's first call and kept for the process
     (``_FITTED``), as vLLM sizes its pool once: later calls share the pool's shape.
@@ -1297,6 +1301,7 @@ def fit_pool_to_memory(
         if continued:  # a later segment: each sequence alone, its context as the prompt
             calls.append((num_prompts * num_samples, 1, sized_for + max_new_tokens - 1, 1))
 
+        @functools.cache
         def reserve_at(num_pages: int) -> int:
             worst = [
                 worst_case_programs(
@@ -1338,8 +1343,30 @@ def fit_pool_to_memory(
         reserve = reserve_at(cap)
         pages = min(max(free - reserve, 0) // page_bytes, cap)
         if pages < cap:
-            reserve = reserve_at(minimum)
-            pages = min(max(free - reserve, 0) // page_bytes, cap)
+            # A pool that may preempt. The smallest pool's reserve bounds a larger one's from
+            # below, not above: a backend may hold temporaries that grow with the pool
+            # (XLA:CPU converts a bf16 pool to f32 to scatter into it). So the pool that bound
+            # leaves room for is measured too; the pool is where the line through the two
+            # reserves meets the memory, then measured and shrunk by any excess (the reserve
+            # is not exactly linear: buffers are laid out in steps) until pool and reserve fit.
+            low = reserve_at(minimum)
+            pages = min(max(free - low, 0) // page_bytes, cap - 1)
+            reserve = low
+            if pages > minimum:
+                high = reserve_at(pages)
+                slope = max(high - low, 0) / (pages - minimum)  # reserve bytes per page
+                per_page = page_bytes + slope
+                n = max(min(int((free - low + slope * minimum) // per_page), pages), minimum)
+                r = high if n == pages else reserve_at(n)
+                for _ in range(3):
+                    excess = n * page_bytes + r - free
+                    if excess <= 0 or n == minimum:
+                        break
+                    n = max(n - math.ceil(excess / per_page), minimum)
+                    r = reserve_at(n)
+                if n * page_bytes + r > free:
+                    n, r = minimum, low  # fits: the bound above left room for it
+                pages, reserve = n, r
         _FITTED[key] = PoolFit(
             int(st["bytes_limit"]), int(st["bytes_in_use"]), reserve, page_bytes, int(pages)
         )

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrl_llm import rollout
 from jaxrl_llm.rollout import paged, pages
@@ -418,6 +419,62 @@ def test_memory_utilization_sizes_the_pool_from_the_devices_memory(tiny_pair, mo
                 paged_options=dataclasses.replace(options, memory_utilization=bad),
                 **kw,
             )
+
+
+def test_a_reserve_that_grows_with_the_pool_is_taken_off_the_pool(tiny_pair, monkeypatch):
+    """Where the engine's programs hold temporaries that grow with the pool (XLA:CPU converts
+    a bf16 pool to f32 to scatter into it: a real case, no fake), the smallest pool's reserve
+    underestimates a larger pool's; the fitted pool with its own reserve still fits the
+    memory, where the pool that estimate alone gives would not."""
+    _, model = tiny_pair("llama3")
+    graphdef, params = nnx.split(model)
+    cfg = model.config
+    bf16 = jnp.dtype(jnp.bfloat16)
+    weights = paged.engine_params(params, cfg.jnp_dtype)
+    abstract = paged.EngineParams(
+        *jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), weights)
+    )
+    sizes = dict(
+        num_prompts=len(LENGTHS), num_samples=G, longest_prompt=max(LENGTHS), max_new_tokens=T
+    )
+    program = dict(
+        greedy=False, top_k=0, top_p=1.0, pad_token_id=0, num_stop_ids=8, full_logprobs=False
+    )
+    options = paged.resolve_options(
+        SMALL,
+        num_seqs=len(LENGTHS) * G,
+        num_samples=G,
+        longest_prompt=max(LENGTHS),
+        max_new_tokens=T,
+    )
+
+    def reserve(num_pages: int) -> int:
+        worst = paged.worst_case_programs(
+            cfg,
+            abstract,
+            dataclasses.replace(options, num_pages=num_pages),
+            None,
+            cache_dtype=bf16,
+            **sizes,
+            **program,
+        )
+        return paged._program_reserve(graphdef, worst, None)
+
+    cap = paged.pool_pages(SMALL.num_slots, max(LENGTHS), T, SMALL)
+    minimum = paged.pool_pages(1, max(LENGTHS), T, SMALL)
+    page_bytes = 2 * cfg.num_layers * SMALL.page_size * cfg.num_kv_heads * cfg.head_dim * 2
+    assert reserve(cap - 1) > reserve(minimum)  # grows with the pool: what this test is about
+    free = reserve(minimum) + (cap - 1) * page_bytes  # the smallest reserve's estimate: cap - 1
+    memory = {"bytes_limit": 1 << 30, "bytes_in_use": int(0.9 * (1 << 30)) - free}
+    monkeypatch.setattr(paged, "_memory_stats", lambda device: dict(memory))
+    monkeypatch.setattr(paged, "_FITTED", {})
+    fitted = paged.fit_pool_to_memory(
+        graphdef, cfg, None, weights, options, None, cache_dtype=bf16, **sizes, **program
+    ).num_pages
+    assert minimum < fitted < cap - 1
+    assert fitted * page_bytes + reserve(fitted) <= free  # it fits, with its own reserve
+    assert (fitted + 1) * page_bytes + reserve(fitted + 1) > free  # and one page more would not
+    assert (cap - 1) * page_bytes + reserve(cap - 1) > free  # the estimate alone would not
 
 
 def test_bad_input_is_a_clear_error(tiny_pair):
