@@ -592,12 +592,14 @@ def part_pool_fit(model: str, batch: int, prompt: int, new: int, fraction: float
     First the fit at the default u = 0.9 (no sampling): its reserve, page bytes and the cap
     (every sequence's worst case). Then u is set so that the pool holds ``fraction`` of the
     cap, ``u = (bytes_in_use + reserve + pages · page_bytes) / bytes_limit``, and the engine
-    samples ``batch`` greedy rows of ``new`` tokens (no stop) in it: it must get those pages,
-    preempt, and keep the peak (``peak_bytes_in_use``, this fresh process's) under ``u ·
-    bytes_limit``; then once more with a pool for every sequence, whose tokens the tight
-    pool's should equal (in bf16 a recomputed context's logits may round otherwise than the
-    decode's, so a near-tie can flip a row: the fraction of equal rows is reported). On a CPU (no ``memory_stats``) the devices' memory is faked, 1 GiB with
-    nothing in use, so that the path runs; its peak is not measured (``memory: "faked"``)."""
+    samples ``batch`` greedy rows of ``new`` tokens (no stop) in it: it should get about those
+    pages (fewer where the programs' temporaries grow with the pool), preempt, and keep the
+    peak (``peak_bytes_in_use``, this fresh process's) under ``u · bytes_limit``; then once
+    more with a pool for every sequence, whose tokens the tight pool's should equal (in bf16 a
+    recomputed context's logits may round otherwise than the decode's, so a near-tie can flip
+    a row: the fraction of equal rows is reported). On a CPU (no ``memory_stats``) the
+    devices' memory is faked, 1 GiB with nothing in use, so that the path runs; its peak is
+    not measured (``memory: "faked"``)."""
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -1103,6 +1103,15 @@ def plan_paged_rollout(
                 "are not estimated)",
             )
     rep = jax.sharding.NamedSharding(on, jax.sharding.PartitionSpec())
+    stand_in = cache_dtype
+    if target.estimate and target.accelerator and kernel is None and cache_dtype.itemsize == 2:
+        # XLA:CPU runs a scatter into a bf16 buffer in f32 (its float normalisation): each
+        # write into the pool or the dense context converts the whole buffer and back, 2x the
+        # pool in temporaries that grow with it, which a GPU does not hold (nor a TPU: its
+        # compiles show none). The estimate compiles the reference path's cache as its bits,
+        # uint16: the same bytes, written as they are (BENCHMARKS.md, "The paged pool's
+        # temporaries").
+        stand_in = jnp.dtype(jnp.uint16)
     worst = paged.worst_case_programs(
         cfg,
         args,
@@ -1116,7 +1125,7 @@ def plan_paged_rollout(
         top_k=0 if top_k >= cfg.vocab_size else top_k,
         top_p=top_p,
         pad_token_id=engine._pad_id(cfg),
-        cache_dtype=cache_dtype,
+        cache_dtype=stand_in,
         num_stop_ids=engine._stop_ids(tuple(r.stop_token_ids or ()), cfg).shape[0],
         full_logprobs=full_logprobs,
         sharding=rep,

@@ -681,6 +681,42 @@ def test_paged_plan_kv_is_the_pools_bytes_and_grows_with_its_pages():
     assert big.options.num_slots == 8 and big.pool.per_device == (1 + 8 * 9) * page
 
 
+def test_a_gpu_estimate_counts_no_cpu_float_conversions_of_a_bf16_pool():
+    """XLA:CPU runs a scatter into a bf16 buffer in f32, 2x the pool in temporaries that a GPU
+    does not hold: a GPU estimate of a bf16 cache compiles it as its bits (uint16, the same
+    bytes), so the paged programs' temporaries do not grow with the pool; the pool's bytes
+    are bf16's. A CPU target keeps the real dtype (the conversions are the CPU's own)."""
+    bf16 = ["model.dtype=bfloat16", "rollout.engine=paged", "data.eval_size=0"]
+    plans = {
+        n: P.plan_run(
+            load_config(TINY, [*bf16, f"rollout.max_total_tokens={n}"]),
+            P.parse_target(devices=1, device_memory="80GB"),
+        ).paged
+        for n in (4096, 65536)
+    }
+    small, large = plans[4096], plans[65536]
+    cfg = P.model_config(load_config(TINY, bf16).model, accelerator=True)
+    page = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
+    assert large.options.num_pages == 1 + 65536 // 16 and large.pool.per_device == (
+        large.options.num_pages * page
+    )
+    for which in ("prefill", "decode"):
+        s, g = getattr(small, which), getattr(large, which)
+        assert g.temporaries == s.temporaries, which  # not 2x the pool more
+        assert g.aliased == large.pool.per_device  # the pool donated, in place
+    # A CPU target (no accelerator's memory): the conversions are real and counted.
+    cpu = {
+        n: P.plan_run(
+            load_config(
+                TINY, [*bf16, "rollout.cache_dtype=bfloat16", f"rollout.max_total_tokens={n}"]
+            ),
+            P.parse_target(devices=1),
+        ).paged.decode.temporaries
+        for n in (4096, 65536)
+    }
+    assert cpu[65536] - cpu[4096] >= (65536 - 4096) // 16 * page
+
+
 @pytest.mark.slow
 def test_the_paged_pool_is_planned_as_memory_utilization_sizes_it():
     """With a known HBM per device, the plan sizes the paged pool as the engine does on the
