@@ -259,6 +259,7 @@ def _paged_segment(
     sizes: tuple[int, int, int, int],
     sampler: _Sampler,
     paged_options: paged.PagedOptions | None,
+    stats: list | None = None,
 ) -> Segment:
     """One segment on the paged engine; its pool shape from ``sizes = (B, G, T, P)`` only,
     not from its own contexts: by default for ``min(num_slots, 64)`` of the whole rollout's
@@ -274,7 +275,7 @@ def _paged_segment(
     run = paged.run  # one engine on the mesh, unless regrouped (as generate runs them)
     if options.tensor_parallel:
         run, mesh, weights = paged_dp.engines(graphdef, mesh, weights, options, paged_options)
-    arrays, _ = run(
+    arrays, run_stats = run(
         graphdef,
         mesh,
         weights,
@@ -295,6 +296,8 @@ def _paged_segment(
         full_logprobs=sampler.full_logprobs,
         whole_rollout=(b, g, p, t),
     )
+    if stats is not None:
+        stats.append(run_stats)
     return _rows_of(seg, *arrays)
 
 
@@ -311,10 +314,11 @@ def _static_segment(
     sizes: tuple[int, int, int, int],
     sampler: _Sampler,
     paged_options: paged.PagedOptions | None,
+    stats: list | None = None,
 ) -> Segment:
     """One segment on the static engine with per-row keys: the R contexts left-padded to a
     width bucket, in a row bucket (a power of two, at most B·G; filler rows sample 1 token)."""
-    del paged_options
+    del paged_options, stats  # the static engine has no pool
     b, g, t, p = sizes
     r, k = rows.budgets.shape
     cap = -(-(p + t) // 16) * 16
@@ -374,6 +378,7 @@ def advance(
     cache_dtype: jax.typing.DTypeLike | None = None,
     engine: str = "paged",
     paged_options: paged.PagedOptions | None = None,
+    stats: list | None = None,
 ) -> InFlight:
     """Continues every sample not yet done by at most ``segment_tokens`` tokens under ``model``.
 
@@ -403,6 +408,9 @@ def advance(
       paged_options: the paged engine's sizes; ``num_slots`` and ``num_pages`` default from
         ``(B, G, T, P)`` only (and the devices' memory, ``memory_utilization``), so every
         segment of a batch shares one pool shape.
+      stats: a list to which the paged engine's :class:`~jaxrl_llm.rollout.paged.PagedStats`
+        of this segment is appended (nothing for the static engine, or when every sample was
+        done).
 
     Returns:
       The new :class:`InFlight` (fresh arrays).
@@ -481,7 +489,7 @@ def advance(
     sizes = (b, g, t, ids_bp.shape[1])
     segment = _paged_segment if engine == "paged" else _static_segment
     tok_ms, valid_ms, logp_ms, trunc_m, full_ms = segment(
-        graphdef, params, config, run, seg, sizes, sampler, paged_options
+        graphdef, params, config, run, seg, sizes, sampler, paged_options, stats
     )
     full = None if full_ms is None else inflight.full_logp_bgt.copy()
     tokens, mask, logp, version_bgt = (

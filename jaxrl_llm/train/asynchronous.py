@@ -108,6 +108,8 @@ class InFlightBatch(NamedTuple):
       key_data: its sampler key's data (every segment uses the same key).
       state: the :class:`~jaxrl_llm.rollout.partial.InFlight` arrays.
       seconds: sampling time so far.
+      kv_rows: each segment's paged engines' stats so far, this process's
+        (:func:`~jaxrl_llm.train.collect.engine_rows`), for the batch's KV-cache metrics.
     """
 
     step: int
@@ -115,6 +117,7 @@ class InFlightBatch(NamedTuple):
     key_data: np.ndarray
     state: Any
     seconds: float = 0.0
+    kv_rows: tuple = ()
 
 
 def key_ahead(rng_data: Any, ahead: int) -> jax.Array:
@@ -190,6 +193,7 @@ def buffer_to_host(entries: list[Any]) -> tuple[dict[str, np.ndarray], list[dict
                     "fields": names,
                     "scalars": {n: int(getattr(p.state, n)) for n in _INFLIGHT_SCALARS},
                     "seconds": float(p.seconds),
+                    "kv_rows": [np.asarray(r, np.int64).tolist() for r in p.kv_rows],
                 }
             )
             continue
@@ -212,6 +216,12 @@ def buffer_to_host(entries: list[Any]) -> tuple[dict[str, np.ndarray], list[dict
     return arrays, described
 
 
+def _kv_rows(rows: list) -> np.ndarray:
+    from jaxrl_llm.train.collect import KV_FIELDS
+
+    return np.asarray(rows, np.int64).reshape(-1, len(KV_FIELDS))
+
+
 def buffer_from_host(
     arrays: Mapping[str, np.ndarray], described: list[Mapping[str, Any]]
 ) -> list[Pending]:
@@ -230,6 +240,7 @@ def buffer_from_host(
                     arrays[f"b{i}.key_data"],
                     state,
                     float(d["seconds"]),
+                    tuple(_kv_rows(r) for r in d.get("kv_rows", ())),
                 )
             )
             continue
@@ -291,10 +302,12 @@ class PartialRollouts:
     ) -> InFlightBatch:
         """Continues the unfinished samples by ``segment_tokens`` (or to their end)."""
         from jaxrl_llm.rollout import partial
+        from jaxrl_llm.train.collect import engine_rows
 
         sampler = self.setup.sampler
         batch = self._batch(entry, iterator)
         t0 = time.perf_counter()
+        stats: list = []
         state = partial.advance(
             policy,
             batch.prompt_ids_bt,
@@ -310,19 +323,26 @@ class PartialRollouts:
             cache_dtype=sampler.cache_dtype,
             engine=sampler.engine,
             paged_options=sampler.paged_options(),
+            stats=stats,
         )
-        return entry._replace(state=state, seconds=entry.seconds + time.perf_counter() - t0)
+        rows = tuple(engine_rows(s, gather=False) for s in stats)  # gathered in finish
+        return entry._replace(
+            state=state,
+            seconds=entry.seconds + time.perf_counter() - t0,
+            kv_rows=entry.kv_rows + rows,
+        )
 
     def finish(self, entry: InFlightBatch, iterator: BatchIterator) -> Pending:
         """Scores and selects the complete batch."""
         from jaxrl_llm.rollout import partial
-        from jaxrl_llm.train.collect import score_generated
+        from jaxrl_llm.train.collect import gather_rounds, kv_metrics, score_generated
 
         out = jax.tree.map(np.asarray, partial.finish(entry.state))
         batch = self._batch(entry, iterator)
         groups, metrics, version_bgt = score_generated(
             self.setup, batch, out, sample_seconds=entry.seconds, step=entry.step
         )
+        metrics.update(kv_metrics(gather_rounds(list(entry.kv_rows))))  # each segment a round
         del self._batches[entry.step]
         valid = version_bgt >= 0
         version = int(version_bgt[valid].min()) if valid.any() else int(entry.state.last_version)

@@ -111,18 +111,32 @@ KV_FIELDS = ("peak_pages", "pool_pages", "page_bytes", "preemptions", "decode_di
 columns of :func:`engine_rows`."""
 
 
-def engine_rows(stats: Any) -> np.ndarray:
+def engine_rows(stats: Any, *, gather: bool = True) -> np.ndarray:
     """``int64[E, len(KV_FIELDS)]``: one row of :data:`KV_FIELDS` per paged engine that ran
     in this process (a data-parallel run's shards; none for the static engine, ``stats`` None).
-    In a multi-process run, every process's rows (over the coordination service; every process
-    must call it)."""
+    In a multi-process run with ``gather``, every process's rows (over the coordination
+    service; every process must call it; else :func:`gather_rounds` later)."""
     engines = getattr(stats, "shards", None) or (stats,)
     rows = np.asarray(
         [[getattr(s, f) for f in KV_FIELDS] for s in engines if s is not None], np.int64
     ).reshape(-1, len(KV_FIELDS))
-    if dist.is_multiprocess():
+    if gather and dist.is_multiprocess():
         rows = dist.host_allgather(rows, what="paged engine stats", tiled=True)
     return rows
+
+
+def gather_rounds(rounds: list[np.ndarray]) -> list[np.ndarray]:
+    """Every process's :func:`engine_rows` (taken with ``gather=False``) of each of the same
+    rounds, in one exchange (every process must call it, with as many rounds)."""
+    if not dist.is_multiprocess():
+        return rounds
+    width = len(KV_FIELDS)
+    tagged = np.concatenate(
+        [np.zeros((0, 1 + width), np.int64)]
+        + [np.c_[np.full(len(r), i, np.int64), r.reshape(-1, width)] for i, r in enumerate(rounds)]
+    )
+    every = dist.host_allgather(tagged, what="paged engine stats by round", tiled=True)
+    return [every[every[:, 0] == i, 1:] for i in range(len(rounds))]
 
 
 def kv_metrics(rounds: list[np.ndarray]) -> dict[str, float]:
@@ -597,6 +611,7 @@ __all__ = [
     "dpo_batch",
     "engine_rows",
     "gather_reward_output",
+    "gather_rounds",
     "kv_metrics",
     "policy_rows",
     "sample_completions",

@@ -265,7 +265,14 @@ def test_a_killed_async_run_resumes_with_its_buffer_to_the_same_parameters(tmp_p
     full, killed = M.read_metrics(tmp_path / "full"), M.read_metrics(tmp_path / "killed")
     assert [r["step"] for r in killed] == [1, 2, 3, 4]
     for a, b in zip(full, killed, strict=True):
-        for k in ("actor/loss", "reward/mean", "async/staleness_mean", "rollout_corr/ratio_mean"):
+        for k in (
+            "actor/loss",
+            "reward/mean",
+            "async/staleness_mean",
+            "rollout_corr/ratio_mean",
+            "rollout/decode_dispatches",  # batch 4's first segment's, through the checkpoint
+            "rollout/kv_peak_gib",
+        ):
             assert a[k] == b[k], (k, a["step"])
     # completions.jsonl: step 3's lines of the killed life dropped on resume, and the batches
     # restored from the checkpoint's buffer logged when trained, under their own steps
@@ -305,6 +312,9 @@ def test_partial_rollouts_continue_under_newer_weights_and_resume_exactly(tmp_pa
     assert third["async/staleness_frac_0"] == 0
     assert third["async/staleness_frac_1"] + third["async/staleness_frac_2"] == pytest.approx(1)
     assert third["async/behaviour_version"] == 0 and third["async/segments"] == 2
+    # the paged engine's KV metrics over the batch's segments (one dispatch or more each)
+    assert third["rollout/decode_dispatches"] >= 2 and third["rollout/preemptions"] == 0
+    assert 0 < third["rollout/kv_peak_gib"] < third["rollout/kv_pool_gib"]
 
     _killed_after(config, tmp_path / "killed", 3, monkeypatch)  # the checkpoint of step 2
     with Checkpointer(tmp_path / "killed" / "checkpoints") as ckpt:
@@ -313,7 +323,14 @@ def test_partial_rollouts_continue_under_newer_weights_and_resume_exactly(tmp_pa
     loop.train(config, run_dir=tmp_path / "killed", progress=False, log=_quiet)
     _assert_same(_final_state(config, tmp_path / "full"), _final_state(config, tmp_path / "killed"))
     for a, b in zip(full, M.read_metrics(tmp_path / "killed"), strict=True):
-        for k in ("actor/loss", "reward/mean", "async/staleness_mean", "rollout_corr/ratio_mean"):
+        for k in (
+            "actor/loss",
+            "reward/mean",
+            "async/staleness_mean",
+            "rollout_corr/ratio_mean",
+            "rollout/decode_dispatches",  # batch 4's first segment's, through the checkpoint
+            "rollout/kv_peak_gib",
+        ):
             assert a[k] == b[k], (k, a["step"])
 
 
