@@ -572,10 +572,10 @@ def _preemption_message(step: int, metrics: dict[str, float]) -> str:
         f"step {step}: the rollout's KV-cache pool ({metrics['rollout/kv_pool_gib']:.3g} GiB "
         "per engine) could not hold every live sequence: "
         f"{metrics['rollout/preemptions']:.0f} sequences were preempted and recomputed, which "
-        "slows the rollout (not its tokens). A larger pool avoids it: "
-        "rollout.memory_utilization (GPU/TPU), rollout.max_total_tokens, or fewer "
-        "rollout.max_num_seqs; the metrics rollout/preemptions and rollout/kv_usage_peak "
-        "follow it"
+        "slows the rollout (the tokens sampled are the same). A larger pool avoids it "
+        "(rollout.memory_utilization on a GPU/TPU, rollout.max_total_tokens), as do fewer "
+        "sequences at once (rollout.max_num_seqs); the metrics rollout/preemptions and "
+        "rollout/kv_usage_peak follow it"
     )
 
 
