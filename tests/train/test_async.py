@@ -251,6 +251,18 @@ def _killed_after(config, run_dir, step, monkeypatch):
     monkeypatch.setattr(M.MetricsLogger, "progress", original)
 
 
+#: The metrics a resumed run reports as the uninterrupted one did; the KV-cache ones of a batch
+#: buffered (or, with partial rollouts, in flight: its first segments') come from the checkpoint.
+SAME_AFTER_RESUME = (
+    "actor/loss",
+    "reward/mean",
+    "async/staleness_mean",
+    "rollout_corr/ratio_mean",
+    "rollout/decode_dispatches",
+    "rollout/kv_peak_gib",
+)
+
+
 def test_a_killed_async_run_resumes_with_its_buffer_to_the_same_parameters(tmp_path, monkeypatch):
     config = H.config(
         "tiny.yaml", "train.max_steps=4", "train.max_staleness=2", *BASE, "train.save_every=1"
@@ -265,14 +277,7 @@ def test_a_killed_async_run_resumes_with_its_buffer_to_the_same_parameters(tmp_p
     full, killed = M.read_metrics(tmp_path / "full"), M.read_metrics(tmp_path / "killed")
     assert [r["step"] for r in killed] == [1, 2, 3, 4]
     for a, b in zip(full, killed, strict=True):
-        for k in (
-            "actor/loss",
-            "reward/mean",
-            "async/staleness_mean",
-            "rollout_corr/ratio_mean",
-            "rollout/decode_dispatches",  # batch 4's first segment's, through the checkpoint
-            "rollout/kv_peak_gib",
-        ):
+        for k in SAME_AFTER_RESUME:
             assert a[k] == b[k], (k, a["step"])
     # completions.jsonl: step 3's lines of the killed life dropped on resume, and the batches
     # restored from the checkpoint's buffer logged when trained, under their own steps
@@ -323,14 +328,7 @@ def test_partial_rollouts_continue_under_newer_weights_and_resume_exactly(tmp_pa
     loop.train(config, run_dir=tmp_path / "killed", progress=False, log=_quiet)
     _assert_same(_final_state(config, tmp_path / "full"), _final_state(config, tmp_path / "killed"))
     for a, b in zip(full, M.read_metrics(tmp_path / "killed"), strict=True):
-        for k in (
-            "actor/loss",
-            "reward/mean",
-            "async/staleness_mean",
-            "rollout_corr/ratio_mean",
-            "rollout/decode_dispatches",  # batch 4's first segment's, through the checkpoint
-            "rollout/kv_peak_gib",
-        ):
+        for k in SAME_AFTER_RESUME:
             assert a[k] == b[k], (k, a["step"])
 
 
