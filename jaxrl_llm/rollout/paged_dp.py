@@ -395,17 +395,23 @@ def run_shards(
         zip(mine, shard_params(params, mesh, [shards[d] for d in mine]), strict=True)
     )
 
+    # A partial rollout's segment (``whole_rollout``: its rollout's (B, G, P, T)): each engine
+    # sized for its share of the whole rollout, as one generate call would be, not for the
+    # segment's rows and contexts, so that every segment runs the same slots and pool.
+    whole = kwargs.pop("whole_rollout", None)
+    share = None
+    if whole is not None:
+        wb, wg, wp, wt = whole
+        share = (-(-wb // d_count), wg, wp, wt)  # the largest data shard's prompts
+
     def one(d: int) -> tuple[tuple[np.ndarray, ...], paged.PagedStats]:
         r, sub = rows[d], shards[d]
         n = r.stop - r.start
         opts = options
         if requested is not None:
+            b_, g_, p_, t_ = share or (n, g, longest, max_new_tokens)
             opts = paged.resolve_options(
-                requested,
-                num_seqs=n * g,
-                num_samples=g,
-                longest_prompt=longest,
-                max_new_tokens=max_new_tokens,
+                requested, num_seqs=b_ * g_, num_samples=g_, longest_prompt=p_, max_new_tokens=t_
             )
         first = sub.devices.flat[0]
         try:
@@ -421,6 +427,7 @@ def run_shards(
                     options=opts,
                     seq_ids_bg=seq_ids_bg[r],
                     token_offsets_bg=token_offsets_bg[r],
+                    whole_rollout=share,
                     **kwargs,
                 )
         except Exception as e:
@@ -462,7 +469,10 @@ def run(
     ``requested`` (optional): the caller's unresolved
     :class:`~jaxrl_llm.rollout.paged.PagedOptions`; each shard resolves its defaults from it
     for its own share of the batch (its ``num_slots`` from its own sequences, the pool from the
-    batch's longest prompt). Without it every shard uses ``options`` as given. Explicit sizes
+    batch's longest prompt), or, for a partial rollout's segment (``whole_rollout``, as
+    ``paged.run`` takes it), for its share of the whole rollout: every segment then runs the
+    same slots and pool, whatever rows and contexts it has left. Without it every shard uses
+    ``options`` as given. Explicit sizes
     (``num_slots``, ``num_pages``) are per engine, so the whole run holds ``D`` pools of
     ``num_pages``. Each shard runs in a thread of its own, which does not inherit the caller's
     thread-local JAX contexts (``jax.set_mesh``, ``jax.default_device``, ...): ``paged.run``

@@ -44,7 +44,8 @@ depends only on ``(B, G, T)`` and the prompts' padded width ``P``, never on how 
 samples got:
 
 - paged: the pool has ``1 + S·⌈(P + T)/page⌉`` pages (``S = max(min(next_pow2(B·G), 64),
-  next_pow2(G))`` slots unless ``paged_options`` says otherwise; on a GPU or TPU, what
+  next_pow2(G))`` slots unless ``paged_options`` says otherwise, B the engine's share of the
+  prompts with data-parallel engines, the same in every segment; on a GPU or TPU, what
   ``paged_options.memory_utilization`` of the devices' memory leaves, fitted once for the
   whole rollout, at most ``min(S, B·G)`` worst cases); prefill chunks of 1, 2, 4 or 8
   rows and a power-of-two width in ``[16, prefill_chunk]``, with ``G`` or 1 samples per row;

@@ -83,6 +83,26 @@ def test_tensor_parallel_segments_equal_one_shot(tiny_pair):
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(ref.mask))
     np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+    # Default slots and pool: each engine sized for its share of the whole rollout (3 of the 5
+    # prompts x G), the same in every segment, not for the rows and contexts a segment has left.
+    runs = []
+    run = paged.run
+
+    def recording_run(*args, **kwargs):
+        arrays, stats = run(*args, **kwargs)
+        runs.append((kwargs["options"].num_slots, stats.pool_pages))
+        return arrays, stats
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(paged, "run", recording_run)
+        default = dataclasses.replace(options, num_slots=None)
+        again = partial.generate_partial(
+            [(graphdef, params)], ids, mask, rng=rng, segment_tokens=2, temperature=1.0,
+            **{**KW, "paged_options": default},
+        )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(ref.tokens))
+    width = ids.shape[1]
+    assert len(runs) > 4 and set(runs) == {(8, paged.pool_pages(8, width, T, SMALL))}, runs
 
 
 def test_static_engine_draws_the_paged_engines_tokens(tiny_pair):
