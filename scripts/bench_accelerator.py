@@ -583,6 +583,28 @@ def part_decode(
     }
 
 
+def paged_greedy(model, ids, mask, new: int, options, **kw):
+    """``rollout.generate`` on the paged engine with ``options``: greedy, ``new`` tokens for
+    every row (no stop id), a bf16 KV cache (the ``check`` and ``pool_fit`` parts)."""
+    import jax
+
+    from jaxrl_llm import rollout
+
+    return rollout.generate(
+        model,
+        ids,
+        mask,
+        rng=jax.random.key(0),
+        max_new_tokens=new,
+        temperature=0.0,
+        stop_token_ids=(),
+        cache_dtype="bfloat16",
+        engine="paged",
+        paged_options=options,
+        **kw,
+    )
+
+
 def part_pool_fit(model: str, batch: int, prompt: int, new: int, fraction: float = 0.5) -> dict:
     """The paged pool sized from the device's memory (``PagedOptions.memory_utilization``, the
     trainer's default) on a real allocator: ``bytes_in_use`` as the allocator reports it with
@@ -604,7 +626,6 @@ def part_pool_fit(model: str, batch: int, prompt: int, new: int, fraction: float
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrl_llm import rollout
     from jaxrl_llm.rollout import engine, paged
     from jaxrl_llm.train import state as st
 
@@ -620,19 +641,7 @@ def part_pool_fit(model: str, batch: int, prompt: int, new: int, fraction: float
     options = paged.PagedOptions(num_slots=batch)  # memory_utilization=0.9, no num_pages
 
     def sample(opts: paged.PagedOptions):
-        out, stats = rollout.generate(
-            (graphdef, params),
-            ids,
-            mask,
-            rng=jax.random.key(0),
-            max_new_tokens=new,
-            temperature=0.0,
-            stop_token_ids=(),
-            cache_dtype="bfloat16",
-            engine="paged",
-            paged_options=opts,
-            return_stats=True,
-        )
+        out, stats = paged_greedy((graphdef, params), ids, mask, new, opts, return_stats=True)
         return jax.tree.map(np.asarray, jax.block_until_ready(out)), stats
 
     # The fit at u = 0.9, without sampling: what generate's first call computes.
@@ -897,7 +906,6 @@ def check_paged_sampler(
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxrl_llm import rollout
     from jaxrl_llm.rollout import paged
     from jaxrl_llm.train import forward
 
@@ -911,18 +919,7 @@ def check_paged_sampler(
         pool = paged.pool_pages(batch, prompt, new)
         options = paged.PagedOptions(num_slots=batch, num_pages=pool, attention=which)
         spec = paged.attention_kernel(cfg, options, jnp.bfloat16, params=params)
-        gen = rollout.generate(
-            (graphdef, params),
-            p_ids,
-            p_mask,
-            rng=jax.random.key(0),
-            max_new_tokens=new,
-            temperature=0.0,
-            stop_token_ids=(),
-            cache_dtype="bfloat16",
-            engine="paged",
-            paged_options=options,
-        )
+        gen = paged_greedy((graphdef, params), p_ids, p_mask, new, options)
         tokens, mask = np.asarray(gen.tokens)[:, 0], np.asarray(gen.mask)[:, 0]
         truth = truth_pass(
             params, np.concatenate([p_ids, tokens], 1), np.concatenate([p_mask, mask], 1)

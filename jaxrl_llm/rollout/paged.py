@@ -71,7 +71,7 @@ import dataclasses
 import functools
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -1217,6 +1217,44 @@ def _program_reserve(graphdef: nnx.GraphDef, worst: WorstCase, mesh: Any) -> int
     return reserve
 
 
+def _largest_pool(
+    reserve_at: Callable[[int], int], free: int, page_bytes: int, minimum: int, cap: int
+) -> tuple[int, int]:
+    """``(pages, reserve)``: the largest pool of at most ``cap`` pages whose bytes and the
+    engine's ``reserve_at(pages)`` fit ``free`` bytes, searched with few calls of
+    ``reserve_at`` (each compiles the engine's worst-case programs); fewer than ``minimum``
+    pages where even that pool does not fit (the caller's error).
+
+    ``cap`` first. Below it the pool may preempt, and the smallest pool's reserve bounds a
+    larger one's from below, not above: a backend may hold temporaries that grow with the pool
+    (XLA:CPU converts a bf16 pool to f32 to scatter into it). So the pool that bound leaves
+    room for is measured too; the pool is where the line through the two reserves meets the
+    memory, then measured and shrunk by any excess (the reserve is not exactly linear: buffers
+    are laid out in steps) until pool and reserve fit."""
+    reserve = reserve_at(cap)
+    pages = min(max(free - reserve, 0) // page_bytes, cap)
+    if pages == cap:
+        return pages, reserve
+    low = reserve_at(minimum)
+    pages = min(max(free - low, 0) // page_bytes, cap - 1)
+    if pages <= minimum:
+        return pages, low
+    high = reserve_at(pages)
+    slope = max(high - low, 0) / (pages - minimum)  # reserve bytes per page
+    per_page = page_bytes + slope
+    n = max(min(int((free - low + slope * minimum) // per_page), pages), minimum)
+    r = high if n == pages else reserve_at(n)
+    for _ in range(3):
+        excess = n * page_bytes + r - free
+        if excess <= 0 or n == minimum:
+            break
+        n = max(n - math.ceil(excess / per_page), minimum)
+        r = reserve_at(n)
+    if n * page_bytes + r > free:
+        return minimum, low  # fits: the bound above left room for it
+    return n, r
+
+
 def fit_pool_to_memory(
     graphdef: nnx.GraphDef,
     cfg: Any,
@@ -1340,33 +1378,7 @@ def fit_pool_to_memory(
         # its programs' worst case is then the larger recompute prefill.
         live = min(options.num_slots, num_prompts * num_samples)
         cap = pool_pages(live, sized_for, max_new_tokens, options)
-        reserve = reserve_at(cap)
-        pages = min(max(free - reserve, 0) // page_bytes, cap)
-        if pages < cap:
-            # A pool that may preempt. The smallest pool's reserve bounds a larger one's from
-            # below, not above: a backend may hold temporaries that grow with the pool
-            # (XLA:CPU converts a bf16 pool to f32 to scatter into it). So the pool that bound
-            # leaves room for is measured too; the pool is where the line through the two
-            # reserves meets the memory, then measured and shrunk by any excess (the reserve
-            # is not exactly linear: buffers are laid out in steps) until pool and reserve fit.
-            low = reserve_at(minimum)
-            pages = min(max(free - low, 0) // page_bytes, cap - 1)
-            reserve = low
-            if pages > minimum:
-                high = reserve_at(pages)
-                slope = max(high - low, 0) / (pages - minimum)  # reserve bytes per page
-                per_page = page_bytes + slope
-                n = max(min(int((free - low + slope * minimum) // per_page), pages), minimum)
-                r = high if n == pages else reserve_at(n)
-                for _ in range(3):
-                    excess = n * page_bytes + r - free
-                    if excess <= 0 or n == minimum:
-                        break
-                    n = max(n - math.ceil(excess / per_page), minimum)
-                    r = reserve_at(n)
-                if n * page_bytes + r > free:
-                    n, r = minimum, low  # fits: the bound above left room for it
-                pages, reserve = n, r
+        pages, reserve = _largest_pool(reserve_at, free, page_bytes, minimum, cap)
         _FITTED[key] = PoolFit(
             int(st["bytes_limit"]), int(st["bytes_in_use"]), reserve, page_bytes, int(pages)
         )
