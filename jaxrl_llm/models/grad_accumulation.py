@@ -16,11 +16,17 @@ stacked weights' cotangent it returns is ``acc + ∇``: the stacked gradient nev
 own. :func:`accumulating_into` reports which leaves came back with the accumulator already in
 them, so the caller adds ``acc`` only to the others (the embedding, the final norm, heads).
 
-The match is by identity: the leaves the layer scan reads must be the very arrays being
-differentiated (no cast or copy in between), every floating-point leaf of the layer stack must
-match, and each accumulator is handed out once per trace. Anything else (LoRA's frozen bases,
-a second pass over the same layers, ``remat`` other than ``"full"``) falls back to the plain
-scan, which is always correct.
+The LM head goes the same way (:func:`map_chunks`): the log-probs are formed chunk by chunk,
+each chunk recomputed in the backward pass, and a plain ``lax.scan`` over the chunks sums the
+head's gradient in a carry of its own, a ``[V, D]`` float32 buffer beside the accumulator (for
+a 1B Llama's 128,256 × 2,048 head, 1 GiB). The fused chunk loop adds each chunk's head
+gradient into the head's accumulator instead.
+
+The match is by identity: the leaves the layer scan (or the chunk loop) reads must be the very
+arrays being differentiated (no cast or copy in between), every floating-point leaf of the
+layer stack must match, and each accumulator is handed out once per trace. Anything else
+(LoRA's frozen bases, a second pass over the same layers or the same head, ``remat`` other
+than ``"full"`` for the layers) falls back to the plain scan, which is always correct.
 """
 
 from __future__ import annotations
@@ -169,4 +175,96 @@ def scan(
     return run(carry, leaves, acc, list(consts))
 
 
-__all__ = ["accumulating_into", "scan"]
+def map_chunks(
+    fn: Callable[..., Any],
+    weight: jax.Array,
+    xs: Any,
+    ids: Any,
+    *,
+    prepare: Callable[[jax.Array], Any] = lambda w: None,
+) -> Any | None:
+    """``lax.map`` of ``fn(weight, prepare(weight), x_k, ids_k)`` over the chunks ``k`` of
+    ``(xs, ids)`` (leading axis ``K``), whose backward pass adds ``weight``'s gradient into its
+    accumulator; None where that does not apply (no :func:`accumulating_into` block, ``weight``
+    not one of the differentiated arrays or its accumulator already handed out, non-float
+    ``xs`` or outputs, non-integer ``ids``): then the caller runs the plain loop.
+
+    ``xs`` are differentiated (their cotangents come back per chunk), ``ids`` are not (token
+    ids). ``prepare`` runs once per pass, outside the chunks (a cast of the weight); its output
+    gets no gradient, so ``fn`` must send the gradient to ``weight`` itself (as
+    :func:`~jaxrl_llm.models.transformer.low_precision_dot` does with its ``b_cast``). No
+    chunk's intermediates are saved: the backward pass recomputes each chunk, as
+    ``jax.checkpoint`` on ``fn`` would, so the backward holds the accumulator and one chunk's
+    weight gradient, never a separate sum of the chunks'.
+    """
+    sink = _SINK.get()
+    if sink is None:
+        return None
+    if not all(map(_is_inexact, jax.tree.leaves(xs))):
+        return None
+    if any(map(_is_inexact, jax.tree.leaves(ids))):
+        return None  # float per-chunk inputs would need cotangents: pass them as xs
+    claimed = _match(sink, [weight])
+    if claimed is None:
+        return None
+    first_x, first_i = jax.tree.map(lambda a: a[0], (xs, ids))
+    cast = jax.eval_shape(prepare, weight)
+    converted, consts = jax.closure_convert(
+        lambda w, c, x, i: fn(w, c, x, i), weight, cast, first_x, first_i
+    )
+    out_shape = jax.eval_shape(converted, weight, cast, first_x, first_i, *consts)
+    if not all(map(_is_inexact, jax.tree.leaves(out_shape))):
+        return None
+    sink.handed.update(claimed)
+    (index,) = claimed
+
+    def chunks(w: jax.Array, xs: Any, k: list[jax.Array]) -> Any:
+        c = prepare(w)
+        return jax.lax.map(lambda per: converted(w, c, per[0], per[1], *k), (xs, ids))
+
+    @jax.custom_vjp
+    def run(w: jax.Array, acc: jax.Array, xs: Any, k: list[jax.Array]) -> Any:
+        del acc
+        return chunks(w, xs, k)
+
+    def fwd(w: Any, acc: Any, xs: Any, k: Any):
+        w, acc, xs, k = jax.tree.map(
+            lambda p: p.value,
+            (w, acc, xs, k),
+            is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal),
+        )
+        return chunks(w, xs, k), (w, acc, xs, k)
+
+    def bwd(res: tuple, ct_outs: Any) -> tuple:
+        w, acc, xs, k = res
+        sink.added.add(index)  # traced now, inside the gradient's trace
+        c = jax.lax.stop_gradient(prepare(w))
+        # Outputs nobody differentiates (a logged entropy) are left out of the recomputation.
+        ct_leaves = jax.tree.leaves(
+            ct_outs, is_leaf=lambda t: isinstance(t, jax.custom_derivatives.SymbolicZero)
+        )
+        keep = [not isinstance(t, jax.custom_derivatives.SymbolicZero) for t in ct_leaves]
+        cts = [t for t, kept in zip(ct_leaves, keep, strict=True) if kept]
+
+        def kept_outs(w_: jax.Array, x_: Any, i: Any, kk: list[jax.Array]) -> list[jax.Array]:
+            outs = jax.tree.leaves(converted(w_, c, x_, i, *kk))
+            return [o for o, kept in zip(outs, keep, strict=True) if kept]
+
+        def body(carry: tuple, per: tuple) -> tuple[tuple, Any]:
+            acc, ct_k = carry
+            x, i, ct = per
+            # No CSE of the recomputation with the forward pass (jax.checkpoint's prevent_cse).
+            w_b, x = jax.lax.optimization_barrier((w, x))
+            _, vjp = jax.vjp(lambda w_, x_, kk: kept_outs(w_, x_, i, kk), w_b, x, k)
+            d_w, d_x, d_k = vjp(ct)
+            return (acc + d_w.astype(acc.dtype), jax.tree.map(jnp.add, ct_k, d_k)), d_x
+
+        ct_k0 = jax.tree.map(jnp.zeros_like, k)
+        (acc, d_k), d_xs = jax.lax.scan(body, (acc, ct_k0), (xs, ids, cts))
+        return acc, None, d_xs, d_k
+
+    run.defvjp(fwd, bwd, symbolic_zeros=True)
+    return run(weight, sink.acc[index], xs, list(consts))
+
+
+__all__ = ["accumulating_into", "map_chunks", "scan"]

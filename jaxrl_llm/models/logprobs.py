@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrl_llm.core import logprobs as core_logprobs
-from jaxrl_llm.models import attention
+from jaxrl_llm.models import attention, grad_accumulation
 from jaxrl_llm.models.transformer import CausalLM
 
 MAX_CHUNK_ROWS = 256
@@ -92,11 +92,10 @@ def hidden_logprobs(
     h_kbcd = h_bnd.reshape(b, chunks, c, d).swapaxes(0, 1)
     y_kbc = targets_bn.reshape(b, chunks, c).swapaxes(0, 1)
 
-    head_vd = lm.head_cast(h_bnd.dtype)
-
-    @jax.checkpoint
-    def _chunk(h_bcd: jax.Array, y_bc: jax.Array) -> tuple[jax.Array, ...]:
-        logits_bcv = lm.logits(h_bcd, head_vd=head_vd)
+    def _chunk(
+        w_vd: jax.Array, head_vd: jax.Array | None, h_bcd: jax.Array, y_bc: jax.Array
+    ) -> tuple[jax.Array, ...]:
+        logits_bcv = lm.logits(h_bcd, head_vd=head_vd, weight_vd=w_vd)
         if with_entropy:
             return core_logprobs.token_logprobs_and_entropy(
                 logits_bcv, y_bc, temperature=temperature
@@ -107,12 +106,19 @@ def hidden_logprobs(
             )
         return (core_logprobs.token_logprobs(logits_bcv, y_bc, temperature=temperature),)
 
-    if chunks == 1:
-        outs = _chunk(h_kbcd[0], y_kbc[0])
-        outs = tuple(o[:, :n] for o in outs)
-    else:
-        _, outs_k = jax.lax.scan(lambda _, xs: (None, _chunk(*xs)), None, (h_kbcd, y_kbc))
-        outs = tuple(o.swapaxes(0, 1).reshape(b, chunks * c)[:, :n] for o in outs_k)
+    w_vd = lm.head_weight()
+    prepare = lambda w: lm.head_cast(h_bnd.dtype, w)  # a bf16 head is cast once
+    # Inside a micro-batch loop the head's gradient goes straight into its accumulator.
+    outs_k = grad_accumulation.map_chunks(_chunk, w_vd, h_kbcd, y_kbc, prepare=prepare)
+    if outs_k is None:
+        head_vd = prepare(w_vd)
+        chunk = jax.checkpoint(lambda h_bcd, y_bc: _chunk(w_vd, head_vd, h_bcd, y_bc))
+        if chunks == 1:
+            outs = chunk(h_kbcd[0], y_kbc[0])
+            outs = tuple(o[:, :n] for o in outs)
+            return outs if with_entropy or with_log_sum_sq else outs[0]
+        _, outs_k = jax.lax.scan(lambda _, xs: (None, chunk(*xs)), None, (h_kbcd, y_kbc))
+    outs = tuple(o.swapaxes(0, 1).reshape(b, chunks * c)[:, :n] for o in outs_k)
     return outs if with_entropy or with_log_sum_sq else outs[0]
 
 

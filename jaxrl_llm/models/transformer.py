@@ -874,16 +874,29 @@ class CausalLM(nnx.Module):
         flush the float32 logits' small cotangents (p·scale) to zero."""
         return jnp.dtype(dtype) == jnp.bfloat16
 
-    def head_cast(self, dtype: jax.typing.DTypeLike) -> jax.Array | None:
-        """The head cast to ``dtype`` for :meth:`logits`'s ``head_vd``, where :meth:`logits`
-        would cast it itself (bf16 states), else None: a loop over chunks of states casts it
-        once, before the loop."""
-        return self.head_weight().astype(dtype) if self._low_precision_head(dtype) else None
+    def head_cast(
+        self, dtype: jax.typing.DTypeLike, weight_vd: jax.Array | None = None
+    ) -> jax.Array | None:
+        """The head (or ``weight_vd``, the head as :meth:`logits` is given it) cast to
+        ``dtype`` for :meth:`logits`'s ``head_vd``, where :meth:`logits` would cast it itself
+        (bf16 states), else None: a loop over chunks of states casts it once, before the
+        loop."""
+        if not self._low_precision_head(dtype):
+            return None
+        return (self.head_weight() if weight_vd is None else weight_vd).astype(dtype)
 
-    def logits(self, h_btd: jax.Array, *, head_vd: jax.Array | None = None) -> jax.Array:
+    def logits(
+        self,
+        h_btd: jax.Array,
+        *,
+        head_vd: jax.Array | None = None,
+        weight_vd: jax.Array | None = None,
+    ) -> jax.Array:
         """float32 logits from final hidden states (any leading axes). ``head_vd``: the head
-        already cast (:meth:`head_cast`); the gradient still goes to the stored weight."""
-        w_vd = self.head_weight()
+        already cast (:meth:`head_cast`); the gradient still goes to the stored weight, or to
+        ``weight_vd`` where given (the stored weight passed in as an argument, as
+        :func:`~jaxrl_llm.models.grad_accumulation.map_chunks` passes it)."""
+        w_vd = self.head_weight() if weight_vd is None else weight_vd
         h_md = h_btd.reshape(-1, h_btd.shape[-1])
         if self._low_precision_head(h_md.dtype):
             logits_mv = low_precision_dot(h_md, w_vd, jnp.float32, True, b_cast=head_vd)

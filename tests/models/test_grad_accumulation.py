@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxrl_llm import models
 from jaxrl_llm.models import grad_accumulation as ga
+from jaxrl_llm.models.logprobs import completion_logprobs
 from jaxrl_llm.models.tiny import tiny_random_config
 from jaxrl_llm.models.transformer import CausalLM
 from jaxrl_llm.train import accumulate as acc
@@ -59,21 +60,51 @@ def batch(vocab: int, seed: int = 0):
     return jnp.asarray(tokens), jnp.asarray(mask)
 
 
-def gradient(model, micro, *, fused=True, **sums_kw):
-    """The accumulated gradient of one update, and how many layer scans were fused."""
+def logprob_sums(graphdef, *, passes=1, entropy=None):
+    """Minus the next-token log-probs summed over a micro-batch, through the chunked LM head
+    (``completion_logprobs``, 2-step chunks: several per row); ``passes`` as above. ``entropy``:
+    None, ``"logged"`` (formed, reported as a metric, not differentiated) or ``"bonus"`` (in
+    the loss, as an entropy bonus)."""
+
+    def sums(params, micro):
+        tokens, mask = micro
+        model = nnx.merge(graphdef, params)
+        total, ent = 0.0, 0.0
+        for _ in range(passes):
+            out = completion_logprobs(model, tokens, mask, chunk_size=2, with_entropy=bool(entropy))
+            logp, h = out if entropy else (out, jnp.zeros_like(out))
+            ent = ent + jnp.sum(h * mask[:, 1:])
+            total = total - jnp.sum(logp * mask[:, 1:])
+        if entropy == "bonus":
+            total = total - 0.1 * ent
+        count = jnp.sum(mask[:, 1:]).astype(jnp.float32)
+        return total, {"nll": (total, count), "entropy": (jax.lax.stop_gradient(ent), count)}
+
+    return sums
+
+
+FUSED = ("scan", "map_chunks")  # the fused loops: the layer stack's, the LM head's
+
+
+def gradient(model, micro, *, fused=True, sums=ce_sums, **sums_kw):
+    """The accumulated gradient of one update, and how many of each fused loop ran fused."""
     graphdef, params = nnx.split(model, nnx.Param)
     trainee = acc.Trainee(
-        "m", grad_capture(), ce_sums(graphdef, **sums_kw), lambda mb: jnp.float32(1.0)
+        "m", grad_capture(), sums(graphdef, **sums_kw), lambda mb: jnp.float32(1.0)
     )
-    count = []
-    plain = ga.scan
+    counts = dict.fromkeys(FUSED, 0)
+    plain = {name: getattr(ga, name) for name in FUSED}
 
-    def spy(*args, **kw):
-        out = plain(*args, **kw) if fused else None
-        count.append(out is not None)
-        return out
+    def spy(name):
+        def run(*args, **kw):
+            out = plain[name](*args, **kw) if fused else None
+            counts[name] += out is not None
+            return out
 
-    ga.scan = spy
+        return run
+
+    for name in FUSED:
+        setattr(ga, name, spy(name))
     try:
         fn = jax.jit(
             lambda p, b: acc.optimize(
@@ -82,8 +113,9 @@ def gradient(model, micro, *, fused=True, **sums_kw):
         )
         _, (opt,), _ = fn(params, batch(model.config.vocab_size))
     finally:
-        ga.scan = plain
-    return opt["g"], sum(count)
+        for name in FUSED:
+            setattr(ga, name, plain[name])
+    return opt["g"], counts
 
 
 def max_diff(a, b) -> float:
@@ -108,14 +140,14 @@ def test_fused_micro_batches_equal_the_whole_batch_for_every_family(family):
     whole, fused_whole = gradient(model, None)  # one micro-batch: no loop, no accumulator
     micro, fused_micro = gradient(model, MICRO)
     plain, fused_plain = gradient(model, MICRO, fused=False)
-    assert fused_whole == 0 and fused_micro >= 1 and fused_plain == 0
+    assert fused_whole["scan"] == 0 and fused_micro["scan"] >= 1 and fused_plain["scan"] == 0
     assert scale(whole) > 1e-2
     assert max_diff(whole, micro) < 1e-5 * scale(whole)
     assert max_diff(plain, micro) < 1e-5 * scale(whole)
 
 
 def _tiny(**kw) -> CausalLM:
-    cfg = tiny_random_config(vocab_size=97, **{"remat": "full", **kw})
+    cfg = tiny_random_config(**{"vocab_size": 97, "remat": "full", **kw})
     return CausalLM(cfg, rngs=nnx.Rngs(0))
 
 
@@ -123,7 +155,7 @@ def test_a_second_pass_over_the_layers_is_not_fused_and_stays_exact():
     model = _tiny()
     whole, _ = gradient(model, None, passes=2)
     micro, fused = gradient(model, MICRO, passes=2)
-    assert fused == 1  # the first pass took the accumulators; the second ran the plain scan
+    assert fused["scan"] == 1  # the first pass took the accumulators; the second ran the plain scan
     assert max_diff(whole, micro) < 1e-5 * scale(whole)
 
 
@@ -131,13 +163,13 @@ def test_layers_that_are_not_the_differentiated_arrays_fall_back():
     model = _tiny()
     whole, _ = gradient(model, None, copy=True)
     micro, fused = gradient(model, MICRO, copy=True)
-    assert fused == 0
+    assert fused["scan"] == 0
     assert max_diff(whole, micro) < 1e-5 * scale(whole)
 
 
 def test_remat_other_than_full_is_not_fused():
     _, fused = gradient(_tiny(remat="dots"), MICRO)
-    assert fused == 0
+    assert fused["scan"] == 0
 
 
 def test_the_fused_program_holds_one_layer_gradient_fewer():
@@ -164,6 +196,69 @@ def test_the_fused_program_holds_one_layer_gradient_fewer():
 
     plain, fused = temp_bytes(False), temp_bytes(True)
     assert plain - fused >= 0.5 * layer_bytes, (plain, fused, layer_bytes)
+
+
+@pytest.mark.parametrize(
+    "tied,dtype,remat,entropy",
+    [
+        (True, "float32", "full", None),
+        (False, "float32", "none", "logged"),
+        (True, "bfloat16", "full", "bonus"),
+        (False, "float32", "full", "bonus"),
+    ],
+)
+def test_the_head_gradient_goes_into_its_accumulator(tied, dtype, remat, entropy):
+    """The chunked log-probs' head gradient is added into the head's accumulator (tied: the
+    embedding's, which also takes the lookup's gradient; untied: ``lm_head``'s), with or
+    without remat, bf16 states included, with an entropy that is only logged (its backward
+    is not recomputed) or in the loss; equal to the whole batch's and the plain loop's."""
+    model = _tiny(tie_word_embeddings=tied, dtype=dtype, remat=remat)
+    kw = {"sums": logprob_sums, "entropy": entropy}
+    whole, fused_whole = gradient(model, None, **kw)
+    micro, fused_micro = gradient(model, MICRO, **kw)
+    plain, _ = gradient(model, MICRO, fused=False, **kw)
+    assert fused_whole["map_chunks"] == 0 and fused_micro["map_chunks"] == 1
+    assert fused_micro["scan"] == (remat == "full")
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    assert scale(whole) > 1e-2
+    assert max_diff(whole, micro) < tol * scale(whole)
+    assert max_diff(plain, micro) < tol * scale(whole)
+
+
+def test_a_second_pass_over_the_head_is_not_fused_and_stays_exact():
+    model = _tiny()
+    whole, _ = gradient(model, None, sums=logprob_sums, passes=2)
+    micro, fused = gradient(model, MICRO, sums=logprob_sums, passes=2)
+    assert fused["map_chunks"] == 1  # the second pass ran the plain loop
+    assert max_diff(whole, micro) < 1e-5 * scale(whole)
+
+
+def test_the_fused_program_holds_one_head_gradient_fewer():
+    """XLA's temporaries of a micro-batched Adam update through the chunked log-probs, on a
+    model whose (tied) head dominates its parameters: the plain chunk loop sums the head's
+    gradient in a carry of its own, beside the accumulator."""
+    model = _tiny(vocab_size=4096, hidden_size=128, head_dim=32)
+    graphdef, params = nnx.split(model, nnx.Param)
+    head_bytes = params["model"]["embed_tokens"]["embedding"][...].nbytes
+    trainee = acc.Trainee(
+        "m", optax.adam(1e-3), logprob_sums(graphdef), lambda mb: jnp.float32(1.0)
+    )
+
+    def temp_bytes(fused: bool) -> int:
+        plain = ga.map_chunks
+        ga.map_chunks = plain if fused else (lambda *a, **k: None)
+        try:
+            fn = jax.jit(
+                lambda p, o, b: acc.optimize((trainee,), (p,), (o,), b, micro_batch_size=MICRO)[:2],
+                donate_argnums=(0, 1),
+            )
+            compiled = fn.lower(params, trainee.tx.init(params), batch(4096)).compile()
+        finally:
+            ga.map_chunks = plain
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    plain, fused = temp_bytes(False), temp_bytes(True)
+    assert plain - fused >= 0.9 * head_bytes, (plain, fused, head_bytes)
 
 
 def test_accumulators_must_match_the_parameters():
