@@ -253,9 +253,7 @@ def map_chunks(
         def body(carry: tuple, per: tuple) -> tuple[tuple, Any]:
             acc, ct_k = carry
             x, i, ct = per
-            # No CSE of the recomputation with the forward pass (jax.checkpoint's prevent_cse).
-            w_b, x = jax.lax.optimization_barrier((w, x))
-            _, vjp = jax.vjp(lambda w_, x_, kk: kept_outs(w_, x_, i, kk), w_b, x, k)
+            _, vjp = jax.vjp(lambda w_, x_, kk: kept_outs(w_, x_, i, kk), w, x, k)
             d_w, d_x, d_k = vjp(ct)
             return (acc + d_w.astype(acc.dtype), jax.tree.map(jnp.add, ct_k, d_k)), d_x
 
