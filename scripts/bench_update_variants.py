@@ -6,7 +6,9 @@ batches of ``scripts/probe_update_shapes.py`` (``--shapes``, ``completion:prompt
 once to compile and then ``--rounds`` times, the variants alternating within each round, so
 that the machine's drift falls on all of them alike. A variant named with the suffix
 ``+plain`` traces its step with the fused gradient accumulation turned off
-(``models/grad_accumulation``: the plain accumulate-then-add), for the A/B of that change.
+(``models/grad_accumulation``: the plain accumulate-then-add, for the layers and the LM head),
+``+plainhead`` with only the LM head's turned off (``grad_accumulation.map_chunks``), for the
+A/B of those changes.
 Peak memory is per process: measure it with ``probe_update_shapes.py``, one variant per run.
 
     python scripts/bench_update_variants.py --out bench_results/update_variants.json \
@@ -26,7 +28,12 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-PLAIN = "+plain"
+PLAIN = {"+plain": ("scan", "map_chunks"), "+plainhead": ("map_chunks",)}
+"""Name suffix -> the fused paths of ``models/grad_accumulation`` that the variant turns off."""
+
+
+def _plain(name: str) -> tuple[str, ...]:
+    return next((off for suffix, off in PLAIN.items() if name.endswith(suffix)), ())
 
 
 def main() -> None:
@@ -53,7 +60,7 @@ def main() -> None:
     runs: dict[str, list] = {}
     for spec in args.variants:
         name, _, overrides = spec.partition("=")
-        if not overrides and not name.endswith(PLAIN):
+        if not overrides and not _plain(name):
             raise SystemExit(f"--variants {spec}: expected NAME=key=value[,key=value...]")
         config = load_config(args.config, ["data.eval_size=0", *filter(None, overrides.split(","))])
         setup = su.resolve(config, run_dir=tempfile.mkdtemp(prefix="variants_"))
@@ -61,19 +68,20 @@ def main() -> None:
     first = next(iter(runs.values()))[2]
     rng = np.random.default_rng(0)
     batches = {s: synthetic_groups(first, *map(int, s.split(":")), rng) for s in args.shapes}
-    fused_scan = grad_accumulation.scan
+    fused = {f: getattr(grad_accumulation, f) for f in PLAIN["+plain"]}
 
     def run(name: str, groups) -> float:
         step, state, _ = runs[name]
-        if name.endswith(PLAIN):  # only the first call traces; the later ones reuse it
-            grad_accumulation.scan = lambda *a, **k: None
+        for f in _plain(name):  # only the first call traces; the later ones reuse it
+            setattr(grad_accumulation, f, lambda *a, **k: None)
         try:
             hostmem.release_free_heap()
             t0 = time.perf_counter()
             runs[name][1], _ = step(state, groups)
             return time.perf_counter() - t0
         finally:
-            grad_accumulation.scan = fused_scan
+            for f, fn in fused.items():
+                setattr(grad_accumulation, f, fn)
 
     for groups in batches.values():  # compile every program first
         for name in runs:

@@ -66,7 +66,8 @@ def main() -> None:
     ap.add_argument(
         "--plain-accumulation",
         action="store_true",
-        help="trace the step without the fused gradient accumulation (models/grad_accumulation)",
+        help="trace the step without the fused gradient accumulation (models/grad_accumulation:"
+        " the layers' and the LM head's)",
     )
     ap.add_argument("overrides", nargs="*", help="config key=value overrides")
     args = ap.parse_args()
@@ -83,6 +84,7 @@ def main() -> None:
     machine = machine_info()  # the load average before the run
     if args.plain_accumulation:  # the A/B of the fused accumulation: every trace falls back
         grad_accumulation.scan = lambda *a, **k: None
+        grad_accumulation.map_chunks = lambda *a, **k: None
     hostmem.release_after_compiles()
     config = load_config(args.config, ["data.eval_size=0", *args.overrides])
     setup = su.resolve(config, run_dir=tempfile.mkdtemp(prefix="probe_shapes_"))

@@ -14,7 +14,8 @@ layers in reverse, recomputes layer ``l`` (what ``remat="full"`` does anyway), a
 weight gradients into ``acc[l]`` in place (a dynamic-update-slice of a loop carry). The
 stacked weights' cotangent it returns is ``acc + ∇``: the stacked gradient never exists on its
 own. :func:`accumulating_into` reports which leaves came back with the accumulator already in
-them, so the caller adds ``acc`` only to the others (the embedding, the final norm, heads).
+them, so the caller adds ``acc`` only to the others (the final norm, value heads, an untied
+embedding).
 
 The LM head goes the same way (:func:`map_chunks`): the log-probs are formed chunk by chunk,
 each chunk recomputed in the backward pass, and a plain ``lax.scan`` over the chunks sums the
