@@ -172,29 +172,34 @@ def test_remat_other_than_full_is_not_fused():
     assert fused["scan"] == 0
 
 
-def test_the_fused_program_holds_one_layer_gradient_fewer():
+def update_temp_bytes(params, sums, vocab: int, *, turned_off: str | None = None) -> int:
     """XLA's temporaries of a micro-batched Adam update with the state donated (as the
-    trainer's), fused against plain, on a model whose layer stack dominates its parameters:
-    plain holds the accumulator and the micro-batch's stacked gradient at once."""
+    trainer's); ``turned_off``: one of :data:`FUSED`, made to fall back to the plain loop."""
+    trainee = acc.Trainee("m", optax.adam(1e-3), sums, lambda mb: jnp.float32(1.0))
+    plain = getattr(ga, turned_off) if turned_off else None
+    if turned_off:
+        setattr(ga, turned_off, lambda *a, **k: None)
+    try:
+        fn = jax.jit(
+            lambda p, o, b: acc.optimize((trainee,), (p,), (o,), b, micro_batch_size=MICRO)[:2],
+            donate_argnums=(0, 1),
+        )
+        compiled = fn.lower(params, trainee.tx.init(params), batch(vocab)).compile()
+    finally:
+        if turned_off:
+            setattr(ga, turned_off, plain)
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_the_fused_program_holds_one_layer_gradient_fewer():
+    """Fused against plain, on a model whose layer stack dominates its parameters: plain holds
+    the accumulator and the micro-batch's stacked gradient at once."""
     model = _tiny(hidden_size=128, intermediate_size=512, num_layers=4, num_heads=4, head_dim=32)
     graphdef, params = nnx.split(model, nnx.Param)
     layer_bytes = sum(x.nbytes for x in jax.tree.leaves(params["model"]["layers"]))
-    trainee = acc.Trainee("m", optax.adam(1e-3), ce_sums(graphdef), lambda mb: jnp.float32(1.0))
-
-    def temp_bytes(fused: bool) -> int:
-        plain = ga.scan
-        ga.scan = plain if fused else (lambda *a, **k: None)
-        try:
-            fn = jax.jit(
-                lambda p, o, b: acc.optimize((trainee,), (p,), (o,), b, micro_batch_size=MICRO)[:2],
-                donate_argnums=(0, 1),
-            )
-            compiled = fn.lower(params, trainee.tx.init(params), batch(97)).compile()
-        finally:
-            ga.scan = plain
-        return compiled.memory_analysis().temp_size_in_bytes
-
-    plain, fused = temp_bytes(False), temp_bytes(True)
+    plain, fused = (
+        update_temp_bytes(params, ce_sums(graphdef), 97, turned_off=off) for off in ("scan", None)
+    )
     assert plain - fused >= 0.5 * layer_bytes, (plain, fused, layer_bytes)
 
 
@@ -234,30 +239,16 @@ def test_a_second_pass_over_the_head_is_not_fused_and_stays_exact():
 
 
 def test_the_fused_program_holds_one_head_gradient_fewer():
-    """XLA's temporaries of a micro-batched Adam update through the chunked log-probs, on a
-    model whose (tied) head dominates its parameters: the plain chunk loop sums the head's
-    gradient in a carry of its own, beside the accumulator."""
+    """Through the chunked log-probs, on a model whose (tied) head dominates its parameters:
+    the plain chunk loop sums the head's gradient in a carry of its own, beside the
+    accumulator."""
     model = _tiny(vocab_size=4096, hidden_size=128, head_dim=32)
     graphdef, params = nnx.split(model, nnx.Param)
     head_bytes = params["model"]["embed_tokens"]["embedding"][...].nbytes
-    trainee = acc.Trainee(
-        "m", optax.adam(1e-3), logprob_sums(graphdef), lambda mb: jnp.float32(1.0)
+    plain, fused = (
+        update_temp_bytes(params, logprob_sums(graphdef), 4096, turned_off=off)
+        for off in ("map_chunks", None)
     )
-
-    def temp_bytes(fused: bool) -> int:
-        plain = ga.map_chunks
-        ga.map_chunks = plain if fused else (lambda *a, **k: None)
-        try:
-            fn = jax.jit(
-                lambda p, o, b: acc.optimize((trainee,), (p,), (o,), b, micro_batch_size=MICRO)[:2],
-                donate_argnums=(0, 1),
-            )
-            compiled = fn.lower(params, trainee.tx.init(params), batch(4096)).compile()
-        finally:
-            ga.map_chunks = plain
-        return compiled.memory_analysis().temp_size_in_bytes
-
-    plain, fused = temp_bytes(False), temp_bytes(True)
     assert plain - fused >= 0.9 * head_bytes, (plain, fused, head_bytes)
 
 
