@@ -210,9 +210,7 @@ def map_chunks(
         return None
     first_x, first_i = jax.tree.map(lambda a: a[0], (xs, ids))
     cast = jax.eval_shape(prepare, weight)
-    converted, consts = jax.closure_convert(
-        lambda w, c, x, i: fn(w, c, x, i), weight, cast, first_x, first_i
-    )
+    converted, consts = jax.closure_convert(fn, weight, cast, first_x, first_i)
     out_shape = jax.eval_shape(converted, weight, cast, first_x, first_i, *consts)
     if not all(map(_is_inexact, jax.tree.leaves(out_shape))):
         return None

@@ -107,17 +107,16 @@ def hidden_logprobs(
         return (core_logprobs.token_logprobs(logits_bcv, y_bc, temperature=temperature),)
 
     w_vd = lm.head_weight()
-    prepare = lambda w: lm.head_cast(h_bnd.dtype, w)  # a bf16 head is cast once
+    prepare = lambda w: lm.head_cast(w, h_bnd.dtype)  # a bf16 head is cast once
     # Inside a micro-batch loop the head's gradient goes straight into its accumulator.
     outs_k = grad_accumulation.map_chunks(_chunk, w_vd, h_kbcd, y_kbc, prepare=prepare)
     if outs_k is None:
         head_vd = prepare(w_vd)
         chunk = jax.checkpoint(lambda h_bcd, y_bc: _chunk(w_vd, head_vd, h_bcd, y_bc))
-        if chunks == 1:
-            outs = chunk(h_kbcd[0], y_kbc[0])
-            outs = tuple(o[:, :n] for o in outs)
-            return outs if with_entropy or with_log_sum_sq else outs[0]
-        _, outs_k = jax.lax.scan(lambda _, xs: (None, chunk(*xs)), None, (h_kbcd, y_kbc))
+        if chunks == 1:  # no loop
+            outs_k = tuple(o[None] for o in chunk(h_kbcd[0], y_kbc[0]))
+        else:
+            _, outs_k = jax.lax.scan(lambda _, xs: (None, chunk(*xs)), None, (h_kbcd, y_kbc))
     outs = tuple(o.swapaxes(0, 1).reshape(b, chunks * c)[:, :n] for o in outs_k)
     return outs if with_entropy or with_log_sum_sq else outs[0]
 

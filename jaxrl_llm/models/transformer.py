@@ -874,16 +874,12 @@ class CausalLM(nnx.Module):
         flush the float32 logits' small cotangents (p·scale) to zero."""
         return jnp.dtype(dtype) == jnp.bfloat16
 
-    def head_cast(
-        self, dtype: jax.typing.DTypeLike, weight_vd: jax.Array | None = None
-    ) -> jax.Array | None:
-        """The head (or ``weight_vd``, the head as :meth:`logits` is given it) cast to
+    def head_cast(self, w_vd: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array | None:
+        """The head ``w_vd`` (:meth:`head_weight`, or the same array passed on) cast to
         ``dtype`` for :meth:`logits`'s ``head_vd``, where :meth:`logits` would cast it itself
         (bf16 states), else None: a loop over chunks of states casts it once, before the
         loop."""
-        if not self._low_precision_head(dtype):
-            return None
-        return (self.head_weight() if weight_vd is None else weight_vd).astype(dtype)
+        return w_vd.astype(dtype) if self._low_precision_head(dtype) else None
 
     def logits(
         self,
