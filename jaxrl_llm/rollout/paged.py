@@ -1217,7 +1217,7 @@ def _program_reserve(graphdef: nnx.GraphDef, worst: WorstCase, mesh: Any) -> int
     return reserve
 
 
-def _largest_pool(
+def largest_pool(
     reserve_at: Callable[[int], int], free: int, page_bytes: int, minimum: int, cap: int
 ) -> tuple[int, int]:
     """``(pages, reserve)``: the largest pool of at most ``cap`` pages whose bytes and the
@@ -1378,7 +1378,7 @@ def fit_pool_to_memory(
         # its programs' worst case is then the larger recompute prefill.
         live = min(options.num_slots, num_prompts * num_samples)
         cap = pool_pages(live, sized_for, max_new_tokens, options)
-        pages, reserve = _largest_pool(reserve_at, free, page_bytes, minimum, cap)
+        pages, reserve = largest_pool(reserve_at, free, page_bytes, minimum, cap)
         _FITTED[key] = PoolFit(
             int(st["bytes_limit"]), int(st["bytes_in_use"]), reserve, page_bytes, int(pages)
         )

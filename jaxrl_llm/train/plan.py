@@ -1176,16 +1176,17 @@ def fit_paged(
     at most every live sequence's worst case (``min(num_slots, prompts · G)`` of them):
     ``base`` what is resident while sampling (the state, or the rollout copy), the rest the
     planned program's bytes other than the pool and the state's own buffers
-    (:attr:`PagedRollout.program`). ``planned``: the default pool's plan;
-    ``replan(num_pages)`` plans again with that pool, until the pages agree with the program
-    planned for them (a pool that may preempt plans a larger recompute prefill). A pool below
-    one sequence's worst case is planned at that size with a note: the run would stop with
-    the engine's error."""
+    (:attr:`PagedRollout.program`), the engine's reserve. The engine's own search finds the
+    pages (:func:`~jaxrl_llm.rollout.paged.largest_pool`), on reserves planned here:
+    ``planned`` is the default pool's plan, ``replan(num_pages)`` plans again with another
+    pool (a pool that may preempt plans a larger recompute prefill). A pool below one
+    sequence's worst case is planned at that size with a note: the run would stop with the
+    engine's error."""
     paged, notes = planned
     r = config.rollout
     if r.memory_utilization is None or r.max_total_tokens or target.hbm_bytes is None:
         return planned
-    from jaxrl_llm.rollout.paged import pool_pages
+    from jaxrl_llm.rollout.paged import largest_pool, pool_pages
 
     o = paged.options
     t = max_new_tokens or r.max_new_tokens
@@ -1194,18 +1195,24 @@ def fit_paged(
     cap = pool_pages(live, config.data.max_prompt_length, t, o)  # every live sequence
     per_seq = minimum - 1
     page = paged.pool.per_device // o.num_pages
-    budget = int(r.memory_utilization * target.hbm_bytes)
+    plans = {o.num_pages: planned}
+
+    def plan_at(num_pages: int) -> tuple[PagedRollout, tuple[str, ...]]:
+        if num_pages not in plans:
+            plans[num_pages] = replan(num_pages)
+        return plans[num_pages]
+
+    def reserve_at(num_pages: int) -> int:
+        p = plan_at(num_pages)[0]
+        return p.program.bytes - p.program.resident - p.pool.per_device
+
+    free = int(r.memory_utilization * target.hbm_bytes) - base
+    pages, _ = largest_pool(reserve_at, free, page, minimum, cap)
     short = None
-    for _ in range(3):
-        prog = paged.program
-        other = base + prog.bytes - prog.resident - paged.pool.per_device
-        pages = min((budget - other) // page, cap)
-        if pages < minimum:
-            short, pages = max(pages, 0), minimum
-        if pages == paged.options.num_pages:
-            break
-        paged, said = replan(int(pages))
-        notes += tuple(n for n in said if n not in notes)
+    if pages < minimum:
+        short, pages = max(pages, 0), minimum
+    paged, said = plan_at(int(pages))
+    notes += tuple(n for n in said if n not in notes)
     if short is None and paged.options.num_pages < cap:
         held = (paged.options.num_pages - 1) // per_seq
         notes += (

@@ -761,6 +761,59 @@ def test_the_paged_pool_is_planned_as_memory_utilization_sizes_it():
     )
 
 
+def test_the_plan_sizes_a_pool_whose_reserve_grows_with_it_as_the_engine_does():
+    """``fit_paged`` runs the engine's own search (``paged.largest_pool``) on reserves it
+    plans: a reserve that grows 1.7 bytes per pool byte (XLA:CPU's f32 scatter into a bf16
+    pool) gives the largest pool that fits u · HBM with its own reserve, in a few plans, the
+    pages the engine's search gives on the same reserves. (The plan's own fixed point before,
+    pages from the last plan's reserve, swung between the extremes here: 1000 pages, 10, 37,
+    10, then planned 10 with a false "less than one sequence's worst case" note.)"""
+    from jaxrl_llm.rollout import paged as pg
+
+    config = load_config(TINY, ["rollout.memory_utilization=0.9"])
+    page, base, fixed = 4096, 10_000_000, 3_000_000
+    options = pg.PagedOptions(num_pages=1000, num_slots=64, page_size=16)
+
+    def reserve(num_pages):  # the program less its resident arguments and the pool
+        return fixed + int(1.7 * page * num_pages) + 256 * (num_pages % 7)  # laid out in steps
+
+    calls = []
+
+    def replan(num_pages):
+        calls.append(num_pages)
+        prog = P.Program("decode", 0, 0, 0, reserve(num_pages) + num_pages * page, 0, 0.0, 0.0)
+        rollout = P.PagedRollout(
+            engines=1,
+            prompts=config.rollout.prompts_per_step,
+            options=dataclasses.replace(options, num_pages=num_pages),
+            attention="reference",
+            pool=P.Bytes(num_pages * page, num_pages * page, 0),
+            prefill=prog,
+            decode=prog,
+            prefill_rows=1,
+            prefill_tokens=16,
+            prefill_table_pages=1,
+            decode_rows=1,
+            decode_table_pages=1,
+        )
+        return rollout, ()
+
+    hbm = 14_700_000  # ~20 pages of the 37 that hold every sequence's worst case
+    target = P.Target("1x GPU (CPU estimate)", "cpu", 1, hbm, "test")
+    fitted, notes = P.fit_paged(replan(1000), replan, base=base, config=config, target=target)
+    n = fitted.options.num_pages
+    budget = int(0.9 * hbm) - base
+    assert n * page + reserve(n) <= budget < (n + 1) * page + reserve(n + 1)  # the largest
+    assert len(calls) <= 1 + 6  # the default pool's plan, then a few
+    t = config.rollout.max_new_tokens
+    minimum = pg.pool_pages(1, config.data.max_prompt_length, t, options)
+    live = min(options.num_slots, config.rollout.prompts_per_step * config.rollout.num_samples)
+    cap = pg.pool_pages(live, config.data.max_prompt_length, t, options)
+    assert n < cap and (n, reserve(n)) == pg.largest_pool(reserve, budget, page, minimum, cap)
+    assert any(f"a paged pool of {n} pages per engine" in note for note in notes)
+    assert not any("less than one sequence" in note for note in notes)
+
+
 @pytest.mark.slow
 def test_static_engine_is_planned_as_before():
     """rollout.engine=static: the static sampler's one program over a KV cache of P + T
