@@ -146,6 +146,8 @@ class RolloutConfig:
     max_total_tokens: int = _field(0, ge=0)
     # GPU/TPU memory in use while sampling, with no max_total_tokens (gpu_memory_utilization).
     memory_utilization: float = _field(0.9, gt=0, le=1)
+    # Paged engine: prompts of a call that begin alike share those KV pages (prefix caching).
+    prefix_sharing: bool = True
     # Completions cut at max_new_tokens carry no loss (TRL's mask_truncated_completions).
     mask_truncated_completions: bool = False
     # Also collect each token's full-vocabulary log-prob at τ = 1, no top-k/top-p (Groups).

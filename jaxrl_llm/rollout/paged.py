@@ -6,7 +6,10 @@ hands pages out of a free list as a sequence grows and takes them back when it e
 memory follows the live tokens, not ``rows x (P + T)``. The G samples of a prompt share the
 prompt's full pages (prefill once, no copy, reference-counted); only the partially filled last
 prompt page exists once per sample, written G times by the prefill itself (copy-on-write done
-eagerly for that one page).
+eagerly for that one page). Prompts that begin alike share those whole pages too
+(``PagedOptions.prefix_sharing``; automatic prefix caching within a call, as vLLM's and
+SGLang's): a host index of the held full prompt pages, keyed by the page before and the
+page's tokens, gives a prompt its leading pages, and its prefill starts after them.
 
 Scheduling (continuous batching, Yu et al. 2022, "Orca"; admission and preemption as in vLLM,
 Kwon et al. 2023): ``num_slots`` decode slots. A prompt is admitted when G slots are free and
@@ -181,6 +184,14 @@ class PagedOptions:
         every live sequence's worst case. Sized at an engine's first call and kept for the
         process (one pool shape, no recompiles; :func:`fit_pool_to_memory`). ``None``, a
         CPU, or ``num_pages`` given: the default above.
+      prefix_sharing: prompts that begin with the same tokens share those pages (automatic
+        prefix caching within a call, as vLLM's and SGLang's; the G samples of a prompt share
+        its pages either way): a prompt whose leading full pages are already in the pool,
+        written by an earlier prompt of the call that is still held, points its page table at
+        them and is prefilled from there on. A prompt whose match another prompt of the same
+        prefill call would write waits for the next call (SGLang's in-batch deferral), so the
+        common prefix is computed once. Preempted sequences are recomputed into pages of
+        their own. ``False``: every prompt's pages are its own.
     """
 
     page_size: int = 16
@@ -193,14 +204,17 @@ class PagedOptions:
     tensor_parallel: int = 0
     max_prompt_length: int | None = None
     memory_utilization: float | None = 0.9
+    prefix_sharing: bool = True
 
 
 class PagedStats(NamedTuple):
     """What a paged run used: peak pages held (trash excluded), bytes per page (keys and
     values of every layer), compiled-program calls, pages still held at the end (0), how
-    many times a sequence was preempted (its pages taken back, to be recomputed), and the
+    many times a sequence was preempted (its pages taken back, to be recomputed), the
     pool's pages (the trash page included; :attr:`PagedOptions.num_pages` as run, after
-    :attr:`PagedOptions.memory_utilization`)."""
+    :attr:`PagedOptions.memory_utilization`), the context tokens the prefill calls ran
+    (recomputations included), and the prompt tokens they did not run because another
+    prompt's pages held them (:attr:`PagedOptions.prefix_sharing`)."""
 
     peak_pages: int
     page_bytes: int
@@ -209,6 +223,8 @@ class PagedStats(NamedTuple):
     pages_in_use_at_end: int
     preemptions: int = 0
     pool_pages: int = 0
+    prefill_tokens: int = 0
+    shared_prompt_tokens: int = 0
 
     @property
     def peak_kv_bytes(self) -> int:
@@ -914,6 +930,10 @@ def resolve_options(
             f"generate(engine='paged'): num_slots={slots} is smaller than num_samples="
             f"{num_samples}; a prompt's G samples are admitted together, so num_slots >= G"
         )
+    if not isinstance(o.prefix_sharing, bool):
+        raise ValueError(
+            f"generate(engine='paged'): prefix_sharing must be a bool, got {o.prefix_sharing!r}"
+        )
     bound = o.max_prompt_length
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
         raise ValueError(
@@ -997,9 +1017,15 @@ def prefill_chunk_shape(
     row has ``tokens`` tokens in it: the width bucket (:func:`_chunk_width`, at most
     ``prefill_chunk``) and the page table's width, covering ``start + width`` tokens (the chunk
     is written first and read from the pool too; with a kernel, in multiples of
-    :data:`_MIN_TABLE_TOKENS` tokens)."""
+    :data:`_MIN_TABLE_TOKENS` tokens). ``start`` is a multiple of ``prefill_chunk``, or, for a
+    row that begins after a shared prefix (the rows' largest offset), of the page size: then
+    the table covers a multiple of :data:`_MIN_TABLE_TOKENS` tokens, as a decode table, so
+    that the shared prefixes' lengths give a few table widths."""
     width = min(prefill_chunk, _chunk_width(tokens))
-    pages = _ceil_div(start + width, page_size)
+    end = start + width
+    if start % prefill_chunk:
+        end = _ceil_div(end, _MIN_TABLE_TOKENS) * _MIN_TABLE_TOKENS
+    pages = _ceil_div(end, page_size)
     if kernel is not None:
         step = _table_step(page_size)
         pages = _ceil_div(pages, step) * step
@@ -1090,8 +1116,9 @@ def worst_case_programs(
     - prefill: :func:`max_prefill_group` prompts in :func:`prefill_rows` rows; of the longest
       prompt's chunks (:func:`prefill_chunk_shape`), the one with the largest
       ``width × table pages`` (its attention scores' size; one chunk unless the prompt is
-      longer than ``prefill_chunk``); when the pool cannot hold every sequence's longest
-      context at once (so ``run`` may preempt), of the longest recomputed context's chunks.
+      longer than ``prefill_chunk``; with prefix sharing, from any page on); when the pool
+      cannot hold every sequence's longest context at once (so ``run`` may preempt), of the
+      longest recomputed context's chunks.
     """
     g, ps = num_samples, options.page_size
 
@@ -1157,9 +1184,11 @@ def worst_case_programs(
     longest = longest_prompt
     if options.num_pages - 1 < min(options.num_slots, num_prompts * g) * held:
         longest = longest_prompt + max_new_tokens - 1
+    # A chunk begins at a multiple of the chunk, or with a shared prefix at any page.
+    step = ps if options.prefix_sharing else chunk
     shapes = [
         prefill_chunk_shape(start, min(chunk, longest - start), chunk, ps, kernel)
-        for start in range(0, longest, chunk)
+        for start in range(0, longest, step)
     ]
     c, cover = max(shapes, key=lambda wp: wp[0] * wp[1])
     prefill_args = (
@@ -1442,6 +1471,7 @@ def run(
     rollout (:func:`fit_pool_to_memory`, ``continued``), so every segment shares one pool shape.
     """
     b_count, g = budgets_bg.shape
+    prompts = [np.asarray(p, np.int32) for p in prompts]  # the prefix index keys their bytes
     ps, slots, k = options.page_size, options.num_slots, options.steps_per_dispatch
     chunk = options.prefill_chunk
     if not isinstance(params, EngineParams):
@@ -1535,15 +1565,46 @@ def run(
     most = max_prefill_group(b_count, g, slots)  # entries per prefill call
     resume: list[int] = []  # preempted sequences, oldest admission first: recomputed first
     finished: dict[int, _Seq] = {}
-    dispatches = prefills = preemptions = 0
+    dispatches = prefills = preemptions = prefill_tokens = shared_tokens = 0
+    admissions = iter(range(2**62))  # admission order
+    # Prefix sharing: a held full prompt page by (the page before it, or -1; its tokens'
+    # bytes), so one key names one whole prefix; pages registered in the admission being
+    # gathered are not written until its prefill runs.
+    index: dict[tuple[int, bytes], int] = {}
+    key_of: dict[int, tuple[int, bytes]] = {}
+    unwritten: set[int] = set()
 
     def take(n: int, refs: int = 1) -> list[int]:
         assert alloc.reserve(n), (n, alloc.available)
         return alloc.take(n, refs=refs)
 
+    def release(pages: list[int]) -> None:
+        alloc.release(pages)
+        for page in pages:
+            if alloc.refcount[page] == 0 and page in key_of:
+                del index[key_of.pop(page)]
+
+    def page_key(parent: int, prompt: np.ndarray, i: int) -> tuple[int, bytes]:
+        return parent, prompt[i * ps : (i + 1) * ps].tobytes()
+
+    def shared_prefix(b: int) -> list[int]:
+        """The held pages that hold prompt ``b``'s leading full pages, in order (none without
+        prefix sharing): at most all but the page of its last token, which the prefill must
+        run to sample the first token."""
+        found: list[int] = []
+        if options.prefix_sharing:
+            parent = -1
+            for i in range((len(prompts[b]) - 1) // ps):
+                page = index.get(page_key(parent, prompts[b], i))
+                if page is None:
+                    break
+                found.append(page)
+                parent = page
+        return found
+
     def finish(s: int) -> None:
         seq = seqs.pop(s)
-        alloc.release(seq.pages)
+        release(seq.pages)
         finished[s] = seq
 
     def seat(sid: int) -> None:
@@ -1563,24 +1624,39 @@ def run(
         nonlocal preemptions
         sid = slot_seq[slot]
         seq = seqs[sid]
-        alloc.release(seq.pages)
+        release(seq.pages)
         seq.pages = []
         slot_seq[slot], alive[slot] = -1, False
         bisect.insort(resume, sid, key=lambda s: seqs[s].admitted)
         preemptions += 1
 
-    def new_group(b: int) -> tuple[np.ndarray, np.ndarray, Any]:
+    def new_group(b: int, found: list[int]) -> tuple[np.ndarray, np.ndarray, int, Any]:
         """Registers prompt ``b``'s G sequences and takes its prompt pages; returns its prefill
         entry: the prompt, the page of each prompt token for each sample ``[P_b, G]`` (the
-        shared full pages, then sample ``i``'s own copy of the partial last page) and how to
-        seat the samples."""
+        full pages, shared by the G samples: first ``found``, another prompt's, then its own;
+        then sample ``i``'s own copy of the partial last page), the tokens ``found`` holds
+        (not prefilled) and how to seat the samples. Its own full pages join the prefix
+        index."""
+        nonlocal shared_tokens
         p = len(prompts[b])
         n_full, tail = p // ps, p % ps
-        shared = take(n_full, refs=g)
+        alloc.share(found, refs=g)
+        own = take(n_full - len(found), refs=g)
+        shared = found + own
+        if options.prefix_sharing:  # found is the whole match: its own pages follow on
+            parent = found[-1] if found else -1
+            for i, page in enumerate(own, start=len(found)):
+                key = page_key(parent, prompts[b], i)
+                if key in index:  # the page of a last token, held by a prompt alike
+                    break
+                index[key], key_of[page], parent = page, key, page
+                unwritten.add(page)
+        shared_tokens += len(found) * ps
         tails = [take(1) for _ in range(g)] if tail else [[] for _ in range(g)]
+        admitted = next(admissions)
         for i in range(g):
             budget = int(budgets_bg[b, i])
-            seqs[b * g + i] = _Seq(b, i, p, budget, shared + tails[i], admitted=b)
+            seqs[b * g + i] = _Seq(b, i, p, budget, shared + tails[i], admitted=admitted)
         page_of_jg = np.empty((p, g), np.int32)
         page_of_jg[: n_full * ps] = np.repeat(np.asarray(shared, np.int32), ps)[:, None]
         if tail:
@@ -1601,9 +1677,9 @@ def run(
                 else:
                     seat(sid)
 
-        return prompts[b], page_of_jg, (seq_ids_bg[b], token_offsets_bg[b], start)
+        return prompts[b], page_of_jg, len(found) * ps, (seq_ids_bg[b], token_offsets_bg[b], start)
 
-    def recompute(sid: int) -> tuple[np.ndarray, np.ndarray, Any]:
+    def recompute(sid: int) -> tuple[np.ndarray, np.ndarray, int, Any]:
         """The prefill entry of preempted sequence ``sid``: its prompt and all its tokens but
         the last (the next input), into pages of its own (every sample column the same); the
         prefill's sampled token is not used."""
@@ -1613,41 +1689,46 @@ def run(
         page_of = np.repeat(np.asarray(seq.pages, np.int32), ps)[: len(ctx)]
         ids = np.full((g,), seq_ids_bg[seq.prompt, seq.sample], np.int32)
         pos = np.full((g,), token_offsets_bg[seq.prompt, seq.sample], np.int32)
-        return ctx, np.repeat(page_of[:, None], g, axis=1), (ids, pos, lambda _: seat(sid))
+        return ctx, np.repeat(page_of[:, None], g, axis=1), 0, (ids, pos, lambda _: seat(sid))
 
-    def prefill(entries: list[tuple[np.ndarray, np.ndarray, Any]]) -> None:
+    def prefill(entries: list[tuple[np.ndarray, np.ndarray, int, Any]]) -> None:
         """Prefills ``entries`` (context tokens, page of each token per sample ``[n, G]``,
-        (sequence ids ``[G]``, token offsets ``[G]``, seat callback)) together, chunk by chunk
-        (the rows of a chunk the entries that still have tokens), then seats each entry's
-        sequences (the callback gets the entry's sampled tokens, log-probs, full log-probs)."""
-        nonlocal pool, prefills
+        the leading tokens already in the pool (a shared prefix, not run), (sequence ids
+        ``[G]``, token offsets ``[G]``, seat callback)) together, chunk by chunk (the rows of
+        a chunk the entries that still have tokens), then seats each entry's sequences (the
+        callback gets the entry's sampled tokens, log-probs, full log-probs)."""
+        nonlocal pool, prefills, prefill_tokens
         first: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray | None]] = {}
         start = 0
         while len(first) < len(entries):
             memory_maps.relieve(where="rollout.generate (paged prefill)")
-            rows_e = [e for e, (ctx, _, _) in enumerate(entries) if len(ctx) > start]
+            rows_e = [e for e, (ctx, _, skip, _) in enumerate(entries) if len(ctx) - skip > start]
             rows = prefill_rows(len(rows_e))
-            length_r = [min(chunk, len(entries[e][0]) - start) for e in rows_e]
+            offset_r = [entries[e][2] + start for e in rows_e]
+            end_r = [len(entries[e][0]) for e in rows_e]
+            length_r = [min(chunk, n - o) for n, o in zip(end_r, offset_r, strict=True)]
             # The chunk is written first and read from the pool too: the table covers
-            # start + width_c (the reference exactly, the kernels in multiples of 128
-            # tokens). Chunk widths are bucketed and start is a multiple of the chunk: a few
-            # table widths.
-            width_c, cover = prefill_chunk_shape(start, max(length_r), chunk, ps, kernel)
+            # offset + width_c (the reference exactly, the kernels in multiples of 128
+            # tokens). Chunk widths are bucketed and offsets are multiples of the chunk, or
+            # past a shared prefix the table is bucketed: a few table widths.
+            width_c, cover = prefill_chunk_shape(max(offset_r), max(length_r), chunk, ps, kernel)
             tok = np.zeros((rows, width_c), np.int32)
             valid = np.zeros((rows, width_c), bool)
             wpage = np.full((rows, width_c, g), TRASH_PAGE, np.int32)
             woff = np.zeros((rows, width_c), np.int32)
             table = np.full((rows, cover), TRASH_PAGE, np.int32)
+            ctx_len = np.full((rows,), start, np.int32)
             last = np.zeros((rows,), np.int32)
             ids = np.zeros((rows, g), np.int32)
             pos = np.zeros((rows, g), np.int32)
-            for r, (e, n) in enumerate(zip(rows_e, length_r, strict=True)):
-                ctx, page_of, (ids_g, pos_g, _) = entries[e]
-                tok[r, :n] = ctx[start : start + n]
+            for r, (e, o, n) in enumerate(zip(rows_e, offset_r, length_r, strict=True)):
+                ctx, page_of, _, (ids_g, pos_g, _) = entries[e]
+                tok[r, :n] = ctx[o : o + n]
                 valid[r, :n] = True
-                wpage[r, :n] = page_of[start : start + n]
-                woff[r, :n] = np.arange(start, start + n) % ps
-                table[r, : _ceil_div(start + n, ps)] = page_of[: start + n : ps, 0]
+                wpage[r, :n] = page_of[o : o + n]
+                woff[r, :n] = np.arange(o, o + n) % ps
+                table[r, : _ceil_div(o + n, ps)] = page_of[: o + n : ps, 0]
+                ctx_len[r] = o
                 last[r] = n - 1
                 ids[r] = ids_g
                 pos[r] = pos_g
@@ -1658,7 +1739,7 @@ def run(
                 pool,
                 tok,
                 valid,
-                np.full((rows,), start, np.int32),
+                ctx_len,
                 table,
                 wpage,
                 woff,
@@ -1671,7 +1752,8 @@ def run(
                 static=static,
             )
             prefills += 1
-            ends = [r for r, e in enumerate(rows_e) if len(entries[e][0]) <= start + chunk]
+            prefill_tokens += sum(length_r)
+            ends = np.flatnonzero(np.subtract(end_r, offset_r) <= chunk).tolist()
             if ends:
                 tok_rg, logp_rg = np.asarray(tok_rg), np.asarray(logp_rg)
                 full_rg = None if full_rg is None else np.asarray(full_rg)
@@ -1679,7 +1761,8 @@ def run(
                     full = None if full_rg is None else full_rg[r]
                     first[rows_e[r]] = (tok_rg[r], logp_rg[r], full)
             start += chunk
-        for e, (_, _, (_, _, seat_entry)) in enumerate(entries):
+        unwritten.clear()  # every page of the index is written now
+        for e, (_, _, _, (_, _, seat_entry)) in enumerate(entries):
             seat_entry(first[e])
 
     def admit() -> bool:
@@ -1687,7 +1770,9 @@ def run(
         admitted while one waits), then prompts in order, up to :func:`max_prefill_group`
         entries. An entry fits when its slots are free and the free pages hold its context and
         its sequences' next dispatch (only the next token when nothing is decoding: then it
-        always fits)."""
+        always fits), less the shared prefix it finds held. A prompt whose shared prefix an
+        entry of this call writes waits for the next call, ahead of the prompts after it, so
+        the prefix is computed once (SGLang's in-batch prefix deferral)."""
         entries, free = [], slot_seq.count(-1)
         available = alloc.available
         while resume and len(entries) < most and free >= 1:
@@ -1700,14 +1785,20 @@ def run(
             available -= need
             free -= 1
             entries.append(recompute(resume.pop(0)))
+        deferred = []
         while not resume and pending and len(entries) < most and free >= g:
+            found = shared_prefix(pending[0])
+            if unwritten.intersection(found):
+                deferred.append(pending.popleft())
+                continue
             horizon = k if any(alive) or entries else 1
-            need = group_pages(pending[0], horizon)
+            need = group_pages(pending[0], horizon) - len(found)
             if need > available:
                 break
             available -= need
             free -= g
-            entries.append(new_group(pending.popleft()))
+            entries.append(new_group(pending.popleft(), found))
+        pending.extendleft(reversed(deferred))
         if entries:
             prefill(entries)
         return bool(entries)
@@ -1822,8 +1913,17 @@ def run(
         truncated[seq.prompt, seq.sample] = not seq.stopped
         if full is not None:
             full[seq.prompt, seq.sample, :n] = seq.full_logps
+    assert not index, "paged scheduler: a released page is still in the prefix index"
     stats = PagedStats(
-        alloc.peak, page_bytes, dispatches, prefills, alloc.in_use, preemptions, options.num_pages
+        alloc.peak,
+        page_bytes,
+        dispatches,
+        prefills,
+        alloc.in_use,
+        preemptions,
+        options.num_pages,
+        prefill_tokens,
+        shared_tokens,
     )
     outputs = (tokens, mask, logps, truncated)
     return (outputs if full is None else (*outputs, full)), stats

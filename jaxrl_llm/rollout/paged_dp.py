@@ -88,6 +88,8 @@ class DataParallelStats(paged.PagedStats):
             pages_in_use_at_end=sum(s.pages_in_use_at_end for s in ran),
             preemptions=sum(s.preemptions for s in ran),
             pool_pages=sum(s.pool_pages for s in ran),
+            prefill_tokens=sum(s.prefill_tokens for s in ran),
+            shared_prompt_tokens=sum(s.shared_prompt_tokens for s in ran),
         )
         out.shards = tuple(shards)
         return out

@@ -66,8 +66,9 @@ class PageAllocator:
     """Host-side page bookkeeping: a free list, reference counts and a reservation count.
 
     ``reserve(n)`` promises ``n`` pages to a request (fails when fewer than ``n`` free pages are
-    unpromised); ``take(n)`` converts promised pages into pages; ``release(pages)`` drops one
-    reference from each and frees those that reach zero; ``unreserve(n)`` returns promises.
+    unpromised); ``take(n)`` converts promised pages into pages; ``share(pages)`` adds a
+    reference to pages in use; ``release(pages)`` drops one reference from each and frees
+    those that reach zero; ``unreserve(n)`` returns promises.
     """
 
     def __init__(self, num_pages: int) -> None:
@@ -102,6 +103,12 @@ class PageAllocator:
         self.refcount[pages] = refs
         self.peak = max(self.peak, self.in_use)
         return pages
+
+    def share(self, pages: list[int], refs: int = 1) -> None:
+        """Adds ``refs`` references to each of ``pages``, which are held (in use)."""
+        for p in pages:
+            assert self.refcount[p] > 0, p
+            self.refcount[p] += refs
 
     def release(self, pages: list[int]) -> None:
         for p in pages:

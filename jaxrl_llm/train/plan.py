@@ -1070,6 +1070,7 @@ def plan_paged_rollout(
                 r.max_total_tokens,
                 longest,
                 r.memory_utilization,
+                r.prefix_sharing,
             ),
             num_seqs=per_engine * g,
             num_samples=g,

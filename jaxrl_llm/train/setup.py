@@ -77,6 +77,7 @@ def paged_options(
     max_total_tokens: int,
     max_prompt_length: int = 0,
     memory_utilization: float | None = 0.9,
+    prefix_sharing: bool = True,
 ) -> PagedOptions:
     """The paged engine's options from the ``rollout`` config's knobs (``paged_attention``,
     ``paged_kernel_tuning``, ``tensor_parallel``, ``max_num_seqs``, ``max_total_tokens``;
@@ -84,7 +85,8 @@ def paged_options(
     the trash page; by default it is sized for prompts of ``max_prompt_length`` tokens
     (``data.max_prompt_length``; 0: each call's longest), one pool shape for the whole run;
     on a GPU or TPU, what ``memory_utilization`` of the devices' memory leaves
-    (``PagedOptions.memory_utilization``; None: the CPU's rule there too)."""
+    (``PagedOptions.memory_utilization``; None: the CPU's rule there too); prompts that begin
+    alike share their pages unless ``prefix_sharing`` is off (``PagedOptions.prefix_sharing``)."""
     page_size = PagedOptions.page_size
     return PagedOptions(
         attention=attention,
@@ -94,6 +96,7 @@ def paged_options(
         num_pages=1 + -(-max_total_tokens // page_size) if max_total_tokens else None,
         max_prompt_length=max_prompt_length or None,
         memory_utilization=memory_utilization,
+        prefix_sharing=prefix_sharing,
     )
 
 
@@ -122,6 +125,8 @@ class Sampler:
         call's longest prompt).
       memory_utilization: on a GPU or TPU, the fraction of device memory in use while sampling
         that sizes its default pool (``PagedOptions.memory_utilization``; None: not used).
+      prefix_sharing: prompts of a call that begin alike share those pages in the paged
+        engine (``PagedOptions.prefix_sharing``).
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).
       full_logprobs: also sample the full-vocabulary τ = 1 log-probs
@@ -143,6 +148,7 @@ class Sampler:
     max_total_tokens: int = 0
     max_prompt_length: int = 0
     memory_utilization: float | None = 0.9
+    prefix_sharing: bool = True
     mask_truncated: bool = False
     full_logprobs: bool = False
 
@@ -156,6 +162,7 @@ class Sampler:
             self.max_total_tokens,
             self.max_prompt_length,
             self.memory_utilization,
+            self.prefix_sharing,
         )
 
     def greedy(self, max_new_tokens: int | None = None) -> Sampler:
@@ -853,6 +860,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         max_total_tokens=r.max_total_tokens,
         max_prompt_length=config.data.max_prompt_length,
         memory_utilization=r.memory_utilization,
+        prefix_sharing=r.prefix_sharing,
         mask_truncated=r.mask_truncated_completions,
         full_logprobs=r.full_logprobs,
     )

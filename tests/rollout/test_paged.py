@@ -269,6 +269,78 @@ def test_samples_share_the_prompt_pages(tiny_pair):
     assert stats.peak_pages == 7 + 4
 
 
+def shared_prefix_prompts(seed: int = 9):
+    """Left-padded prompts in 4-token pages, six beginning with the same 10 tokens (their 2
+    whole pages shared): row 1 and row 3 share 16 tokens (4 pages), row 5 is a copy of row 1
+    (all its pages but its last token's), row 2 is row 1's first 12 tokens (its third page,
+    its last token's, the same as row 1's), row 6 has 22 more tokens after the shared 8 (two
+    16-token chunks from offset 8), row 4 shares nothing."""
+    rng = np.random.RandomState(seed)
+    head, more = rng.randint(3, 90, size=10), rng.randint(3, 90, size=6)
+    rows = [
+        np.r_[head, rng.randint(3, 90, size=5)],
+        np.r_[head, more, rng.randint(3, 90, size=3)],
+        np.r_[head, more[:2]],
+        np.r_[head, more, rng.randint(3, 90, size=9)],
+        rng.randint(3, 90, size=7),
+    ]
+    rows += [rows[1].copy(), np.r_[head, rng.randint(3, 90, size=20)]]
+    width = max(map(len, rows))
+    ids = np.zeros((len(rows), width), np.int32)
+    mask = np.zeros((len(rows), width), bool)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, True
+    return ids, mask
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prompts_with_a_common_prefix_share_its_pages_and_sample_the_same(tiny_pair, temperature):
+    """Prefix sharing across prompts: the tokens, log-probs and full log-probs of a run whose
+    prompts point at each other's pages equal those of a run where each prompt has its own;
+    the shared pages are prefilled once (the prompts that would read them wait one prefill
+    call), fewer pages are held, every page comes back, and a pool that preempts (recomputed
+    sequences get pages of their own) samples the same again."""
+    _, model = tiny_pair("llama3")
+    ids, mask = shared_prefix_prompts()
+    kw = dict(
+        rng=jax.random.key(11),
+        max_new_tokens=T,
+        num_samples=G,
+        temperature=temperature,
+        top_k=20,
+        stop_token_ids=(),
+        engine="paged",
+        return_full_logprobs=True,
+        return_stats=True,
+    )
+    wide = dataclasses.replace(SMALL, num_slots=16)
+    own, own_stats = rollout.generate(
+        model, ids, mask, paged_options=dataclasses.replace(wide, prefix_sharing=False), **kw
+    )
+    out, stats = rollout.generate(model, ids, mask, paged_options=wide, **kw)
+    assert_same(own, out)  # log-probs to float noise: other chunk widths, other neighbours
+    np.testing.assert_allclose(
+        np.asarray(out.full_logprobs), np.asarray(own.full_logprobs), atol=1e-5
+    )
+    # Shared pages: rows 1, 2 and 6 find row 0's two head pages; rows 3 and 5 row 1's four
+    # (written in the call they wait for).
+    assert own_stats.shared_prompt_tokens == 0
+    assert stats.shared_prompt_tokens == 4 * (2 + 2 + 4 + 4 + 2)
+    lengths = mask.sum(1)
+    assert own_stats.prefill_tokens == lengths.sum()
+    assert stats.prefill_tokens == lengths.sum() - stats.shared_prompt_tokens
+    assert own_stats.prefill_calls == 2  # the 25- and 30-token prompts' second chunks
+    # rows 0 and 4; rows 1, 2 and 6 (two chunks: 16 + 6 after the shared 8); rows 3 and 5
+    assert stats.prefill_calls == 4
+    assert stats.peak_pages == own_stats.peak_pages - (2 + 2 + 4 + 4 + 2)
+    assert stats.pages_in_use_at_end == own_stats.pages_in_use_at_end == 0
+    tight, tight_stats = rollout.generate(
+        model, ids, mask, paged_options=dataclasses.replace(wide, num_pages=14), **kw
+    )
+    assert tight_stats.preemptions > 0 and tight_stats.pages_in_use_at_end == 0
+    assert_same(own, tight)
+
+
 def test_allocator_reference_counts():
     alloc = pages.PageAllocator(6)  # page 0 is the trash page: 5 usable
     assert alloc.reserve(4) and not alloc.reserve(2)

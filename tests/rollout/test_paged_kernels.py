@@ -21,6 +21,7 @@ from jaxrl_llm import rollout
 from jaxrl_llm.models.transformer import NO_WINDOW
 from jaxrl_llm.rollout import paged, pages
 from tests.rollout.test_generate import prompts
+from tests.rollout.test_paged import shared_prefix_prompts
 
 L, P, PS, K, H, D = 2, 9, 4, 2, 4, 16  # layers, pages, page size, kv heads, heads (GQA), dim
 # Rows 0 and 2 share their first two pages (the G samples of one prompt); row 1 is empty.
@@ -160,6 +161,43 @@ def test_engine_on_the_gpu_kernels_gives_the_reference_engines_tokens(
     assert splits == ({2} if tuning else {1})  # the page tables here have even widths
     ref, got = outs["reference"], outs["pallas_gpu"]
     np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(ref.mask))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
+def test_gpu_kernels_read_prefixes_other_prompts_wrote(tiny_pair):
+    """Prefix sharing on the GPU kernels (interpret mode): prefill rows that begin past a
+    shared prefix (per-row offsets, offsets that are not multiples of the chunk, a second
+    chunk after one) read the pages other prompts wrote; greedy tokens equal the reference
+    engine's without sharing, log-probs within 1e-5."""
+    _, model = tiny_pair("llama3")
+    ids, mask = shared_prefix_prompts()
+    outs = {}
+    for name, sharing in (("reference", False), ("pallas_gpu", True)):
+        options = paged.PagedOptions(
+            page_size=4,
+            num_slots=16,
+            steps_per_dispatch=4,
+            prefill_chunk=16,
+            attention=name,
+            prefix_sharing=sharing,
+        )
+        outs[name], stats = rollout.generate(
+            model,
+            ids,
+            mask,
+            rng=jax.random.key(0),
+            max_new_tokens=6,
+            num_samples=2,
+            temperature=0.0,
+            stop_token_ids=(),
+            engine="paged",
+            paged_options=options,
+            return_stats=True,
+        )
+        assert stats.pages_in_use_at_end == 0
+        assert (stats.shared_prompt_tokens > 0) == sharing
+    ref, got = outs["reference"], outs["pallas_gpu"]
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
 
