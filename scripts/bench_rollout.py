@@ -27,7 +27,9 @@ static engine's program and the paged prefills), then timed once; XLA compile ti
 timed call (the paged engine's decode programs of new page-table widths) is measured apart
 (``jax.monitoring`` trace + lowering + backend-compile events) and subtracted.
 Reports useful tokens/s, compile seconds and the peak KV-cache bytes (static: the dense
-``[L, N, P + T, K, Dh]`` keys and values; paged: the peak pages held x page bytes).
+``[L, N, P + T, K, Dh]`` keys and values; paged: the peak pages held x page bytes). The paged
+engine runs twice, with prefix sharing (its default) and without (``paged_unshared``), with
+the prompt tokens it prefilled and those it found in another prompt's pages.
 ``--lt-torch`` adds transformers' ``generate`` on both workloads (static batch to the longest
 budget) and, on the long tail, its continuous batching (``init_continuous_batching``,
 ``generate_batch``'s manager, per-request budgets).
@@ -39,6 +41,7 @@ budget) and, on the long tail, its continuous batching (``init_continuous_batchi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -213,9 +216,12 @@ def paged_main(args) -> None:
     }
     kv_token_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
 
-    def run_engine(engine, ids, mask, g, t, budgets, seed, options=None, per_sample=True):
+    def run_engine(
+        engine, ids, mask, g, t, budgets, seed, options=None, per_sample=True, label=None
+    ):
         """Warm-up (per-sample budgets: all 1, the same programs; else the same call), then
-        one timed call. Without ``per_sample`` no budgets are passed (today's call)."""
+        one timed call. Without ``per_sample`` no budgets are passed (today's call). ``label``
+        names the row (default: the engine)."""
         kw = dict(
             max_new_tokens=t,
             num_samples=g,
@@ -243,7 +249,7 @@ def paged_main(args) -> None:
         else:
             kv = stats.peak_kv_bytes
         row = {
-            "engine": engine,
+            "engine": label or engine,
             "seconds": round(seconds, 2),
             "compile_s_in_timed_call": round(compiles.seconds, 2),
             "useful_tokens": useful,
@@ -254,6 +260,8 @@ def paged_main(args) -> None:
             row.update(
                 decode_dispatches=stats.decode_dispatches,
                 prefill_calls=stats.prefill_calls,
+                prefill_tokens=stats.prefill_tokens,
+                shared_prompt_tokens=stats.shared_prompt_tokens,
                 num_slots=options.num_slots if options else None,
             )
         print(json.dumps(row), flush=True)
@@ -371,16 +379,21 @@ def paged_main(args) -> None:
             max_new_tokens=t,
         )
         per_sample = name == "long_tail"
+        unshared = dataclasses.replace(options, prefix_sharing=False)
         rows = [
             run_engine("paged", ids, mask, g, t, budgets, 10, options, per_sample),
             run_engine("static", ids, mask, g, t, budgets, 20, None, per_sample),
+            run_engine(
+                "paged", ids, mask, g, t, budgets, 10, unshared, per_sample, "paged_unshared"
+            ),
         ]
         if args.lt_torch:
             rows.append(torch_row(ids, mask, g, t, budgets))
             if name == "long_tail":
                 rows.append(torch_batch_row(ids, mask, g, t, budgets))
-        static = rows[1]["useful_tokens_per_s"]
-        generate = rows[2]["useful_tokens_per_s"] if args.lt_torch else None
+        by_engine = {row["engine"]: row["useful_tokens_per_s"] for row in rows}
+        static = by_engine["static"]
+        generate = by_engine.get("transformers_generate")
         for row in rows:
             row["vs_static"] = round(row["useful_tokens_per_s"] / static, 2)
             if generate:

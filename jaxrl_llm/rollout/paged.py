@@ -1569,10 +1569,15 @@ def run(
     admissions = iter(range(2**62))  # admission order
     # Prefix sharing: a held full prompt page by (the page before it, or -1; its tokens'
     # bytes), so one key names one whole prefix; pages registered in the admission being
-    # gathered are not written until its prefill runs.
+    # gathered are not written until its prefill runs. Pages that join the index are pinned
+    # with the prefix before them (a reference of the index's own) until their admission has
+    # run, or, when prompts were deferred for them, the next one: a prefix outlives sequences
+    # that end at their first token.
     index: dict[tuple[int, bytes], int] = {}
     key_of: dict[int, tuple[int, bytes]] = {}
     unwritten: set[int] = set()
+    pins: list[int] = []  # this admission's
+    pinned: list[int] = []  # the previous admission's, kept for the prompts it deferred
 
     def take(n: int, refs: int = 1) -> list[int]:
         assert alloc.reserve(n), (n, alloc.available)
@@ -1645,12 +1650,17 @@ def run(
         shared = found + own
         if options.prefix_sharing:  # found is the whole match: its own pages follow on
             parent = found[-1] if found else -1
+            chain = list(found)
             for i, page in enumerate(own, start=len(found)):
                 key = page_key(parent, prompts[b], i)
                 if key in index:  # the page of a last token, held by a prompt alike
                     break
                 index[key], key_of[page], parent = page, key, page
                 unwritten.add(page)
+                chain.append(page)
+            if len(chain) > len(found):
+                alloc.share(chain)
+                pins.extend(chain)
         shared_tokens += len(found) * ps
         tails = [take(1) for _ in range(g)] if tail else [[] for _ in range(g)]
         admitted = next(admissions)
@@ -1761,7 +1771,6 @@ def run(
                     full = None if full_rg is None else full_rg[r]
                     first[rows_e[r]] = (tok_rg[r], logp_rg[r], full)
             start += chunk
-        unwritten.clear()  # every page of the index is written now
         for e, (_, _, _, (_, _, seat_entry)) in enumerate(entries):
             seat_entry(first[e])
 
@@ -1772,7 +1781,9 @@ def run(
         its sequences' next dispatch (only the next token when nothing is decoding: then it
         always fits), less the shared prefix it finds held. A prompt whose shared prefix an
         entry of this call writes waits for the next call, ahead of the prompts after it, so
-        the prefix is computed once (SGLang's in-batch prefix deferral)."""
+        the prefix is computed once (SGLang's in-batch prefix deferral); the pages it waits
+        for are pinned until then. Returns whether it prefilled or unpinned anything."""
+        nonlocal pinned
         entries, free = [], slot_seq.count(-1)
         available = alloc.available
         while resume and len(entries) < most and free >= 1:
@@ -1801,7 +1812,11 @@ def run(
         pending.extendleft(reversed(deferred))
         if entries:
             prefill(entries)
-        return bool(entries)
+        unwritten.clear()  # every page of the index is written now
+        held, pinned = pinned, list(pins) if deferred else []
+        release(held if deferred else held + pins)
+        pins.clear()
+        return bool(entries or held)
 
     def plan_pages() -> int:
         """Gives every live slot the pages of its next dispatch's tokens (oldest admission

@@ -144,17 +144,11 @@ def test_sampled_tokens_do_not_depend_on_slots_order_or_neighbours(tiny_pair):
     assert not np.array_equal(np.asarray(other.tokens), np.asarray(alone.tokens))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_pool_smaller_than_the_live_tokens_preempts_and_recomputes_the_same_tokens(
-    tiny_pair, temperature
-):
-    """11 usable pages for 10 sequences that need up to 9 each: decoding together, they
-    outgrow the pool; the latest admitted are preempted, recomputed and continued. Tokens,
-    log-probs and full log-probs are those of a pool that holds them all."""
-    _, model = tiny_pair("llama3")
-    ids, mask = prompts(seed=6, lengths=LENGTHS)
-    kw = dict(
-        rng=jax.random.key(4),
+def full_run(seed: int, temperature: float) -> dict:
+    """``generate`` keywords of a paged run of every token (no stop id) that returns full
+    log-probs and stats."""
+    return dict(
+        rng=jax.random.key(seed),
         max_new_tokens=T,
         num_samples=G,
         temperature=temperature,
@@ -164,6 +158,18 @@ def test_a_pool_smaller_than_the_live_tokens_preempts_and_recomputes_the_same_to
         return_full_logprobs=True,
         return_stats=True,
     )
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_pool_smaller_than_the_live_tokens_preempts_and_recomputes_the_same_tokens(
+    tiny_pair, temperature
+):
+    """11 usable pages for 10 sequences that need up to 9 each: decoding together, they
+    outgrow the pool; the latest admitted are preempted, recomputed and continued. Tokens,
+    log-probs and full log-probs are those of a pool that holds them all."""
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=6, lengths=LENGTHS)
+    kw = full_run(4, temperature)
     wide = dataclasses.replace(SMALL, num_slots=16)
     ref, ref_stats = rollout.generate(model, ids, mask, paged_options=wide, **kw)
     assert ref_stats.preemptions == 0
@@ -302,17 +308,7 @@ def test_prompts_with_a_common_prefix_share_its_pages_and_sample_the_same(tiny_p
     sequences get pages of their own) samples the same again."""
     _, model = tiny_pair("llama3")
     ids, mask = shared_prefix_prompts()
-    kw = dict(
-        rng=jax.random.key(11),
-        max_new_tokens=T,
-        num_samples=G,
-        temperature=temperature,
-        top_k=20,
-        stop_token_ids=(),
-        engine="paged",
-        return_full_logprobs=True,
-        return_stats=True,
-    )
+    kw = full_run(11, temperature)
     wide = dataclasses.replace(SMALL, num_slots=16)
     own, own_stats = rollout.generate(
         model, ids, mask, paged_options=dataclasses.replace(wide, prefix_sharing=False), **kw
@@ -334,6 +330,13 @@ def test_prompts_with_a_common_prefix_share_its_pages_and_sample_the_same(tiny_p
     assert stats.prefill_calls == 4
     assert stats.peak_pages == own_stats.peak_pages - (2 + 2 + 4 + 4 + 2)
     assert stats.pages_in_use_at_end == own_stats.pages_in_use_at_end == 0
+    # Sequences that end at their first token free their pages at once: the pages the
+    # deferred prompts wait for are pinned until they are admitted.
+    one = {**kw, "max_new_tokens": 1}
+    first, first_stats = rollout.generate(model, ids, mask, paged_options=wide, **one)
+    assert first_stats.shared_prompt_tokens == stats.shared_prompt_tokens
+    assert first_stats.prefill_calls == 4 and first_stats.pages_in_use_at_end == 0
+    np.testing.assert_array_equal(np.asarray(first.tokens), np.asarray(own.tokens)[..., :1])
     tight, tight_stats = rollout.generate(
         model, ids, mask, paged_options=dataclasses.replace(wide, num_pages=14), **kw
     )
