@@ -1017,15 +1017,11 @@ def prefill_chunk_shape(
     row has ``tokens`` tokens in it: the width bucket (:func:`_chunk_width`, at most
     ``prefill_chunk``) and the page table's width, covering ``start + width`` tokens (the chunk
     is written first and read from the pool too; with a kernel, in multiples of
-    :data:`_MIN_TABLE_TOKENS` tokens). ``start`` is a multiple of ``prefill_chunk``, or, for a
-    row that begins after a shared prefix (the rows' largest offset), of the page size: then
-    the table covers a multiple of :data:`_MIN_TABLE_TOKENS` tokens, as a decode table, so
-    that the shared prefixes' lengths give a few table widths."""
+    :data:`_MIN_TABLE_TOKENS` tokens). ``start`` is a multiple of ``prefill_chunk``, or, for
+    rows that begin after a shared prefix, the rows' largest offset, a multiple of the page
+    size (the table widths of a run: one per prefix length and chunk width)."""
     width = min(prefill_chunk, _chunk_width(tokens))
-    end = start + width
-    if start % prefill_chunk:
-        end = _ceil_div(end, _MIN_TABLE_TOKENS) * _MIN_TABLE_TOKENS
-    pages = _ceil_div(end, page_size)
+    pages = _ceil_div(start + width, page_size)
     if kernel is not None:
         step = _table_step(page_size)
         pages = _ceil_div(pages, step) * step
@@ -1720,7 +1716,7 @@ def run(
             # The chunk is written first and read from the pool too: the table covers
             # offset + width_c (the reference exactly, the kernels in multiples of 128
             # tokens). Chunk widths are bucketed and offsets are multiples of the chunk, or
-            # past a shared prefix the table is bucketed: a few table widths.
+            # past a shared prefix its length: a few table widths.
             width_c, cover = prefill_chunk_shape(max(offset_r), max(length_r), chunk, ps, kernel)
             tok = np.zeros((rows, width_c), np.int32)
             valid = np.zeros((rows, width_c), bool)

@@ -551,17 +551,22 @@ def _shapes(tree):
     return jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)), tree)
 
 
-def test_paged_worst_case_shapes_are_what_run_passes(monkeypatch):
+@pytest.mark.parametrize("sharing", [False, True])
+def test_paged_worst_case_shapes_are_what_run_passes(monkeypatch, sharing):
     """A real paged run of the tiny model with the worst case (every prompt as long as
     data.max_prompt_length, every completion T tokens): the largest _prefill and _decode calls
-    it makes have the shapes the plan lowers, and its pool the planned one's."""
+    it makes have the shapes the plan lowers, and its pool the planned one's. With prefix
+    sharing, a prompt that begins with another's first page is prefilled from token 16: its
+    chunk is as wide and its table a page wider, the largest the plan lowers (its rows apart:
+    a prompt deferred for a prefix is prefilled with fewer)."""
     from flax import nnx
 
     from jaxrl_llm import models
     from jaxrl_llm.rollout import engine
     from jaxrl_llm.rollout import paged as paged_lib
 
-    config, cfg, planned = _paged_rollout()
+    config, cfg, planned = _paged_rollout([f"rollout.prefix_sharing={str(sharing).lower()}"])
+    assert planned.options.prefix_sharing == sharing
     b, g, t, p = 2, 2, 8, config.data.max_prompt_length
     seen = {"_prefill": [], "_decode": []}
     for name in seen:
@@ -573,7 +578,9 @@ def test_paged_worst_case_shapes_are_what_run_passes(monkeypatch):
 
         monkeypatch.setattr(paged_lib, name, record)
     graphdef, params = nnx.split(models.CausalLM(cfg, rngs=nnx.Rngs(0)))
-    prompts = [np.arange(3, 3 + p, dtype=np.int32) % cfg.vocab_size for _ in range(b)]
+    first = np.arange(3, 3 + p, dtype=np.int32) % cfg.vocab_size
+    # the second shares the first's first page (16 tokens) when sharing, else nothing
+    prompts = [first, np.r_[first[:16], (first[16:] + 1) % cfg.vocab_size].astype(np.int32)]
     _, stats = paged_lib.run(
         graphdef,
         None,
@@ -591,6 +598,7 @@ def test_paged_worst_case_shapes_are_what_run_passes(monkeypatch):
         max_new_tokens=t,
         options=planned.options,
     )
+    assert stats.shared_prompt_tokens == (16 if sharing else 0)
     worst = paged_lib.worst_case_programs(
         cfg,
         nnx.to_pure_dict(params),
@@ -607,14 +615,23 @@ def test_paged_worst_case_shapes_are_what_run_passes(monkeypatch):
         cache_dtype=np.dtype("float32"),
         num_stop_ids=8,
     )
-    assert max(seen["_prefill"], key=lambda a: a[2][0][0] * a[2][0][1]) == _shapes(
-        worst.prefill.args[1:]
-    )
+
+    def cells(a):  # a prefill's (rows, tokens x table pages): its attention scores' size
+        (rows, width), _ = a[2]
+        (_, pages), _ = a[5]
+        return rows, width * pages
+
+    lowered = _shapes(worst.prefill.args[1:])
+    if sharing:
+        assert all(cells(a)[0] <= cells(lowered)[0] for a in seen["_prefill"])
+        assert max(cells(a)[1] for a in seen["_prefill"]) == cells(lowered)[1]
+    else:
+        assert max(seen["_prefill"], key=lambda a: a[2][0][0] * a[2][0][1]) == lowered
     assert seen["_decode"][0] == _shapes(worst.decode.args[1:])  # every slot live
     assert (planned.prefill_rows, planned.prefill_tokens, planned.prefill_table_pages) == (
         2,
         128,
-        8,
+        9 if sharing else 8,
     )
     assert (planned.decode_rows, planned.decode_table_pages) == (4, 16)  # 4 slots, 256 tokens
     assert stats.page_bytes * planned.options.num_pages == planned.pool.per_device
