@@ -106,7 +106,15 @@ def sample_completions(
     return jax.tree.map(np.asarray, jax.device_get(out))
 
 
-KV_FIELDS = ("peak_pages", "pool_pages", "page_bytes", "preemptions", "decode_dispatches")
+KV_FIELDS = (
+    "peak_pages",
+    "pool_pages",
+    "page_bytes",
+    "preemptions",
+    "decode_dispatches",
+    "prefill_tokens",
+    "shared_prompt_tokens",
+)
 """The :class:`~jaxrl_llm.rollout.paged.PagedStats` fields that :func:`kv_metrics` reads, the
 columns of :func:`engine_rows`."""
 
@@ -151,11 +159,13 @@ def kv_metrics(rounds: list[np.ndarray]) -> dict[str, float]:
     recomputation). Summed over engines and rounds: ``rollout/preemptions``, sequences whose
     pages were taken back to be recomputed. ``rollout/decode_dispatches``: the busiest
     engine's compiled decode calls, summed over rounds (the host's share of the rollout
-    grows with it)."""
+    grows with it). ``rollout/prefix_shared_frac``: of the context tokens the prefills would
+    have run, the fraction they did not, because another prompt's pages held them (prefix
+    sharing; vLLM's prefix cache hit rate), over the engines and rounds."""
     rows = [r for r in rounds if len(r)]
     if not rows:
         return {}
-    peak, pool, page_bytes, preempt, _ = np.concatenate(rows).T.astype(np.float64)
+    peak, pool, page_bytes, preempt, _, ran, shared = np.concatenate(rows).T.astype(np.float64)
     gib = float(2**30)
     return {
         "rollout/kv_peak_gib": float(np.max(peak * page_bytes)) / gib,
@@ -163,6 +173,7 @@ def kv_metrics(rounds: list[np.ndarray]) -> dict[str, float]:
         "rollout/kv_usage_peak": float(np.max(peak / np.maximum(pool - 1, 1))),
         "rollout/preemptions": float(np.sum(preempt)),
         "rollout/decode_dispatches": float(sum(np.max(r[:, 4]) for r in rows)),
+        "rollout/prefix_shared_frac": float(shared.sum() / max(shared.sum() + ran.sum(), 1.0)),
     }
 
 

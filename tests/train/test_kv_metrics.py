@@ -19,7 +19,7 @@ from tests.train import helpers as H
 GIB = 2.0**30
 
 
-def _stats(peak, pool, preempt, dispatches, page_bytes=1024):
+def _stats(peak, pool, preempt, dispatches, page_bytes=1024, ran=30, shared=10):
     return PagedStats(
         peak_pages=peak,
         page_bytes=page_bytes,
@@ -28,18 +28,20 @@ def _stats(peak, pool, preempt, dispatches, page_bytes=1024):
         pages_in_use_at_end=0,
         preemptions=preempt,
         pool_pages=pool,
+        prefill_tokens=ran,
+        shared_prompt_tokens=shared,
     )
 
 
 def test_kv_metrics_take_the_busiest_engine_and_sum_the_preemptions():
     one = engine_rows(_stats(peak=6, pool=9, preempt=1, dispatches=5))
-    assert one.tolist() == [[6, 9, 1024, 1, 5]]
+    assert one.tolist() == [[6, 9, 1024, 1, 5, 30, 10]]
     shards = DataParallelStats.combine(
         [_stats(peak=3, pool=9, preempt=0, dispatches=7), None, _stats(8, 9, 2, 4)]
     )
     two = engine_rows(shards)  # one row per engine that ran; the empty shard has none
-    assert two.tolist() == [[3, 9, 1024, 0, 7], [8, 9, 1024, 2, 4]]
-    assert engine_rows(None).shape == (0, 5)  # the static engine
+    assert two.tolist() == [[3, 9, 1024, 0, 7, 30, 10], [8, 9, 1024, 2, 4, 30, 10]]
+    assert engine_rows(None).shape == (0, 7)  # the static engine
 
     m = kv_metrics([one, two])  # two rounds (DAPO's refills)
     assert m["rollout/kv_peak_gib"] == 8 * 1024 / GIB  # the busiest engine, not a sum
@@ -47,6 +49,7 @@ def test_kv_metrics_take_the_busiest_engine_and_sum_the_preemptions():
     assert m["rollout/kv_usage_peak"] == 8 / 8  # of the pool's usable pages (trash excluded)
     assert m["rollout/preemptions"] == 3  # every engine's, every round's
     assert m["rollout/decode_dispatches"] == 5 + 7  # each round's busiest engine
+    assert m["rollout/prefix_shared_frac"] == 3 * 10 / (3 * (30 + 10))  # of every engine's
     assert kv_metrics([engine_rows(None)]) == {} == kv_metrics([])
 
 
@@ -66,8 +69,8 @@ def test_rounds_gathered_at_once_keep_each_round_apart(monkeypatch):
     monkeypatch.setattr(C.dist, "is_multiprocess", lambda: True)
     monkeypatch.setattr(C.dist, "host_allgather", two_processes)
     first, second = C.gather_rounds(mine)
-    assert first.tolist() == [[2, 9, 1024, 0, 3], [5, 9, 1024, 1, 1]]
-    assert second.tolist() == [[1, 9, 1024, 0, 4]]  # this process ran nothing in round 2
+    assert first.tolist() == [[2, 9, 1024, 0, 3, 30, 10], [5, 9, 1024, 1, 1, 30, 10]]
+    assert second.tolist() == [[1, 9, 1024, 0, 4, 30, 10]]  # this process ran nothing in round 2
     assert kv_metrics([first, second])["rollout/decode_dispatches"] == 3 + 4
 
 
@@ -84,6 +87,7 @@ def test_collect_reports_the_paged_pool_and_nothing_for_the_static_engine():
     assert m["rollout/preemptions"] == 0  # the default pool holds every live sequence
     assert 0 < m["rollout/kv_peak_gib"] < m["rollout/kv_pool_gib"]
     assert 0 < m["rollout/kv_usage_peak"] <= 1 and m["rollout/decode_dispatches"] >= 1
+    assert 0 <= m["rollout/prefix_shared_frac"] < 1
     static = _collect("rollout.engine=static")
     assert not [k for k in static if k.startswith("rollout/")]
     assert static["perf/generated_tokens"] == m["perf/generated_tokens"]  # no early stop: 2·2·8
