@@ -72,6 +72,7 @@ import bisect
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -187,11 +188,11 @@ class PagedOptions:
       prefix_sharing: prompts that begin with the same tokens share those pages (automatic
         prefix caching within a call, as vLLM's and SGLang's; the G samples of a prompt share
         its pages either way): a prompt whose leading full pages are already in the pool,
-        written by an earlier prompt of the call that is still held, points its page table at
-        them and is prefilled from there on. A prompt whose match another prompt of the same
-        prefill call would write waits for the next call (SGLang's in-batch deferral), so the
-        common prefix is computed once. Preempted sequences are recomputed into pages of
-        their own. ``False``: every prompt's pages are its own.
+        written by an earlier prompt of the call and still held (or pinned for it), points its
+        page table at them and is prefilled from there on. A prompt whose match another
+        prompt of the same prefill call would write waits for the next call (SGLang's
+        in-batch deferral), so the common prefix is computed once. Preempted sequences are
+        recomputed into pages of their own. ``False``: every prompt's pages are its own.
     """
 
     page_size: int = 16
@@ -1562,7 +1563,7 @@ def run(
     resume: list[int] = []  # preempted sequences, oldest admission first: recomputed first
     finished: dict[int, _Seq] = {}
     dispatches = prefills = preemptions = prefill_tokens = shared_tokens = 0
-    admissions = iter(range(2**62))  # admission order
+    admissions = itertools.count()  # admission order
     # Prefix sharing: a held full prompt page by (the page before it, or -1; its tokens'
     # bytes), so one key names one whole prefix; pages registered in the admission being
     # gathered are not written until its prefill runs. Pages that join the index are pinned
