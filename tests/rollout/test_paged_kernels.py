@@ -97,6 +97,32 @@ def test_ragged_tpu_wrapper_layout_equals_reference_attention(window):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
 
+def greedy_paged(model, ids, mask, options, max_new_tokens, **kw):
+    """``(Generation, PagedStats)`` of a greedy paged run, G = 2, with every page returned."""
+    out, stats = rollout.generate(
+        model,
+        ids,
+        mask,
+        rng=jax.random.key(0),
+        max_new_tokens=max_new_tokens,
+        num_samples=2,
+        temperature=0.0,
+        engine="paged",
+        paged_options=options,
+        return_stats=True,
+        **kw,
+    )
+    assert stats.pages_in_use_at_end == 0
+    return out, stats
+
+
+def assert_same_greedy(ref, got):
+    """The same masks and tokens, log-probs within 1e-5."""
+    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(ref.mask))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "tuning",
     [
@@ -137,20 +163,7 @@ def test_engine_on_the_gpu_kernels_gives_the_reference_engines_tokens(
             attention=name,
             kernel_tuning=tuning,
         )
-        outs[name], stats = rollout.generate(
-            model,
-            ids,
-            mask,
-            rng=jax.random.key(0),
-            max_new_tokens=8,
-            num_samples=2,
-            temperature=0.0,
-            max_new_tokens_bg=budgets,
-            engine="paged",
-            paged_options=options,
-            return_stats=True,
-        )
-        assert stats.pages_in_use_at_end == 0
+        outs[name], _ = greedy_paged(model, ids, mask, options, 8, max_new_tokens_bg=budgets)
     assert launches and all(
         launch[k] == v
         for launch in launches
@@ -159,10 +172,7 @@ def test_engine_on_the_gpu_kernels_gives_the_reference_engines_tokens(
     )
     splits = {launch["k_splits"] for launch in launches}
     assert splits == ({2} if tuning else {1})  # the page tables here have even widths
-    ref, got = outs["reference"], outs["pallas_gpu"]
-    np.testing.assert_array_equal(np.asarray(got.mask), np.asarray(ref.mask))
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
-    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+    assert_same_greedy(outs["reference"], outs["pallas_gpu"])
 
 
 def test_gpu_kernels_read_prefixes_other_prompts_wrote(tiny_pair):
@@ -182,24 +192,9 @@ def test_gpu_kernels_read_prefixes_other_prompts_wrote(tiny_pair):
             attention=name,
             prefix_sharing=sharing,
         )
-        outs[name], stats = rollout.generate(
-            model,
-            ids,
-            mask,
-            rng=jax.random.key(0),
-            max_new_tokens=6,
-            num_samples=2,
-            temperature=0.0,
-            stop_token_ids=(),
-            engine="paged",
-            paged_options=options,
-            return_stats=True,
-        )
-        assert stats.pages_in_use_at_end == 0
+        outs[name], stats = greedy_paged(model, ids, mask, options, 6, stop_token_ids=())
         assert (stats.shared_prompt_tokens > 0) == sharing
-    ref, got = outs["reference"], outs["pallas_gpu"]
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
-    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+    assert_same_greedy(outs["reference"], outs["pallas_gpu"])
 
 
 @pytest.mark.slow  # interpret mode, 2 two-device engines: ~15 s
