@@ -5,9 +5,10 @@ lower (a Pallas kernel's Triton lowering rule refusing a block shape, a cuDNN at
 refusing its arguments) would otherwise first fail on the device. JAX lowers for a platform
 it has no device of (``jit(f).trace(...).lower(lowering_platforms=("cuda",))``): the Pallas
 GPU kernel goes through its Triton lowering, and ``jax.nn.dot_product_attention(
-implementation="cudnn")`` through its cuDNN checks and custom call, which is as far as a
-machine without the CUDA compiler can go (XLA's GPU compile and the kernels' numbers need the
-device: ``scripts/bench_accelerator.py``).
+implementation="cudnn")`` through its cuDNN checks and custom call. That needs nothing but
+JAX. XLA:GPU's own compile without a GPU needs JAX's CUDA plugin (``jaxrl-llm plan
+--topology h200-8``, tests/train/test_plan.py); the kernels' numbers and speed need the
+device (``scripts/bench_accelerator.py``).
 
 cuDNN attention asks the installed cuDNN for its version and the GPU for its compute
 capability while tracing; :func:`hopper` answers for an H100/H200 (cuDNN 9.8, sm_90), patched
@@ -139,12 +140,15 @@ def test_update_step_lowers_for_cuda_with_cudnn_attention(hopper, overrides):
 def test_update_step_lowers_for_cuda_with_pallas_gpu_attention(overrides):
     """``model.attention=pallas_gpu``: the update's attention is Triton kernels (forward, and the
     backward's dq and dk/dv), with no cuDNN call and no fallback to the reference attention
-    (whose scores would be float32 dots); packed rows are a multiple of its 16-token block."""
+    (whose scores would be float32 dots); packed rows are a multiple of its 16-token block.
+    The non-finite skip is selects, not a conditional (XLA:GPU copies the parameters and the
+    optimizer state into a conditional's result: ``accumulate._apply``)."""
     lowered = lowered_update(*gpu_config("model.attention=pallas_gpu", *overrides))
     calls = custom_calls(lowered)
     assert calls[TRITON] >= 3 and not calls[CUDNN_FWD] and not calls[CUDNN_BWD], calls
     assert not float32_dots(lowered)
     text = lowered.as_text()
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text
     names = set(re.findall(r'name = "(mha_[a-z_]+)"', text))
     assert {"mha_forward", "mha_backward"} <= names, names
     # the mask is one int32 id per token: no [B, 1, T, S] operand, as cuDNN's

@@ -42,9 +42,10 @@ second gradient-sized buffer beside the sum; the other leaves are added after th
 The sums are the same either way (tested against the plain accumulation).
 
 Non-finite updates. A non-finite gradient (one NaN/inf anywhere makes its global norm
-non-finite) or loss sum skips that trainee's update with a ``lax.cond`` inside the jit: its
-parameters and optimizer state are kept bit for bit, and ``update/nonfinite`` counts the skipped
-updates (over trainees, epochs and minibatches), so a bad batch can never write NaN into the
+non-finite) or loss sum skips that trainee's update inside the jit (a ``lax.cond``, or a
+per-leaf select where XLA:GPU compiles it: :func:`skip_by_select`): its parameters and
+optimizer state are kept bit for bit, and ``update/nonfinite`` counts the skipped updates
+(over trainees, epochs and minibatches), so a bad batch can never write NaN into the
 parameters or the optimizer moments; the training loop counts or stops on it.
 
 Metrics (f32 scalars): every ``(sum, den)`` metric pair a trainee's ``sums`` reports, finalized
@@ -81,7 +82,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxrl_llm.models import grad_accumulation
+from jaxrl_llm.models import attention, grad_accumulation
 from jaxrl_llm.train import hostmem
 
 Pair = tuple[jax.Array, jax.Array]
@@ -326,12 +327,18 @@ def _apply(
 ) -> tuple[Any, Any, jax.Array, jax.Array]:
     """θ ← tx(g / max(D, 1)), skipped (state kept) when the gradient or the loss is not finite.
 
-    The skip is a ``lax.cond`` on purpose. A per-leaf ``jnp.where(finite, new, old)`` over an
-    unconditional update was measured worse on XLA:CPU: XLA kept copies of old values beside
-    the new ones, and the update program's temporaries grew from 0.85 to 2.15 GB (peak RSS
-    3.61 -> 4.76 GiB; SmolLM2-135M in the GRPO workload of ``scripts/bench_train_step.py``,
-    BENCHMARKS.md). The cond itself costs nothing measurable there: an unconditional update
-    compiles to the same temporaries (806.5 against 806.8 MiB) and peak.
+    The skip takes the form the compiling backend keeps in place (:func:`skip_by_select`);
+    either keeps the state bit for bit. XLA:CPU: a ``lax.cond``. A per-leaf
+    ``jnp.where(finite, new, old)`` over an unconditional update was measured worse there:
+    XLA kept copies of old values beside the new ones, and the update program's temporaries
+    grew from 0.85 to 2.15 GB (peak RSS 3.61 -> 4.76 GiB; SmolLM2-135M in the GRPO workload of
+    ``scripts/bench_train_step.py``, BENCHMARKS.md), and for a 1B model from 7.09 to 18.42 GiB.
+    The cond itself costs nothing measurable there: an unconditional update compiles to the
+    same temporaries (806.5 against 806.8 MiB) and peak. XLA:GPU (jaxlib 0.10.2) is the
+    mirror image: its cond copies the parameters and both Adam moments into the cond's result
+    (a 1B update's temporaries 18.42 GiB, 6.31 GiB as a select or with no skip at all;
+    XLA:GPU compiled without a GPU, BENCHMARKS.md "Deviceless XLA:GPU compiles"). XLA:TPU
+    compiles both to the same temporaries.
     """
     scale = 1.0 / jnp.maximum(denominator, 1.0)
     grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, params)
@@ -343,8 +350,19 @@ def _apply(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
+    if skip_by_select():
+        new_params, new_opt_state = update((params, opt_state))
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        return keep(new_params, params), keep(new_opt_state, opt_state), grad_norm, finite
     params, opt_state = jax.lax.cond(finite, update, lambda ops: ops, (params, opt_state))
     return params, opt_state, grad_norm, finite
+
+
+def skip_by_select() -> bool:
+    """Whether the non-finite skip traced now is a per-leaf select rather than a ``lax.cond``
+    (:func:`_apply`): where XLA:GPU compiles it (the platform traced for,
+    :func:`~jaxrl_llm.models.attention.trace_platform`, is a GPU, not emulated on CPU)."""
+    return attention.trace_platform() == "gpu" and not attention.emulated()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -649,6 +667,7 @@ __all__ = [
     "jit_step",
     "make_step",
     "optimize",
+    "skip_by_select",
     "split_sizes",
     "strided_split",
     "token_pair",

@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrl_llm.models import attention
 from jaxrl_llm.train import accumulate as acc
 
 D = 4  # features
@@ -232,8 +233,19 @@ def poisoned_sums(params, mb):
     return loss + jax.lax.stop_gradient(jnp.sum(mb["poison"])), aux
 
 
+# The skip's two forms: a lax.cond (traced for CPU, TPU) and a per-leaf select (traced for a
+# GPU, whose XLA copies the whole state into a cond's result: accumulate._apply).
+SKIP_FORMS = {"cond": None, "select": "gpu"}
+
+
+@pytest.mark.parametrize("form", SKIP_FORMS)
 @pytest.mark.parametrize("where", ["gradient", "loss"])
-def test_a_nonfinite_update_is_skipped_bit_for_bit_and_counted(where):
+def test_a_nonfinite_update_is_skipped_bit_for_bit_and_counted(where, form):
+    with attention.for_platform(SKIP_FORMS[form]):
+        check_the_nonfinite_skip(where, form)
+
+
+def check_the_nonfinite_skip(where: str, form: str) -> None:
     batch, params = make_batch(4, n=8), init_params()
     batch["poison"] = jnp.zeros((8,), jnp.float32)
     if where == "gradient":  # row 1 (fully masked in) is in minibatch 1 of 2
@@ -246,6 +258,9 @@ def test_a_nonfinite_update_is_skipped_bit_for_bit_and_counted(where):
 
     # One minibatch: nothing moves, not even adam's count.
     fn = jax.jit(lambda p, o, b, **kw: acc.optimize((trainee,), p, o, b, **kw))
+    assert acc.skip_by_select() == (form == "select")
+    conds = str(jax.make_jaxpr(fn)((params,), (opt0,), bad)).count(" cond[")
+    assert conds == (form == "cond")  # the one skip: a cond, or selects
     (p,), (o,), metrics = fn((params,), (opt0,), bad)
     assert bit_equal(p, params) and bit_equal(o, opt0)
     assert float(metrics["update/nonfinite"]) == 1.0
