@@ -46,10 +46,13 @@ Targets. TPU slices by name (``v5e-16``, ``v5p-128``, ``v6e-32``; v5e/v6e count 
 counts TensorCores, two per chip, as Google's slice names do) or in libtpu's form
 (``v5e:4x4``) compile for the real topology on any machine with ``libtpu`` installed
 (``pip install -e ".[tpu-plan]"``; :func:`jax.experimental.topologies.get_topology_desc`,
-as MaxText's ``train_compile.py``). GPUs have no deviceless compiler: ``--devices N
---device-memory 141GiB`` compiles for ``N`` CPU devices (``XLA_FLAGS=
---xla_force_host_platform_device_count=N``, in a subprocess when this process has fewer) and
-the figures are an *estimate* (XLA:CPU's buffer assignment and fusion differ from XLA:GPU's).
+as MaxText's ``train_compile.py``). GPUs by model and count (``h200-8``, ``h100-16``: hosts
+of 8) compile the same way with XLA:GPU through JAX's CUDA plugin (``pip install -e
+".[gpu-plan]"``; no GPU needed), from the chip's ``GpuTargetConfig`` (:class:`Gpu`). Without
+the plugin, ``--devices N --device-memory 141GiB`` compiles for ``N`` CPU devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=N``, in a subprocess when this process
+has fewer) and the figures are an *estimate* (XLA:CPU's buffer assignment and fusion differ
+from XLA:GPU's: BENCHMARKS.md, "Deviceless XLA:GPU compiles").
 
 What is not measured here: the figures are XLA's static buffer assignment, not a measured
 ``device.memory_stats()`` peak (CPU devices report none; ``scripts/bench_accelerator.py``
@@ -151,6 +154,145 @@ _TOPOLOGIES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4",
 _TOPOLOGIES_3D |= {256: "4x8x8", 512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16"}
 
 
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    """One GPU model as XLA:GPU compiles for it without the device (its ``GpuTargetConfig``:
+    the figures XLA's fusion, tiling and scheduling decisions read).
+
+    Attributes:
+      family: the target-name prefix (``h200``).
+      device_kind: what the CUDA plugin calls the device (``NVIDIA H200``).
+      memory_bytes: device memory (what ``cudaMemGetInfo`` reports as total).
+      source: where the figures come from.
+      sm_count, clock_ghz: streaming multiprocessors and their boost clock.
+      memory_bandwidth: HBM bytes per second.
+      l2_bytes: L2 cache.
+      shared_memory_per_sm, shared_memory_per_block_optin: shared memory per SM, and the
+        most one block may opt in to.
+      compute_capability: ``(major, minor)``.
+    """
+
+    family: str
+    device_kind: str
+    memory_bytes: int
+    source: str
+    sm_count: int
+    clock_ghz: float
+    memory_bandwidth: int
+    l2_bytes: int
+    shared_memory_per_sm: int
+    shared_memory_per_block_optin: int
+    compute_capability: tuple[int, int]
+
+    def target_config(
+        self, cuda: tuple[int, int] = (13, 0), cudnn: tuple[int, int] = (9, 10)
+    ) -> str:
+        """XLA's ``GpuTargetConfigProto`` in text form, for a CUDA runtime and cuDNN of these
+        versions (the plugin's)."""
+        major, minor = self.compute_capability
+        info = {
+            "threads_per_block_limit": 1024,
+            "threads_per_warp": 32,
+            "shared_memory_per_block": 48 * 1024,
+            "shared_memory_per_core": self.shared_memory_per_sm,
+            "threads_per_core_limit": 2048,
+            "core_count": self.sm_count,
+            "fpus_per_core": 128,
+            "block_dim_limit_x": 2**31 - 1,
+            "block_dim_limit_y": 65535,
+            "block_dim_limit_z": 65535,
+            "memory_bandwidth": self.memory_bandwidth,
+            "l2_cache_size": self.l2_bytes,
+            "clock_rate_ghz": self.clock_ghz,
+            "device_memory_size": self.memory_bytes,
+            "shared_memory_per_block_optin": self.shared_memory_per_block_optin,
+            "registers_per_core_limit": 65536,
+            "registers_per_block_limit": 65536,
+        }
+        lines = ["gpu_device_info {"]
+        lines += [f"  {k}: {v}" for k, v in info.items()]
+        lines += [f"  cuda_compute_capability {{ major: {major} minor: {minor} }}", "}"]
+        lines += [
+            'platform_name: "CUDA"',
+            f"dnn_version_info {{ major: {cudnn[0]} minor: {cudnn[1]} }}",
+            f"runtime_version {{ major: {cuda[0]} minor: {cuda[1]} }}",
+            f'device_description_str: "{self.device_kind}"',
+        ]
+        return "\n".join(lines) + "\n"
+
+
+#: GPUs a plan compiles for without one (``--topology h200-8``): NVIDIA's data sheets for the
+#: SXM parts, the memory as the devices report it. Hosts of 8 (HGX boards).
+GPUS: dict[str, Gpu] = {
+    "h100": Gpu(
+        "h100",
+        "NVIDIA H100 80GB HBM3",
+        80995 * 2**20,
+        "an H100 SXM's 80,995 MiB reported (NVIDIA data sheet: 80 GB HBM3, 3.35 TB/s)",
+        sm_count=132,
+        clock_ghz=1.98,
+        memory_bandwidth=3_350_000_000_000,
+        l2_bytes=50 * 2**20,
+        shared_memory_per_sm=228 * 1024,
+        shared_memory_per_block_optin=227 * 1024,
+        compute_capability=(9, 0),
+    ),
+    "h200": Gpu(
+        "h200",
+        "NVIDIA H200",
+        143771 * 2**20,
+        "the H200's 143,771 MiB reported (BENCHMARKS.md, Accelerator runs; NVIDIA data sheet: "
+        "141 GB HBM3e, 4.8 TB/s)",
+        sm_count=132,
+        clock_ghz=1.98,
+        memory_bandwidth=4_800_000_000_000,
+        l2_bytes=50 * 2**20,
+        shared_memory_per_sm=228 * 1024,
+        shared_memory_per_block_optin=227 * 1024,
+        compute_capability=(9, 0),
+    ),
+}
+GPUS_PER_HOST = 8
+_GPU_COUNTS = (1, 2, 4, 8)  # within one host; past it, whole hosts of GPUS_PER_HOST
+
+
+def gpu_memory_fraction() -> float:
+    """The fraction of a GPU's memory JAX's allocator may use: ``XLA_PYTHON_CLIENT_MEM_FRACTION``
+    (default 0.75, JAX's), what a run's ``memory_stats()["bytes_limit"]`` reports."""
+    text = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise PlanError(f"XLA_PYTHON_CLIENT_MEM_FRACTION = {text!r}: expected a number in (0, 1]")
+    return fraction
+
+
+def gpu_names() -> list[str]:
+    """GPU target names :func:`parse_target` accepts, up to 8 hosts (``h200-1`` ... ``h200-64``;
+    any multiple of 8 is accepted)."""
+    counts = [*_GPU_COUNTS, *(GPUS_PER_HOST * h for h in (2, 4, 8))]
+    return [f"{family}-{n}" for family in GPUS for n in counts]
+
+
+def _gpu_target(name: str, family: str, n: int) -> Target:
+    gpu = GPUS[family]
+    if n not in _GPU_COUNTS and n % GPUS_PER_HOST:
+        raise PlanError(
+            f"--topology {name!r}: {n} GPUs is neither 1, 2, 4 or 8 (one host) nor a multiple "
+            f"of {GPUS_PER_HOST} (whole hosts of {GPUS_PER_HOST})"
+        )
+    hosts, per_host = (1, n) if n <= GPUS_PER_HOST else (n // GPUS_PER_HOST, GPUS_PER_HOST)
+    fraction = gpu_memory_fraction()
+    source = (
+        f"{fraction:g} of the memory (XLA_PYTHON_CLIENT_MEM_FRACTION, JAX's allocator) of "
+        + gpu.source
+    )
+    hbm = int(gpu.memory_bytes * fraction)
+    return Target(name, "gpu", n, hbm, source, f"1x{hosts}x{per_host}", gpu.device_kind)
+
+
 def slice_names() -> list[str]:
     """Every slice name :func:`parse_target` accepts (``v5e-16``, ``v5p-128``, ...)."""
     names = []
@@ -166,12 +308,14 @@ class Target:
 
     Attributes:
       name: as given (``v5e-16``, ``v5e:4x4``, ``8 devices``).
-      platform: ``"tpu"`` (a real deviceless compile), ``"cpu"`` (an estimate on CPU devices)
-        or ``"local"`` (this process's own devices, :func:`local_target`).
+      platform: ``"tpu"`` or ``"gpu"`` (a real deviceless compile: libtpu's, or XLA:GPU's
+        through JAX's CUDA plugin), ``"cpu"`` (an estimate on CPU devices) or ``"local"``
+        (this process's own devices, :func:`local_target`).
       num_devices: JAX devices (chips).
       hbm_bytes: memory per device; None when unknown (no FITS verdict then).
       hbm_source: where ``hbm_bytes`` comes from.
-      topology: libtpu's topology name (TPU only).
+      topology: libtpu's topology name, or the CUDA plugin's ``slices x hosts x GPUs per
+        host`` (``1x2x8``).
       device_kind: the chip's name.
     """
 
@@ -193,7 +337,7 @@ class Target:
         """The run's defaults are an accelerator's (bf16 compute and KV cache for ``auto``)."""
         if self.platform == "local":
             return jax.default_backend() != "cpu"
-        return self.platform == "tpu" or self.hbm_bytes is not None
+        return self.platform in ("tpu", "gpu") or self.hbm_bytes is not None
 
 
 def local_target(num_devices: int | None = None) -> Target:
@@ -226,16 +370,19 @@ def parse_bytes(text: str, *, where: str = "--device-memory") -> int:
 def parse_target(
     topology: str | None = None, *, devices: int | None = None, device_memory: str | None = None
 ) -> Target:
-    """The target of ``--topology`` (a slice name or libtpu's ``v5e:4x4``), or of ``--devices N
-    [--device-memory SIZE]`` (N GPUs, estimated on N CPU devices).
+    """The target of ``--topology`` (a TPU slice name or libtpu's ``v5e:4x4``; GPUs by model
+    and count, ``h200-8``, ``h100-16``), or of ``--devices N [--device-memory SIZE]`` (N GPUs,
+    estimated on N CPU devices).
 
     Raises:
-      PlanError: an unknown slice or family (listing the valid ones), both or neither given.
+      PlanError: an unknown slice, GPU or family (listing the valid ones), both or neither
+        given.
     """
     if (topology is None) == (devices is None):
         raise PlanError(
             "give either --topology (a TPU slice such as v5e-16, v5p-128, v6e-32, or libtpu's "
-            "v5e:4x4) or --devices N --device-memory SIZE (GPUs, estimated on N CPU devices)"
+            "v5e:4x4; GPUs such as h200-8, h100-16) or --devices N --device-memory SIZE (GPUs, "
+            "estimated on N CPU devices)"
         )
     if devices is not None:
         if devices < 1:
@@ -246,6 +393,9 @@ def parse_target(
     if device_memory is not None:
         raise PlanError("--device-memory goes with --devices; a TPU slice's HBM is known")
     name = topology.strip()
+    m = re.fullmatch(r"([a-z][0-9]+)-([0-9]+)", name.lower())
+    if m and m.group(1) in GPUS and int(m.group(2)) >= 1:
+        return _gpu_target(name, m.group(1), int(m.group(2)))
     family_names = ", ".join(CHIPS)
     if ":" in name:  # libtpu's own form
         family, _, dims = name.partition(":")
@@ -262,7 +412,8 @@ def parse_target(
     if chip is None:
         raise PlanError(
             f"--topology {name!r}: unknown TPU slice; valid: {', '.join(slice_names())}, or "
-            f"libtpu's FAMILY:DIMS form (e.g. v5e:4x4) with FAMILY one of {family_names}"
+            f"libtpu's FAMILY:DIMS form (e.g. v5e:4x4) with FAMILY one of {family_names}; or "
+            f"GPUs as MODEL-COUNT with MODEL one of {', '.join(GPUS)} (e.g. h200-8, h100-16)"
         )
     cores = int(m.group(2))
     table = _TOPOLOGIES_3D if chip.family == "v5p" else _TOPOLOGIES_2D
@@ -275,13 +426,17 @@ def parse_target(
 
 
 def target_devices(target: Target) -> list[Any]:
-    """The target's devices: libtpu's deviceless ones, or this process's first CPU devices.
+    """The target's devices: libtpu's or the CUDA plugin's deviceless ones, or this process's
+    first CPU devices.
 
     Raises:
-      PlanError: libtpu is not installed, or this process has too few CPU devices.
+      PlanError: libtpu (the CUDA plugin) is not installed, or this process has too few CPU
+        devices.
     """
     if target.platform == "local":
         return jax.devices()[: target.num_devices]
+    if target.platform == "gpu":
+        return _gpu_devices(target)
     if target.platform == "tpu":
         try:
             import libtpu  # noqa: F401
@@ -312,6 +467,67 @@ def target_devices(target: Target) -> list[Any]:
             "starts (plan_in_subprocess does)"
         )
     return cpus[: target.num_devices]
+
+
+def _cuda_plugin() -> tuple[int, int] | None:
+    """The CUDA release of the installed JAX CUDA plugin (``jax-cuda13-plugin``: ``(13, 0)``;
+    ``jax-cuda12-plugin``: ``(12, 8)``), None when there is none."""
+    import importlib.util
+
+    for name, release in (("xla_cuda13", (13, 0)), ("xla_cuda12", (12, 8))):
+        with contextlib.suppress(ImportError, ValueError):
+            if importlib.util.find_spec(f"jax_plugins.{name}") is not None:
+                return release
+    return None
+
+
+def _cudnn_release(cuda: tuple[int, int]) -> tuple[int, int]:
+    """The installed cuDNN wheel's ``(major, minor)`` for the plugin's CUDA (9.10 without one:
+    a cuDNN attention then cannot compile, and says so)."""
+    import importlib.metadata
+
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError, ValueError):
+        version = importlib.metadata.version(f"nvidia-cudnn-cu{cuda[0]}")
+        major, minor = version.split(".")[:2]
+        return int(major), int(minor)
+    return 9, 10
+
+
+def skip_cuda_library_check() -> None:
+    """Lets JAX's CUDA plugin start on a machine without CUDA's libraries or a GPU: its version
+    check of cuBLAS, cuDNN, ... (``JAX_SKIP_CUDA_CONSTRAINTS_CHECK``) guards running programs,
+    not compiling them. Must come before JAX starts its backends (the first device query)."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def _gpu_devices(target: Target) -> list[Any]:
+    """The deviceless devices of ``target`` (a GPU model and count) from JAX's CUDA plugin."""
+    cuda = _cuda_plugin()
+    if cuda is None:
+        raise PlanError(
+            f"--topology {target.name}: compiling for GPUs needs JAX's CUDA plugin "
+            '(pip install -e ".[gpu-plan]", or jax[cuda13] on a GPU machine); without it, plan '
+            "on CPU devices with --devices N --device-memory SIZE (an estimate)"
+        )
+    skip_cuda_library_check()
+    from jax.experimental import topologies
+
+    gpu = next(g for g in GPUS.values() if g.device_kind == target.device_kind)
+    config = gpu.target_config(cuda=cuda, cudnn=_cudnn_release(cuda))
+    with _quiet_stderr() as said:
+        try:
+            desc = topologies.get_topology_desc(
+                platform="cuda", target_config=config, topology=target.topology
+            )
+        except Exception as e:
+            raise PlanError(
+                f"--topology {target.name}: JAX's CUDA plugin refused topology "
+                f"{target.topology!r} ({type(e).__name__}: {e}). If the plugin failed to start "
+                "(its check of the CUDA libraries runs when JAX starts its backends, before "
+                "JAX_SKIP_CUDA_CONSTRAINTS_CHECK was set here), set "
+                f"JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before Python starts. {said()}".strip()
+            ) from None
+    return list(desc.devices)
 
 
 @contextlib.contextmanager
@@ -727,7 +943,8 @@ class Program:
     """One compiled program's per-device figures (XLA's ``memory_analysis``/``cost_analysis``).
 
     ``bytes = arguments + outputs − aliased + temporaries`` is what it needs on one device while
-    it runs; ``flops`` as XLA counts them (a loop body once). ``resident``: the bytes of its
+    it runs; ``flops`` as XLA counts them (a loop body once; None where the compiler reports no
+    cost analysis, as XLA:GPU's deviceless compiles do). ``resident``: the bytes of its
     arguments that belong to the resident train state (set for the extra programs), less the
     bytes it holds that are not its arguments (the paged engine's stacked layer weights).
     ``shared``: argument bytes XLA counts twice that are one buffer at run time (LoRA's frozen
@@ -744,7 +961,7 @@ class Program:
     aliased: int
     temporaries: int
     code: int
-    flops: float
+    flops: float | None
     compile_s: float
     resident: int = 0
     shared: int = 0
@@ -810,7 +1027,7 @@ def _program(name: str, lowered: Any, resident: int = 0, shared: int = 0) -> Pro
         aliased=int(mem.alias_size_in_bytes),
         temporaries=int(mem.temp_size_in_bytes),
         code=int(getattr(mem, "generated_code_size_in_bytes", 0)),
-        flops=float((cost or {}).get("flops", 0.0)),
+        flops=None if not cost else float(cost.get("flops", 0.0)),
         compile_s=seconds,
         resident=resident,
         shared=shared,
@@ -1079,7 +1296,9 @@ def plan_paged_rollout(
         )
         if num_pages is not None:
             options = dataclasses.replace(options, num_pages=num_pages, memory_utilization=None)
-        platform = {"tpu": "tpu", "local": jax.default_backend()}.get(target.platform, "cpu")
+        platform = {"tpu": "tpu", "gpu": "gpu", "local": jax.default_backend()}.get(
+            target.platform, "cpu"
+        )
         kernel = paged.attention_kernel(cfg, options, cache_dtype, mesh=on, platform=platform)
     except ValueError as e:
         raise PlanError(f"rollout (paged engine): {e}") from None
@@ -1250,6 +1469,28 @@ def _on_lowest_ids(on: Any, mesh: Any, args: Any) -> tuple[Any, Any]:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     return moved, jax.tree.map(rehome, args)
+
+
+@contextlib.contextmanager
+def _attention_fallbacks() -> Any:
+    """Yields a list that collects the attention module's warnings logged inside the block: an
+    ``auto`` kernel that could not be traced here and fell back to the reference
+    (:func:`~jaxrl_llm.models.attention.attention`)."""
+    import logging
+
+    caught: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            caught.append(record.getMessage())
+
+    log = logging.getLogger("jaxrl_llm.models.attention")
+    handler = Catch(logging.WARNING)
+    log.addHandler(handler)
+    try:
+        yield caught
+    finally:
+        log.removeHandler(handler)
 
 
 def _gpu_update_attention(model_cfg: Any) -> str:
@@ -1636,6 +1877,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _flops(program: Program) -> str:
+    return "not reported" if program.flops is None else f"{program.flops:.3e}"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as the table ``jaxrl-llm plan`` prints."""
     t = plan.target
@@ -1711,8 +1956,8 @@ def format_plan(plan: Plan) -> str:
     lines += [
         "",
         peak,
-        flops + f"(6N/2N per token; XLA, counting loop bodies once: {plan.update.flops:.3e} + "
-        f"{plan.rollout.flops:.3e})",
+        flops + f"(6N/2N per token; XLA, counting loop bodies once: {_flops(plan.update)} + "
+        f"{_flops(plan.rollout)})",
         f"compiled in {compiled}; plan took {plan.seconds:.1f} s",
     ]
     if t.hbm_bytes is None:
@@ -1727,8 +1972,8 @@ def format_plan(plan: Plan) -> str:
         )
     if t.estimate:
         lines.append(
-            "(an estimate: XLA:CPU's buffer assignment stands in for the GPU's; no deviceless "
-            "GPU compiler exists)"
+            "(an estimate: XLA:CPU's buffer assignment stands in for the GPU's; --topology "
+            "h200-8 / h100-8 compiles with XLA:GPU itself, with JAX's CUDA plugin installed)"
         )
     for p in (plan.rollout, plan.update, *plan.programs):
         if p.refused is not None:
@@ -1954,7 +2199,8 @@ def plan_run(config: Any, target: Target) -> Plan:
     # accelerator-sized logits blocks), its attention in a CPU stand-in, compiled by XLA:CPU
     gpu = target.estimate and target.accelerator
     platform = "gpu" if gpu else target.platform
-    lowered = lower_step(run, config, recipe, platform=platform, emulated=gpu)
+    with _attention_fallbacks() as fell_back:
+        lowered = lower_step(run, config, recipe, platform=platform, emulated=gpu)
     kernel = _gpu_update_attention(model_cfg) if gpu else "reference"
     if kernel == "cudnn":
         notes += (
@@ -1966,6 +2212,12 @@ def plan_run(config: Any, target: Target) -> Plan:
         notes += (
             "the update's attention is the Pallas GPU kernel, compiled interpreted on CPU (its "
             "blocks' buffers; Triton's own are not estimated)",
+        )
+    if fell_back:  # auto's cuDNN could not be traced here (no cuDNN library): not the GPUs'
+        notes += (
+            f"the update's attention was compiled as the reference attention ({fell_back[0]}); "
+            'on the GPUs it is cuDNN (pip install -e ".[gpu-plan]" installs cuDNN; or plan '
+            "model.attention=pallas_gpu)",
         )
     update = _program("update", lowered, shared=shared)
     resident = 0 if merged else tree_bytes(run.sampler[1]).per_device
@@ -2490,7 +2742,8 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--topology",
         default=None,
-        help=f"TPU slice ({', '.join(slice_names()[:6])}, ...) or libtpu's form, e.g. v5e:4x4",
+        help=f"TPU slice ({', '.join(slice_names()[:6])}, ...) or libtpu's form, e.g. v5e:4x4; "
+        f"or GPUs, MODEL-COUNT ({', '.join(GPUS)}; e.g. h200-8, h100-16), compiled by XLA:GPU",
     )
     parser.add_argument(
         "--devices", type=int, default=None, help="N GPUs (estimated on N CPU devices)"
@@ -2516,6 +2769,8 @@ def run_cli(args: Any) -> int:
 
     try:
         target = parse_target(args.topology, devices=args.devices, device_memory=args.device_memory)
+        if target.platform == "gpu":
+            skip_cuda_library_check()  # before anything starts JAX's backends
         config = load_config(args.config, args.overrides)
         if target.platform == "cpu" and jax.device_count("cpu") < target.num_devices:
             found = plan_in_subprocess(
@@ -2554,9 +2809,12 @@ if __name__ == "__main__":
 
 __all__ = [
     "CHIPS",
+    "GPUS",
+    "GPUS_PER_HOST",
     "AbstractRun",
     "Bytes",
     "Chip",
+    "Gpu",
     "PagedRollout",
     "Plan",
     "PlanError",
@@ -2568,6 +2826,8 @@ __all__ = [
     "candidates",
     "format_plan",
     "format_suggestions",
+    "gpu_memory_fraction",
+    "gpu_names",
     "kv_cache_bytes",
     "local_target",
     "lower_rollout",
@@ -2583,6 +2843,7 @@ __all__ = [
     "rollout_copy",
     "rollout_engine",
     "run_cli",
+    "skip_cuda_library_check",
     "slice_names",
     "suggestions",
     "target_devices",

@@ -98,6 +98,140 @@ def test_bad_targets(kwargs, message):
     assert message in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "name, topology, devices, memory",
+    [
+        ("h200-1", "1x1x1", 1, 143771 * 2**20),
+        ("h200-8", "1x1x8", 8, 143771 * 2**20),
+        ("H100-16", "1x2x8", 16, 80995 * 2**20),  # whole hosts of 8
+        ("h100-4", "1x1x4", 4, 80995 * 2**20),
+    ],
+)
+def test_gpu_targets_are_named_by_model_and_count(name, topology, devices, memory, monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    t = P.parse_target(name)
+    assert (t.platform, t.topology, t.num_devices) == ("gpu", topology, devices)
+    assert not t.estimate and t.accelerator and t.device_kind.startswith("NVIDIA H")
+    # what JAX's allocator may take: 0.75 of the memory by default, or as the run sets it
+    assert t.hbm_bytes == int(0.75 * memory) and "XLA_PYTHON_CLIENT_MEM_FRACTION" in t.hbm_source
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    assert P.parse_target(name).hbm_bytes == int(0.9 * memory)
+    gpu = P.GPUS[name.lower().partition("-")[0]]
+    text = gpu.target_config(cuda=(13, 0), cudnn=(9, 10))
+    assert f"device_memory_size: {memory}" in text and f'"{t.device_kind}"' in text
+    assert "cuda_compute_capability { major: 9 minor: 0 }" in text
+    assert "runtime_version { major: 13 minor: 0 }" in text
+
+
+@pytest.mark.parametrize(
+    "name, fraction, message",
+    [
+        ("h200-12", None, "neither 1, 2, 4 or 8 (one host) nor a multiple of 8"),
+        ("h200-0", None, "unknown TPU slice"),
+        ("a100-8", None, "GPUs as MODEL-COUNT with MODEL one of h100, h200"),
+        ("h200-8", "all", "XLA_PYTHON_CLIENT_MEM_FRACTION = 'all': expected a number in (0, 1]"),
+        ("h200-8", "1.5", "expected a number in (0, 1]"),
+    ],
+)
+def test_bad_gpu_targets(name, fraction, message, monkeypatch):
+    if fraction is not None:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+    with pytest.raises(P.PlanError) as e:
+        P.parse_target(name)
+    assert message in str(e.value)
+
+
+def test_a_gpu_target_without_the_cuda_plugin_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(P, "_cuda_plugin", lambda: None)
+    with pytest.raises(P.PlanError, match=r'pip install -e "\.\[gpu-plan\]"'):
+        P.target_devices(P.parse_target("h200-8"))
+
+
+RUN_1B = [  # scripts/bench_accelerator.py's 1B GRPO run (random weights: shapes only here)
+    "model.path=configs/models/llama-3.2-1b",
+    "model.dtype=auto",
+    "rollout.prompts_per_step=8",
+    "rollout.num_samples=8",
+    "rollout.max_new_tokens=256",
+    "data.max_prompt_length=128",
+    "data.eval_size=0",
+    "kl.reference_param_dtype=bfloat16",
+]
+
+# XLA:GPU's own compile without a GPU needs JAX's CUDA plugin, which CI does not install (on a
+# machine without a GPU it logs a failed start in every JAX process that does not set
+# JAX_PLATFORMS); these run where it is installed (BENCHMARKS.md, "Deviceless XLA:GPU
+# compiles").
+needs_cuda_plugin = pytest.mark.skipif(
+    P._cuda_plugin() is None,
+    reason="JAX's CUDA plugin is not installed (pip install -e '.[gpu-plan]')",
+)
+
+
+def test_a_gpu_plan_notes_an_attention_that_fell_back_to_the_reference(monkeypatch):
+    """Where cuDNN cannot be loaded, ``auto`` traced for a GPU falls back to the reference
+    attention and logs why; the plan's update lowering collects that for its note."""
+    import jax.numpy as jnp
+
+    from jaxrl_llm.models import attention
+
+    def no_cudnn(*args, **kwargs):
+        raise RuntimeError("cuDNN not found.")
+
+    monkeypatch.setattr(attention, "cudnn_attention", no_cudnn)
+    q = jnp.zeros((1, 8, 2, 16), jnp.bfloat16)
+    with P._attention_fallbacks() as fell_back, attention.for_platform("gpu"):
+        jax.eval_shape(lambda q: attention.attention(q, q, q, implementation="auto"), q)
+    assert fell_back == ["cudnn attention is not available (cuDNN not found.); using the reference"]
+    with P._attention_fallbacks() as fell_back, attention.for_platform("gpu"):
+        jax.eval_shape(lambda q: attention.attention(q, q, q, implementation="reference"), q)
+    assert fell_back == []
+
+
+@needs_cuda_plugin
+def test_tiny_plan_on_gpus_is_xla_gpus_own_compile():
+    config = load_config(TINY, ["mesh.preset=fsdp", "mesh.data=1", "mesh.fsdp=4"])
+    plan = P.plan_run(config, P.parse_target("h200-4"))
+    assert plan.target.platform == "gpu" and not plan.target.estimate
+    assert plan.mesh == {"data": 1, "fsdp": 4, "tensor": 1}
+    p = plan.parameters
+    assert p.per_device == (p.total - p.replicated) // 4 + p.replicated
+    assert plan.update.arguments >= plan.state
+    assert plan.fits is True and plan.update.flops is None  # XLA:GPU reports no cost analysis
+    # the paged engine's Pallas GPU kernel, compiled by Triton (a CPU estimate would compile
+    # the reference attention); no estimate's notes
+    assert plan.paged.attention == "pallas_gpu" and plan.paged.decode.temporaries > 0
+    assert not any("estimate" in n or "CPU" in n for n in plan.notes), plan.notes
+    text = P.format_plan(plan)
+    assert "NVIDIA H200, 1x1x4" in text and "not reported" in text and "estimate" not in text
+
+
+@needs_cuda_plugin
+def test_on_xla_gpu_the_nonfinite_skip_keeps_no_copy_of_the_state(monkeypatch):
+    """The update traced for a GPU skips a non-finite update with selects; XLA:GPU compiles the
+    lax.cond form (XLA:CPU's) with the parameters and both Adam moments copied into the
+    cond's result (accumulate._apply). The 1B update of scripts/bench_accelerator.py's plan
+    part, where the state outweighs the step's other temporaries."""
+    from jaxrl_llm.train import accumulate
+
+    config = load_config(TINY, [*RUN_1B, "model.remat=full", "optim.micro_batch_size=8"])
+    recipe = build_recipe(config)
+    devices = P.target_devices(P.parse_target("h200-1"))
+    mesh = shd.make_mesh(1, 1, 1, devices=devices)
+    run = P.abstract_run(config, recipe, mesh, P.model_config(config.model, accelerator=True))
+
+    def temporaries() -> int:
+        compiled = P.lower_step(run, config, recipe, platform="gpu").compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    select = temporaries()
+    monkeypatch.setattr(accumulate, "skip_by_select", lambda: False)
+    cond = temporaries()
+    state = P.tree_bytes((run.state.params, run.state.opt_state)).per_device
+    print(f"temporaries: select {select}, cond {cond}; params + optimizer state {state}")
+    assert cond - select >= 0.75 * state  # 1B: 13.0 of the state's 14.8 GB
+
+
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is not None, reason="libtpu installed")
 def test_tpu_target_without_libtpu_says_what_to_install():
     with pytest.raises(P.PlanError, match=r'pip install -e "\.\[tpu-plan\]"'):
