@@ -147,17 +147,6 @@ def test_a_gpu_target_without_the_cuda_plugin_says_what_to_install(monkeypatch):
         P.target_devices(P.parse_target("h200-8"))
 
 
-RUN_1B = [  # scripts/bench_accelerator.py's 1B GRPO run (random weights: shapes only here)
-    "model.path=configs/models/llama-3.2-1b",
-    "model.dtype=auto",
-    "rollout.prompts_per_step=8",
-    "rollout.num_samples=8",
-    "rollout.max_new_tokens=256",
-    "data.max_prompt_length=128",
-    "data.eval_size=0",
-    "kl.reference_param_dtype=bfloat16",
-]
-
 # XLA:GPU's own compile without a GPU needs JAX's CUDA plugin, which CI does not install (on a
 # machine without a GPU it logs a failed start in every JAX process that does not set
 # JAX_PLATFORMS); these run where it is installed (BENCHMARKS.md, "Deviceless XLA:GPU
@@ -213,8 +202,10 @@ def test_on_xla_gpu_the_nonfinite_skip_keeps_no_copy_of_the_state(monkeypatch):
     cond's result (accumulate._apply). The 1B update of scripts/bench_accelerator.py's plan
     part, where the state outweighs the step's other temporaries."""
     from jaxrl_llm.train import accumulate
+    from tests.scripts import load_script
 
-    config = load_config(TINY, [*RUN_1B, "model.remat=full", "optim.micro_batch_size=8"])
+    part = load_script("bench_accelerator").SHAPES["device"]["plan"]
+    config = load_config(part["config"], part["overrides"])
     recipe = build_recipe(config)
     devices = P.target_devices(P.parse_target("h200-1"))
     mesh = shd.make_mesh(1, 1, 1, devices=devices)
