@@ -334,11 +334,12 @@ def _apply(
     grew from 0.85 to 2.15 GB (peak RSS 3.61 -> 4.76 GiB; SmolLM2-135M in the GRPO workload of
     ``scripts/bench_train_step.py``, BENCHMARKS.md), and for a 1B model from 7.09 to 18.42 GiB.
     The cond itself costs nothing measurable there: an unconditional update compiles to the
-    same temporaries (806.5 against 806.8 MiB) and peak. XLA:GPU (jaxlib 0.10.2) is the
-    mirror image: its cond copies the parameters and both Adam moments into the cond's result
-    (a 1B update's temporaries 18.42 GiB, 6.31 GiB as a select or with no skip at all;
-    XLA:GPU compiled without a GPU, BENCHMARKS.md "Deviceless XLA:GPU compiles"). XLA:TPU
-    compiles both to the same temporaries.
+    same temporaries (806.5 against 806.8 MiB) and peak. XLA:GPU of jaxlib 0.10.2 (what
+    Python 3.11 gets) is the mirror image: its cond copies the parameters and both Adam
+    moments into the cond's result (a 1B update's temporaries 18.42 GiB, 6.31 GiB as a select
+    or with no skip at all; XLA:GPU compiled without a GPU, BENCHMARKS.md "Deviceless XLA:GPU
+    compiles"); jaxlib 0.11.2's keeps both in place. XLA:TPU compiles both to the same
+    temporaries.
     """
     scale = 1.0 / jnp.maximum(denominator, 1.0)
     grads = jax.tree.map(lambda g, p: (g * scale).astype(p.dtype), grads, params)
