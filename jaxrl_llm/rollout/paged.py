@@ -1810,8 +1810,12 @@ def run(
         if entries:
             prefill(entries)
         unwritten.clear()  # every page of the index is written now
-        held, pinned = pinned, list(pins) if deferred else []
-        release(held if deferred else held + pins)
+        held, pinned = pinned, []
+        release(held)  # the previous admission's pins: kept for this one admission only
+        if deferred:  # this admission's pins wait for the prompts deferred for them
+            pinned = list(pins)
+        else:
+            release(pins)
         pins.clear()
         return bool(entries or held)
 

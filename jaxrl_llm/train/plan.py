@@ -221,35 +221,33 @@ class Gpu:
         return "\n".join(lines) + "\n"
 
 
+_H100 = Gpu(
+    "h100",
+    "NVIDIA H100 80GB HBM3",
+    80995 * 2**20,
+    "an H100 SXM's 80,995 MiB reported (NVIDIA data sheet: 80 GB HBM3, 3.35 TB/s)",
+    sm_count=132,
+    clock_ghz=1.98,
+    memory_bandwidth=3_350_000_000_000,
+    l2_bytes=50 * 2**20,
+    shared_memory_per_sm=228 * 1024,
+    shared_memory_per_block_optin=227 * 1024,
+    compute_capability=(9, 0),
+)
+
 #: GPUs a plan compiles for without one (``--topology h200-8``): NVIDIA's data sheets for the
-#: SXM parts, the memory as the devices report it. Hosts of 8 (HGX boards).
+#: SXM parts, the memory as the devices report it. Hosts of 8 (HGX boards). The H200 is the
+#: H100's chip with more and faster memory.
 GPUS: dict[str, Gpu] = {
-    "h100": Gpu(
-        "h100",
-        "NVIDIA H100 80GB HBM3",
-        80995 * 2**20,
-        "an H100 SXM's 80,995 MiB reported (NVIDIA data sheet: 80 GB HBM3, 3.35 TB/s)",
-        sm_count=132,
-        clock_ghz=1.98,
-        memory_bandwidth=3_350_000_000_000,
-        l2_bytes=50 * 2**20,
-        shared_memory_per_sm=228 * 1024,
-        shared_memory_per_block_optin=227 * 1024,
-        compute_capability=(9, 0),
-    ),
-    "h200": Gpu(
-        "h200",
-        "NVIDIA H200",
-        143771 * 2**20,
-        "the H200's 143,771 MiB reported (BENCHMARKS.md, Accelerator runs; NVIDIA data sheet: "
-        "141 GB HBM3e, 4.8 TB/s)",
-        sm_count=132,
-        clock_ghz=1.98,
+    "h100": _H100,
+    "h200": dataclasses.replace(
+        _H100,
+        family="h200",
+        device_kind="NVIDIA H200",
+        memory_bytes=143771 * 2**20,
+        source="the H200's 143,771 MiB reported (BENCHMARKS.md, Accelerator runs; NVIDIA data "
+        "sheet: 141 GB HBM3e, 4.8 TB/s)",
         memory_bandwidth=4_800_000_000_000,
-        l2_bytes=50 * 2**20,
-        shared_memory_per_sm=228 * 1024,
-        shared_memory_per_block_optin=227 * 1024,
-        compute_capability=(9, 0),
     ),
 }
 GPUS_PER_HOST = 8
