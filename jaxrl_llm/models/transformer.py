@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
 import jax
@@ -511,7 +511,7 @@ def layer_windows(config: ModelConfig) -> jax.Array:
 
 
 def scan_layers(
-    layers: DecoderLayer,
+    layers: DecoderLayer | Sequence[DecoderLayer],
     body: Callable[[DecoderLayer, _Carry, _X], tuple[_Carry, _Y]],
     carry: _Carry,
     xs: _X,
@@ -526,7 +526,18 @@ def scan_layers(
     ``carry`` and recomputes the rest. (XLA:CPU schedules an unrolled chain of checkpointed
     layers so that every recomputed activation is live at once; a checkpointed scan body does
     not have that problem.)
+
+    ``layers`` may also be ``L`` per-layer modules (a sampler's weights, sliced once outside
+    its program): the same loop, unrolled, the ``y_l`` stacked; not with ``remat``.
     """
+    if not isinstance(layers, DecoderLayer):
+        if remat != "none":
+            raise ValueError(f"scan_layers: per-layer modules run without remat, got {remat!r}")
+        ys = []
+        for i, layer in enumerate(layers):
+            carry, y = body(layer, carry, jax.tree.map(lambda x, i=i: x[i], xs))
+            ys.append(y)
+        return carry, jax.tree.map(lambda *y_l: jnp.stack(y_l), *ys)
     graphdef, state = nnx.split(layers)
 
     def step(carry: _Carry, per_layer: tuple[nnx.State, _X]) -> tuple[_Carry, _Y]:
@@ -580,6 +591,7 @@ class Decoder(nnx.Module):
         attention_impl: str | None = None,
         lora_keys_bt: jax.Array | None = None,
         prefix_ids_bt: jax.Array | None = None,
+        layers: Sequence[DecoderLayer] | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         """Hidden states after the final norm, and the updated cache (``None`` without one).
 
@@ -600,9 +612,18 @@ class Decoder(nnx.Module):
 
         ``attention_impl`` overrides ``config.attention_impl`` (see ``attention.py``); the
         KV-cache path always uses the reference implementation.
+
+        ``layers`` (with ``cache`` only): ``L`` per-layer modules to run, unrolled, in place of
+        the stacked ``self.layers`` (the static sampler's weights, sliced and cast once outside
+        its program: ``rollout.paged.engine_params``).
         """
         c = self.config
         b, t = tokens_bt.shape
+        if layers is not None and (cache is None or len(layers) != c.num_layers):
+            raise ValueError(
+                f"layers: {c.num_layers} per-layer modules for a cached forward, got "
+                f"{len(layers)}{'' if cache is not None else ' without a cache'}"
+            )
         if mask_bt is None:
             mask_bt = jnp.ones((b, t), bool)
         if mask_bt.dtype != jnp.bool_:
@@ -726,7 +747,10 @@ class Decoder(nnx.Module):
             return constrain(x_btd), (k_l, v_l)
 
         x_btd, (new_k, new_v) = scan_layers(
-            self.layers, cached_body, x_btd, (windows_l, cache.k, cache.v)
+            self.layers if layers is None else layers,
+            cached_body,
+            x_btd,
+            (windows_l, cache.k, cache.v),
         )
         return self.norm(x_btd), KVCache(new_k, new_v, k_valid_bs, index + t)
 

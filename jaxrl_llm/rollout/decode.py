@@ -13,13 +13,14 @@ converted once after prefill:
 one array per layer, and this module's :func:`decode_step` runs the model's own submodules
 (norms, projections, q/k norms, RoPE, MLP, LM head) around an attention written for that
 layout, layer by layer (unrolled) on per-layer weights. The model stores its layers stacked
-(``[L, ...]``, see ``transformer.py``); :func:`unstack_layers` slices them once per rollout,
-outside the decode loop. A scan over the stacked layers with the cache in its carry measured
-13% slower per token here: XLA:CPU copies each layer's cache slice (``dynamic-slice``) before
-the attention matmuls read it, ~165 MB per token at 32 x 112 slots, while separate per-layer
-buffers are read and updated in place. The cost is one copy of the layer weights while
-sampling (0.43 GB for SmolLM2-135M in f32), below the update's peak. It is checked
-token for token against transformers and against the model's cached forward in the tests.
+(``[L, ...]``, see ``transformer.py``); the engines slice them once per rollout, outside their
+programs (``paged.engine_params``; :func:`unstack_layers` inside a program). A scan over the
+stacked layers with the cache in its carry measured 13% slower per token here: XLA:CPU copies
+each layer's cache slice (``dynamic-slice``) before the attention matmuls read it, ~165 MB per
+token at 32 x 112 slots, while separate per-layer buffers are read and updated in place. The
+cost is one copy of the layer weights while sampling (0.43 GB for SmolLM2-135M in f32), below
+the update's peak. It is checked token for token against transformers and against the model's
+cached forward in the tests.
 """
 
 from __future__ import annotations

@@ -678,7 +678,7 @@ def _with_stacked(params: Params, layers_l: LayerParams | None, make: Any) -> Pa
     return {**params, "model": {**params["model"], "layers": stacked}}
 
 
-def _merged(graphdef: nnx.GraphDef, params: Params, layers_l: LayerParams | None) -> CausalLM:
+def merged_model(graphdef: nnx.GraphDef, params: Params, layers_l: LayerParams | None) -> CausalLM:
     """The model inside a program: the stacked layers, when not passed, stand in as zeros
     that nothing reads (the layers run on ``layers_l``), so XLA removes them."""
 
@@ -688,7 +688,7 @@ def _merged(graphdef: nnx.GraphDef, params: Params, layers_l: LayerParams | None
     return nnx.merge(graphdef, _with_stacked(params, layers_l, zeros))
 
 
-def _layers(lm: CausalLM, layers_l: LayerParams | None) -> tuple[DecoderLayer, ...]:
+def layer_modules(lm: CausalLM, layers_l: LayerParams | None) -> tuple[DecoderLayer, ...]:
     """Per-layer modules: of ``layers_l`` (:class:`EngineParams`) when given, else sliced here."""
     if layers_l is None:
         return unstack_layers(lm.model.layers)
@@ -722,10 +722,10 @@ def _prefill(
     with the keys of sequence ``seq_id_rg`` at completion index ``pos_rg`` (0 but in partial
     rollouts). ``layers_l``: the per-layer weights (:class:`EngineParams`, ``params`` then
     without the stacked layers; None: ``params`` whole, sliced in this call)."""
-    lm: CausalLM = _merged(graphdef, params, layers_l)
+    lm: CausalLM = merged_model(graphdef, params, layers_l)
     r, g = seq_id_rg.shape
     off_rcg = jnp.broadcast_to(write_off_rc[:, :, None], write_page_rcg.shape)
-    layers = _layers(lm, layers_l)
+    layers = layer_modules(lm, layers_l)
     if static.kernel is not None:  # write first, then attend (table_rw covers the chunk)
         h_rcd, pool = forward_paged_kernel(
             lm, layers, pool, tokens_rc, ctx_len_r, table_rw, write_page_rcg, off_rcg, static.kernel
@@ -778,11 +778,11 @@ def _decode(
     ``refill_at`` of the slots have finished (the host has prompts waiting for that many
     slots; a large value: never), or in which the live slots drop to ``shrink_at`` (they fit
     the next smaller slot bucket; -1: never). ``layers_l`` as in :func:`_prefill`."""
-    lm: CausalLM = _merged(graphdef, params, layers_l)
+    lm: CausalLM = merged_model(graphdef, params, layers_l)
     k, n = static.steps, table_nw.shape[0]
     ps = static.page_size
     rows = jnp.arange(n)
-    layers = _layers(lm, layers_l)  # unrolled, on per-layer weights (forward_paged_kernel)
+    layers = layer_modules(lm, layers_l)  # unrolled, on per-layer weights (forward_paged_kernel)
 
     def step(carry: tuple) -> tuple:
         i, (pool, dense), st, tok_kn, logp_kn, valid_kn, full_kn = carry

@@ -348,7 +348,7 @@ def _static_segment(
     )
     out = eng._generate_static(
         graphdef,
-        params,
+        paged.engine_params(params, config.jnp_dtype),
         ids,
         mask,
         sampler.rng,

@@ -897,6 +897,22 @@ def _leaf_bytes(x: Any) -> tuple[int, int, int]:
     return total, shard, replicated
 
 
+def _kept_bytes(params: Any, rest: Any) -> int:
+    """The bytes on one device of an engine's weight argument that are the run's own buffers:
+    of the non-layer leaves (``rest`` of :func:`~jaxrl_llm.rollout.paged.engine_params`), those
+    neither cast nor resharded; the per-layer slices are always copies."""
+    from jaxrl_llm.rollout import paged
+
+    kept = jax.tree.leaves(paged.without_layers(params))
+    return int(
+        sum(
+            _leaf_bytes(a)[1]
+            for x, a in zip(kept, jax.tree.leaves(rest), strict=True)
+            if x.dtype == a.dtype and _leaf_bytes(x)[1] == _leaf_bytes(a)[1]
+        )
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Bytes:
     """A tree's bytes: ``total`` over the mesh, ``per_device`` on one device, of which
@@ -1063,14 +1079,17 @@ def lower_rollout(
     max_new_tokens: int | None = None,
     greedy: bool | None = None,
     mesh: jax.sharding.Mesh | None = None,
-) -> tuple[Any, Bytes]:
-    """The sampler's program (:func:`jaxrl_llm.rollout.engine.generate`'s jit) lowered for the
-    run's B prompts of width P, G samples, T new tokens (``rollout.*``, or the evaluation's
-    ``prompts`` / ``num_samples`` / ``max_new_tokens`` / ``greedy`` given); and its KV cache's
-    bytes. ``mesh``: where it runs (default the train mesh; split placement: the rollout mesh,
-    with ``run.sampler`` on it, :func:`rollout_copy`)."""
+) -> tuple[Any, Bytes, int]:
+    """The static engine's program (:func:`jaxrl_llm.rollout.engine.generate`'s jit) lowered
+    for the run's B prompts of width P, G samples, T new tokens (``rollout.*``, or the
+    evaluation's ``prompts`` / ``num_samples`` / ``max_new_tokens`` / ``greedy`` given), on the
+    weights as ``generate`` passes them (:func:`~jaxrl_llm.rollout.paged.engine_params`: the
+    layers sliced into per-layer copies, wider weights cast); its KV cache's bytes; and the
+    bytes of its weight argument that are the run's own buffers (:func:`_kept_bytes`).
+    ``mesh``: where it runs (default the train mesh; split placement: the rollout mesh, with
+    ``run.sampler`` on it, :func:`rollout_copy`)."""
     from jaxrl_llm.models import sharding as shd
-    from jaxrl_llm.rollout import engine
+    from jaxrl_llm.rollout import engine, paged
     from jaxrl_llm.train import state as st
 
     r = config.rollout or _GREEDY_ROLLOUT  # DPO: greedy, the cache in the default dtype
@@ -1092,8 +1111,9 @@ def lower_rollout(
     )
     key = jax.eval_shape(lambda: jax.random.key(0))
     graphdef, params = run.sampler
+    weights = paged.abstract_engine_params(params, cfg.dtype)
     args = (
-        params,
+        weights,
         jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=batch),
         jax.ShapeDtypeStruct((b, p), bool, sharding=batch),
         jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=rep),
@@ -1104,7 +1124,7 @@ def lower_rollout(
     with jax.set_mesh(mesh):
         lowered = engine._rollout.lower(graphdef, *args, static=static)
     kv = kv_cache_bytes(cfg, b * g, p + t, cache_dtype, mesh)
-    return lowered, kv
+    return lowered, kv, _kept_bytes(params, weights.rest)
 
 
 def rollout_engine(config: Any) -> str:
@@ -1263,16 +1283,7 @@ def plan_paged_rollout(
         args = paged_dp.abstract_shard_params(args, mesh, on)
     if target.platform == "tpu" and 1 < on.size < mesh.size:
         on, args = _on_lowest_ids(on, mesh, args)
-    # The parameter argument's leaves that are the run's own buffers (not cast, not
-    # resharded): of the non-layer ones; the per-layer slices are always copies.
-    kept = sum(
-        _leaf_bytes(a)[1]
-        for x, a in zip(
-            jax.tree.leaves(paged.without_layers(params)), jax.tree.leaves(args.rest), strict=True
-        )
-        if x.dtype == a.dtype and _leaf_bytes(x)[1] == _leaf_bytes(a)[1]
-    )
-    kept = int(kept) if resident else 0
+    kept = _kept_bytes(params, args.rest) if resident else 0
     try:
         from jaxrl_llm.train import setup as su
 
@@ -1683,21 +1694,13 @@ class Plan:
         inputs, the prompts, are counted too). Split placement: on a rollout device, the
         rollout's copy (:class:`RolloutSide`) in place of the train state.
 
-        The paged engine: ``state + arguments − resident + outputs − aliased + temporaries``
-        of its larger program (:attr:`PagedRollout.program`), its ``resident`` the parameter
-        bytes that are the state's (or the rollout copy's) own buffers, the page pool an
-        argument donated to the output."""
-        r = self.rollout
-        if self.paged is not None:
-            base = self.split.copy if self.split is not None else self.state
-            return base + r.bytes - r.resident
-        if self.split is not None:
-            others = r.arguments - self.split.sampler
-            return self.split.copy + max(others, 0) + r.outputs + r.temporaries
-        resident = 0 if self.merged_copy.total else self.parameters.per_device
-        resident += 0 if self.merged_copy.total else self.frozen.per_device
-        others = r.arguments - resident
-        return self.state + max(others, 0) + r.outputs + r.temporaries
+        ``state + arguments − resident + outputs − aliased + temporaries`` of its program (the
+        paged engine's larger one, :attr:`PagedRollout.program`), its ``resident`` the parameter
+        bytes that are the state's (or the rollout copy's) own buffers: both engines run on
+        :func:`~jaxrl_llm.rollout.paged.engine_params`' per-layer copies, which count; the
+        paged engine's page pool is an argument donated to its output."""
+        base = self.split.copy if self.split is not None else self.state
+        return base + self.rollout.bytes - self.rollout.resident
 
     @property
     def update_peak(self) -> int:
@@ -2188,8 +2191,9 @@ def plan_run(config: Any, target: Target) -> Plan:
         rollout, kv = paged.program, paged.pool
         notes += said
     else:
-        rollout_lowered, kv = lower_rollout(rollout_run, config, target, mesh=rollout_mesh)
-        rollout = _program("rollout", rollout_lowered)
+        rollout_lowered, kv, kept = lower_rollout(rollout_run, config, target, mesh=rollout_mesh)
+        # split: the merged copy is the rollout copy's (as for the paged engine)
+        rollout = _program("rollout", rollout_lowered, resident=kept if split or not merged else 0)
     # LoRA: the frozen base is both the reference and the base argument, one buffer at run time
     lora_ref = run.models.frozen is not None and run.models.ref_params is run.models.frozen
     shared = tree_bytes(run.models.frozen).per_device if lora_ref else 0
@@ -2218,7 +2222,6 @@ def plan_run(config: Any, target: Target) -> Plan:
             "model.attention=pallas_gpu)",
         )
     update = _program("update", lowered, shared=shared)
-    resident = 0 if merged else tree_bytes(run.sampler[1]).per_device
     programs = []
     evaluation = _eval_shape(config)
     if evaluation is not None and paged is not None:  # the evaluation samples as the rollout
@@ -2246,8 +2249,8 @@ def plan_run(config: Any, target: Target) -> Plan:
         programs.append(paged_eval.program)
         notes += tuple(n for n in said if n not in notes)
     elif evaluation is not None:
-        lowered, _ = lower_rollout(run, config, target, **evaluation)
-        programs.append(_program("eval rollout", lowered, resident=resident))
+        lowered, _, kept = lower_rollout(run, config, target, **evaluation)
+        programs.append(_program("eval rollout", lowered, resident=0 if merged else kept))
     n_params = run.num_parameters
     r = config.rollout
     tokens = r.prompts_per_step * (run.prompt_width + r.num_samples * r.max_new_tokens)
@@ -2425,9 +2428,8 @@ def _plan_offline(
         update_program = _program("update", jitted.lower(run.state, batch, *consts))
     evaluation = _eval_shape(config)
     if evaluation is not None:
-        lowered, _ = lower_rollout(run, config, target, **evaluation)
-        resident = tree_bytes(run.sampler[1]).per_device
-        programs.append(_program("eval rollout", lowered, resident=resident))
+        lowered, _, kept = lower_rollout(run, config, target, **evaluation)
+        programs.append(_program("eval rollout", lowered, resident=kept))
     s = run.state
     train = 6 if run.model_config.remat != "none" else 4
     train += 0 if models_.frozen is not None else 2

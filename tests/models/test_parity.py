@@ -104,6 +104,48 @@ def test_kv_cache_prefill_then_decode_equals_full_forward(family):
     assert int(cache.index) == 10
 
 
+@pytest.mark.parametrize("family", ["llama3", "mistral", "qwen3"], indirect=True)
+def test_cached_forward_on_per_layer_modules_equals_the_stacked_scan(family):
+    """The static sampler's prefill runs the layers unrolled on per-layer copies
+    (Decoder(..., layers=)): the same hidden states and cache as the scan over the stacked
+    layers (a sliding window and q/k norm among the families)."""
+    from jaxrl_llm.rollout.decode import unstack_layers
+
+    _, hf, _, ours = family
+    rng = np.random.RandomState(4)
+    tokens, mask = hf_tiny.left_padded_batch(rng, [7, 3], 7, hf.config.vocab_size)
+
+    @nnx.jit(static_argnames="per_layer")
+    def prefill(model, tokens_bt, mask_bt, per_layer: bool):
+        layers = unstack_layers(model.model.layers) if per_layer else None
+        return model.model(tokens_bt, mask_bt, cache=model.init_cache(2, 10), layers=layers)
+
+    args = (ours, jnp.asarray(tokens), jnp.asarray(mask))
+    (h_scan, cache_scan), (h_unrolled, cache_unrolled) = (
+        prefill(*args, per_layer=flag) for flag in (False, True)
+    )
+    np.testing.assert_allclose(h_unrolled, h_scan, atol=1e-6, rtol=0)
+    for a, b in zip(cache_unrolled, cache_scan, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama3"], indirect=True)
+def test_per_layer_modules_are_for_a_cached_forward_of_every_layer(family):
+    from jaxrl_llm.models.transformer import scan_layers
+    from jaxrl_llm.rollout.decode import unstack_layers
+
+    _, _, _, ours = family
+    tokens = jnp.ones((1, 3), jnp.int32)
+    layers = unstack_layers(ours.model.layers)
+    n = ours.config.num_layers
+    with pytest.raises(ValueError, match=rf"layers: {n} per-layer modules .* without a cache"):
+        ours.model(tokens, layers=layers)
+    with pytest.raises(ValueError, match=rf"{n} per-layer modules .*, got {n - 1}$"):
+        ours.model(tokens, cache=ours.init_cache(1, 4), layers=layers[1:])
+    with pytest.raises(ValueError, match="per-layer modules run without remat, got 'full'"):
+        scan_layers(layers, lambda layer, c, x: (c, None), 0.0, (), remat="full")
+
+
 def test_config_export_keeps_family_switches(family, tmp_path):
     _, hf, _, ours = family
     exported = ours.config.to_hf_dict()

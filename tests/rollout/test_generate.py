@@ -272,3 +272,50 @@ def test_bad_input_gets_a_clear_error(tiny_pair, case):
     kw = {"rng": jax.random.key(0), "max_new_tokens": 4, **spec}
     with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
         rollout.generate(ours, ids, mask, **kw)
+
+
+def test_the_static_program_runs_on_layer_weights_sliced_and_cast_outside_it():
+    """The static engine runs on the paged engine's weights (paged.engine_params: the layers
+    sliced into per-layer copies and cast to the compute dtype in one small program before
+    it): its compiled program takes bf16 per-layer weights, not the stacked float32 ones, so
+    it neither casts nor slices them itself (on XLA:GPU that held a cast copy and its slices
+    at once). Greedy, its tokens are the paged engine's."""
+    import re
+
+    from jaxrl_llm import models
+    from jaxrl_llm.models.tiny import tiny_random_config
+    from jaxrl_llm.rollout import paged
+
+    cfg = tiny_random_config(
+        vocab_size=VOCAB, num_layers=3, hidden_size=40, intermediate_size=88, dtype="bfloat16"
+    )
+    model = models.CausalLM(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    params = nnx.to_pure_dict(state)
+    ids, mask = prompts(5)
+    kw = dict(max_new_tokens=6, num_samples=1, temperature=0.0)
+    static, paged_out = (
+        rollout.generate(model, ids, mask, rng=jax.random.key(0), engine=e, **kw)
+        for e in ("static", "paged")
+    )
+    np.testing.assert_array_equal(static.tokens, paged_out.tokens)
+    np.testing.assert_array_equal(static.mask, paged_out.mask)
+
+    weights = paged.engine_params(params, cfg.jnp_dtype)
+    call = engine._Static(
+        max_new_tokens=6,
+        num_samples=1,
+        greedy=True,
+        top_k=0,
+        use_top_p=False,
+        pad_token_id=engine._pad_id(cfg),
+        cache_dtype="bfloat16",
+    )
+    args = (ids, mask, jax.random.key(0), np.float32(1), np.float32(1), engine._stop_ids((), cfg))
+    hlo = engine._rollout.lower(graphdef, weights, *args, static=call).compile().as_text()
+    entry = hlo[hlo.index("\nENTRY") :].split("\n}\n")[0]
+    taken = set(re.findall(r"= (\w+\[[\d,]*\])\S* parameter\(", entry))
+    assert "bf16[40,88]" in taken and "bf16[88,40]" in taken  # gate / up, down of one layer
+    stacked = {f"{dt}[3,{a},{b}]" for dt in ("f32", "bf16") for a, b in ((40, 88), (88, 40))}
+    assert not taken & stacked, taken
+    assert not any(s.startswith("f32[40,") or s.startswith("f32[88,") for s in taken), taken

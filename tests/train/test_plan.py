@@ -959,7 +959,9 @@ def test_the_plan_sizes_a_pool_whose_reserve_grows_with_it_as_the_engine_does():
 @pytest.mark.slow
 def test_static_engine_is_planned_as_before():
     """rollout.engine=static: the static sampler's one program over a KV cache of P + T
-    slots for B·G rows, nothing donated, no paged figures."""
+    slots for B·G rows, nothing donated, no paged figures. It runs on per-layer copies of the
+    layers (paged.engine_params, as the paged engine), which count beside the state; its other
+    weights are the state's own buffers (float32 on CPU: not cast)."""
     config = load_config(TINY, ["rollout.engine=static", "data.eval_size=0"])
     recipe = build_recipe(config)
     _models, state = su.build_models(config, recipe)
@@ -969,10 +971,10 @@ def test_static_engine_is_planned_as_before():
     assert plan.paged is None and plan.rollout_engine == "static"
     assert plan.kv_cache == P.kv_cache_bytes(cfg, 2 * 2, 128 + 8, "float32", mesh)
     r = plan.rollout
-    assert r.aliased == 0 and r.resident == 0
-    assert plan.rollout_peak == (
-        plan.state + r.arguments - _nbytes(state.params) + r.outputs + r.temporaries
-    )
+    layers = _nbytes(state.params["model"]["layers"])
+    assert r.aliased == 0 and r.resident == _nbytes(state.params) - layers
+    assert plan.rollout_peak == plan.state + r.arguments - r.resident + r.outputs + r.temporaries
+    assert r.arguments - r.resident > layers  # the copies, and the prompts
     d = plan.to_dict()
     assert d["rollout_engine"] == "static" and d["paged"] is None
     assert "rollout: static engine" in P.format_plan(plan) and not plan.notes
@@ -1419,13 +1421,18 @@ def test_split_plan_rollout_side_holds_the_rollout_copy_only(split_plan):
     assert sp.parameters.total == _nbytes(weights.params) == sum(copy) // 2
     assert sp.parameters.per_device == sum(on_device) == sp.copy  # dp: the whole copy each
     assert sp.frozen.total == sp.merged_copy.total == 0
-    # XLA's arguments of the rollout program: the copy and the prompts (B/2 rows of P ids and
-    # mask bits per device), a key and the sampler's scalars; nothing of the optimizer's
-    # 12 MiB or the reference's.
+    # XLA's arguments of the rollout program: the copy (its layers as per-layer copies,
+    # paged.engine_params) and the prompts (B/2 rows of P ids and mask bits per device), a key
+    # and the sampler's scalars; nothing of the optimizer's 12 MiB or the reference's.
     prompts = 6 // 2 * 128 * (4 + 1)
     extra = plan.rollout.arguments - sp.copy
     assert prompts <= extra <= prompts + 64
-    assert plan.rollout_peak == sp.copy + extra + plan.rollout.outputs + plan.rollout.temporaries
+    # The per-layer copies are held beside the copy; its other weights are the copy's own.
+    layers = _nbytes(weights.params["model"]["layers"])
+    assert plan.rollout.resident == sp.copy - layers
+    assert plan.rollout_peak == (
+        sp.copy + layers + extra + plan.rollout.outputs + plan.rollout.temporaries
+    )
     assert plan.peaks["weight sync"] == 2 * sp.copy  # the previous version while the next lands
     assert plan.kv_cache == P.kv_cache_bytes(
         P.model_config(config.model, accelerator=False),
