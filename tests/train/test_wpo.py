@@ -15,7 +15,8 @@ from tests.train.test_update import _dpo_batch
 
 def _slow_weights(lm, tokens_nl, input_mask_nl, mask_nt) -> np.ndarray:
     """w(y) = exp(mean over answer tokens of log π(y_t) − log Σ_v π(v)²), from full logits."""
-    logits = np.asarray(lm(tokens_nl, input_mask_nl), np.float64)  # [N, L, V]
+    logits = nnx.jit(lambda m, x, k: m(x, k))(lm, tokens_nl, input_mask_nl)  # [N, L, V]
+    logits = np.asarray(logits, np.float64)
     t = mask_nt.shape[1]
     logits = logits[:, -t - 1 : -1]  # the positions that predict the completion tokens
     logp_all = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
@@ -29,8 +30,9 @@ def test_wpo_weighted_dpo_loss_is_the_weighted_sigmoid_loss():
     lm = H.tiny_lm()
     gd, params = nnx.split(lm)
     batch = _dpo_batch()
-    plain = up.dpo_sums_fn(algorithms.dpo(beta=0.1), gd)
-    weighted = up.dpo_sums_fn(algorithms.dpo(beta=0.1, use_weighting=True), gd)
+    # jitted: the model run op by op took 28 s of the suite's time
+    plain = jax.jit(up.dpo_sums_fn(algorithms.dpo(beta=0.1), gd))
+    weighted = jax.jit(up.dpo_sums_fn(algorithms.dpo(beta=0.1, use_weighting=True), gd))
     w_c = _slow_weights(
         lm, batch.chosen_tokens_nl, batch.chosen_input_mask_nl, batch.chosen_mask_nt
     )
@@ -46,5 +48,5 @@ def test_wpo_weighted_dpo_loss_is_the_weighted_sigmoid_loss():
     np.testing.assert_allclose(float(total), np.sum(np.array(per_pair) * w_c * w_r), rtol=2e-5)
     assert np.all((w_c > 0) & (w_r > 0)) and not np.allclose(w_c * w_r, 1.0)
     # (that the weights are constants is tested in tests/core/test_preference_trl.py)
-    g = jax.grad(lambda p: weighted(p, batch)[0])(params)
+    g = jax.jit(jax.grad(lambda p: weighted(p, batch)[0]))(params)
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(g))
