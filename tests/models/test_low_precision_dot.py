@@ -118,7 +118,7 @@ def test_a_bf16_models_gradient_is_the_float32_models_within_bf16_error():
             lm = nnx.merge(graphdef, p)
             return jnp.mean(lp.completion_logprobs(lm, tokens, start=8))
 
-        return jax.grad(loss)(params)
+        return jax.jit(jax.grad(loss))(params)
 
     g32, g16 = grad(graphdef32), grad(graphdef16)
     for (path, a), b in zip(
