@@ -1,7 +1,8 @@
 """Data-parallel paged engines (rollout/paged_dp.py) on the 8 fake CPU devices: one engine per
 data shard gives the one-device engine's tokens (greedy and sampled with the same key) and
 log-probs, with ragged prompts, per-sample budgets and uneven shards; every shard's pool gets
-its pages back; a second call compiles nothing; two processes (slow) give one process's rows."""
+its pages back; a second call compiles nothing; two processes (slow) give one process's rows, with
+the paged engine and with the static one."""
 
 import subprocess
 import sys
@@ -286,6 +287,18 @@ for name, sizes, tp in layouts:
             results[f"{name}/{mode}/{field}"] = np.asarray(getattr(out_, field))
         results[f"{name}/{mode}/engines"] = sum(s is not None for s in stats.shards)
         results[f"{name}/{mode}/pages_at_end"] = stats.pages_in_use_at_end
+# The static engine across the processes (its weights from paged.engine_params on the global
+# mesh): B / processes rows each, here the first 4 prompts.
+model = models.from_pretrained(model_dir, mesh=sharding.make_mesh(data=2, tensor=2))
+half = slice(0, 2) if pid == 0 else slice(2, 4)
+for mode, temperature, key in (("greedy", 0.0, 0), ("sampled", 1.0, 5)):
+    out_ = rollout.generate(
+        model, data["ids"][half], data["mask"][half], rng=jax.random.key(key),
+        temperature=temperature, max_new_tokens=int(data["T"]), num_samples=int(data["G"]),
+        engine="static",
+    )
+    for field in ("tokens", "mask", "logprobs", "truncated"):
+        results[f"static/{mode}/{field}"] = np.asarray(getattr(out_, field))
 try:  # each process its own key: both see the mismatch in the same gather, neither hangs
     rollout.generate(model, data["ids"][rows], data["mask"][rows], rng=jax.random.key(pid),
                      max_new_tokens=2, engine="paged")
@@ -314,7 +327,12 @@ def _child_env() -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_two_processes_get_the_one_device_tokens_of_their_rows(tiny_pair, one_device, tmp_path):
+def test_two_processes_get_the_one_device_tokens_of_their_rows(
+    tiny_pair, model, one_device, tmp_path
+):
+    """Each process passes its rows and gets the one-device tokens for them: the paged engine
+    on three layouts (uneven rows), and the static engine (its multi-process program, even
+    rows)."""
     from tests.train import test_multiprocess as MP
 
     hf, _ = tiny_pair("llama3")
@@ -350,6 +368,14 @@ def test_two_processes_get_the_one_device_tokens_of_their_rows(tiny_pair, one_de
             engines = [int(g[f"{name}/{mode}/engines"]) for g in got]
             assert engines == ([2, 2] if name == "fsdp4" else [1, 1])
             assert all(int(g[f"{name}/{mode}/pages_at_end"]) == 0 for g in got)
+    fields = ("tokens", "mask", "logprobs", "truncated")
+    for mode, temperature, key in (("greedy", 0.0, 0), ("sampled", 1.0, 5)):
+        ref = rollout.generate(
+            model, ids[:4], mask[:4], rng=jax.random.key(key), temperature=temperature,
+            max_new_tokens=T, num_samples=G, engine="static",
+        )  # fmt: skip
+        parts = {f: np.concatenate([g[f"static/{mode}/{f}"] for g in got]) for f in fields}
+        assert_same(ref, rollout.Generation(**parts))
     for g in got:
         assert "processes passed different rng keys" in str(g["different_keys"])
         assert "data shard 0 of the mesh spans processes [0, 1]" in str(g["refused"])
