@@ -124,9 +124,10 @@ def test_cached_forward_on_per_layer_modules_equals_the_stacked_scan(family):
     (h_scan, cache_scan), (h_unrolled, cache_unrolled) = (
         prefill(*args, per_layer=flag) for flag in (False, True)
     )
-    np.testing.assert_allclose(h_unrolled, h_scan, atol=1e-6, rtol=0)
+    # the same float32 ops, fused differently on other CPUs: a little slack over bit-equal
+    np.testing.assert_allclose(h_unrolled, h_scan, atol=1e-5, rtol=0)
     for a, b in zip(cache_unrolled, cache_scan, strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["llama3"], indirect=True)
