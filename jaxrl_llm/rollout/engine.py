@@ -538,6 +538,8 @@ def generate(
     budgets_bg = _check_budgets(max_new_tokens_bg, ids.shape[0], num_samples, max_new_tokens)
     engine = choose_engine(engine, can_stop_early=bool((stop >= 0).any()) or budgets_bg is not None)
     mesh = _mesh_of(params)
+    # Both engines run on the layers sliced (and cast) once, in one program, before their own.
+    weights = paged.engine_params(params, config.jnp_dtype)
     if engine == "paged":
         if budgets_bg is None:
             budgets_bg = np.full((ids.shape[0], num_samples), max_new_tokens, np.int32)
@@ -550,13 +552,7 @@ def generate(
             max_new_tokens=max_new_tokens,
         )
         # One engine, or one per data shard (of t devices each with tensor_parallel).
-        run, mesh, weights = paged_dp.engines(
-            graphdef,
-            mesh,
-            paged.engine_params(params, config.jnp_dtype),  # sliced and cast in one program
-            options,
-            paged_options,
-        )
+        run, mesh, weights = paged_dp.engines(graphdef, mesh, weights, options, paged_options)
         arrays, stats = run(
             graphdef,
             mesh,
@@ -577,7 +573,6 @@ def generate(
         )
         out = Generation(*(jnp.asarray(x) for x in arrays))
         return (out, stats) if return_stats else out
-    weights = paged.engine_params(params, config.jnp_dtype)  # sliced and cast in one program
     out = _generate_static(
         graphdef, weights, ids, mask, rng, temperature, top_p, stop, budgets_bg, static, mesh
     )

@@ -351,12 +351,12 @@ def _apply(
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
+    old = (params, opt_state)
     if skip_by_select():
-        new_params, new_opt_state = update((params, opt_state))
-        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        return keep(new_params, params), keep(new_opt_state, opt_state), grad_norm, finite
-    params, opt_state = jax.lax.cond(finite, update, lambda ops: ops, (params, opt_state))
-    return params, opt_state, grad_norm, finite
+        new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), update(old), old)
+    else:
+        new = jax.lax.cond(finite, update, lambda ops: ops, old)
+    return *new, grad_norm, finite
 
 
 def skip_by_select() -> bool:

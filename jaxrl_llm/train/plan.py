@@ -903,11 +903,11 @@ def _kept_bytes(params: Any, rest: Any) -> int:
     neither cast nor resharded; the per-layer slices are always copies."""
     from jaxrl_llm.rollout import paged
 
-    kept = jax.tree.leaves(paged.without_layers(params))
+    own = jax.tree.leaves(paged.without_layers(params))
     return int(
         sum(
             _leaf_bytes(a)[1]
-            for x, a in zip(kept, jax.tree.leaves(rest), strict=True)
+            for x, a in zip(own, jax.tree.leaves(rest), strict=True)
             if x.dtype == a.dtype and _leaf_bytes(x)[1] == _leaf_bytes(a)[1]
         )
     )
@@ -1305,9 +1305,7 @@ def plan_paged_rollout(
         )
         if num_pages is not None:
             options = dataclasses.replace(options, num_pages=num_pages, memory_utilization=None)
-        platform = {"tpu": "tpu", "gpu": "gpu", "local": jax.default_backend()}.get(
-            target.platform, "cpu"
-        )
+        platform = jax.default_backend() if target.platform == "local" else target.platform
         kernel = paged.attention_kernel(cfg, options, cache_dtype, mesh=on, platform=platform)
     except ValueError as e:
         raise PlanError(f"rollout (paged engine): {e}") from None
@@ -1597,13 +1595,6 @@ class RolloutSide:
     def copy(self) -> int:
         """Resident on a rollout device between rollouts: the copy's bytes."""
         return self.parameters.per_device + self.frozen.per_device + self.merged_copy.per_device
-
-    @property
-    def sampler(self) -> int:
-        """The sampler's parameter argument: the merged copy, or the base with the adapters."""
-        if self.merged_copy.total:
-            return self.merged_copy.per_device
-        return self.parameters.per_device + self.frozen.per_device
 
 
 def rollout_copy(run: AbstractRun, placement: Any) -> tuple[Any, Any, Any, tuple[Any, Any]]:
