@@ -1,0 +1,62 @@
+"""scripts/fuzz_rollout.py, the engines' randomised differential checks: one drawn case passes
+every check, a wrong token is reported with its seed and check, bad arguments are clear
+errors. (The campaign itself, hundreds of seeds, is run by hand: docs/rollout.md.)"""
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.scripts import load_script
+
+fuzz = load_script("fuzz_rollout")
+SEED = 157  # 4 prompts × G=3 (two pairs share pages), page 8, a tight pool: ~3 s a check
+
+
+def test_one_case_passes_every_check(tmp_path):
+    out = tmp_path / "fuzz.json"
+    checks = ",".join(fuzz.CHECKS)
+    summary = fuzz.main(["--seeds", str(SEED), "--checks", checks, "--out", str(out)])
+    assert summary["cases"] == len(fuzz.CHECKS) and summary["failures"] == []
+    assert json.loads(out.read_text())["cases"] == len(fuzz.CHECKS)
+
+
+def test_draws_are_seeded_and_cover_the_options():
+    a, b = fuzz.draw(SEED, "engines"), fuzz.draw(SEED, "engines")
+    np.testing.assert_array_equal(a.ids, b.ids)
+    assert a.describe() == b.describe()
+    cases = [fuzz.draw(s, "engines") for s in range(200)]
+    assert {c.family for c in cases} == set(fuzz.FAMILIES)
+    assert {c.draws["pool"] for c in cases} == {"default", "tight", "roomy"}
+    assert {c.options.prefix_sharing for c in cases} == {True, False}
+    assert {c.kwargs["temperature"] for c in cases} == {0.0, 0.7, 1.0}
+    # The kernel check draws only families the Pallas GPU kernel serves.
+    assert {fuzz.draw(s, "kernel").family for s in range(50)} == set(fuzz.KERNEL_FAMILIES)
+
+
+def test_a_wrong_token_is_a_failure_with_its_seed(monkeypatch, capsys):
+    real = fuzz.paged_run
+
+    def one_token_off(model, case, options):
+        out, stats = real(model, case, options)
+        if options is not case.options:
+            return out, stats
+        tokens = np.asarray(out.tokens).copy()
+        tokens[0, 0, 0] = (tokens[0, 0, 0] + 1) % fuzz.VOCAB
+        return out._replace(tokens=tokens), stats
+
+    monkeypatch.setattr(fuzz, "paged_run", one_token_off)
+    summary = fuzz.main(["--seeds", str(SEED), "--checks", "engines"])
+    (failure,) = summary["failures"]
+    assert failure["seed"] == SEED and failure["check"] == "engines"
+    assert failure["error"].startswith("AssertionError: tokens differ from")
+    assert failure["case"]["options"]["page_size"] == fuzz.draw(SEED, "engines").options.page_size
+    assert f"FAIL seed {SEED} engines" in capsys.readouterr().out
+
+
+def test_bad_arguments_are_clear_errors():
+    assert fuzz.parse_seeds("3,5:7") == [3, 5, 6]
+    with pytest.raises(SystemExit, match="'x' is not a seed"):
+        fuzz.main(["--seeds", "x"])
+    with pytest.raises(SystemExit, match=r"unknown \['speed'\]"):
+        fuzz.main(["--checks", "engines,speed"])
