@@ -273,9 +273,9 @@ def _paged_segment(
         paged_options, num_seqs=b * g, num_samples=g, longest_prompt=p, max_new_tokens=t
     )
     mesh, weights = eng._mesh_of(params), paged.engine_params(params, config.jnp_dtype)
-    run = paged.run  # one engine on the mesh, unless regrouped (as generate runs them)
-    if options.tensor_parallel:
-        run, mesh, weights = paged_dp.engines(graphdef, mesh, weights, options, paged_options)
+    # As generate runs them: one engine, or one per data shard of the mesh (of t devices each
+    # with tensor_parallel), each sized for its share of the whole rollout.
+    run, mesh, weights = paged_dp.engines(graphdef, mesh, weights, options, paged_options)
     arrays, run_stats = run(
         graphdef,
         mesh,

@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxrl_llm import rollout
 from jaxrl_llm.models.transformer import CausalLM
-from jaxrl_llm.rollout import paged, partial
+from jaxrl_llm.rollout import paged, paged_dp, partial
 from tests.rollout.test_generate import prompts, training_logprobs
 from tests.rollout.test_paged import CompileCounter, assert_same
 
@@ -63,9 +63,12 @@ def test_segmented_equals_one_shot_with_the_same_weights(tiny_pair, sampling):
         assert (np.asarray(out.version) == np.where(np.asarray(ref.mask), 0, -1)).all()
 
 
-def test_tensor_parallel_segments_equal_one_shot(tiny_pair):
-    """``tensor_parallel=2`` on an FSDP mesh of 4: each segment on 2 two-device engines (the
-    weights split over each engine's devices), the one-device one-shot tokens."""
+@pytest.mark.parametrize("layout", ["fsdp4_tp2", "data2"])
+def test_sharded_segments_run_generates_engines_and_equal_one_shot(tiny_pair, layout):
+    """As ``generate`` runs them: ``tensor_parallel=2`` on an FSDP mesh of 4, each segment on 2
+    two-device engines (the weights split over each engine's devices); a data-parallel mesh
+    of 2, one engine per data shard (not one engine over both devices). Either gives the
+    one-device one-shot tokens."""
     from jaxrl_llm.models import sharding
 
     _, model = tiny_pair("llama3")
@@ -73,9 +76,13 @@ def test_tensor_parallel_segments_equal_one_shot(tiny_pair):
     rng = jax.random.key(5)
     ref = one_shot(model, ids, mask, rng=rng, temperature=1.0)
     graphdef, state = nnx.split(model)
-    mesh = sharding.make_mesh(fsdp=4, devices=jax.devices()[:4])
+    if layout == "fsdp4_tp2":
+        mesh = sharding.make_mesh(fsdp=4, devices=jax.devices()[:4])
+        options = dataclasses.replace(SMALL, tensor_parallel=2)
+    else:
+        mesh = sharding.make_mesh(data=2, devices=jax.devices()[:2])
+        options = SMALL
     params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh))
-    options = dataclasses.replace(SMALL, tensor_parallel=2)
     out = partial.generate_partial(
         [(graphdef, params)], ids, mask, rng=rng, segment_tokens=5, temperature=1.0,
         **{**KW, "paged_options": options},
@@ -103,6 +110,14 @@ def test_tensor_parallel_segments_equal_one_shot(tiny_pair):
     np.testing.assert_array_equal(np.asarray(again.tokens), np.asarray(ref.tokens))
     width = ids.shape[1]
     assert len(runs) > 4 and set(runs) == {(8, paged.pool_pages(8, width, T, SMALL))}, runs
+    stats = []  # two engines in every segment
+    state = partial.start(len(LENGTHS), G, T, max_new_tokens_bg=BUDGETS)
+    partial.advance(
+        (graphdef, params), ids, mask, state, rng=rng, version=0, segment_tokens=2,
+        temperature=1.0, paged_options=options, stats=stats,
+    )  # fmt: skip
+    (seg_stats,) = stats
+    assert isinstance(seg_stats, paged_dp.DataParallelStats) and len(seg_stats.shards) == 2
 
 
 def test_static_engine_draws_the_paged_engines_tokens(tiny_pair):
