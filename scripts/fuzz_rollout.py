@@ -15,9 +15,9 @@ one sample group's worst case, which forces preemption). Then it checks what mus
   its pages, and no sample passes its budget.
 - ``partial``: a partial rollout (``partial.generate_partial``, random segment length, paged or
   static engine) samples the one-shot paged run's tokens.
-- ``dp``: data-parallel engines on a random mesh of 4 devices (``data`` 2 or 4, with
-  ``tensor`` or ``fsdp`` 2) give the one-device tokens. Needs 4 devices: on CPU run with
-  ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (or more).
+- ``dp``: data-parallel engines on a random mesh of 2 or 4 devices (``data`` 2 or 4, or
+  ``data`` 2 with ``tensor`` or ``fsdp`` 2) give the one-device tokens. Needs 4 devices: on
+  CPU run with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (or more).
 - ``kernel``: the paged engine with ``attention="pallas_gpu"`` (the Pallas GPU kernel; interpret
   mode off a GPU, slow) gives the reference attention's greedy tokens, log-probs within 1e-4.
   Families the kernel cannot serve (sliding windows, head dim 24) are drawn again as Llama.
@@ -222,7 +222,11 @@ def check_case(check: str, case: Case, model: Any) -> dict[str, Any]:
     """Runs ``check`` on ``case``; raises AssertionError on a mismatch. Returns facts for the
     line printed (preemptions, prefill calls)."""
     out, stats = paged_run(model, case, case.options)
-    facts = dict(preemptions=int(stats.preemptions), prefills=int(stats.prefill_calls))
+    facts = dict(
+        preemptions=int(stats.preemptions),
+        prefills=int(stats.prefill_calls),
+        shared_prompt_tokens=int(stats.shared_prompt_tokens),
+    )
     if check == "engines":
         if case.kwargs["temperature"] == 0.0:
             assert_same(out, rollout.generate(model, case.ids, case.mask, **case.kwargs), "static")
@@ -244,7 +248,8 @@ def check_case(check: str, case: Case, model: Any) -> dict[str, Any]:
         mesh_sizes = sizes[r.randint(len(sizes))]
         facts.update(mesh=mesh_sizes)
         graphdef, state = nnx.split(model)
-        mesh = sharding.make_mesh(**mesh_sizes, devices=jax.devices()[:4])
+        devices = jax.devices()[: int(np.prod(list(mesh_sizes.values())))]
+        mesh = sharding.make_mesh(**mesh_sizes, devices=devices)
         params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh))
         got, _ = paged_run((graphdef, params), case, case.options)
         assert_same(got, out, f"one device (mesh {mesh_sizes})")
