@@ -16,8 +16,9 @@ one sample group's worst case, which forces preemption). Then it checks what mus
 - ``partial``: a partial rollout (``partial.generate_partial``, random segment length, paged or
   static engine) samples the one-shot paged run's tokens.
 - ``dp``: data-parallel engines on a random mesh of 2 or 4 devices (``data`` 2 or 4, or
-  ``data`` 2 with ``tensor`` or ``fsdp`` 2) give the one-device tokens. Needs 4 devices: on
-  CPU run with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (or more).
+  ``data`` 2 with ``tensor`` or ``fsdp`` 2) give the one-device tokens, in one call and in a
+  partial rollout of random segments. Needs 4 devices: on CPU run with
+  ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` (or more).
 - ``kernel``: the paged engine with ``attention="pallas_gpu"`` (the Pallas GPU kernel; interpret
   mode off a GPU, slow) gives the reference attention's greedy tokens, log-probs within 1e-4.
   Families the kernel cannot serve (sliding windows, head dim 24) are drawn again as Llama.
@@ -255,6 +256,13 @@ def check_case(check: str, case: Case, model: Any) -> dict[str, Any]:
         params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh))
         got, _ = paged_run((graphdef, params), case, case.options)
         assert_same(got, out, f"one device (mesh {mesh_sizes})")
+        segment = int(r.randint(1, case.kwargs["max_new_tokens"] + 3))
+        facts.update(segment=segment)
+        got = partial.generate_partial(
+            [(graphdef, params)], case.ids, case.mask, segment_tokens=segment,
+            paged_options=case.options, **case.kwargs,
+        )  # fmt: skip
+        assert_same(got, out, f"one device (partial, segments of {segment}, mesh {mesh_sizes})")
     elif check == "kernel":
         reference = dataclasses.replace(case.options, attention="reference")
         assert_same(out, paged_run(model, case, reference)[0], "the reference attention", 1e-4)
