@@ -232,6 +232,56 @@ def test_staleness_zero_with_a_copy_is_the_synchronous_loop(tmp_path):
         assert 0 <= p["start"] <= p["end"]
 
 
+@pytest.mark.parametrize("serial", [False, True])
+def test_the_rollout_overlaps_the_update_unless_collectives_must_run_one_at_a_time(
+    tmp_path, monkeypatch, serial
+):
+    """At staleness 1 the next batch is sampled while the update runs (its metrics read after
+    the rollout); where cross-process collectives must run one program at a time (several CPU
+    processes: gloo pairs them by order) the update is finished first."""
+    from jaxrl_llm import distributed as dist
+
+    events = []
+
+    class Spy:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def dispatch(self, state, groups):
+            new_state, wait = self.inner.dispatch(state, groups)
+            events.append("update")
+
+            def recorded_wait():
+                events.append("wait")
+                return wait()
+
+            return new_state, recorded_wait
+
+    init, generate = A.AsyncDriver.__init__, A.AsyncDriver._generate
+
+    def spied_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.rl_step = Spy(self.rl_step)
+
+    def recorded_generate(self, j, *args, **kwargs):
+        events.append(f"rollout {j}")
+        return generate(self, j, *args, **kwargs)
+
+    monkeypatch.setattr(A.AsyncDriver, "__init__", spied_init)
+    monkeypatch.setattr(A.AsyncDriver, "_generate", recorded_generate)
+    monkeypatch.setattr(dist, "one_collective_program_at_a_time", lambda: serial)
+    config = H.config("tiny.yaml", "train.max_steps=3", "train.max_staleness=1", *BASE)
+    loop.train(config, run_dir=tmp_path / "run", progress=False, log=_quiet)
+    step_1 = ["rollout 1", "update", "rollout 2", "wait"]  # batch 2 sampled during update 1
+    if serial:
+        step_1 = ["rollout 1", "update", "wait", "rollout 2"]
+    assert events[:4] == step_1, events
+    assert events.count("update") == events.count("wait") == 3
+
+
 class _Killed(Exception):
     pass
 
