@@ -14,7 +14,10 @@ loop, up to the meshes' float order with a split placement). ``s = 1`` is verl's
 "one-step off-policy" trainer; larger ``s`` bounds staleness as AReaL's ``max_head_offpolicyness``
 and PipelineRL's lag do. There is one controller thread: overlap comes from JAX's asynchronous
 dispatch (the update's program is enqueued before the rollout's host loop starts), so every
-process launches the same programs in the same order, which multi-process runs need.
+process launches the same programs in the same order, which multi-process runs need. On
+several CPU processes the update is finished before the rollout starts (no overlap there:
+gloo pairs cross-process collectives by order alone,
+:func:`~jaxrl_llm.distributed.one_collective_program_at_a_time`).
 
 Importance correction. Batch ``t`` was sampled by μ = π_{v(t)}, not by the policy that updates.
 The step recomputes π_old under the current parameters (the proximal policy of the decoupled
