@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
-import pathlib
 import sys
 import time
 import traceback
@@ -47,6 +45,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from _bench_common import machine_info
 from flax import nnx
 
 from jaxrl_llm import rollout
@@ -221,6 +220,16 @@ def roomy(case: Case) -> paged.PagedOptions:
     )
 
 
+def partial_run(model: Any, case: Case, segment: int, engine: str = "paged") -> Any:
+    """``partial.generate_partial`` of ``case`` in segments of ``segment`` tokens (the paged
+    engine with the case's options)."""
+    options = case.options if engine == "paged" else None
+    return partial.generate_partial(
+        [model], case.ids, case.mask, segment_tokens=segment, engine=engine,
+        paged_options=options, **case.kwargs,
+    )  # fmt: skip
+
+
 def check_case(check: str, case: Case, model: Any) -> dict[str, Any]:
     """Runs ``check`` on ``case``; raises AssertionError on a mismatch. Returns facts for the
     line printed (preemptions, prefill calls)."""
@@ -240,10 +249,7 @@ def check_case(check: str, case: Case, model: Any) -> dict[str, Any]:
         segment = int(r.randint(1, case.kwargs["max_new_tokens"] + 3))
         engine = str(r.choice(["paged", "static"]))
         facts.update(segment=segment, engine=engine)
-        got = partial.generate_partial(
-            [model], case.ids, case.mask, segment_tokens=segment, engine=engine,
-            paged_options=case.options if engine == "paged" else None, **case.kwargs,
-        )  # fmt: skip
+        got = partial_run(model, case, segment, engine)
         assert_same(got, out, f"the one-shot paged run ({engine}, segments of {segment})")
     elif check == "dp":
         r = np.random.RandomState(case.seed + 2)
@@ -258,10 +264,7 @@ def check_case(check: str, case: Case, model: Any) -> dict[str, Any]:
         assert_same(got, out, f"one device (mesh {mesh_sizes})")
         segment = int(r.randint(1, case.kwargs["max_new_tokens"] + 3))
         facts.update(segment=segment)
-        got = partial.generate_partial(
-            [(graphdef, params)], case.ids, case.mask, segment_tokens=segment,
-            paged_options=case.options, **case.kwargs,
-        )  # fmt: skip
+        got = partial_run((graphdef, params), case, segment)
         assert_same(got, out, f"one device (partial, segments of {segment}, mesh {mesh_sizes})")
     elif check == "kernel":
         reference = dataclasses.replace(case.options, attention="reference")
@@ -269,15 +272,6 @@ def check_case(check: str, case: Case, model: Any) -> dict[str, Any]:
     else:
         raise ValueError(f"unknown check {check!r}; known: {', '.join(CHECKS)}")
     return facts
-
-
-def _machine_info() -> dict[str, Any]:
-    """``scripts/_bench_common.py``'s record of the machine (CPU model and flags, load)."""
-    path = pathlib.Path(__file__).with_name("_bench_common.py")
-    spec = importlib.util.spec_from_file_location("_bench_common", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.machine_info()
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -334,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         checks=checks,
         seeds=args.seeds,
         seconds=round(time.perf_counter() - start, 1),
-        machine=_machine_info(),
+        machine=machine_info(),
         devices=len(jax.devices()),
     )
     print(f"{cases} cases, {len(failures)} failed, {summary['seconds']} s")

@@ -3,13 +3,18 @@ every check, a wrong token is reported with its seed and check, bad arguments ar
 errors. (The campaign itself, hundreds of seeds, is run by hand: docs/rollout.md.)"""
 
 import json
+import sys
 
 import numpy as np
 import pytest
 
-from tests.scripts import load_script
+from tests.scripts import SCRIPTS, load_script
 
-fuzz = load_script("fuzz_rollout")
+sys.path.insert(0, str(SCRIPTS))  # the script imports scripts/_bench_common.py, as the benches do
+try:
+    fuzz = load_script("fuzz_rollout")
+finally:
+    sys.path.remove(str(SCRIPTS))
 SEED = 157  # 4 prompts × G=3 (two pairs share pages), page 8, a tight pool: ~3 s a check
 
 

@@ -510,13 +510,13 @@ class AsyncDriver:
         # enqueued: the device runs it while the host samples on
         new_state, wait = self.rl_step.dispatch(state, groups)
         t_dispatched = time.time()
-        metrics = None
         if dist.one_collective_program_at_a_time():
             # Several CPU processes: gloo pairs collectives by order alone, and XLA:CPU would
             # run the update's cross-process collectives beside the rollout's (the weights'
             # reshard, ...), in a different order on each process ("collective mismatch"
             # aborts, seen in the two-process async test). Finish the update first there.
-            metrics = wait()
+            done = wait()
+            wait = lambda: done
         # this window (update t): batch t + 1 is due next
         for i, entry in enumerate(list(self.buffer)):  # partial rollouts: one more segment each
             if isinstance(entry, InFlightBatch):
@@ -524,7 +524,7 @@ class AsyncDriver:
         if s and t + s <= self.max_steps:  # overlaps the update on the device
             key_next = key_ahead(rng, s - 1)
             self.buffer.append(self._generate(t + s, iterator, key_next, phases, due=t + 1))
-        metrics = wait() if metrics is None else metrics
+        metrics = wait()
         phases.append(self._phase("update", t_update, step=t, dispatched=t_dispatched - self._t0))
         metrics["time/update"] = time.time() - t_update
         extra.update(self._sync(new_state.params, t, phases))
