@@ -35,8 +35,9 @@ device 0.
 
 Multi-process (``jax.process_count() > 1``): as the static engine's contract in
 ``generate``, each process passes its own rows of the global batch (contiguous, in process
-order; here any number of rows, not necessarily the same on every process) and gets back
-theirs. It runs the engines of the data shards whose devices are all its own (its rows split
+order; here any number of rows, not necessarily the same on every process, none included:
+such a process still takes part in the weights' reshard and the exchange below) and gets
+back theirs. It runs the engines of the data shards whose devices are all its own (its rows split
 over them as above) with the global sequence ids (its rows' offset in the global batch comes
 from an exchange of the row counts through the coordination service,
 :func:`~jaxrl_llm.distributed.host_allgather`, which no device work in flight delays); no other
@@ -390,7 +391,7 @@ def run_shards(
     seq_ids_bg = np.asarray(seq_ids_bg, np.int32)
     if token_offsets_bg is None:
         token_offsets_bg = np.zeros((b_count, g), np.int32)
-    longest = max(len(p) for p in prompts)
+    longest = max((len(p) for p in prompts), default=0)
     rows = dict(zip(mine, split_rows(b_count, len(mine)), strict=True))
     todo = [d for d in mine if rows[d].stop > rows[d].start]
     local_params = dict(
@@ -440,6 +441,15 @@ def run_shards(
             )
             raise
 
+    if not todo:  # a process with no rows in this call (a partial rollout's late segment)
+        t = max_new_tokens
+        arrays = (
+            np.zeros((0, g, t), np.int32),
+            np.zeros((0, g, t), bool),
+            np.zeros((0, g, t), np.float32),
+            np.zeros((0, g), bool),
+        ) + ((np.zeros((0, g, t), np.float32),) if kwargs.get("full_logprobs") else ())
+        return arrays, [None] * d_count
     if len(todo) == 1:
         results = {todo[0]: one(todo[0])}
     else:

@@ -61,10 +61,26 @@ samples got:
 In practice a segment loop reaches a handful of them, and a second batch of the same shapes
 compiles none (tested with a compile counter: other prompts, other key, other weights). New
 weights of the same structure never recompile.
+
+**Several processes** (``jax.process_count() > 1``, paged engine only). Unlike ``generate``,
+whose processes each pass their own rows, every process passes the *whole* batch: the same
+prompts, :class:`InFlight`, ``rng``, ``version`` and ``segment_tokens`` (compared by crc32
+over the coordination service at every :func:`advance`: a difference is a ``ValueError`` on
+every process, not a hang). Each segment's rows (the prompts in the first segment, the
+unfinished samples after it) are cut into contiguous shares, one per process
+(``paged_dp.split_rows``); each process samples its share on the data-parallel engines of
+its own devices with the samples' global sequence ids, so the tokens are those of one process;
+the segment's outputs are then gathered over the weights' mesh, and every process holds the
+same :class:`InFlight` again. A process whose share is empty (fewer unfinished samples than
+processes) still takes part in the weights' reshard and the gathers. So the samples left
+after the first segment are spread evenly over the processes whatever prompts they came from,
+the loop's end (``done_bg.all()``) is the same decision everywhere, and the state is what a
+checkpoint saves as is.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -73,6 +89,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm.models.config import ModelConfig
 from jaxrl_llm.rollout import engine as eng
 from jaxrl_llm.rollout import paged, paged_dp
@@ -363,6 +380,49 @@ def _static_segment(
     return _rows_of(seg, *(None if x is None else np.asarray(x)[:r] for x in out))
 
 
+def _take(rows: _Rows, part: slice) -> _Rows:
+    return _Rows(rows.contexts[part], rows.budgets[part], rows.seq_ids[part], rows.offsets[part])
+
+
+def _everyones(mine: Segment, counts: list[int], mesh: jax.sharding.Mesh | None) -> Segment:
+    """Every process's segment rows in process order (``counts[p]`` rows from process ``p``),
+    gathered over the devices of the weights' ``mesh`` (each process's rows padded to the
+    most); one process: its own."""
+    if len(counts) == 1:
+        return mine
+    most = max(counts)
+    padded = jax.tree.map(
+        lambda x: np.concatenate([x, np.zeros((most - len(x), *x.shape[1:]), x.dtype)]), mine
+    )
+    every = dist.gather(padded, mesh)
+    return jax.tree.map(
+        lambda x: np.concatenate([x[p * most : p * most + n] for p, n in enumerate(counts)]),
+        every,
+    )
+
+
+def _check_same_everywhere(**groups: tuple[np.ndarray, ...]) -> None:
+    """Several processes: each group of host arrays is the same on every process (compared by
+    crc32 over the coordination service), else a ValueError naming the groups that differ,
+    raised on every process alike."""
+    names = list(groups)
+    digest = np.asarray(
+        [
+            zlib.crc32(b"".join(np.ascontiguousarray(x).tobytes() for x in group))
+            for group in groups.values()
+        ],
+        np.uint32,
+    )
+    every = dist.host_allgather(digest, what="partial.advance: inputs")
+    differ = [n for i, n in enumerate(names) if (every[:, i] != digest[i]).any()]
+    if differ:
+        raise ValueError(
+            f"partial.advance: the processes passed different {', '.join(differ)}; in a "
+            "multi-process run every process passes the whole batch (the same prompts, "
+            "in-flight state, rng, version and segment_tokens) and samples its share of it"
+        )
+
+
 def advance(
     model: eng.ModelLike,
     prompt_ids_bp: jax.typing.ArrayLike,
@@ -405,7 +465,8 @@ def advance(
       temperature, top_k, top_p, stop_token_ids, cache_dtype: as in ``generate`` (keep them
         fixed within a batch).
       engine: ``"paged"`` or ``"static"``: either samples the same tokens (same per-row keys;
-        module docstring); the static engine runs one process only.
+        module docstring); the static engine runs one process only. With several processes,
+        every process passes the whole batch and gets it back (module docstring).
       paged_options: the paged engine's sizes; ``num_slots`` and ``num_pages`` default from
         ``(B, G, T, P)`` only (and the devices' memory, ``memory_utilization``), so every
         segment of a batch shares one pool shape.
@@ -427,9 +488,10 @@ def advance(
         )
     if engine not in ("paged", "static"):
         raise ValueError(f"partial.advance: engine must be 'paged' or 'static', got {engine!r}")
-    if jax.process_count() > 1:
-        raise NotImplementedError(
-            f"partial.advance runs in one process for now ({jax.process_count()} processes)"
+    if engine == "static" and jax.process_count() > 1:
+        raise ValueError(
+            f"partial.advance: engine='static' runs in one process ({jax.process_count()} "
+            "processes here); use engine='paged'"
         )
     graphdef, params, module = eng._split_model(model)
     config = eng._config_of(graphdef, params, module)
@@ -449,6 +511,14 @@ def advance(
             "the same key to every advance of a batch (its tokens' keys fold in the token index)"
         )
 
+    if jax.process_count() > 1:
+        _check_same_everywhere(
+            prompts=(ids_bp, mask_bp),
+            inflight=(inflight.tokens_bgt, inflight.num_new_bg, inflight.done_bg),
+            budgets=(inflight.budget_bg,),
+            rng=(key_data,),
+            version=(np.int64(version), np.int64(segment_tokens)),
+        )
     active = np.argwhere(~inflight.done_bg)  # [M, 2] (b, g), row-major
     out = inflight._replace(last_version=version, rng_key_data=key_data)
     if not active.size:
@@ -489,8 +559,13 @@ def advance(
         )
     sizes = (b, g, t, ids_bp.shape[1])
     segment = _paged_segment if engine == "paged" else _static_segment
-    tok_ms, valid_ms, logp_ms, trunc_m, full_ms = segment(
-        graphdef, params, config, run, seg, sizes, sampler, paged_options, stats
+    # Several processes: each samples its share of the rows, then every process gets them all.
+    parts = paged_dp.split_rows(len(run.contexts), jax.process_count())
+    mine = _take(run, parts[jax.process_index()])
+    tok_ms, valid_ms, logp_ms, trunc_m, full_ms = _everyones(
+        segment(graphdef, params, config, mine, seg, sizes, sampler, paged_options, stats),
+        [(part.stop - part.start) * run.budgets.shape[1] for part in parts],
+        eng._mesh_of(params),
     )
     full = None if full_ms is None else inflight.full_logp_bgt.copy()
     tokens, mask, logp, version_bgt = (
@@ -586,7 +661,8 @@ def generate_partial(
     segments), or a callable ``i -> (model, version)``. At most ``⌈T / segment_tokens⌉``
     segments run. ``return_full_logprobs``: also the full-vocabulary τ = 1 log-probs
     (``PartialGeneration.full_logprobs``). Other arguments as in :func:`advance` and
-    ``generate``.
+    ``generate``; with several processes, every process passes the whole batch and gets the
+    whole of it back (module docstring).
     """
     b = np.asarray(prompt_ids_bp).shape[0] if np.ndim(prompt_ids_bp) else 0
     state = start(

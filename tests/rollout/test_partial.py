@@ -307,3 +307,142 @@ def test_bad_input_is_a_clear_error(tiny_pair):
         partial.finish(later)
     out = partial.finish(later, allow_unfinished=True)
     assert np.asarray(out.truncated).all() and (np.asarray(out.version)[..., :2] == 3).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# Two processes (jax.distributed on CPU, gloo), two devices each: every process passes the whole
+# batch, samples its share of each segment's rows and gets back the one-process rollout.
+
+LONG_ONE = np.array([[12, 3], [1, 2], [3, 4], [2, 5], [2, 3]], np.int32)  # late segments: 1 row
+
+CHILD = """\
+import sys
+
+from jaxrl_llm import distributed as dist
+
+port, pid, model_dir, batch, out = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
+dist.initialize(f"127.0.0.1:{port}", 2, pid)
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxrl_llm import models
+from jaxrl_llm.models import sharding
+from jaxrl_llm.rollout import paged, partial
+
+assert jax.process_count() == 2 and len(jax.local_devices()) == 2
+data = np.load(batch)
+small = paged.PagedOptions(page_size=4, num_slots=4, steps_per_dispatch=4, prefill_chunk=16)
+kw = dict(max_new_tokens=int(data["T"]), num_samples=int(data["G"]), segment_tokens=3,
+          paged_options=small)
+results = {}
+# data2_tensor2: one two-device engine per process; fsdp4: two one-device engines per process
+for name, sizes in (("data2_tensor2", dict(data=2, tensor=2)), ("fsdp4", dict(fsdp=4))):
+    model = models.from_pretrained(model_dir, mesh=sharding.make_mesh(**sizes))
+    graphdef, state = nnx.split(model)
+    later = (graphdef, jax.tree.map(lambda x: x * 0.9, nnx.to_pure_dict(state)))
+    for case, budgets, temperature, stop in (
+        ("sampled", data["budgets"], 1.0, tuple(data["stop"])),
+        ("long_one", data["long_one"], 0.0, ()),
+    ):
+        seen = []
+
+        def pick(i):  # version 0 for the first segment, then the other weights
+            seen.append(i)
+            return (model, 0) if i == 0 else (later, 1)
+
+        got = partial.generate_partial(
+            pick, data["ids"], data["mask"], rng=jax.random.key(5), temperature=temperature,
+            max_new_tokens_bg=budgets, stop_token_ids=stop, **kw,
+        )
+        for field in ("tokens", "mask", "logprobs", "truncated", "version"):
+            results[f"{name}/{case}/{field}"] = np.asarray(getattr(got, field))
+        results[f"{name}/{case}/segments"] = len(seen)
+try:  # process 1 passes other prompts: both processes refuse, neither hangs
+    partial.generate_partial(
+        [model], data["ids"] + pid, data["mask"], rng=jax.random.key(5), **kw
+    )
+except ValueError as e:
+    results["different_prompts"] = str(e)
+try:
+    partial.generate_partial(
+        [model], data["ids"], data["mask"], rng=jax.random.key(5), engine="static", **kw
+    )
+except ValueError as e:
+    results["static"] = str(e)
+np.savez(out, **results)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_two_processes_sample_their_shares_and_get_the_one_process_rollout(tiny_pair, tmp_path):
+    """Two processes, two devices each, two layouts (one tensor-parallel engine per process;
+    two one-device engines per process): every process returns the one-process partial
+    rollout (weights switched after the first segment), also when a late segment has one
+    unfinished sample (process 1's share empty). Different prompts, and the static engine,
+    are clear errors."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.rollout.test_paged_dp import _child_env
+    from tests.train import test_multiprocess as MP
+
+    hf, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=2, lengths=LENGTHS)
+    rng = jax.random.key(5)
+    stop = stop_ids(model, ids, mask, rng=rng, temperature=1.0)
+    graphdef, state = nnx.split(model)
+    later = (graphdef, jax.tree.map(lambda x: x * 0.9, nnx.to_pure_dict(state)))
+    kw = dict(max_new_tokens=T, num_samples=G, segment_tokens=3, paged_options=SMALL)
+    refs = {}
+    for case, budgets, temperature, s in (
+        ("sampled", BUDGETS, 1.0, stop),
+        ("long_one", LONG_ONE, 0.0, ()),
+    ):
+        refs[case] = partial.generate_partial(
+            lambda i: (model, 0) if i == 0 else (later, 1), ids, mask, rng=rng,
+            temperature=temperature, max_new_tokens_bg=budgets, stop_token_ids=s, **kw,
+        )  # fmt: skip
+    assert (np.asarray(refs["sampled"].version) == 1).sum() > 10  # both versions sampled
+    hf.save_pretrained(tmp_path / "model")
+    np.savez(
+        tmp_path / "batch.npz", ids=ids, mask=mask, budgets=BUDGETS, long_one=LONG_ONE,
+        stop=np.asarray(stop), T=T, G=G,
+    )  # fmt: skip
+    port, children = MP._free_port(), []
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    outs = [tmp_path / f"out{i}.npz" for i in range(2)]
+    t0 = time.monotonic()
+    try:
+        for i in range(2):
+            args = [str(port), str(i), str(tmp_path / "model"), str(tmp_path / "batch.npz")]
+            cmd = [sys.executable, "-c", CHILD, *args, str(outs[i])]
+            with logs[i].open("w") as log:
+                children.append(
+                    subprocess.Popen(
+                        cmd, cwd=MP.REPO, env=_child_env(), stdout=log, stderr=subprocess.STDOUT
+                    )
+                )
+        MP._wait(children, logs, t0, "partial rollouts on two processes", limit=300)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+    got = [dict(np.load(o)) for o in outs]
+    for name in ("data2_tensor2", "fsdp4"):
+        for case, ref in refs.items():
+            for g in got:  # every process holds the whole batch
+                out = partial.PartialGeneration(
+                    **{f: g[f"{name}/{case}/{f}"] for f in ref._fields if f != "full_logprobs"}
+                )
+                assert_same(ref, out, logp_atol=1e-4)
+                np.testing.assert_array_equal(np.asarray(out.version), np.asarray(ref.version))
+    # the long one continues alone for its last segments: 4 segments (3 + 3 + 3 + 3 tokens)
+    assert all(int(g["fsdp4/long_one/segments"]) == 4 for g in got)
+    for g in got:
+        assert "the processes passed different prompts" in str(g["different_prompts"])
+        assert "engine='static' runs in one process (2 processes here)" in str(g["static"])
