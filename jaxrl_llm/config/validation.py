@@ -676,8 +676,8 @@ def _check_mesh(mesh: MeshConfig, where: str = "mesh") -> None:
 
 def _check_partial_rollouts(config: TrainConfig) -> None:
     """``train.partial_rollout_tokens``: needs ``max_staleness >= 2`` (segments continue across
-    updates), one process, and a recipe that scores each batch once (no DAPO refills, no ReMax
-    greedy baseline)."""
+    updates), a recipe that scores each batch once (no DAPO refills, no ReMax greedy
+    baseline), and with several processes the paged engine."""
     n = config.train.partial_rollout_tokens
     if n == 0 or config.is_offline:
         return
@@ -701,11 +701,12 @@ def _check_partial_rollouts(config: TrainConfig) -> None:
         )
     import jax
 
-    if jax.process_count() > 1:
+    if jax.process_count() > 1 and config.rollout.engine == "static":
         raise ConfigError(
-            f"{key} = {n}: partial rollouts run in one process (got {jax.process_count()}); "
-            f"expected {key} = 0 in a multi-process run",
-            key,
+            f"{key} = {n} with rollout.engine = static in a run of {jax.process_count()} "
+            "processes: partial rollouts run the static engine in one process only; expected "
+            "rollout.engine = paged (or auto)",
+            "rollout.engine",
         )
 
 

@@ -50,7 +50,11 @@ re-prefills prompt ⧺ tokens so far under the current weights
 (``version_bgt``) and its sampler log-prob is that version's, so the token-level correction
 is against the right μ. The batch is scored when complete. In-flight batches are saved with
 the checkpoint too (their dataset indices, key and :class:`~jaxrl_llm.rollout.partial.InFlight`
-arrays).
+arrays). With several processes every process holds the whole in-flight batch and samples its
+share of each segment (:mod:`jaxrl_llm.rollout.partial`), so the state, the decision that a
+batch is complete and what a checkpoint saves are the same on every process; the complete
+batch is scored as :func:`~jaxrl_llm.train.collect.collect` scores one (each process its rows
+of the rollout mesh, then gathered).
 
 Metrics (per step): ``async/staleness_mean``, ``async/staleness_max`` (in policy versions, over
 completion tokens), ``async/staleness_frac_k`` (the fraction of tokens ``k`` versions old, a
@@ -112,7 +116,7 @@ class InFlightBatch(NamedTuple):
       key_data: its sampler key's data (every segment uses the same key).
       state: the :class:`~jaxrl_llm.rollout.partial.InFlight` arrays.
       seconds: sampling time so far.
-      kv_rows: each segment's paged engines' stats so far, this process's
+      kv_rows: each segment's paged engines' stats so far, every process's
         (:func:`~jaxrl_llm.train.collect.engine_rows`), for the batch's KV-cache metrics.
     """
 
@@ -329,24 +333,26 @@ class PartialRollouts:
             paged_options=sampler.paged_options(),
             stats=stats,
         )
-        rows = tuple(engine_rows(s, gather=False) for s in stats)  # gathered in finish
+        # every process's rows, so that all hold (and a checkpoint saves) the same entry
+        rows = tuple(engine_rows(s) for s in stats)
         return entry._replace(
             state=state,
             seconds=entry.seconds + time.perf_counter() - t0,
             kv_rows=entry.kv_rows + rows,
         )
 
-    def finish(self, entry: InFlightBatch, iterator: BatchIterator) -> Pending:
-        """Scores and selects the complete batch."""
+    def finish(self, entry: InFlightBatch, iterator: BatchIterator, policy: Any) -> Pending:
+        """Scores and selects the complete batch (several processes: each scores the rows of
+        ``policy``'s mesh it holds, as :func:`~jaxrl_llm.train.collect.collect` does)."""
         from jaxrl_llm.rollout import partial
-        from jaxrl_llm.train.collect import gather_rounds, kv_metrics, score_generated
+        from jaxrl_llm.train.collect import kv_metrics, score_generated
 
         out = jax.tree.map(np.asarray, partial.finish(entry.state))
         batch = self._batch(entry, iterator)
         groups, metrics, version_bgt = score_generated(
-            self.setup, batch, out, sample_seconds=entry.seconds, step=entry.step
+            self.setup, batch, out, sample_seconds=entry.seconds, step=entry.step, policy=policy
         )
-        metrics.update(kv_metrics(gather_rounds(list(entry.kv_rows))))  # each segment a round
+        metrics.update(kv_metrics(list(entry.kv_rows)))  # each segment a round
         del self._batches[entry.step]
         valid = version_bgt >= 0
         version = int(version_bgt[valid].min()) if valid.any() else int(entry.state.last_version)
@@ -453,11 +459,10 @@ class AsyncDriver:
         t0 = time.time() if t0 is None else t0
         version = int(self.weights.version)
         to_end = entry.step <= due
-        entry = self.partial.advance(
-            entry, iterator, self.weights.sampling_policy(), version, to_end=to_end
-        )
-        done = to_end or bool(entry.state.done_bg.all())
-        out = self.partial.finish(entry, iterator) if done else entry
+        policy = self.weights.sampling_policy()
+        entry = self.partial.advance(entry, iterator, policy, version, to_end=to_end)
+        done = to_end or bool(entry.state.done_bg.all())  # the same on every process
+        out = self.partial.finish(entry, iterator, policy) if done else entry
         phases.append(self._phase("rollout", t0, for_step=entry.step, version=version))
         return out
 

@@ -119,32 +119,18 @@ KV_FIELDS = (
 columns of :func:`engine_rows`."""
 
 
-def engine_rows(stats: Any, *, gather: bool = True) -> np.ndarray:
+def engine_rows(stats: Any) -> np.ndarray:
     """``int64[E, len(KV_FIELDS)]``: one row of :data:`KV_FIELDS` per paged engine that ran
     in this process (a data-parallel run's shards; none for the static engine, ``stats`` None).
-    In a multi-process run with ``gather``, every process's rows (over the coordination
-    service; every process must call it; else :func:`gather_rounds` later)."""
+    In a multi-process run, every process's rows (over the coordination service; every
+    process must call it)."""
     engines = getattr(stats, "shards", None) or (stats,)
     rows = np.asarray(
         [[getattr(s, f) for f in KV_FIELDS] for s in engines if s is not None], np.int64
     ).reshape(-1, len(KV_FIELDS))
-    if gather and dist.is_multiprocess():
+    if dist.is_multiprocess():
         rows = dist.host_allgather(rows, what="paged engine stats", tiled=True)
     return rows
-
-
-def gather_rounds(rounds: list[np.ndarray]) -> list[np.ndarray]:
-    """Every process's :func:`engine_rows` (taken with ``gather=False``) of each of the same
-    rounds, in one exchange (every process must call it, with as many rounds)."""
-    if not dist.is_multiprocess():
-        return rounds
-    width = len(KV_FIELDS)
-    tagged = np.concatenate(
-        [np.zeros((0, 1 + width), np.int64)]
-        + [np.c_[np.full(len(r), i, np.int64), r.reshape(-1, width)] for i, r in enumerate(rounds)]
-    )
-    every = dist.host_allgather(tagged, what="paged engine stats by round", tiled=True)
-    return [every[every[:, 0] == i, 1:] for i in range(len(rounds))]
 
 
 def kv_metrics(rounds: list[np.ndarray]) -> dict[str, float]:
@@ -483,21 +469,34 @@ def _selected(
 
 
 def score_generated(
-    setup: Setup, batch: Any, out: Any, *, sample_seconds: float = 0.0, step: int | None = None
+    setup: Setup,
+    batch: Any,
+    out: Any,
+    *,
+    sample_seconds: float = 0.0,
+    step: int | None = None,
+    policy: tuple[Any, dict] | None = None,
 ) -> tuple[Groups, dict[str, float], np.ndarray | None]:
     """Scores and selects one batch sampled elsewhere (partial rollouts: ``out`` has the
     :class:`~jaxrl_llm.rollout.Generation` fields, host arrays, for the whole batch, and
     optionally ``version`` ``[B, G, T]``), as :func:`collect` does a batch without refills.
-    Returns ``(groups, metrics, version_bgt)``, the versions taken along PODS's selection."""
+    Several processes (each holding the whole ``out``): each scores the rows it would have
+    generated (of ``policy``'s mesh, as in :func:`collect`, or of the train mesh), then the
+    groups are gathered. Returns ``(groups, metrics, version_bgt)``, the versions taken along
+    PODS's selection."""
     recipe = setup.recipe
     if recipe.selection.dynamic_sampling or ch.GIVEN_BASELINE in recipe.requires:
         raise ValueError(
             f"score_generated: {recipe.name} refills groups or samples a greedy baseline, "
             "which a batch sampled elsewhere cannot do"
         )
-    rows = slice(0, len(batch.prompts))
+    if policy is None:
+        rows = setup.models.process_rows(len(batch.prompts))
+    else:
+        rows = policy_rows(policy, len(batch.prompts))
+    mine = out._replace(**{f: None if x is None else x[rows] for f, x in out._asdict().items()})
     groups, reward_out, truncated, times = _score_round(
-        setup, None, batch, rows, out, None, None, sample_seconds, step
+        setup, None, batch, rows, mine, None, policy, sample_seconds, step
     )
     metrics = _round_metrics(groups, reward_out, truncated)
     version = getattr(out, "version", None)
@@ -622,7 +621,6 @@ __all__ = [
     "dpo_batch",
     "engine_rows",
     "gather_reward_output",
-    "gather_rounds",
     "kv_metrics",
     "policy_rows",
     "sample_completions",

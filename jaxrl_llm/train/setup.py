@@ -840,6 +840,15 @@ def check_processes(
             )
 
 
+def _engine(config: TrainConfig, stop_ids: Sequence[int]) -> str:
+    """``rollout.engine`` resolved (:func:`~jaxrl_llm.rollout.engine.choose_engine`); partial
+    rollouts across processes run the paged engine (the static one runs them in one process)."""
+    partial_across = getattr(config.train, "partial_rollout_tokens", 0) and dist.is_multiprocess()
+    if config.rollout.engine == "auto" and partial_across:
+        return "paged"
+    return choose_engine(config.rollout.engine, can_stop_early=bool(stop_ids))
+
+
 def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
     r = config.rollout
     if r is None:
@@ -852,7 +861,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         top_p=r.top_p,
         stop_ids=tuple(stop_ids),
         cache_dtype=None if r.cache_dtype == "auto" else jnp.dtype(r.cache_dtype),
-        engine=choose_engine(r.engine, can_stop_early=bool(stop_ids)),
+        engine=_engine(config, stop_ids),
         paged_attention=r.paged_attention,
         paged_kernel_tuning=tuple(sorted(r.paged_kernel_tuning.items())),
         tensor_parallel=r.tensor_parallel,

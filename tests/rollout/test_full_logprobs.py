@@ -237,7 +237,7 @@ def test_trainer_partial_rollouts_collect_full_logprobs():
     while not entry.state.done_bg.all():
         entry = rollouts.advance(entry, it, policy, 0, to_end=False)
     assert entry.state.segments >= 2
-    groups = rollouts.finish(entry, it).groups
+    groups = rollouts.finish(entry, it, policy).groups
     b, g, t = groups.tokens_bgt.shape
     tokens_nl, mask_nl = _sequences(groups)
     ref = forward.completion_logprobs_nt(*policy, tokens_nl, mask_nl, completion_len=t)

@@ -400,6 +400,20 @@ def test_partial_rollout_settings_that_cannot_work_are_clear_errors(overrides, m
         H.config("tiny.yaml", *overrides)
 
 
+def test_partial_rollouts_across_processes_run_the_paged_engine(monkeypatch):
+    """Several processes: ``rollout.engine: static`` is refused, ``auto`` resolves to paged
+    (in one process, ``auto`` without stop ids is the static engine)."""
+    from jaxrl_llm.config import ConfigError
+
+    config = H.config("tiny.yaml", *PARTIAL)
+    assert config.rollout.engine == "auto"
+    assert setup._engine(config, stop_ids=()) == "static"
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"rollout\.engine = static in a run of 2 processes"):
+        H.config("tiny.yaml", *PARTIAL, "rollout.engine=static")
+    assert setup._engine(config, stop_ids=()) == "paged"
+
+
 # ---------------------------------------------------------------------------------------------
 # Split placement: 4 rollout + 4 train of the suite's 8 fake devices (the colocated run's mesh
 # must divide 8 too), both meshes data-parallel.
@@ -479,15 +493,18 @@ placement:
 train:
   max_steps: 3
   max_staleness: {staleness}
+  partial_rollout_tokens: {partial}
   save_every: 1
 """
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("staleness", [0, 1])
-def test_two_processes_split_train_like_one(tmp_path, staleness):
+@pytest.mark.parametrize("staleness, partial", [(0, 0), (1, 0), (2, 3)], ids=["0", "1", "2p"])
+def test_two_processes_split_train_like_one(tmp_path, staleness, partial):
     """Staleness 0: like one colocated process; staleness 1: like one split process (4 + 4 of
-    this process's devices, the same train and rollout mesh shapes)."""
+    this process's devices, the same train and rollout mesh shapes); staleness 2 with partial
+    rollouts of 3-token segments: each process samples its share of every segment, and the
+    run is the one-process run (the batches, their versions, the updates)."""
     import subprocess
     import sys
     import time
@@ -497,7 +514,7 @@ def test_two_processes_split_train_like_one(tmp_path, staleness):
 
     config_path = tmp_path / "async.yaml"
     tiny = MP.REPO / "configs" / "tiny.yaml"
-    config_path.write_text(MP_CONFIG.format(tiny=tiny, staleness=staleness))
+    config_path.write_text(MP_CONFIG.format(tiny=tiny, staleness=staleness, partial=partial))
     env = MP._child_env(2)  # the suite's XLA flags, two devices each
     port, children = MP._free_port(), []
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
@@ -536,12 +553,19 @@ def test_two_processes_split_train_like_one(tmp_path, staleness):
     gap = np.sqrt(sum(np.sum((x - y) ** 2) for x, y in pairs))
     assert norm > 0 and gap <= 1e-3 * norm, (gap, norm)
     records = M.read_metrics(tmp_path / "two")
-    assert [r["async/staleness_max"] for r in records] == [0.0, staleness, staleness]
+    if partial:  # batch 3: its first segment under version 0, the rest under version 1
+        assert [r["async/staleness_max"] for r in records] == [0.0, 1.0, 2.0]
+        assert records[2]["async/segments"] == 2 and records[2]["async/staleness_frac_1"] > 0
+    else:
+        assert [r["async/staleness_max"] for r in records] == [0.0, staleness, staleness]
     assert all(r["sync/seconds"] > 0 for r in records)
     assert any(r["reward/std"] > 0 for r in records), "no reward signal: the test is vacuous"
     for a, b in zip(M.read_metrics(tmp_path / "one"), records, strict=True):
         assert b["reward/mean"] == pytest.approx(a["reward/mean"], abs=1e-6)
         assert b["actor/grad_norm"] == pytest.approx(a["actor/grad_norm"], rel=1e-3)
+        # (the colocated reference of staleness 0 has no async metrics)
+        same = ("async/staleness_mean", "async/segments", "response_length/mean")
+        assert [a.get(k) for k in same if k in a] == [b.get(k) for k in same if k in a]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 
 from jaxrl_llm.data import BatchIterator
@@ -51,27 +50,6 @@ def test_kv_metrics_take_the_busiest_engine_and_sum_the_preemptions():
     assert m["rollout/decode_dispatches"] == 5 + 7  # each round's busiest engine
     assert m["rollout/prefix_shared_frac"] == 3 * 10 / (3 * (30 + 10))  # of every engine's
     assert kv_metrics([engine_rows(None)]) == {} == kv_metrics([])
-
-
-def test_rounds_gathered_at_once_keep_each_round_apart(monkeypatch):
-    """A partial rollout's segments (rounds) are gathered over the processes in one exchange
-    at the end: each round gets every process's engines, in process order."""
-    from jaxrl_llm.train import collect as C
-
-    mine = [engine_rows(_stats(2, 9, 0, 3), gather=False), engine_rows(None, gather=False)]
-    theirs = [engine_rows(_stats(5, 9, 1, 1), gather=False), engine_rows(_stats(1, 9, 0, 4))]
-
-    def two_processes(tree, *, what, tiled):
-        assert tiled and what == "paged engine stats by round"
-        other = np.concatenate([np.c_[np.full(len(r), i), r] for i, r in enumerate(theirs)])
-        return np.concatenate([tree, other])
-
-    monkeypatch.setattr(C.dist, "is_multiprocess", lambda: True)
-    monkeypatch.setattr(C.dist, "host_allgather", two_processes)
-    first, second = C.gather_rounds(mine)
-    assert first.tolist() == [[2, 9, 1024, 0, 3, 30, 10], [5, 9, 1024, 1, 1, 30, 10]]
-    assert second.tolist() == [[1, 9, 1024, 0, 4, 30, 10]]  # this process ran nothing in round 2
-    assert kv_metrics([first, second])["rollout/decode_dispatches"] == 3 + 4
 
 
 def _collect(*overrides: str) -> dict[str, float]:
