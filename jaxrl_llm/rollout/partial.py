@@ -24,7 +24,9 @@ PPO loss (Hilton et al. 2021) token by token even when a completion spans versio
 far, prefilled again under the current weights; the KV cache of the previous weights is not
 kept or reused (AReaL's choice: the continuation is then exactly what the new policy computes
 for that prefix, and no KV cache outlives a segment). The cost is one prefill of
-``P_b + n_bg`` tokens per continuing sample per segment.
+``P_b + n_bg`` tokens per continuing sample per segment, less the prompt's whole pages, which
+with ``PagedOptions.prefix_sharing`` (the default) a prompt's continuing samples seated
+together share: they are prefilled once per segment.
 
 **Randomness independent of segmentation.** Token ``t`` of sample ``g`` of prompt ``b`` is
 drawn with the key ``fold_in(fold_in(rng, b·G + g), t)`` whatever the segmentation: the paged

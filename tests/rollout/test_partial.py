@@ -205,6 +205,30 @@ def test_done_samples_are_not_continued(tiny_pair, monkeypatch):
     assert again.segments == state.segments and again.last_version == 3
 
 
+def test_later_segments_prefill_a_prompts_pages_once_for_its_samples(tiny_pair):
+    """After the first segment each continuing sample is its own context, prompt ⧺ tokens so
+    far; with prefix sharing the samples of a prompt seated together (16 slots: all) share its
+    whole pages (prefilled once)."""
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=2, lengths=(20, 33, 17))
+    shared = {}
+    for share in (True, False):
+        options = dataclasses.replace(SMALL, num_slots=16, prefix_sharing=share)
+        state, stats = partial.start(3, 4, 12), []
+        while not state.done_bg.all():
+            state = partial.advance(
+                model, ids, mask, state, rng=jax.random.key(0), version=0, segment_tokens=4,
+                paged_options=options, stats=stats, stop_token_ids=(),
+            )  # fmt: skip
+        shared[share] = [(s.shared_prompt_tokens, s.prefill_tokens) for s in stats]
+    # 3 of each prompt's 4 samples take its whole 4-token pages (20 + 32 + 16 tokens) from the
+    # first: 3 · 68 = 204 tokens not prefilled in each later segment
+    assert [s for s, _ in shared[True]] == [0, 204, 204]
+    assert [s for s, _ in shared[False]] == [0, 0, 0]
+    for (_, ran), (_, alone) in zip(shared[True][1:], shared[False][1:], strict=True):
+        assert ran + 204 == alone
+
+
 def test_a_second_batch_compiles_nothing(tiny_pair):
     """Every segment's shapes come from (B, G, T, P): a second batch of the same shapes, with
     other prompts, weights and key, reuses the first one's programs."""
