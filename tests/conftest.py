@@ -128,7 +128,7 @@ _LONG_S = {
     "test_multiprocess.py::test_two_processes_end_with_the_parameters_of_one": 92,
     "test_end_to_end.py::test_quickstart_two_steps_with_the_default_model": 65,
     "test_async.py::test_two_processes_split_train_like_one[1]": 65,
-    "test_async.py::test_two_processes_split_train_like_one[2p]": 60,
+    "test_async.py::test_two_processes_split_train_like_one[2p]": 75,
     "test_placement.py::test_two_processes_sync_verify_and_sample_the_tokens_of_one": 54,
     "test_faults.py::test_sigterm_and_ctrl_c_save_a_checkpoint_and_the_resume_is_exact": 53,
     "test_async.py::test_two_processes_split_train_like_one[0]": 44,

@@ -503,34 +503,66 @@ train:
 def test_two_processes_split_train_like_one(tmp_path, staleness, partial):
     """Staleness 0: like one colocated process; staleness 1: like one split process (4 + 4 of
     this process's devices, the same train and rollout mesh shapes); staleness 2 with partial
-    rollouts of 3-token segments: each process samples its share of every segment, and the
-    run is the one-process run (the batches, their versions, the updates)."""
+    rollouts of 3-token segments: each process samples its share of every segment, the run is
+    stopped by SIGTERM to process 0 during update 1 (both stop after step 1, whose checkpoint
+    holds batch 3 in flight) and relaunched, and it ends as the uninterrupted one-process run
+    (the batches, their versions, the updates)."""
+    import signal
     import subprocess
     import sys
     import time
 
     from jaxrl_llm.config import load_config
+    from jaxrl_llm.train.faults import PHASE_LOG_ENV
     from tests.train import test_multiprocess as MP
 
     config_path = tmp_path / "async.yaml"
     tiny = MP.REPO / "configs" / "tiny.yaml"
     config_path.write_text(MP_CONFIG.format(tiny=tiny, staleness=staleness, partial=partial))
     env = MP._child_env(2)  # the suite's XLA flags, two devices each
-    port, children = MP._free_port(), []
-    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    children, phases = [], tmp_path / "phases0.log"
     t0 = time.monotonic()
-    try:
+
+    def launch(life: int) -> list:
+        port = MP._free_port()
+        logs = [tmp_path / f"process{i}.{life}.log" for i in range(2)]
         for i, log in enumerate(logs):
             cmd = [sys.executable, "-m", "jaxrl_llm.cli", "train", "--config", str(config_path)]
             cmd += ["--run-dir", str(tmp_path / "two"), "--no-progress"]
             cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
             cmd += ["--process-id", str(i)]
+            watched = {PHASE_LOG_ENV: str(phases)} if partial and life == 0 and i == 0 else {}
             with log.open("w") as out:
                 children.append(
                     subprocess.Popen(
-                        cmd, cwd=MP.REPO, env=env, stdout=out, stderr=subprocess.STDOUT
+                        cmd,
+                        cwd=MP.REPO,
+                        env={**env, **watched},
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
                     )
                 )
+        return logs
+
+    try:
+        logs = launch(0)
+        if partial:  # SIGTERM to process 0 once update 1 is dispatched
+            while "update 1 " not in (phases.read_text() if phases.exists() else ""):
+                assert children[0].poll() is None, MP._tail(logs[0])
+                assert time.monotonic() - t0 < MP.TIMEOUT_S, MP._tail(logs[0])
+                time.sleep(0.05)
+            children[0].send_signal(signal.SIGTERM)
+            codes = [child.wait(timeout=MP.TIMEOUT_S) for child in children]
+            assert codes == [143, 143], (codes, MP._tail(logs[0]), MP._tail(logs[1]))
+            with Checkpointer(tmp_path / "two" / "checkpoints") as ckpt:
+                assert ckpt.latest_step() == 1
+                batches = ckpt.read_meta(1)[A.BUFFER_META]["batches"]
+            assert [(b["step"], bool(b.get("in_flight"))) for b in batches] == [
+                (2, False),
+                (3, True),
+            ]
+            children.clear()
+            logs = launch(1)
         # the one-process reference meanwhile
         config = load_config(config_path, [] if staleness else ["placement.mode=colocated"])
         loop.train(config, run_dir=tmp_path / "one", progress=False, log=_quiet)
