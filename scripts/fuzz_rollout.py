@@ -22,6 +22,13 @@ one sample group's worst case, which forces preemption). Then it checks what mus
 - ``kernel``: the paged engine with ``attention="pallas_gpu"`` (the Pallas GPU kernel; interpret
   mode off a GPU, slow) gives the reference attention's greedy tokens, log-probs within 1e-4.
   Families the kernel cannot serve (sliding windows, head dim 24) are drawn again as Llama.
+- ``mp``: a partial rollout of random segments on **two processes** (``jax.distributed`` on
+  CPU with gloo; this script launches them, two devices each, on a free local port) over a
+  random layout of their 4 devices (``data`` 4; ``data`` 2 × ``tensor`` 2; ``fsdp`` 4, also
+  regrouped into ``tensor_parallel=2`` engines; ``data`` 2 × ``fsdp`` 2): every process
+  returns the one-device one-shot paged run's tokens. The two processes run all the seeds in
+  one launch each and stop at the first error (the other would wait in a collective), which
+  is then reported for that seed, the rest of the seeds not run.
 
 A failing case prints its seed and its drawn configuration; ``--seeds S`` reruns it alone.
 Output: one line per case, and with ``--out`` a JSON summary (cases, failures with seed, check,
@@ -41,6 +48,7 @@ import sys
 import time
 import traceback
 import zlib
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -54,7 +62,15 @@ from jaxrl_llm.models.tiny import tiny_random_config
 from jaxrl_llm.models.transformer import CausalLM
 from jaxrl_llm.rollout import paged, partial
 
-CHECKS = ("engines", "partial", "dp", "kernel")
+CHECKS = ("engines", "partial", "dp", "kernel", "mp")
+MP_LAYOUTS = (  # (mesh sizes over the two processes' 4 devices, tensor_parallel)
+    (dict(data=4), 0),
+    (dict(data=2, tensor=2), 0),
+    (dict(fsdp=4), 0),
+    (dict(fsdp=4), 2),
+    (dict(data=2, fsdp=2), 0),
+)
+MP_TIMEOUT_S = 1800  # the two processes' whole campaign
 VOCAB = 96
 LOGP_ATOL = 5e-5  # the same float32 model through other programs (chunked, batched differently)
 FAMILIES = {
@@ -274,6 +290,114 @@ def check_case(check: str, case: Case, model: Any) -> dict[str, Any]:
     return facts
 
 
+def mp_draws(case: Case) -> tuple[dict[str, int], int, int]:
+    """The ``mp`` check's layout and segment length for ``case``."""
+    r = np.random.RandomState(case.seed + 3)
+    sizes, tp = MP_LAYOUTS[r.randint(len(MP_LAYOUTS))]
+    return sizes, tp, int(r.randint(1, case.kwargs["max_new_tokens"] + 3))
+
+
+def mp_child(port: int, pid: int, seeds: list[int], out_dir: str) -> None:
+    """One of the ``mp`` check's two processes: each seed's partial rollout on the drawn layout
+    of both processes' devices, its outputs saved as ``{out_dir}/{seed}.{pid}.npz``."""
+    from pathlib import Path
+
+    from jaxrl_llm import distributed as dist
+
+    dist.initialize(f"127.0.0.1:{port}", 2, pid)
+    models: dict[str, Any] = {}
+    for seed in seeds:
+        case = draw(seed, "mp")
+        if case.family not in models:
+            models[case.family] = tiny_model(case.family)
+        sizes, tp, segment = mp_draws(case)
+        graphdef, state = nnx.split(models[case.family])
+        mesh = sharding.make_mesh(**sizes, devices=jax.devices())
+        pure = jax.tree.map(np.asarray, nnx.to_pure_dict(state))  # the same on both processes
+        params = jax.device_put(pure, sharding.param_shardings(state, mesh))
+        options = dataclasses.replace(case.options, tensor_parallel=tp)
+        got = partial.generate_partial(
+            [(graphdef, params)], case.ids, case.mask, segment_tokens=segment,
+            paged_options=options, **case.kwargs,
+        )  # fmt: skip
+        arrays = {f: np.asarray(x) for f, x in got._asdict().items() if x is not None}
+        path = Path(out_dir) / f"{seed}.{pid}.npz"
+        np.savez(path.with_suffix(".tmp.npz"), **arrays)
+        path.with_suffix(".tmp.npz").replace(path)  # whole, or not there
+        print(f"done {seed}", flush=True)
+
+
+def mp_campaign(seeds: list[int]) -> Iterator[tuple[int, dict[str, Any], str | None]]:
+    """Runs the ``mp`` check of ``seeds``: two processes sample, this one computes each seed's
+    one-device reference meanwhile and compares. Yields ``(seed, facts, error or None)`` as
+    each seed is compared."""
+    import os
+    import socket
+    import tempfile
+    from pathlib import Path
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform" not in f]
+    env = {
+        **os.environ,
+        "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=2"]),
+        "JAX_PLATFORMS": "cpu",
+    }
+    with tempfile.TemporaryDirectory(prefix="fuzz_mp_") as tmp:
+        yield from _mp_compare(seeds, port, env, Path(tmp))
+
+
+def _mp_compare(
+    seeds: list[int], port: int, env: dict[str, str], out_dir: Any
+) -> Iterator[tuple[int, dict[str, Any], str | None]]:
+    import subprocess
+
+    seed_list = ",".join(map(str, seeds))
+    children, logs = [], [out_dir / f"process{i}.log" for i in range(2)]
+    for pid, log in enumerate(logs):
+        cmd = [sys.executable, __file__, "--mp-child", str(port), str(pid), seed_list, str(out_dir)]
+        with log.open("w") as f:
+            children.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
+    models, start, finished = {}, time.perf_counter(), False
+    try:
+        for seed in seeds:
+            case = draw(seed, "mp")
+            if case.family not in models:
+                models[case.family] = tiny_model(case.family)
+            ref, _ = paged_run(models[case.family], case, case.options)
+            sizes, tp, segment = mp_draws(case)
+            facts = dict(mesh=sizes, tensor_parallel=tp, segment=segment)
+            paths = [out_dir / f"{seed}.{pid}.npz" for pid in range(2)]
+            while not all(p.exists() for p in paths) and all(c.poll() is None for c in children):
+                if time.perf_counter() - start > MP_TIMEOUT_S:
+                    break
+                time.sleep(0.2)
+            if not all(p.exists() for p in paths):  # a process failed (or hangs): stop here
+                tails = [log.read_text()[-3000:] for log in logs]
+                codes = [c.poll() for c in children]
+                yield seed, facts, f"processes ended {codes}:\n" + "\n---\n".join(tails)
+                return
+            try:
+                for pid, path in enumerate(paths):
+                    with np.load(path) as z:
+                        got = partial.PartialGeneration(**{k: z[k] for k in z.files})
+                    assert_same(got, ref, f"one device (process {pid} of 2, {facts})")
+            except AssertionError as e:
+                yield seed, facts, f"AssertionError: {e}"
+                continue
+            yield seed, facts, None
+        finished = True
+    finally:
+        for child in children:
+            try:
+                child.wait(timeout=60 if finished else 5)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait(timeout=30)
+
+
 def parse_seeds(text: str) -> list[int]:
     """``"S"`` (one seed), ``"A:B"`` (A to B-1) or a comma list of either."""
     seeds: list[int] = []
@@ -291,7 +415,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seeds", default="0:100", help="S, A:B (A..B-1) or a comma list")
     ap.add_argument("--checks", default="engines,partial", help=f"comma list of {CHECKS}")
     ap.add_argument("--out", default=None, help="JSON summary path")
+    ap.add_argument("--mp-child", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.mp_child:  # one of the mp check's processes (launched by mp_campaign)
+        port, pid, seeds, out_dir = args.mp_child
+        mp_child(int(port), int(pid), parse_seeds(seeds), out_dir)
+        return {"failures": []}
     checks = [c for c in args.checks.split(",") if c]
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown:
@@ -303,7 +432,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     models: dict[str, Any] = {}
     failures, cases, start = [], 0, time.perf_counter()
-    for seed in parse_seeds(args.seeds):
+    seeds = parse_seeds(args.seeds)
+    if "mp" in checks:
+        for seed, facts, error in mp_campaign(seeds):
+            cases += 1
+            if error is None:
+                print(f"ok seed {seed} mp {draw(seed, 'mp').family} {facts}", flush=True)
+                continue
+            case = draw(seed, "mp")
+            failures.append(dict(seed=seed, check="mp", case=case.describe(), error=error))
+            print(f"FAIL seed {seed} mp {facts}: {error}", flush=True)
+            print(json.dumps(case.describe()), flush=True)
+        checks = [c for c in checks if c != "mp"]
+    for seed in seeds:
         for check in checks:
             case = draw(seed, check)
             if case.family not in models:

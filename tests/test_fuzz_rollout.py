@@ -1,6 +1,7 @@
 """scripts/fuzz_rollout.py, the engines' randomised differential checks: one drawn case passes
-every check, a wrong token is reported with its seed and check, bad arguments are clear
-errors. (The campaign itself, hundreds of seeds, is run by hand: docs/rollout.md.)"""
+every check (``mp``: in two processes the script launches), a wrong token is reported with its
+seed and check, bad arguments are clear errors. (The campaign itself, hundreds of seeds, is
+run by hand: docs/rollout.md.)"""
 
 import json
 import sys
@@ -37,6 +38,13 @@ def test_draws_are_seeded_and_cover_the_options():
     assert {c.kwargs["temperature"] for c in cases} == {0.0, 0.7, 1.0}
     # The kernel check draws only families the Pallas GPU kernel serves.
     assert {fuzz.draw(s, "kernel").family for s in range(50)} == set(fuzz.KERNEL_FAMILIES)
+    # The mp check draws every two-process layout, and segments from 1 to past T.
+    cases = [fuzz.draw(s, "mp") for s in range(100)]
+    mp = [fuzz.mp_draws(c) for c in cases]
+    layouts = {(tuple(sorted(sizes.items())), tp) for sizes, tp, _ in mp}
+    assert layouts == {(tuple(sorted(sizes.items())), tp) for sizes, tp in fuzz.MP_LAYOUTS}
+    segments = [(seg, c.kwargs["max_new_tokens"]) for (_, _, seg), c in zip(mp, cases, strict=True)]
+    assert any(seg == 1 < t for seg, t in segments) and any(seg > t for seg, t in segments)
 
 
 def test_a_wrong_token_is_a_failure_with_its_seed(monkeypatch, capsys):
