@@ -676,8 +676,8 @@ def _check_mesh(mesh: MeshConfig, where: str = "mesh") -> None:
 
 def _check_partial_rollouts(config: TrainConfig) -> None:
     """``train.partial_rollout_tokens``: needs ``max_staleness >= 2`` (segments continue across
-    updates), a recipe that scores each batch once (no DAPO refills, no ReMax greedy
-    baseline), and with several processes the paged engine."""
+    updates) and a recipe that scores each batch once (no DAPO refills, no ReMax greedy
+    baseline); with several processes, the paged engine (:func:`check_devices`)."""
     n = config.train.partial_rollout_tokens
     if n == 0 or config.is_offline:
         return
@@ -698,15 +698,6 @@ def _check_partial_rollouts(config: TrainConfig) -> None:
             f"{key} = {n}: {config.algorithm.name} refills groups (dynamic sampling) or samples "
             f"a greedy baseline per prompt, which partial rollouts do not; expected {key} = 0",
             key,
-        )
-    import jax
-
-    if jax.process_count() > 1 and config.rollout.engine == "static":
-        raise ConfigError(
-            f"{key} = {n} with rollout.engine = static in a run of {jax.process_count()} "
-            "processes: partial rollouts run the static engine in one process only; expected "
-            "rollout.engine = paged (or auto)",
-            "rollout.engine",
         )
 
 
@@ -1039,7 +1030,9 @@ def placement_device_counts(
     return k * process_count, (local - k) * process_count
 
 
-def _check_rollout_tensor_parallel(config: TrainConfig, n_rollout: int, local: int) -> None:
+def _check_rollout_tensor_parallel(
+    config: TrainConfig, n_rollout: int, local: int, process_count: int
+) -> None:
     """``rollout.tensor_parallel`` t: the paged engine's devices per engine, so t divides the
     rollout's devices and each process's share of them, ``local`` (an engine's devices
     belong to one process)."""
@@ -1048,6 +1041,8 @@ def _check_rollout_tensor_parallel(config: TrainConfig, n_rollout: int, local: i
         return
     r = config.rollout
     never_stops = r.stop_token_ids is not None and len(r.stop_token_ids) == 0
+    # auto is paged for partial rollouts over several processes (train.setup.rollout_engine)
+    never_stops = never_stops and not (config.train.partial_rollout_tokens and process_count > 1)
     if r.engine == "static" or (r.engine == "auto" and never_stops):
         why = "static" if r.engine == "static" else "auto with stop_token_ids = [] (static)"
         raise ConfigError(
@@ -1087,7 +1082,17 @@ def check_devices(
             devices=f"rollout devices (of {device_count})",
         )
     sizes = mesh_axis_sizes(config.mesh, n_train, devices=devices)
-    _check_rollout_tensor_parallel(config, n_rollout, n_rollout // max(process_count, 1))
+    _check_rollout_tensor_parallel(
+        config, n_rollout, n_rollout // max(process_count, 1), process_count
+    )
+    n = 0 if config.is_offline else config.train.partial_rollout_tokens
+    if n and process_count > 1 and config.rollout.engine == "static":
+        raise ConfigError(
+            f"train.partial_rollout_tokens = {n} with rollout.engine = static in a run of "
+            f"{process_count} processes: partial rollouts run the static engine in one process "
+            "only; expected rollout.engine = paged (or auto)",
+            "rollout.engine",
+        )
     dp = sizes["data"] * sizes["fsdp"]
     batch, update = config.batch_size, config.update_batch_size
     minibatch = update // config.optim.num_minibatches

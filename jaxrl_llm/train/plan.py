@@ -1127,18 +1127,21 @@ def lower_rollout(
     return lowered, kv, _kept_bytes(params, weights.rest)
 
 
-def rollout_engine(config: Any) -> str:
+def rollout_engine(config: Any, processes: int = 1) -> str:
     """The engine the run's rollout (and its evaluation) samples with: ``rollout.engine``, with
-    ``auto`` resolved as the trainer resolves it (:func:`jaxrl_llm.train.setup._sampler`:
-    paged when completions can stop early, i.e. unless ``rollout.stop_token_ids: []``; the
-    EOS of ``null`` is assumed to exist). DPO (no ``rollout``): the static engine."""
-    from jaxrl_llm.rollout.engine import choose_engine
+    ``auto`` resolved as the trainer resolves it (:func:`jaxrl_llm.train.setup.rollout_engine`:
+    paged when completions can stop early, i.e. unless ``rollout.stop_token_ids: []``, the
+    EOS of ``null`` assumed to exist; or for partial rollouts over ``processes > 1``). DPO (no
+    ``rollout``): the static engine."""
+    from jaxrl_llm.train import setup
 
     r = config.rollout
     if r is None:
         return "static"
     stop = r.stop_token_ids  # None: the model's EOS
-    return choose_engine(r.engine, can_stop_early=stop is None or len(stop) > 0)
+    return setup.rollout_engine(
+        config, can_stop_early=stop is None or len(stop) > 0, processes=processes
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2098,8 +2101,8 @@ def plan_run(config: Any, target: Target) -> Plan:
 
     t0 = time.perf_counter()
     split = config.placement.mode == "split"
-    devices = target_devices(target) if split else None
-    hosts = len({getattr(d, "process_index", 0) for d in devices}) if split else 1
+    devices = target_devices(target)
+    hosts = len({getattr(d, "process_index", 0) for d in devices})
     try:
         sizes = check_devices(config, target.num_devices, process_count=hosts)
         placement = None
@@ -2120,7 +2123,6 @@ def plan_run(config: Any, target: Target) -> Plan:
         raise PlanError(f"{e} (target {target.name})") from None
     recipe = build_recipe(config)
     model_cfg = model_config(config.model, accelerator=target.accelerator)
-    devices = devices or target_devices(target)
     on = placement.train_devices if split else devices
     notes: tuple[str, ...] = ()
     if split and target.platform == "tpu":
@@ -2163,7 +2165,7 @@ def plan_run(config: Any, target: Target) -> Plan:
     )
     held = sum(b.per_device for b in state.values())  # Plan.state, while sampling
     base = side.copy if side is not None else held  # split: the rollout copy's
-    if rollout_engine(config) == "paged":
+    if rollout_engine(config, hosts) == "paged":
 
         def plan_rollout(num_pages: int | None = None) -> Any:
             return plan_paged_rollout(

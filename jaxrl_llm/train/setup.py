@@ -840,13 +840,14 @@ def check_processes(
             )
 
 
-def _engine(config: TrainConfig, stop_ids: Sequence[int]) -> str:
-    """``rollout.engine`` resolved (:func:`~jaxrl_llm.rollout.engine.choose_engine`); partial
-    rollouts across processes run the paged engine (the static one runs them in one process)."""
-    partial_across = getattr(config.train, "partial_rollout_tokens", 0) and dist.is_multiprocess()
+def rollout_engine(config: TrainConfig, *, can_stop_early: bool, processes: int) -> str:
+    """``rollout.engine`` resolved (:func:`~jaxrl_llm.rollout.engine.choose_engine`; also what
+    ``jaxrl-llm plan`` plans): partial rollouts across ``processes > 1`` run the paged engine
+    (the static one runs them in one process)."""
+    partial_across = getattr(config.train, "partial_rollout_tokens", 0) and processes > 1
     if config.rollout.engine == "auto" and partial_across:
         return "paged"
-    return choose_engine(config.rollout.engine, can_stop_early=bool(stop_ids))
+    return choose_engine(config.rollout.engine, can_stop_early=can_stop_early)
 
 
 def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
@@ -861,7 +862,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         top_p=r.top_p,
         stop_ids=tuple(stop_ids),
         cache_dtype=None if r.cache_dtype == "auto" else jnp.dtype(r.cache_dtype),
-        engine=_engine(config, stop_ids),
+        engine=rollout_engine(config, can_stop_early=bool(stop_ids), processes=jax.process_count()),
         paged_attention=r.paged_attention,
         paged_kernel_tuning=tuple(sorted(r.paged_kernel_tuning.items())),
         tensor_parallel=r.tensor_parallel,

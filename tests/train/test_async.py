@@ -400,18 +400,23 @@ def test_partial_rollout_settings_that_cannot_work_are_clear_errors(overrides, m
         H.config("tiny.yaml", *overrides)
 
 
-def test_partial_rollouts_across_processes_run_the_paged_engine(monkeypatch):
+def test_partial_rollouts_across_processes_run_the_paged_engine():
     """Several processes: ``rollout.engine: static`` is refused, ``auto`` resolves to paged
-    (in one process, ``auto`` without stop ids is the static engine)."""
-    from jaxrl_llm.config import ConfigError
+    for the trainer and for ``jaxrl-llm plan`` (in one process, ``auto`` without stop ids is
+    the static engine)."""
+    from jaxrl_llm.config import ConfigError, check_devices
+    from jaxrl_llm.train import plan
 
-    config = H.config("tiny.yaml", *PARTIAL)
+    no_stop = [*PARTIAL, "rollout.stop_token_ids=[]"]
+    config = H.config("tiny.yaml", *no_stop)
     assert config.rollout.engine == "auto"
-    assert setup._engine(config, stop_ids=()) == "static"
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    assert setup.rollout_engine(config, can_stop_early=False, processes=1) == "static"
+    assert setup.rollout_engine(config, can_stop_early=False, processes=2) == "paged"
+    assert plan.rollout_engine(config) == "static" and plan.rollout_engine(config, 2) == "paged"
+    static = H.config("tiny.yaml", *no_stop, "rollout.engine=static")
+    check_devices(static, 8, process_count=1)
     with pytest.raises(ConfigError, match=r"rollout\.engine = static in a run of 2 processes"):
-        H.config("tiny.yaml", *PARTIAL, "rollout.engine=static")
-    assert setup._engine(config, stop_ids=()) == "paged"
+        check_devices(static, 8, process_count=2)
 
 
 # ---------------------------------------------------------------------------------------------
