@@ -1609,6 +1609,20 @@ def test_split_plan_on_a_multi_host_tpu_topology():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
+def test_a_colocated_multi_host_target_is_checked_per_host():
+    """v5e:4x4 (4 hosts of 4 chips), colocated: an engine of 8 chips would span two hosts, and
+    partial rollouts over the hosts refuse the static engine; both before any compile."""
+    with pytest.raises(P.PlanError, match="of each process's 4"):
+        P.plan_run(
+            load_config(TINY, ["rollout.tensor_parallel=8", "rollout.engine=paged"]),
+            P.parse_target("v5e:4x4"),
+        )
+    partial = ["train.max_staleness=2", "train.partial_rollout_tokens=3", "rollout.engine=static"]
+    with pytest.raises(P.PlanError, match=r"rollout\.engine = static in a run of 4 processes"):
+        P.plan_run(load_config(TINY, partial), P.parse_target("v5e:4x4"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="libtpu not installed")
 def test_split_tpu_plan_that_libtpu_cannot_compile_is_a_clear_error():
     """v5e:2x2 (one host) at 0.25: 1 rollout + 3 train chips; 3 neither divides 4 nor is a
     slice: refused before any compile (libtpu would abort the process)."""
