@@ -326,6 +326,33 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def run_two_processes(child: str, args: list[str], tmp_path, what: str, limit: int) -> list[dict]:
+    """Runs ``python -c child PORT PID *args OUT`` as two processes of two CPU devices each and
+    returns each one's ``np.savez`` at ``OUT`` (process order)."""
+    from tests.train import test_multiprocess as MP
+
+    port, children = MP._free_port(), []
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    outs = [tmp_path / f"out{i}.npz" for i in range(2)]
+    t0 = time.monotonic()
+    try:
+        for i in range(2):
+            cmd = [sys.executable, "-c", child, str(port), str(i), *args, str(outs[i])]
+            with logs[i].open("w") as log:
+                children.append(
+                    subprocess.Popen(
+                        cmd, cwd=MP.REPO, env=_child_env(), stdout=log, stderr=subprocess.STDOUT
+                    )
+                )
+        MP._wait(children, logs, t0, what, limit=limit)
+    finally:
+        for child_process in children:
+            if child_process.poll() is None:
+                child_process.kill()
+                child_process.wait(timeout=30)
+    return [dict(np.load(o)) for o in outs]
+
+
 @pytest.mark.slow
 def test_two_processes_get_the_one_device_tokens_of_their_rows(
     tiny_pair, model, one_device, tmp_path
@@ -333,33 +360,12 @@ def test_two_processes_get_the_one_device_tokens_of_their_rows(
     """Each process passes its rows and gets the one-device tokens for them: the paged engine
     on three layouts (uneven rows), and the static engine (its multi-process program, even
     rows)."""
-    from tests.train import test_multiprocess as MP
-
     hf, _ = tiny_pair("llama3")
     ids, mask, greedy, sampled = one_device
     hf.save_pretrained(tmp_path / "model")
     np.savez(tmp_path / "batch.npz", ids=ids, mask=mask, budgets=BUDGETS, T=T, G=G)
-    port, children = MP._free_port(), []
-    logs = [tmp_path / f"process{i}.log" for i in range(2)]
-    outs = [tmp_path / f"out{i}.npz" for i in range(2)]
-    t0 = time.monotonic()
-    try:
-        for i in range(2):
-            args = [str(port), str(i), str(tmp_path / "model"), str(tmp_path / "batch.npz")]
-            cmd = [sys.executable, "-c", CHILD, *args, str(outs[i])]
-            with logs[i].open("w") as log:
-                children.append(
-                    subprocess.Popen(
-                        cmd, cwd=MP.REPO, env=_child_env(), stdout=log, stderr=subprocess.STDOUT
-                    )
-                )
-        MP._wait(children, logs, t0, "paged data-parallel", limit=240)
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=30)
-    got = [dict(np.load(o)) for o in outs]
+    args = [str(tmp_path / "model"), str(tmp_path / "batch.npz")]
+    got = run_two_processes(CHILD, args, tmp_path, "paged data-parallel", limit=240)
     for name in ("data2_tensor2", "fsdp4", "fsdp4_tp2"):
         for mode, ref in (("greedy", greedy), ("sampled", sampled)):
             fields = ("tokens", "mask", "logprobs", "truncated")

@@ -407,12 +407,7 @@ def test_two_processes_sample_their_shares_and_get_the_one_process_rollout(tiny_
     rollout (weights switched after the first segment), also when a late segment has one
     unfinished sample (process 1's share empty). Different prompts, and the static engine,
     are clear errors."""
-    import subprocess
-    import sys
-    import time
-
-    from tests.rollout.test_paged_dp import _child_env
-    from tests.train import test_multiprocess as MP
+    from tests.rollout.test_paged_dp import run_two_processes
 
     hf, model = tiny_pair("llama3")
     ids, mask = prompts(seed=2, lengths=LENGTHS)
@@ -436,27 +431,8 @@ def test_two_processes_sample_their_shares_and_get_the_one_process_rollout(tiny_
         tmp_path / "batch.npz", ids=ids, mask=mask, budgets=BUDGETS, long_one=LONG_ONE,
         stop=np.asarray(stop), T=T, G=G,
     )  # fmt: skip
-    port, children = MP._free_port(), []
-    logs = [tmp_path / f"process{i}.log" for i in range(2)]
-    outs = [tmp_path / f"out{i}.npz" for i in range(2)]
-    t0 = time.monotonic()
-    try:
-        for i in range(2):
-            args = [str(port), str(i), str(tmp_path / "model"), str(tmp_path / "batch.npz")]
-            cmd = [sys.executable, "-c", CHILD, *args, str(outs[i])]
-            with logs[i].open("w") as log:
-                children.append(
-                    subprocess.Popen(
-                        cmd, cwd=MP.REPO, env=_child_env(), stdout=log, stderr=subprocess.STDOUT
-                    )
-                )
-        MP._wait(children, logs, t0, "partial rollouts on two processes", limit=300)
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait(timeout=30)
-    got = [dict(np.load(o)) for o in outs]
+    args = [str(tmp_path / "model"), str(tmp_path / "batch.npz")]
+    got = run_two_processes(CHILD, args, tmp_path, "partial rollouts on two processes", limit=300)
     for name in ("data2_tensor2", "fsdp4"):
         for case, ref in refs.items():
             for g in got:  # every process holds the whole batch
