@@ -22,13 +22,15 @@ one sample group's worst case, which forces preemption). Then it checks what mus
 - ``kernel``: the paged engine with ``attention="pallas_gpu"`` (the Pallas GPU kernel; interpret
   mode off a GPU, slow) gives the reference attention's greedy tokens, log-probs within 1e-4.
   Families the kernel cannot serve (sliding windows, head dim 24) are drawn again as Llama.
-- ``mp``: a partial rollout of random segments on **two processes** (``jax.distributed`` on
-  CPU with gloo; this script launches them, two devices each, on a free local port) over a
-  random layout of their 4 devices (``data`` 4; ``data`` 2 × ``tensor`` 2; ``fsdp`` 4, also
-  regrouped into ``tensor_parallel=2`` engines; ``data`` 2 × ``fsdp`` 2): every process
-  returns the one-device one-shot paged run's tokens. The two processes run all the seeds in
-  one launch each and stop at the first error (the other would wait in a collective), which
-  is then reported for that seed, the rest of the seeds not run.
+- ``mp``: on **two processes** (``jax.distributed`` on CPU with gloo; this script launches
+  them, two devices each, on a free local port) over a random layout of their 4 devices
+  (``data`` 4; ``data`` 2 × ``tensor`` 2; ``fsdp`` 4, also regrouped into
+  ``tensor_parallel=2`` engines; ``data`` 2 × ``fsdp`` 2): a partial rollout of random
+  segments, where every process passes the whole batch and returns the one-device one-shot
+  paged run; and (with 2 prompts or more) one paged ``generate`` call, each process passing
+  its contiguous rows (uneven when B is odd), whose rows together are that run. The two
+  processes run all the seeds in one launch each and stop at the first error (the other would
+  wait in a collective), which is then reported for that seed, the rest of the seeds not run.
 
 A failing case prints its seed and its drawn configuration; ``--seeds S`` reruns it alone.
 Output: one line per case, and with ``--out`` a JSON summary (cases, failures with seed, check,
@@ -60,7 +62,7 @@ from jaxrl_llm import rollout
 from jaxrl_llm.models import sharding
 from jaxrl_llm.models.tiny import tiny_random_config
 from jaxrl_llm.models.transformer import CausalLM
-from jaxrl_llm.rollout import paged, partial
+from jaxrl_llm.rollout import paged, paged_dp, partial
 
 CHECKS = ("engines", "partial", "dp", "kernel", "mp")
 MP_LAYOUTS = (  # (mesh sizes over the two processes' 4 devices, tensor_parallel)
@@ -321,6 +323,17 @@ def mp_child(port: int, pid: int, seeds: list[int], out_dir: str) -> None:
             paged_options=options, **case.kwargs,
         )  # fmt: skip
         arrays = {f: np.asarray(x) for f, x in got._asdict().items() if x is not None}
+        if len(case.ids) >= 2:  # generate: each process its own rows of the batch
+            rows = paged_dp.split_rows(len(case.ids), 2)[pid]
+            budgets = case.kwargs["max_new_tokens_bg"]
+            kwargs = dict(case.kwargs, max_new_tokens_bg=None if budgets is None else budgets[rows])
+            mine = rollout.generate(
+                (graphdef, params), case.ids[rows], case.mask[rows], engine="paged",
+                paged_options=options, **kwargs,
+            )  # fmt: skip
+            arrays.update(
+                {f"gen_{f}": np.asarray(x) for f, x in mine._asdict().items() if x is not None}
+            )
         path = Path(out_dir) / f"{seed}.{pid}.npz"
         np.savez(path.with_suffix(".tmp.npz"), **arrays)
         path.with_suffix(".tmp.npz").replace(path)  # whole, or not there
@@ -369,6 +382,10 @@ def _mp_compare(
             ref, _ = paged_run(models[case.family], case, case.options)
             sizes, tp, segment = mp_draws(case)
             facts = dict(mesh=sizes, tensor_parallel=tp, segment=segment)
+            if len(case.ids) >= 2:  # the generate call's rows per process
+                facts["generate_rows"] = [
+                    r.stop - r.start for r in paged_dp.split_rows(len(case.ids), 2)
+                ]
             paths = [out_dir / f"{seed}.{pid}.npz" for pid in range(2)]
             while not all(p.exists() for p in paths) and all(c.poll() is None for c in children):
                 if time.perf_counter() - start > MP_TIMEOUT_S:
@@ -380,10 +397,19 @@ def _mp_compare(
                 yield seed, facts, f"processes ended {codes}:\n" + "\n---\n".join(tails)
                 return
             try:
-                for pid, path in enumerate(paths):
+                loaded = []
+                for path in paths:
                     with np.load(path) as z:
-                        got = partial.PartialGeneration(**{k: z[k] for k in z.files})
-                    assert_same(got, ref, f"one device (process {pid} of 2, {facts})")
+                        loaded.append({k: z[k] for k in z.files})
+                for pid, arrays in enumerate(loaded):
+                    got = {k: v for k, v in arrays.items() if not k.startswith("gen_")}
+                    got = partial.PartialGeneration(**got)
+                    assert_same(got, ref, f"one device (partial, process {pid} of 2, {facts})")
+                if len(case.ids) >= 2:
+                    fields = [k for k in loaded[0] if k.startswith("gen_")]
+                    rows = {k[4:]: np.concatenate([a[k] for a in loaded]) for k in fields}
+                    got = rollout.Generation(**rows)
+                    assert_same(got, ref, f"one device (generate, each process its rows, {facts})")
             except AssertionError as e:
                 yield seed, facts, f"AssertionError: {e}"
                 continue
