@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -84,9 +85,10 @@ FAMILIES = {
 KERNEL_FAMILIES = ("llama",)  # what pallas_gpu serves: no sliding window, head dim % 16 == 0
 
 
+@functools.cache
 def tiny_model(family: str) -> CausalLM:
-    """A tiny random model of ``family``; norm scales and biases moved off 1 and 0, so that
-    they matter."""
+    """A tiny random model of ``family`` (built once per process); norm scales and biases moved
+    off 1 and 0, so that they matter."""
     config = tiny_random_config(
         vocab_size=VOCAB, intermediate_size=80, max_position_embeddings=512, **FAMILIES[family]
     )
@@ -238,6 +240,15 @@ def roomy(case: Case) -> paged.PagedOptions:
     )
 
 
+def on_mesh(model: Any, sizes: dict[str, int], devices: list) -> tuple[Any, Any]:
+    """``(graphdef, params)`` of ``model`` laid out on a mesh of ``sizes`` over ``devices`` (its
+    host values: the same on every process of a multi-process mesh)."""
+    graphdef, state = nnx.split(model)
+    mesh = sharding.make_mesh(**sizes, devices=devices)
+    pure = jax.tree.map(np.asarray, nnx.to_pure_dict(state))
+    return graphdef, jax.device_put(pure, sharding.param_shardings(state, mesh))
+
+
 def partial_run(model: Any, case: Case, segment: int, engine: str = "paged") -> Any:
     """``partial.generate_partial`` of ``case`` in segments of ``segment`` tokens (the paged
     engine with the case's options)."""
@@ -274,15 +285,13 @@ def check_case(check: str, case: Case, model: Any) -> dict[str, Any]:
         sizes = [dict(data=2), dict(data=4), dict(data=2, tensor=2), dict(data=2, fsdp=2)]
         mesh_sizes = sizes[r.randint(len(sizes))]
         facts.update(mesh=mesh_sizes)
-        graphdef, state = nnx.split(model)
         devices = jax.devices()[: int(np.prod(list(mesh_sizes.values())))]
-        mesh = sharding.make_mesh(**mesh_sizes, devices=devices)
-        params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh))
-        got, _ = paged_run((graphdef, params), case, case.options)
+        sharded = on_mesh(model, mesh_sizes, devices)
+        got, _ = paged_run(sharded, case, case.options)
         assert_same(got, out, f"one device (mesh {mesh_sizes})")
         segment = int(r.randint(1, case.kwargs["max_new_tokens"] + 3))
         facts.update(segment=segment)
-        got = partial_run((graphdef, params), case, segment)
+        got = partial_run(sharded, case, segment)
         assert_same(got, out, f"one device (partial, segments of {segment}, mesh {mesh_sizes})")
     elif check == "kernel":
         reference = dataclasses.replace(case.options, attention="reference")
@@ -307,19 +316,13 @@ def mp_child(port: int, pid: int, seeds: list[int], out_dir: str) -> None:
     from jaxrl_llm import distributed as dist
 
     dist.initialize(f"127.0.0.1:{port}", 2, pid)
-    models: dict[str, Any] = {}
     for seed in seeds:
         case = draw(seed, "mp")
-        if case.family not in models:
-            models[case.family] = tiny_model(case.family)
         sizes, tp, segment = mp_draws(case)
-        graphdef, state = nnx.split(models[case.family])
-        mesh = sharding.make_mesh(**sizes, devices=jax.devices())
-        pure = jax.tree.map(np.asarray, nnx.to_pure_dict(state))  # the same on both processes
-        params = jax.device_put(pure, sharding.param_shardings(state, mesh))
+        sharded = on_mesh(tiny_model(case.family), sizes, jax.devices())
         options = dataclasses.replace(case.options, tensor_parallel=tp)
         got = partial.generate_partial(
-            [(graphdef, params)], case.ids, case.mask, segment_tokens=segment,
+            [sharded], case.ids, case.mask, segment_tokens=segment,
             paged_options=options, **case.kwargs,
         )  # fmt: skip
         arrays = {f: np.asarray(x) for f, x in got._asdict().items() if x is not None}
@@ -328,7 +331,7 @@ def mp_child(port: int, pid: int, seeds: list[int], out_dir: str) -> None:
             budgets = case.kwargs["max_new_tokens_bg"]
             kwargs = dict(case.kwargs, max_new_tokens_bg=None if budgets is None else budgets[rows])
             mine = rollout.generate(
-                (graphdef, params), case.ids[rows], case.mask[rows], engine="paged",
+                sharded, case.ids[rows], case.mask[rows], engine="paged",
                 paged_options=options, **kwargs,
             )  # fmt: skip
             arrays.update(
@@ -373,13 +376,11 @@ def _mp_compare(
         cmd = [sys.executable, __file__, "--mp-child", str(port), str(pid), seed_list, str(out_dir)]
         with log.open("w") as f:
             children.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
-    models, start, finished = {}, time.perf_counter(), False
+    start, finished = time.perf_counter(), False
     try:
         for seed in seeds:
             case = draw(seed, "mp")
-            if case.family not in models:
-                models[case.family] = tiny_model(case.family)
-            ref, _ = paged_run(models[case.family], case, case.options)
+            ref, _ = paged_run(tiny_model(case.family), case, case.options)
             sizes, tp, segment = mp_draws(case)
             facts = dict(mesh=sizes, tensor_parallel=tp, segment=segment)
             if len(case.ids) >= 2:  # the generate call's rows per process
@@ -456,7 +457,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"--checks dp needs 4 devices, this process has {len(jax.devices())}; on CPU set "
             "XLA_FLAGS=--xla_force_host_platform_device_count=4 before starting"
         )
-    models: dict[str, Any] = {}
     failures, cases, start = [], 0, time.perf_counter()
     seeds = parse_seeds(args.seeds)
     if "mp" in checks:
@@ -473,9 +473,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for seed in seeds:
         for check in checks:
             case = draw(seed, check)
-            if case.family not in models:
-                models[case.family] = tiny_model(case.family)
-            model = models[case.family]
+            model = tiny_model(case.family)
             t0 = time.perf_counter()
             cases += 1
             try:

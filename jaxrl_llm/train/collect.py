@@ -292,6 +292,14 @@ def policy_mesh(policy: tuple[Any, dict]) -> jax.sharding.Mesh:
     )
 
 
+def _sampling_rows(setup: Setup, policy: tuple[Any, dict] | None, num_rows: int) -> slice:
+    """This process's rows of a batch sampled with ``policy`` (of its mesh), or with the train
+    mesh's policy when ``None``; every row in a single-process run."""
+    if policy is None:
+        return setup.models.process_rows(num_rows)
+    return policy_rows(policy, num_rows)
+
+
 def _generate_round(
     setup: Setup,
     params: dict,
@@ -307,10 +315,7 @@ def _generate_round(
     mesh when given), then the groups are gathered so that selection and metrics see the
     global batch in the order of a single-process run.
     """
-    if policy is None:
-        rows = setup.models.process_rows(len(batch.prompts))
-    else:
-        rows = policy_rows(policy, len(batch.prompts))
+    rows = _sampling_rows(setup, policy, len(batch.prompts))
     t0 = time.perf_counter()
     out, stats = sample_completions(
         setup.models,
@@ -490,10 +495,7 @@ def score_generated(
             f"score_generated: {recipe.name} refills groups or samples a greedy baseline, "
             "which a batch sampled elsewhere cannot do"
         )
-    if policy is None:
-        rows = setup.models.process_rows(len(batch.prompts))
-    else:
-        rows = policy_rows(policy, len(batch.prompts))
+    rows = _sampling_rows(setup, policy, len(batch.prompts))
     mine = out._replace(**{f: None if x is None else x[rows] for f, x in out._asdict().items()})
     groups, reward_out, truncated, times = _score_round(
         setup, None, batch, rows, mine, None, policy, sample_seconds, step
