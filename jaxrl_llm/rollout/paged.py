@@ -88,7 +88,7 @@ from jaxrl_llm import memory_maps
 from jaxrl_llm.models.rope import rope_cos_sin, rope_frequencies
 from jaxrl_llm.models.transformer import CausalLM, DecoderLayer, layer_windows
 from jaxrl_llm.rollout import pages as pages_lib
-from jaxrl_llm.rollout import sampling
+from jaxrl_llm.rollout import sampling, stealing
 from jaxrl_llm.rollout.decode import _attention as dense_decode_attention
 from jaxrl_llm.rollout.decode import unstack_layers
 from jaxrl_llm.rollout.pages import (
@@ -193,6 +193,16 @@ class PagedOptions:
         prompt of the same prefill call would write waits for the next call (SGLang's
         in-batch deferral), so the common prefix is computed once. Preempted sequences are
         recomputed into pages of their own. ``False``: every prompt's pages are its own.
+      work_stealing: with several data-parallel engines in a process (``paged_dp``), an
+        engine that has run its own share of the prompts and has room takes the last prompts
+        another engine has waiting for room (:mod:`~jaxrl_llm.rollout.stealing`), so a share
+        of long completions does not hold up the call while other engines idle. Only prompts
+        that wait for slots or pages move: a call whose every share fits its engine at once
+        runs the contiguous split. A moved sample keeps its keys (its global sequence id), so
+        its tokens are the split run's up to float rounding (beside other rows its logits may
+        differ in the last bits, and a near-tie then samples another token, as between any
+        two batch layouts); which engine runs a moved prompt (the per-engine stats) depends on
+        timing. ``False``: each engine runs its contiguous share only.
     """
 
     page_size: int = 16
@@ -206,6 +216,7 @@ class PagedOptions:
     max_prompt_length: int | None = None
     memory_utilization: float | None = 0.9
     prefix_sharing: bool = True
+    work_stealing: bool = True
 
 
 class PagedStats(NamedTuple):
@@ -214,8 +225,12 @@ class PagedStats(NamedTuple):
     many times a sequence was preempted (its pages taken back, to be recomputed), the
     pool's pages (the trash page included; :attr:`PagedOptions.num_pages` as run, after
     :attr:`PagedOptions.memory_utilization`), the context tokens the prefill calls ran
-    (recomputations included), and the prompt tokens they did not run because another
-    prompt's pages held them (:attr:`PagedOptions.prefix_sharing`)."""
+    (recomputations included), the prompt tokens they did not run because another
+    prompt's pages held them (:attr:`PagedOptions.prefix_sharing`), and the decode steps
+    the dispatches ran (a dispatch's ``steps_per_dispatch`` or fewer: the engine's
+    sequential decode work, the time it takes where a step's time barely depends on its rows,
+    as on an accelerator), and the prompts it took from another engine's queue
+    (:attr:`PagedOptions.work_stealing`)."""
 
     peak_pages: int
     page_bytes: int
@@ -226,6 +241,8 @@ class PagedStats(NamedTuple):
     pool_pages: int = 0
     prefill_tokens: int = 0
     shared_prompt_tokens: int = 0
+    decode_steps: int = 0
+    prompts_stolen: int = 0
 
     @property
     def peak_kv_bytes(self) -> int:
@@ -931,10 +948,11 @@ def resolve_options(
             f"generate(engine='paged'): num_slots={slots} is smaller than num_samples="
             f"{num_samples}; a prompt's G samples are admitted together, so num_slots >= G"
         )
-    if not isinstance(o.prefix_sharing, bool):
-        raise ValueError(
-            f"generate(engine='paged'): prefix_sharing must be a bool, got {o.prefix_sharing!r}"
-        )
+    for name in ("prefix_sharing", "work_stealing"):
+        if not isinstance(getattr(o, name), bool):
+            raise ValueError(
+                f"generate(engine='paged'): {name} must be a bool, got {getattr(o, name)!r}"
+            )
     bound = o.max_prompt_length
     if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 1):
         raise ValueError(
@@ -1445,6 +1463,7 @@ def run(
     token_offsets_bg: np.ndarray | None = None,
     full_logprobs: bool = False,
     whole_rollout: tuple[int, int, int, int] | None = None,
+    queue: stealing.EngineQueue | None = None,
 ) -> tuple[tuple[np.ndarray, ...], PagedStats]:
     """Samples ``budgets_bg[b, g]`` tokens (or up to a stop id) for each prompt and sample.
 
@@ -1466,6 +1485,12 @@ def run(
     ``whole_rollout``, the ``(B, G, P, T)`` of the rollout this call is a segment of: a pool
     fitted to device memory (``options.memory_utilization``) is then fitted for that whole
     rollout (:func:`fit_pool_to_memory`, ``continued``), so every segment shares one pool shape.
+
+    ``queue``: this engine's view of the prompt queues it shares with the other data-parallel
+    engines of the process (``paged_dp``; :mod:`~jaxrl_llm.rollout.stealing`). Then
+    ``prompts`` (and the per-sample arrays) are the whole call's, the engine starts with the
+    prompts of its own queue, takes others' when its own are done and it has room, and
+    returns the rows of the prompts it ran only, in the order of ``queue.done``'s record.
     """
     b_count, g = budgets_bg.shape
     prompts = [np.asarray(p, np.int32) for p in prompts]  # the prefix index keys their bytes
@@ -1476,8 +1501,9 @@ def run(
     params, layers_l = params
     cfg = _model_config(graphdef, params, layers_l)
     kernel = attention_kernel(cfg, options, cache_dtype, mesh=mesh, params=params)
+    share = queue.share if queue is not None else b_count  # the prompts this engine expects
     fit_b, fit_g, fit_p, fit_t = whole_rollout or (
-        b_count,
+        share,
         g,
         max(len(p) for p in prompts),
         max_new_tokens,
@@ -1558,11 +1584,14 @@ def run(
     seq_id = np.zeros((slots,), np.int32)
     max_width = max_table_width(max(len(p) for p in prompts), max_new_tokens, ps)
 
-    pending = deque(range(b_count))
-    most = max_prefill_group(b_count, g, slots)  # entries per prefill call
+    # The prompts waiting, in order: this engine's own, or its queue shared with the other
+    # engines of the process (work stealing), read and popped holding its lock.
+    pending: Any = deque(range(b_count)) if queue is None else queue
+    lock: Any = contextlib.nullcontext() if queue is None else queue.lock
+    most = max_prefill_group(share, g, slots)  # entries per prefill call
     resume: list[int] = []  # preempted sequences, oldest admission first: recomputed first
     finished: dict[int, _Seq] = {}
-    dispatches = prefills = preemptions = prefill_tokens = shared_tokens = 0
+    dispatches = prefills = preemptions = prefill_tokens = shared_tokens = steps_run = 0
     admissions = itertools.count()  # admission order
     # Prefix sharing: a held full prompt page by (the page before it, or -1; its tokens'
     # bytes), so one key names one whole prefix; pages registered in the admission being
@@ -1793,20 +1822,48 @@ def run(
             available -= need
             free -= 1
             entries.append(recompute(resume.pop(0)))
+        blocked = bool(resume)  # a sequence or prompt of this engine waits for slots or pages
         deferred = []
-        while not resume and pending and len(entries) < most and free >= g:
-            found = shared_prefix(pending[0])
-            if unwritten.intersection(found):
-                deferred.append(pending.popleft())
-                continue
+
+        def room(b: int, found: list[int]) -> int | None:
+            """The free pages prompt ``b`` needs now (``found``: its shared prefix), or None
+            when its slots or pages are not free."""
             horizon = k if any(alive) or entries else 1
-            need = group_pages(pending[0], horizon) - len(found)
-            if need > available:
-                break
-            available -= need
-            free -= g
-            entries.append(new_group(pending.popleft(), found))
-        pending.extendleft(reversed(deferred))
+            need = group_pages(b, horizon) - len(found)
+            return need if free >= g and need <= available else None
+
+        def fits(b: int) -> bool:
+            found = shared_prefix(b)
+            return not unwritten.intersection(found) and room(b, found) is not None
+
+        with lock:
+            while not resume and pending and len(entries) < most:
+                if free < g:
+                    blocked = True
+                    break
+                found = shared_prefix(pending[0])
+                if unwritten.intersection(found):
+                    deferred.append(pending.popleft())
+                    continue
+                need = room(pending[0], found)
+                if need is None:
+                    blocked = True
+                    break
+                available -= need
+                free -= g
+                entries.append(new_group(pending.popleft(), found))
+            pending.extendleft(reversed(deferred))
+            if queue is not None and blocked and pending:
+                queue.open()  # the other engines may take this engine's last prompts
+            # Out of prompts with room left: another engine's last waiting prompt.
+            while queue is not None and not (resume or pending) and len(entries) < most:
+                b = queue.steal(fits)
+                if b is None:
+                    break
+                found = shared_prefix(b)
+                available -= room(b, found)
+                free -= g
+                entries.append(new_group(b, found))
         if entries:
             prefill(entries)
         unwritten.clear()  # every page of the index is written now
@@ -1843,7 +1900,7 @@ def run(
     with contextlib.ExitStack() as stack:
         if mesh is not None:
             stack.enter_context(jax.set_mesh(mesh))
-        while pending or seqs:
+        while pending or seqs or (queue is not None and queue.others_waiting()):
             # XLA:CPU: each new bucket's programs map hundreds of regions (memory_maps).
             memory_maps.relieve(where="rollout.generate (paged decode)")
             while admit():
@@ -1851,6 +1908,8 @@ def run(
             if not any(alive):
                 # Nothing decoding holds no page, and each sequence alone fits the pool.
                 assert not (pending or resume), "paged scheduler: nothing admissible"
+                if queue is not None:  # until another engine opens its queue, or all are done
+                    queue.wait()
                 continue
             steps = plan_pages()
             needed = max(len(seqs[slot_seq[s]].pages) for s in np.flatnonzero(alive))
@@ -1869,7 +1928,7 @@ def run(
             state = _SlotState(*(x[rows_j] for x in arrays))
             # With sequences waiting, return as soon as enough slots free up to admit one (a
             # preempted sequence needs one, a prompt G); the pages they need free up too.
-            waiting = bool(pending or resume)
+            waiting = bool(pending or resume) or (queue is not None and queue.stealable())
             free_now = slot_seq.count(-1)
             wanted = 1 if resume else g
             refill_at = np.int32(max(wanted - free_now, 1) if waiting else 2**30)
@@ -1902,6 +1961,7 @@ def run(
                 np.asarray(valid_kn),
             )
             full_kn = None if full_kn is None else np.asarray(full_kn)
+            steps_run += int(valid_kn.any(axis=1).sum())
             for j, slot in enumerate(rows_j[: len(live)]):
                 sid = slot_seq[slot]
                 seq = seqs[sid]
@@ -1916,19 +1976,26 @@ def run(
                     slot_seq[slot] = -1
 
     t = max_new_tokens
-    tokens = np.full((b_count, g, t), pad_token_id, np.int32)
-    mask = np.zeros((b_count, g, t), bool)
-    logps = np.zeros((b_count, g, t), np.float32)
-    truncated = np.zeros((b_count, g), bool)
-    full = np.zeros((b_count, g, t), np.float32) if full_logprobs else None
+    # The output's row of each prompt run: all of them, or with shared queues the prompts
+    # this engine ran, in prompt order.
+    ran = sorted({seq.prompt for seq in finished.values()}) if queue is not None else range(b_count)
+    row = {b: r for r, b in enumerate(ran)}
+    if queue is not None:
+        queue.done(ran)
+    n_rows = len(ran)
+    tokens = np.full((n_rows, g, t), pad_token_id, np.int32)
+    mask = np.zeros((n_rows, g, t), bool)
+    logps = np.zeros((n_rows, g, t), np.float32)
+    truncated = np.zeros((n_rows, g), bool)
+    full = np.zeros((n_rows, g, t), np.float32) if full_logprobs else None
     for seq in finished.values():
-        n = len(seq.tokens)
-        tokens[seq.prompt, seq.sample, :n] = seq.tokens
-        mask[seq.prompt, seq.sample, :n] = True
-        logps[seq.prompt, seq.sample, :n] = seq.logps
-        truncated[seq.prompt, seq.sample] = not seq.stopped
+        n, r = len(seq.tokens), row[seq.prompt]
+        tokens[r, seq.sample, :n] = seq.tokens
+        mask[r, seq.sample, :n] = True
+        logps[r, seq.sample, :n] = seq.logps
+        truncated[r, seq.sample] = not seq.stopped
         if full is not None:
-            full[seq.prompt, seq.sample, :n] = seq.full_logps
+            full[r, seq.sample, :n] = seq.full_logps
     assert not index, "paged scheduler: a released page is still in the prefix index"
     stats = PagedStats(
         alloc.peak,
@@ -1940,6 +2007,8 @@ def run(
         options.num_pages,
         prefill_tokens,
         shared_tokens,
+        steps_run,
+        0 if queue is None else queue.stolen,
     )
     outputs = (tokens, mask, logps, truncated)
     return (outputs if full is None else (*outputs, full)), stats

@@ -10,7 +10,10 @@ runs nothing), shard ``d`` runs on the sub-mesh of the devices of data shard ``d
 with its batch axes cut to that one coordinate, every other axis kept: weights
 tensor-parallel within the shard, replicated across shards), and the outputs are put back in
 prompt order. On a one-device sub-mesh (a pure ``data`` mesh) an engine may use the
-accelerator attention kernels, which refuse a mesh of several devices.
+accelerator attention kernels, which refuse a mesh of several devices. With
+``PagedOptions.work_stealing`` (the default) a shard is where an engine starts: an engine out
+of prompts takes the prompts another engine of the process has waiting for room
+(:mod:`~jaxrl_llm.rollout.stealing`); the outputs are put back in prompt order all the same.
 
 Equal tokens. Sample ``g`` of the batch's prompt ``b`` keeps its global sequence id
 ``b·G + g`` (``paged.run(seq_ids_bg=)``), so its token ``t`` is drawn with
@@ -66,7 +69,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxrl_llm import distributed as dist
 from jaxrl_llm.models import sharding
-from jaxrl_llm.rollout import paged
+from jaxrl_llm.rollout import paged, stealing
 
 Params = dict[str, Any]
 
@@ -91,6 +94,8 @@ class DataParallelStats(paged.PagedStats):
             pool_pages=sum(s.pool_pages for s in ran),
             prefill_tokens=sum(s.prefill_tokens for s in ran),
             shared_prompt_tokens=sum(s.shared_prompt_tokens for s in ran),
+            decode_steps=sum(s.decode_steps for s in ran),
+            prompts_stolen=sum(s.prompts_stolen for s in ran),
         )
         out.shards = tuple(shards)
         return out
@@ -407,9 +412,16 @@ def run_shards(
         wb, wg, wp, wt = whole
         share = (-(-wb // d_count), wg, wp, wt)  # the largest data shard's prompts
 
+    # Work stealing (``PagedOptions.work_stealing``, rollout/stealing.py): every engine sees
+    # all of this process's rows and starts with its share in a queue of its own.
+    queues = None
+    if len(todo) > 1 and (requested or options).work_stealing:
+        queues = stealing.PromptQueues([range(rows[d].start, rows[d].stop) for d in todo])
+
     def one(d: int) -> tuple[tuple[np.ndarray, ...], paged.PagedStats]:
         r, sub = rows[d], shards[d]
         n = r.stop - r.start
+        mine_r = slice(None) if queues is not None else r
         opts = options
         if requested is not None:
             b_, g_, p_, t_ = share or (n, g, longest, max_new_tokens)
@@ -423,21 +435,26 @@ def run_shards(
                     graphdef,
                     sub,
                     local_params[d],
-                    prompts[r],
-                    budgets_bg[r],
+                    prompts[mine_r],
+                    budgets_bg[mine_r],
                     rng=jax.device_put(rng, NamedSharding(sub, PartitionSpec())),
                     max_new_tokens=max_new_tokens,
                     options=opts,
-                    seq_ids_bg=seq_ids_bg[r],
-                    token_offsets_bg=token_offsets_bg[r],
+                    seq_ids_bg=seq_ids_bg[mine_r],
+                    token_offsets_bg=token_offsets_bg[mine_r],
                     whole_rollout=share,
+                    queue=None if queues is None else queues.engine(todo.index(d)),
                     **kwargs,
                 )
         except Exception as e:
+            if queues is not None:
+                queues.abort()  # the other engines stop waiting for this one's prompts
+            where = f"whose prompt i is this call's prompt {r.start} + i"
+            if queues is not None:
+                where = "its prompts numbered as the call's"
             e.add_note(
                 f"in data shard {d} of {d_count} (devices "
-                f"{[dev.id for dev in sub.devices.flat]}), whose prompt i is this call's "
-                f"prompt {r.start} + i"
+                f"{[dev.id for dev in sub.devices.flat]}), {where}"
             )
             raise
 
@@ -460,6 +477,10 @@ def run_shards(
         np.concatenate([results[d][0][i] for d in todo], axis=0)
         for i in range(len(results[todo[0]][0]))
     )
+    if queues is not None:  # each engine's rows are the prompts it ran: back in prompt order
+        order = np.concatenate([np.asarray(r, np.int64) for r in queues.ran])
+        assert np.array_equal(np.sort(order), np.arange(b_count)), "work stealing lost a prompt"
+        arrays = tuple(x[np.argsort(order)] for x in arrays)
     stats: list[paged.PagedStats | None] = [
         results[d][1] if d in results else None for d in range(d_count)
     ]

@@ -4,6 +4,7 @@ log-probs, with ragged prompts, per-sample budgets and uneven shards; every shar
 its pages back; a second call compiles nothing; two processes (slow) give one process's rows, with
 the paged engine and with the static one."""
 
+import dataclasses
 import subprocess
 import sys
 import time
@@ -108,6 +109,33 @@ def test_data_parallel_engines_give_the_one_device_tokens(model, one_device, nam
     assert not np.array_equal(np.asarray(again.tokens), np.asarray(out.tokens))
 
 
+def test_work_stealing_moves_prompts_that_wait_and_keeps_the_tokens(model):
+    """Two engines of one prompt at a time (num_slots = G); the first share is 4 prompts of
+    47 decode steps each, the second 4 of one step. Split, engine 0 decodes 188 steps while
+    engine 1 idles after 4; with work stealing engine 1 takes engine 0's last waiting prompts
+    (the call's critical path in decode steps, what an accelerator's time follows, at most
+    3/4 of the split's: one long prompt moved). The tokens are the split run's."""
+    _, sharded = on_mesh(model, dict(data=2, devices=jax.devices()[:2]))
+    ids, mask = prompts(seed=3, lengths=(5, 7, 6, 8, 5, 6, 7, 9))
+    budgets = np.repeat(np.array([48] * 4 + [2] * 4, np.int32)[:, None], 2, axis=1)
+    kw = dict(
+        rng=jax.random.key(1), temperature=1.0, max_new_tokens=48, num_samples=2,
+        max_new_tokens_bg=budgets, stop_token_ids=(), engine="paged", return_stats=True,
+    )  # fmt: skip
+    base = paged.PagedOptions(page_size=4, num_slots=2, steps_per_dispatch=4, prefill_chunk=16)
+    split, split_stats = rollout.generate(
+        sharded, ids, mask, paged_options=dataclasses.replace(base, work_stealing=False), **kw
+    )
+    assert [s.decode_steps for s in split_stats.shards] == [4 * 47, 4 * 1]
+    assert split_stats.prompts_stolen == 0
+    out, stats = rollout.generate(sharded, ids, mask, paged_options=base, **kw)
+    assert_same(split, out)
+    assert stats.prompts_stolen >= 1 and stats.shards[1].prompts_stolen == stats.prompts_stolen
+    assert max(s.decode_steps for s in stats.shards) <= 3 * 47
+    assert sum(s.decode_steps for s in stats.shards) == 4 * 47 + 4
+    assert all(s.pages_in_use_at_end == 0 for s in stats.shards)
+
+
 def test_split_rows_rule():
     assert paged_dp.split_rows(5, 2) == [slice(0, 3), slice(3, 5)]
     assert paged_dp.split_rows(5, 4) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]
@@ -115,38 +143,51 @@ def test_split_rows_rule():
     assert paged_dp.split_rows(8, 4) == [slice(2 * i, 2 * i + 2) for i in range(4)]
 
 
-def test_each_engine_gets_its_rows_global_ids_own_defaults_and_devices(model, monkeypatch):
-    """What ``paged.run`` is called with per shard (a stand-in records it: nothing compiles)."""
+@pytest.mark.parametrize("stealing", [False, True])
+def test_each_engine_gets_its_rows_global_ids_own_defaults_and_devices(
+    model, monkeypatch, stealing
+):
+    """What ``paged.run`` is called with per shard (a stand-in records it: nothing compiles).
+    Without work stealing each engine gets its rows; with it, every row and a queue holding
+    its rows (the stand-in runs its own queue only, as an engine that has room for all)."""
     calls = []
 
-    def fake_run(graphdef, mesh, params, prompts_, budgets_bg, *, rng, options, **kw):
+    def fake_run(graphdef, mesh, params, prompts_, budgets_bg, *, rng, options, queue, **kw):
         leaf = jax.tree.leaves(params)[0]
+        ran = list(range(len(prompts_)))
+        if queue is not None:
+            with queue.lock:
+                ran = [queue.popleft() for _ in range(len(queue))]
+            queue.done(ran)
         calls.append(
             dict(
                 mesh=mesh,
-                names=[int(p[0]) for p in prompts_],
-                budgets=budgets_bg,
-                ids=kw["seq_ids_bg"],
+                seen=len(prompts_),
+                names=[int(prompts_[b][0]) for b in ran],
+                budgets=budgets_bg[ran],
+                ids=kw["seq_ids_bg"][ran],
                 options=options,
                 devices=(rng.sharding.device_set, leaf.sharding.device_set),
             )
         )
-        n, g = budgets_bg.shape
-        name_b = np.asarray([int(p[0]) for p in prompts_], np.int32)
-        out = np.broadcast_to(name_b[:, None, None], (n, g, kw["max_new_tokens"]))
-        arrays = (out, out > 0, out.astype(np.float32), np.zeros((n, g), bool))
-        return arrays, paged.PagedStats(n, 8, 1, 1, 0)
+        g = budgets_bg.shape[1]
+        name_b = np.asarray([int(prompts_[b][0]) for b in ran], np.int32)
+        out = np.broadcast_to(name_b[:, None, None], (len(ran), g, kw["max_new_tokens"]))
+        arrays = (out, out > 0, out.astype(np.float32), np.zeros((len(ran), g), bool))
+        return arrays, paged.PagedStats(len(ran), 8, 1, 1, 0)
 
     monkeypatch.setattr(paged, "run", fake_run)
     ids, mask = prompts(seed=0, lengths=LENGTHS)
     for b in range(len(LENGTHS)):  # each prompt's first token names it
         ids[b, np.argmax(mask[b])] = 10 + b
     mesh, sharded = on_mesh(model, dict(data=2, tensor=2, devices=jax.devices()[:4]))
+    options = paged.PagedOptions(work_stealing=stealing)
     out, stats = rollout.generate(
-        sharded, ids, mask, rng=jax.random.key(0), return_stats=True, **KW
+        sharded, ids, mask, rng=jax.random.key(0), return_stats=True, paged_options=options, **KW
     )
     by_shard = sorted(calls, key=lambda c: c["names"][0])
     assert [c["names"] for c in by_shard] == [[10, 11, 12], [13, 14]]
+    assert [c["seen"] for c in by_shard] == ([5, 5] if stealing else [3, 2])
     np.testing.assert_array_equal(by_shard[1]["ids"], [[6, 7], [8, 9]])  # global b·G + g
     np.testing.assert_array_equal(by_shard[1]["budgets"], BUDGETS[3:])
     # Default sizes per engine: 6 and 4 sequences -> 8 and 4 slots.
@@ -188,7 +229,10 @@ def test_engines_get_per_layer_slices_and_never_the_stacked_weights(model, monke
 
     monkeypatch.setattr(paged, "run", fake_run)
     ids, mask = prompts(seed=0, lengths=LENGTHS)
-    rollout.generate((graphdef, params), ids, mask, rng=jax.random.key(0), **KW)
+    split = paged.PagedOptions(work_stealing=False)  # each stand-in runs its rows
+    rollout.generate(
+        (graphdef, params), ids, mask, rng=jax.random.key(0), paged_options=split, **KW
+    )
     assert len(seen) == 4
     for got in seen:
         assert isinstance(got, paged.EngineParams) and "layers" not in got.rest["model"]
@@ -227,16 +271,24 @@ def test_sub_meshes_keep_the_tensor_axis_and_drop_the_batch_axes(model):
     assert piece.data.unsafe_buffer_pointer() == original[piece.device]
 
 
-def test_a_shards_error_names_the_shard(model):
+@pytest.mark.parametrize("stealing", [False, True])
+def test_a_shards_error_names_the_shard(model, stealing):
+    """Without stealing a shard numbers the prompts of its share (the note says how); with it,
+    every engine checks every prompt of the call, numbered as the call's."""
     _, sharded = on_mesh(model, dict(data=2, devices=jax.devices()[:2]))
     ids, mask = prompts(seed=0, lengths=(4, 4, 9))  # shards [0, 1] and [2]
-    options = paged.PagedOptions(page_size=4, num_pages=4)  # 3 pages: too few for 9 + 8 tokens
-    with pytest.raises(ValueError, match=r"prompt 0 \(9 tokens.*raise num_pages") as e:
+    # 3 pages: too few for 9 + 8 tokens
+    options = paged.PagedOptions(page_size=4, num_pages=4, work_stealing=stealing)
+    number = 2 if stealing else 0
+    with pytest.raises(ValueError, match=rf"prompt {number} \(9 tokens.*raise num_pages") as e:
         rollout.generate(
             sharded, ids, mask, rng=jax.random.key(0), max_new_tokens=8, engine="paged",
             paged_options=options,
         )  # fmt: skip
-    assert any("data shard 1 of 2" in n and "prompt 2 + i" in n for n in e.value.__notes__)
+    where = "numbered as the call's" if stealing else "data shard 1 of 2"
+    assert any(where in n and "data shard" in n for n in e.value.__notes__)
+    if not stealing:
+        assert any("prompt 2 + i" in n for n in e.value.__notes__)
 
 
 # ---------------------------------------------------------------------------------------------
