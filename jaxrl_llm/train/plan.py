@@ -1300,6 +1300,7 @@ def plan_paged_rollout(
                 longest,
                 r.memory_utilization,
                 r.prefix_sharing,
+                r.work_stealing,
             ),
             num_seqs=per_engine * g,
             num_samples=g,

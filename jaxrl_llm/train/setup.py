@@ -78,6 +78,7 @@ def paged_options(
     max_prompt_length: int = 0,
     memory_utilization: float | None = 0.9,
     prefix_sharing: bool = True,
+    work_stealing: bool = True,
 ) -> PagedOptions:
     """The paged engine's options from the ``rollout`` config's knobs (``paged_attention``,
     ``paged_kernel_tuning``, ``tensor_parallel``, ``max_num_seqs``, ``max_total_tokens``;
@@ -86,7 +87,9 @@ def paged_options(
     (``data.max_prompt_length``; 0: each call's longest), one pool shape for the whole run;
     on a GPU or TPU, what ``memory_utilization`` of the devices' memory leaves
     (``PagedOptions.memory_utilization``; None: the CPU's rule there too); prompts that begin
-    alike share their pages unless ``prefix_sharing`` is off (``PagedOptions.prefix_sharing``)."""
+    alike share their pages unless ``prefix_sharing`` is off (``PagedOptions.prefix_sharing``);
+    a process's data-parallel engines take each other's waiting prompts unless
+    ``work_stealing`` is off (``PagedOptions.work_stealing``)."""
     page_size = PagedOptions.page_size
     return PagedOptions(
         attention=attention,
@@ -97,6 +100,7 @@ def paged_options(
         max_prompt_length=max_prompt_length or None,
         memory_utilization=memory_utilization,
         prefix_sharing=prefix_sharing,
+        work_stealing=work_stealing,
     )
 
 
@@ -127,6 +131,8 @@ class Sampler:
         that sizes its default pool (``PagedOptions.memory_utilization``; None: not used).
       prefix_sharing: prompts of a call that begin alike share those pages in the paged
         engine (``PagedOptions.prefix_sharing``).
+      work_stealing: a process's data-parallel paged engines take each other's prompts
+        waiting for room (``PagedOptions.work_stealing``).
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).
       full_logprobs: also sample the full-vocabulary τ = 1 log-probs
@@ -149,6 +155,7 @@ class Sampler:
     max_prompt_length: int = 0
     memory_utilization: float | None = 0.9
     prefix_sharing: bool = True
+    work_stealing: bool = True
     mask_truncated: bool = False
     full_logprobs: bool = False
 
@@ -163,6 +170,7 @@ class Sampler:
             self.max_prompt_length,
             self.memory_utilization,
             self.prefix_sharing,
+            self.work_stealing,
         )
 
     def greedy(self, max_new_tokens: int | None = None) -> Sampler:
@@ -871,6 +879,7 @@ def _sampler(config: TrainConfig, stop_ids: Sequence[int]) -> Sampler | None:
         max_prompt_length=config.data.max_prompt_length,
         memory_utilization=r.memory_utilization,
         prefix_sharing=r.prefix_sharing,
+        work_stealing=r.work_stealing,
         mask_truncated=r.mask_truncated_completions,
         full_logprobs=r.full_logprobs,
     )

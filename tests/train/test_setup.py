@@ -90,6 +90,16 @@ def _paged_options_of_the_rollout(setup: S.Setup):
     return seen[0]
 
 
+def test_rollout_work_stealing_reaches_the_paged_engine_and_must_be_a_bool():
+    assert _paged_options_of_the_rollout(resolve(*SMALL)).work_stealing  # on by default
+    off = resolve(*SMALL, "rollout.work_stealing=false")
+    assert not off.sampler.paged_options().work_stealing
+    assert not off.sampler.greedy().paged_options().work_stealing  # evaluation too
+    assert not _paged_options_of_the_rollout(off).work_stealing
+    with pytest.raises(ConfigError, match=r"rollout\.work_stealing"):
+        resolve(*SMALL, "rollout.work_stealing=7")
+
+
 def test_rollout_tensor_parallel_reaches_the_paged_engine_and_bad_values_are_config_errors():
     """``rollout.tensor_parallel`` becomes the sampler's (and its evaluation's) paged options;
     a value that does not divide the devices, a negative one, or one with the static engine
