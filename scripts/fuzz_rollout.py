@@ -177,6 +177,8 @@ def draw(seed: int, check: str) -> Case:
         max_new_tokens_bg=budgets,
         return_full_logprobs=full,
     )
+    # Drawn last, so the earlier campaigns' seeds draw the same cases but for it.
+    options = dataclasses.replace(options, work_stealing=bool(r.rand() < 0.7))
     draws = dict(
         prompt_lengths=[len(x) for x in rows],
         num_samples=int(g),

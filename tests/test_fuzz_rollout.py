@@ -35,6 +35,7 @@ def test_draws_are_seeded_and_cover_the_options():
     assert {c.family for c in cases} == set(fuzz.FAMILIES)
     assert {c.draws["pool"] for c in cases} == {"default", "tight", "roomy"}
     assert {c.options.prefix_sharing for c in cases} == {True, False}
+    assert {c.options.work_stealing for c in cases} == {True, False}
     assert {c.kwargs["temperature"] for c in cases} == {0.0, 0.7, 1.0}
     # The kernel check draws only families the Pallas GPU kernel serves.
     assert {fuzz.draw(s, "kernel").family for s in range(50)} == set(fuzz.KERNEL_FAMILIES)

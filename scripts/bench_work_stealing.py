@@ -1,0 +1,186 @@
+"""Work stealing between one process's data-parallel paged engines (``PagedOptions.work_stealing``).
+
+The same call twice on a ``data=D`` mesh (one paged engine per device), once with each engine
+running its contiguous share of the prompts and once with work stealing, on the rollout
+issue's long-tail workload (per-sample budgets drawn from a heavy tail: 80% of the samples
+16-48 tokens, 20% 256-512; no early stop) with few decode slots per engine, so that prompts
+queue. Reported per mode: wall seconds and useful tokens/s, and per engine its decode steps
+(``PagedStats.decode_steps``), dispatches and the prompts it took from others. The call's
+**critical path** is its busiest engine's decode steps: on an accelerator, where each engine
+has its own chips and a decode step's time barely depends on its rows, the call's time follows
+it. On this CPU the D "devices" share the same cores (``--xla_force_host_platform_device_count``),
+so an idle engine's cores go to the others and the wall time moves far less than the critical
+path. The tokens of the two modes are checked equal.
+
+    python scripts/bench_work_stealing.py                    # SmolLM2-135M, 4 engines
+    python scripts/bench_work_stealing.py --model tiny-random --prompts 8 --samples 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+
+
+def _force_devices(argv: list[str]) -> None:
+    """``--engines`` fake CPU devices, set before JAX is imported (no effect once it is)."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--engines", type=int, default=4)
+    n = ap.parse_known_args(argv)[0].engines
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+if __name__ == "__main__":
+    _force_devices(sys.argv[1:])
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _bench_common import machine_info  # noqa: E402
+
+
+def long_tail_budgets(num_prompts: int, num_samples: int, short, long, seed: int = 0):
+    """int32[B, G]: 80% of samples uniform in ``short``, 20% in ``long`` (inclusive, seeded)."""
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    is_long = rng.rand(num_prompts, num_samples) < 0.2
+    short_b = rng.randint(short[0], short[1] + 1, (num_prompts, num_samples))
+    long_b = rng.randint(long[0], long[1] + 1, (num_prompts, num_samples))
+    return np.where(is_long, long_b, short_b).astype(np.int32)
+
+
+def agreement(a, b) -> dict:
+    """How two runs' samples agree: the samples whose tokens differ, the token where each
+    first differs, and the largest log-prob gap over the tokens before it (float rounding:
+    an engine's matmuls run at the row width of what it is decoding, so a near-tie can
+    sample another token; a wrong key would differ from the first token on)."""
+    import numpy as np
+
+    tok_a, tok_b = np.asarray(a.tokens), np.asarray(b.tokens)
+    mask = np.asarray(a.mask) & np.asarray(b.mask)
+    differ = (tok_a != tok_b) & mask
+    first = np.where(differ.any(-1), differ.argmax(-1), tok_a.shape[-1])  # [B, G]
+    before = np.arange(tok_a.shape[-1]) < first[..., None]
+    gap = np.abs(np.asarray(a.logprobs) - np.asarray(b.logprobs))
+    return {
+        "samples": int(first.size),
+        "samples_differing": int(differ.any(-1).sum()),
+        "first_difference_at": sorted(int(x) for x in first[differ.any(-1)]),
+        "max_logprob_gap_before": float(np.max(np.where(before & mask, gap, 0.0))),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engines", type=int, default=4, help="data-parallel engines (devices)")
+    ap.add_argument("--model", default="default", help="default, tiny-random or an HF folder")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--short", type=int, nargs=2, default=[16, 48], help="short budgets' range")
+    ap.add_argument("--long", type=int, nargs=2, default=[256, 512], help="long budgets' range")
+    ap.add_argument("--slots", type=int, default=8, help="decode slots per engine")
+    ap.add_argument("--steps-per-dispatch", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench_results/bench_work_stealing.json")
+    args = ap.parse_args(argv)
+
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxrl_llm import models, rollout
+    from jaxrl_llm.models import sharding
+    from jaxrl_llm.rollout import paged
+
+    if len(jax.devices()) < args.engines:
+        raise SystemExit(f"--engines {args.engines}: only {len(jax.devices())} devices")
+    if args.model == "tiny-random":
+        model = models.CausalLM(models.tiny_random_config(), rngs=nnx.Rngs(0))
+        name = "tiny-random"
+    else:
+        path = str(models.default_model_path() if args.model == "default" else args.model)
+        model = models.from_pretrained(path, dtype=jnp.float32)
+        name = os.path.basename(path.rstrip("/"))
+    graphdef, state = nnx.split(model)
+    mesh = sharding.make_mesh(data=args.engines, devices=jax.devices()[: args.engines])
+    params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(state, mesh))
+
+    rng = np.random.RandomState(args.seed)
+    vocab = model.config.vocab_size
+    lengths = rng.randint(16, 65, args.prompts)
+    width = int(lengths.max())
+    ids = np.zeros((args.prompts, width), np.int32)
+    mask = np.zeros((args.prompts, width), bool)
+    for b, n in enumerate(lengths):
+        ids[b, width - n :] = rng.randint(3, vocab, n)
+        mask[b, width - n :] = True
+    budgets = long_tail_budgets(args.prompts, args.samples, args.short, args.long, args.seed)
+    t = int(budgets.max())
+    base = paged.PagedOptions(num_slots=args.slots, steps_per_dispatch=args.steps_per_dispatch)
+    kw = dict(
+        rng=jax.random.key(args.seed), temperature=1.0, max_new_tokens=t,
+        num_samples=args.samples, max_new_tokens_bg=budgets, stop_token_ids=(),
+        engine="paged", return_stats=True,
+    )  # fmt: skip
+
+    result: dict = {
+        "model": name,
+        "engines": args.engines,
+        "prompts": args.prompts,
+        "samples": args.samples,
+        "budgets": {"short": args.short, "long": args.long, "useful": int(budgets.sum())},
+        "slots_per_engine": args.slots,
+        "steps_per_dispatch": args.steps_per_dispatch,
+        **machine_info(),
+        "command": "python scripts/bench_work_stealing.py " + " ".join(argv or sys.argv[1:]),
+        "modes": {},
+    }
+    outputs = {}
+    for mode, stealing in (("split", False), ("stealing", True)):
+        options = dataclasses.replace(base, work_stealing=stealing)
+        policy = (graphdef, params)
+        warm = rollout.generate(policy, ids, mask, paged_options=options, **kw)
+        jax.block_until_ready(warm[0])  # compiles every engine's programs
+        start = time.perf_counter()
+        out, stats = rollout.generate(policy, ids, mask, paged_options=options, **kw)
+        jax.block_until_ready(out)
+        seconds = time.perf_counter() - start
+        useful = int(np.asarray(out.mask).sum())
+        assert useful == int(budgets.sum()), (useful, int(budgets.sum()))
+        steps = [s.decode_steps for s in stats.shards]
+        result["modes"][mode] = {
+            "seconds": round(seconds, 3),
+            "useful_tokens_per_s": round(useful / seconds, 1),
+            "decode_steps": steps,
+            "critical_path_steps": max(steps),
+            "decode_dispatches": [s.decode_dispatches for s in stats.shards],
+            "prompts_stolen": [s.prompts_stolen for s in stats.shards],
+            "preemptions": stats.preemptions,
+        }
+        outputs[mode] = out
+        print(mode, json.dumps(result["modes"][mode]), flush=True)
+    result["agreement"] = agreement(outputs["split"], outputs["stealing"])
+    print("agreement", json.dumps(result["agreement"]), flush=True)
+    split, steal = result["modes"]["split"], result["modes"]["stealing"]
+    result["critical_path_ratio"] = round(
+        split["critical_path_steps"] / steal["critical_path_steps"], 3
+    )
+    result["wall_ratio"] = round(split["seconds"] / steal["seconds"], 3)
+    result["load_avg_after"] = os.getloadavg()
+    print(json.dumps({k: result[k] for k in ("critical_path_ratio", "wall_ratio")}))
+    out_path = pathlib.Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
