@@ -289,7 +289,8 @@ def check_case(check: str, case: Case, model: Any) -> dict[str, Any]:
         facts.update(mesh=mesh_sizes)
         devices = jax.devices()[: int(np.prod(list(mesh_sizes.values())))]
         sharded = on_mesh(model, mesh_sizes, devices)
-        got, _ = paged_run(sharded, case, case.options)
+        got, dp_stats = paged_run(sharded, case, case.options)
+        facts.update(prompts_stolen=int(dp_stats.prompts_stolen))
         assert_same(got, out, f"one device (mesh {mesh_sizes})")
         segment = int(r.randint(1, case.kwargs["max_new_tokens"] + 3))
         facts.update(segment=segment)
