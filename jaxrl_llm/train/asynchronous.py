@@ -227,7 +227,10 @@ def buffer_to_host(entries: list[Any]) -> tuple[dict[str, np.ndarray], list[dict
 def _kv_rows(rows: list) -> np.ndarray:
     from jaxrl_llm.train.collect import KV_FIELDS
 
-    return np.asarray(rows, np.int64).reshape(-1, len(KV_FIELDS))
+    a = np.asarray(rows, np.int64)
+    a = a.reshape(-1, a.shape[-1] if a.ndim == 2 else len(KV_FIELDS))
+    # Rows saved before KV_FIELDS' last columns existed: those columns read as 0.
+    return np.pad(a, ((0, 0), (0, len(KV_FIELDS) - a.shape[1])))
 
 
 def buffer_from_host(

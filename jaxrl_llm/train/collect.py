@@ -114,9 +114,12 @@ KV_FIELDS = (
     "decode_dispatches",
     "prefill_tokens",
     "shared_prompt_tokens",
+    "decode_steps",
+    "prompts_stolen",
 )
 """The :class:`~jaxrl_llm.rollout.paged.PagedStats` fields that :func:`kv_metrics` reads, the
-columns of :func:`engine_rows`."""
+columns of :func:`engine_rows` (rows saved with in-flight batches before the last two columns
+existed read them as 0: ``asynchronous``)."""
 
 
 def engine_rows(stats: Any) -> np.ndarray:
@@ -147,18 +150,27 @@ def kv_metrics(rounds: list[np.ndarray]) -> dict[str, float]:
     engine's compiled decode calls, summed over rounds (the host's share of the rollout
     grows with it). ``rollout/prefix_shared_frac``: of the context tokens the prefills would
     have run, the fraction they did not, because another prompt's pages held them (prefix
-    sharing; vLLM's prefix cache hit rate), over the engines and rounds."""
+    sharing; vLLM's prefix cache hit rate), over the engines and rounds.
+    ``rollout/decode_steps``: the busiest engine's decode steps, summed over rounds (the
+    rollout's critical path where a step's time barely depends on its rows, as on an
+    accelerator); ``rollout/prompts_stolen``: the prompts data-parallel engines took from each
+    other's queues (``PagedOptions.work_stealing``), summed."""
     rows = [r for r in rounds if len(r)]
     if not rows:
         return {}
-    peak, pool, page_bytes, preempt, _, ran, shared = np.concatenate(rows).T.astype(np.float64)
+    busiest = [KV_FIELDS.index(f) for f in ("decode_dispatches", "decode_steps")]
+    cols = dict(zip(KV_FIELDS, np.concatenate(rows).T.astype(np.float64), strict=True))
+    peak, pool, page_bytes = cols["peak_pages"], cols["pool_pages"], cols["page_bytes"]
+    ran, shared = cols["prefill_tokens"], cols["shared_prompt_tokens"]
     gib = float(2**30)
     return {
         "rollout/kv_peak_gib": float(np.max(peak * page_bytes)) / gib,
         "rollout/kv_pool_gib": float(np.max(pool * page_bytes)) / gib,
         "rollout/kv_usage_peak": float(np.max(peak / np.maximum(pool - 1, 1))),
-        "rollout/preemptions": float(np.sum(preempt)),
-        "rollout/decode_dispatches": float(sum(np.max(r[:, 4]) for r in rows)),
+        "rollout/preemptions": float(np.sum(cols["preemptions"])),
+        "rollout/decode_dispatches": float(sum(np.max(r[:, busiest[0]]) for r in rows)),
+        "rollout/decode_steps": float(sum(np.max(r[:, busiest[1]]) for r in rows)),
+        "rollout/prompts_stolen": float(np.sum(cols["prompts_stolen"])),
         "rollout/prefix_shared_frac": float(shared.sum() / max(shared.sum() + ran.sum(), 1.0)),
     }
 

@@ -18,7 +18,7 @@ from tests.train import helpers as H
 GIB = 2.0**30
 
 
-def _stats(peak, pool, preempt, dispatches, page_bytes=1024, ran=30, shared=10):
+def _stats(peak, pool, preempt, dispatches, page_bytes=1024, ran=30, shared=10, steps=0, stolen=0):
     return PagedStats(
         peak_pages=peak,
         page_bytes=page_bytes,
@@ -29,18 +29,20 @@ def _stats(peak, pool, preempt, dispatches, page_bytes=1024, ran=30, shared=10):
         pool_pages=pool,
         prefill_tokens=ran,
         shared_prompt_tokens=shared,
+        decode_steps=steps,
+        prompts_stolen=stolen,
     )
 
 
 def test_kv_metrics_take_the_busiest_engine_and_sum_the_preemptions():
-    one = engine_rows(_stats(peak=6, pool=9, preempt=1, dispatches=5))
-    assert one.tolist() == [[6, 9, 1024, 1, 5, 30, 10]]
+    one = engine_rows(_stats(peak=6, pool=9, preempt=1, dispatches=5, steps=40))
+    assert one.tolist() == [[6, 9, 1024, 1, 5, 30, 10, 40, 0]]
     shards = DataParallelStats.combine(
-        [_stats(peak=3, pool=9, preempt=0, dispatches=7), None, _stats(8, 9, 2, 4)]
+        [_stats(3, 9, 0, 7, steps=50), None, _stats(8, 9, 2, 4, steps=60, stolen=2)]
     )
     two = engine_rows(shards)  # one row per engine that ran; the empty shard has none
-    assert two.tolist() == [[3, 9, 1024, 0, 7, 30, 10], [8, 9, 1024, 2, 4, 30, 10]]
-    assert engine_rows(None).shape == (0, 7)  # the static engine
+    assert two.tolist() == [[3, 9, 1024, 0, 7, 30, 10, 50, 0], [8, 9, 1024, 2, 4, 30, 10, 60, 2]]
+    assert engine_rows(None).shape == (0, 9)  # the static engine
 
     m = kv_metrics([one, two])  # two rounds (DAPO's refills)
     assert m["rollout/kv_peak_gib"] == 8 * 1024 / GIB  # the busiest engine, not a sum
@@ -48,8 +50,22 @@ def test_kv_metrics_take_the_busiest_engine_and_sum_the_preemptions():
     assert m["rollout/kv_usage_peak"] == 8 / 8  # of the pool's usable pages (trash excluded)
     assert m["rollout/preemptions"] == 3  # every engine's, every round's
     assert m["rollout/decode_dispatches"] == 5 + 7  # each round's busiest engine
+    assert m["rollout/decode_steps"] == 40 + 60  # each round's busiest engine
+    assert m["rollout/prompts_stolen"] == 2
     assert m["rollout/prefix_shared_frac"] == 3 * 10 / (3 * (30 + 10))  # of every engine's
     assert kv_metrics([engine_rows(None)]) == {} == kv_metrics([])
+
+
+def test_engine_rows_saved_before_the_work_stealing_columns_read_them_as_zero():
+    """An in-flight batch checkpointed with 7-column rows (before decode_steps and
+    prompts_stolen) restores with those two columns 0, not misread."""
+    from jaxrl_llm.train import asynchronous as A
+
+    old = [[6, 9, 1024, 1, 5, 30, 10], [3, 9, 1024, 0, 7, 30, 10]]
+    assert A._kv_rows(old).tolist() == [[*r, 0, 0] for r in old]
+    assert A._kv_rows([]).shape == (0, 9)
+    new = engine_rows(_stats(6, 9, 1, 5, steps=40, stolen=1)).tolist()
+    assert A._kv_rows(new).tolist() == new
 
 
 def _collect(*overrides: str) -> dict[str, float]:
@@ -66,6 +82,9 @@ def test_collect_reports_the_paged_pool_and_nothing_for_the_static_engine():
     assert 0 < m["rollout/kv_peak_gib"] < m["rollout/kv_pool_gib"]
     assert 0 < m["rollout/kv_usage_peak"] <= 1 and m["rollout/decode_dispatches"] >= 1
     assert 0 <= m["rollout/prefix_shared_frac"] < 1
+    # 8 new tokens, the first from the prefill: at most 7 decode steps, in every dispatch
+    assert m["rollout/decode_dispatches"] <= m["rollout/decode_steps"] <= 7
+    assert m["rollout/prompts_stolen"] == 0  # the prompts fit at once: nothing waits
     static = _collect("rollout.engine=static")
     assert not [k for k in static if k.startswith("rollout/")]
     assert static["perf/generated_tokens"] == m["perf/generated_tokens"]  # no early stop: 2·2·8
