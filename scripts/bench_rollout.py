@@ -160,15 +160,18 @@ def matmul_peaks(n: int = 2048) -> dict:
     }
 
 
-def long_tail_budgets(num_prompts: int, num_samples: int, seed: int = 0):
-    """int32[B, G]: 80% of samples uniform in [16, 48], 20% uniform in [256, 512] (seeded)."""
+def long_tail_budgets(
+    num_prompts: int, num_samples: int, seed: int = 0, short=(16, 48), long=(256, 512)
+):
+    """int32[B, G]: 80% of samples uniform in ``short``, 20% uniform in ``long`` (inclusive,
+    seeded; the rollout issue's long tail by default)."""
     import numpy as np
 
     rng = np.random.RandomState(seed)
-    long = rng.rand(num_prompts, num_samples) < 0.2
-    short_b = rng.randint(16, 49, (num_prompts, num_samples))
-    long_b = rng.randint(256, 513, (num_prompts, num_samples))
-    return np.where(long, long_b, short_b).astype(np.int32)
+    is_long = rng.rand(num_prompts, num_samples) < 0.2
+    short_b = rng.randint(short[0], short[1] + 1, (num_prompts, num_samples))
+    long_b = rng.randint(long[0], long[1] + 1, (num_prompts, num_samples))
+    return np.where(is_long, long_b, short_b).astype(np.int32)
 
 
 class _CompileSeconds:

@@ -41,17 +41,7 @@ if __name__ == "__main__":
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _bench_common import machine_info  # noqa: E402
-
-
-def long_tail_budgets(num_prompts: int, num_samples: int, short, long, seed: int = 0):
-    """int32[B, G]: 80% of samples uniform in ``short``, 20% in ``long`` (inclusive, seeded)."""
-    import numpy as np
-
-    rng = np.random.RandomState(seed)
-    is_long = rng.rand(num_prompts, num_samples) < 0.2
-    short_b = rng.randint(short[0], short[1] + 1, (num_prompts, num_samples))
-    long_b = rng.randint(long[0], long[1] + 1, (num_prompts, num_samples))
-    return np.where(is_long, long_b, short_b).astype(np.int32)
+from bench_rollout import long_tail_budgets  # noqa: E402
 
 
 def agreement(a, b) -> dict:
@@ -122,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     for b, n in enumerate(lengths):
         ids[b, width - n :] = rng.randint(3, vocab, n)
         mask[b, width - n :] = True
-    budgets = long_tail_budgets(args.prompts, args.samples, args.short, args.long, args.seed)
+    budgets = long_tail_budgets(args.prompts, args.samples, args.seed, args.short, args.long)
     t = int(budgets.max())
     base = paged.PagedOptions(num_slots=args.slots, steps_per_dispatch=args.steps_per_dispatch)
     kw = dict(

@@ -1832,9 +1832,12 @@ def run(
             need = group_pages(b, horizon) - len(found)
             return need if free >= g and need <= available else None
 
-        def fits(b: int) -> bool:
+        def claim(b: int) -> tuple[list[int], int] | None:
+            """``(shared prefix, pages needed)`` of another engine's prompt ``b`` when it can
+            be admitted here now, else None."""
             found = shared_prefix(b)
-            return not unwritten.intersection(found) and room(b, found) is not None
+            need = None if unwritten.intersection(found) else room(b, found)
+            return None if need is None else (found, need)
 
         with lock:
             while not resume and pending and len(entries) < most:
@@ -1857,11 +1860,11 @@ def run(
                 queue.open()  # the other engines may take this engine's last prompts
             # Out of prompts with room left: another engine's last waiting prompt.
             while queue is not None and not (resume or pending) and len(entries) < most:
-                b = queue.steal(fits)
-                if b is None:
+                taken = queue.steal(claim)
+                if taken is None:
                     break
-                found = shared_prefix(b)
-                available -= room(b, found)
+                b, (found, need) = taken
+                available -= need
                 free -= g
                 entries.append(new_group(b, found))
         if entries:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 
 class PromptQueues:
@@ -106,21 +107,24 @@ class EngineQueue:
         with self.lock:
             return self._victim() is not None
 
-    def steal(self, fits: Callable[[int], bool]) -> int | None:
-        """The last prompt of the open queue with the most prompts, taken if ``fits`` it (this
-        engine's room check, run holding :attr:`lock`); else None."""
+    def steal(self, claim: Callable[[int], Any]) -> tuple[int, Any] | None:
+        """``(b, claim(b))`` for ``b`` the last prompt of the open queue with the most prompts,
+        taken when ``claim`` (this engine's room check, run holding :attr:`lock`) returns a
+        true value; else None."""
         with self.lock:
             q = self._victim()
-            if q is None or not fits(q[-1]):
+            room = None if q is None else claim(q[-1])
+            if not room:
                 return None
             b = q.pop()
             if not q:
                 self.lock.notify_all()
             self.stolen += 1
-            return b
+            return b, room
 
     def others_waiting(self) -> bool:
-        """Whether another engine still has prompts queued (it may open its queue later)."""
+        """Whether another engine still has prompts queued (it may open its queue later), and
+        no engine failed."""
         qs = self._all
         with self.lock:
             return not qs._aborted and any(q for i, q in enumerate(qs._queues) if i != self._e)
@@ -128,13 +132,8 @@ class EngineQueue:
     def wait(self) -> None:
         """Blocks until another engine opens a queue with prompts in it, or no other queue
         has prompts left (or an engine failed)."""
-        qs = self._all
         with self.lock:
-            while (
-                not qs._aborted
-                and self._victim() is None
-                and any(q for i, q in enumerate(qs._queues) if i != self._e)
-            ):
+            while self._victim() is None and self.others_waiting():
                 self.lock.wait()
 
     def done(self, ran: Sequence[int]) -> None:

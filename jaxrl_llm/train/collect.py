@@ -158,7 +158,11 @@ def kv_metrics(rounds: list[np.ndarray]) -> dict[str, float]:
     rows = [r for r in rounds if len(r)]
     if not rows:
         return {}
-    busiest = [KV_FIELDS.index(f) for f in ("decode_dispatches", "decode_steps")]
+
+    def busiest(field: str) -> float:  # each round's busiest engine, summed over rounds
+        i = KV_FIELDS.index(field)
+        return float(sum(np.max(r[:, i]) for r in rows))
+
     cols = dict(zip(KV_FIELDS, np.concatenate(rows).T.astype(np.float64), strict=True))
     peak, pool, page_bytes = cols["peak_pages"], cols["pool_pages"], cols["page_bytes"]
     ran, shared = cols["prefill_tokens"], cols["shared_prompt_tokens"]
@@ -168,8 +172,8 @@ def kv_metrics(rounds: list[np.ndarray]) -> dict[str, float]:
         "rollout/kv_pool_gib": float(np.max(pool * page_bytes)) / gib,
         "rollout/kv_usage_peak": float(np.max(peak / np.maximum(pool - 1, 1))),
         "rollout/preemptions": float(np.sum(cols["preemptions"])),
-        "rollout/decode_dispatches": float(sum(np.max(r[:, busiest[0]]) for r in rows)),
-        "rollout/decode_steps": float(sum(np.max(r[:, busiest[1]]) for r in rows)),
+        "rollout/decode_dispatches": busiest("decode_dispatches"),
+        "rollout/decode_steps": busiest("decode_steps"),
         "rollout/prompts_stolen": float(np.sum(cols["prompts_stolen"])),
         "rollout/prefix_shared_frac": float(shared.sum() / max(shared.sum() + ran.sum(), 1.0)),
     }

@@ -13,10 +13,10 @@ def test_only_open_queues_are_taken_from_their_tail_most_waiting_first():
     with idle.lock:
         assert idle.steal(lambda _: True) is None  # nobody waits for room yet
         c.open()
-        assert idle.steal(lambda _: True) == 9  # c's last prompt
+        assert idle.steal(lambda _: True) == (9, True)  # c's last prompt, with the claim
         b.open()
         assert idle.steal(lambda _: False) is None  # b's last does not fit the thief
-        assert idle.steal(lambda _: True) == 7  # b now has the most waiting
+        assert idle.steal(lambda _: True) == (7, True)  # b now has the most waiting
         assert [b.popleft(), len(b)] == [3, 3]  # the owner keeps its head
     assert idle.stolen == 2 and a.stolen == 0
     assert not a.stealable() or a.steal(lambda _: True) is not None
