@@ -28,7 +28,9 @@ one sample group's worst case, which forces preemption). Then it checks what mus
   ``tensor_parallel=2`` engines; ``data`` 2 × ``fsdp`` 2): a partial rollout of random
   segments, where every process passes the whole batch and returns the one-device one-shot
   paged run; and (with 2 prompts or more) one paged ``generate`` call, each process passing
-  its contiguous rows (uneven when B is odd), whose rows together are that run. The two
+  its contiguous rows (uneven when B is odd), whose rows together are that run (with
+  ``work_stealing`` drawn on, prompts that wait for room move across the processes: the
+  facts' ``prompts_stolen`` per process). The two
   processes run all the seeds in one launch each and stop at the first error (the other would
   wait in a collective), which is then reported for that seed, the rest of the seeds not run.
 
@@ -333,13 +335,14 @@ def mp_child(port: int, pid: int, seeds: list[int], out_dir: str) -> None:
             rows = paged_dp.split_rows(len(case.ids), 2)[pid]
             budgets = case.kwargs["max_new_tokens_bg"]
             kwargs = dict(case.kwargs, max_new_tokens_bg=None if budgets is None else budgets[rows])
-            mine = rollout.generate(
+            mine, stats = rollout.generate(
                 sharded, case.ids[rows], case.mask[rows], engine="paged",
-                paged_options=options, **kwargs,
+                paged_options=options, return_stats=True, **kwargs,
             )  # fmt: skip
             arrays.update(
                 {f"gen_{f}": np.asarray(x) for f, x in mine._asdict().items() if x is not None}
             )
+            arrays["stolen"] = np.int64(stats.prompts_stolen)  # across processes too
         path = Path(out_dir) / f"{seed}.{pid}.npz"
         np.savez(path.with_suffix(".tmp.npz"), **arrays)
         path.with_suffix(".tmp.npz").replace(path)  # whole, or not there
@@ -405,6 +408,8 @@ def _mp_compare(
                 for path in paths:
                     with np.load(path) as z:
                         loaded.append({k: z[k] for k in z.files})
+                if "stolen" in loaded[0]:  # generate's prompts taken from another engine
+                    facts["prompts_stolen"] = [int(a.pop("stolen")) for a in loaded]
                 for pid, arrays in enumerate(loaded):
                     got = {k: v for k, v in arrays.items() if not k.startswith("gen_")}
                     got = partial.PartialGeneration(**got)

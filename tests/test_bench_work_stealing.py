@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tests.scripts import load_script
 
 
@@ -23,3 +25,20 @@ def test_bench_work_stealing_tiny(tmp_path):
     assert 8 * 2 <= result["budgets"]["useful"] <= 8 * 2 * 24
     assert result["agreement"]["samples"] == 16 and result["agreement"]["samples_differing"] == 0
     assert result["critical_path_ratio"] > 0
+
+
+@pytest.mark.slow
+def test_bench_work_stealing_two_processes_tiny(tmp_path):
+    """``--processes 2``: two processes of a jax.distributed job, one engine each, the
+    processes' figures merged (an engine per process, in process order)."""
+    bench = load_script("bench_work_stealing")
+    out = tmp_path / "stealing.json"
+    argv = ["--model", "tiny-random", "--processes", "2", "--engines", "1", "--prompts", "8"]
+    argv += ["--samples", "2", "--short", "1", "2", "--long", "20", "24", "--slots", "2"]
+    result = bench.main([*argv, "--steps-per-dispatch", "4", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert result["processes"] == 2 and "--processes 2" in result["command"]
+    for mode in result["modes"].values():
+        assert len(mode["decode_steps"]) == 2 and len(mode["prompts_stolen"]) == 2
+        assert mode["critical_path_steps"] == max(mode["decode_steps"]) > 0
+    assert result["agreement"]["samples"] == 16 and result["agreement"]["samples_differing"] == 0

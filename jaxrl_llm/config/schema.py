@@ -148,7 +148,7 @@ class RolloutConfig:
     memory_utilization: float = _field(0.9, gt=0, le=1)
     # Paged engine: prompts of a call that begin alike share those KV pages (prefix caching).
     prefix_sharing: bool = True
-    # Data-parallel paged engines of a process take each other's prompts waiting for room.
+    # Data-parallel paged engines (of all processes) take each other's prompts waiting for room.
     work_stealing: bool = True
     # Completions cut at max_new_tokens carry no loss (TRL's mask_truncated_completions).
     mask_truncated_completions: bool = False

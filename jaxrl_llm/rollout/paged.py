@@ -196,9 +196,11 @@ class PagedOptions:
       work_stealing: with several data-parallel engines in a process (``paged_dp``), an
         engine that has run its own share of the prompts and has room takes the last prompts
         another engine has waiting for room (:mod:`~jaxrl_llm.rollout.stealing`), so a share
-        of long completions does not hold up the call while other engines idle. Only prompts
-        that wait for slots or pages move: a call whose every share fits its engine at once
-        runs the contiguous split. A moved sample keeps its keys (its global sequence id), so
+        of long completions does not hold up the call while other engines idle; in a
+        ``jax.distributed`` job, across processes too (the prompts lent through the
+        coordination service's key-value store, their outputs sent back the same way). Only
+        prompts that wait for slots or pages move: a call whose every share fits its engine at
+        once runs the contiguous split. A moved sample keeps its keys (its global sequence id), so
         its tokens are the split run's up to float rounding (beside other rows its logits may
         differ in the last bits, and a near-tie then samples another token, as between any
         two batch layouts); which engine runs a moved prompt (the per-engine stats) depends on
@@ -229,8 +231,8 @@ class PagedStats(NamedTuple):
     prompt's pages held them (:attr:`PagedOptions.prefix_sharing`), and the decode steps
     the dispatches ran (a dispatch's ``steps_per_dispatch`` or fewer: the engine's
     sequential decode work, the time it takes where a step's time barely depends on its rows,
-    as on an accelerator), and the prompts it took from another engine's queue
-    (:attr:`PagedOptions.work_stealing`)."""
+    as on an accelerator), and the prompts it took from another engine's queue, of its own
+    process or another (:attr:`PagedOptions.work_stealing`)."""
 
     peak_pages: int
     page_bytes: int
@@ -1491,9 +1493,21 @@ def run(
     ``prompts`` (and the per-sample arrays) are the whole call's, the engine starts with the
     prompts of its own queue, takes others' when its own are done and it has room, and
     returns the rows of the prompts it ran only, in the order of ``queue.done``'s record.
+    When the queues carry their :class:`~jaxrl_llm.rollout.stealing.Rows`, the engine reads
+    the prompts and per-sample arrays from them instead of its arguments: prompts another
+    process lent are appended there as they are taken (rows past the process's own), and
+    their outputs are rows of this engine's outputs like any other.
     """
-    b_count, g = budgets_bg.shape
-    prompts = [np.asarray(p, np.int32) for p in prompts]  # the prefix index keys their bytes
+    if queue is not None and queue.rows is not None:
+        rows = queue.rows  # shared with the process's other engines
+    else:
+        rows = stealing.Rows(prompts, budgets_bg, seq_ids_bg, token_offsets_bg)
+    # The prefix index keys the prompts' bytes (int32). Per-sample values are read by row.
+    prompts, budgets_bg = rows.prompts, rows.budgets
+    seq_ids_bg, token_offsets_bg = rows.seq_ids, rows.offsets
+    b_count, g = rows.local, rows.num_samples
+    longest = max(len(p) for p in prompts[:b_count])
+    widest = max(longest, rows.longest)  # the page tables' prompts: any lent one fits them
     ps, slots, k = options.page_size, options.num_slots, options.steps_per_dispatch
     chunk = options.prefill_chunk
     if not isinstance(params, EngineParams):
@@ -1502,12 +1516,7 @@ def run(
     cfg = _model_config(graphdef, params, layers_l)
     kernel = attention_kernel(cfg, options, cache_dtype, mesh=mesh, params=params)
     share = queue.share if queue is not None else b_count  # the prompts this engine expects
-    fit_b, fit_g, fit_p, fit_t = whole_rollout or (
-        share,
-        g,
-        max(len(p) for p in prompts),
-        max_new_tokens,
-    )
+    fit_b, fit_g, fit_p, fit_t = whole_rollout or (share, g, longest, max_new_tokens)
     options = fit_pool_to_memory(
         graphdef,
         cfg,
@@ -1547,10 +1556,6 @@ def run(
     temp, topp = np.float32(temperature or 1.0), np.float32(top_p)
     stop_ids = np.asarray(stop_ids, np.int32)
     stop_set = {int(s) for s in stop_ids if s >= 0}
-    if seq_ids_bg is None:
-        seq_ids_bg = np.arange(b_count * g, dtype=np.int32).reshape(b_count, g)
-    if token_offsets_bg is None:
-        token_offsets_bg = np.zeros((b_count, g), np.int32)
 
     def group_pages(b: int, horizon: int) -> int:
         """Pages prompt ``b``'s G samples hold with up to ``horizon`` tokens each decoded: the
@@ -1558,18 +1563,26 @@ def run(
         pages."""
         p = len(prompts[b])
         n_full = p // ps
-        per = [_ceil_div(p + min(horizon, int(budgets_bg[b, i])) - 1, ps) for i in range(g)]
+        per = [_ceil_div(p + min(horizon, int(budgets_bg[b][i])) - 1, ps) for i in range(g)]
         return n_full + sum(max(q, n_full) - n_full for q in per)
 
-    for b in range(b_count):
-        # Admitted, the group needs its prompt and first tokens' pages; alone, each sample
-        # must be able to finish (every other sequence preempted).
+    def least_pages(b: int) -> int:
+        """The pool prompt ``b`` needs: admitted, its prompt and first tokens' pages; alone,
+        each sample must be able to finish (every other sequence preempted)."""
         alone = max(_ceil_div(len(prompts[b]) + int(x) - 1, ps) for x in budgets_bg[b])
-        need = max(group_pages(b, 1), alone)
+        return max(group_pages(b, 1), alone)
+
+    def fits(b: int) -> bool:
+        """Whether another process's prompt ``b`` fits this engine: its page tables (sized
+        for ``rows.longest``) and its pool (sized for this process's own prompts)."""
+        return len(prompts[b]) <= widest and least_pages(b) <= options.num_pages - 1
+
+    for b in range(b_count):
+        need = least_pages(b)
         if need > options.num_pages - 1:
             raise ValueError(
                 f"generate(engine='paged'): prompt {b} ({len(prompts[b])} tokens, G={g}, "
-                f"budgets up to {int(budgets_bg[b].max())}) needs {need} pages of "
+                f"budgets up to {int(np.max(budgets_bg[b]))}) needs {need} pages of "
                 f"{ps} tokens, but the pool has {options.num_pages - 1} (num_pages="
                 f"{options.num_pages}, one is the trash page); raise num_pages"
             )
@@ -1582,7 +1595,7 @@ def run(
     remaining = np.zeros((slots,), np.int32)
     gen_pos = np.zeros((slots,), np.int32)
     seq_id = np.zeros((slots,), np.int32)
-    max_width = max_table_width(max(len(p) for p in prompts), max_new_tokens, ps)
+    max_width = max_table_width(widest, max_new_tokens, ps)
 
     # The prompts waiting, in order: this engine's own, or its queue shared with the other
     # engines of the process (work stealing), read and popped holding its lock.
@@ -1646,8 +1659,8 @@ def run(
         slot_seq[slot] = sid
         lens[slot], token[slot], alive[slot] = seq.prompt_len + n - 1, seq.tokens[-1], True
         remaining[slot] = seq.budget - n
-        gen_pos[slot] = token_offsets_bg[seq.prompt, seq.sample] + n
-        seq_id[slot] = seq_ids_bg[seq.prompt, seq.sample]
+        gen_pos[slot] = token_offsets_bg[seq.prompt][seq.sample] + n
+        seq_id[slot] = seq_ids_bg[seq.prompt][seq.sample]
 
     def preempt(slot: int) -> None:
         """Takes slot ``slot``'s sequence off the pool (vLLM's recompute preemption): its pages
@@ -1691,7 +1704,7 @@ def run(
         tails = [take(1) for _ in range(g)] if tail else [[] for _ in range(g)]
         admitted = next(admissions)
         for i in range(g):
-            budget = int(budgets_bg[b, i])
+            budget = int(budgets_bg[b][i])
             seqs[b * g + i] = _Seq(b, i, p, budget, shared + tails[i], admitted=admitted)
         page_of_jg = np.empty((p, g), np.int32)
         page_of_jg[: n_full * ps] = np.repeat(np.asarray(shared, np.int32), ps)[:, None]
@@ -1723,8 +1736,8 @@ def run(
         ctx = np.concatenate([prompts[seq.prompt], np.asarray(seq.tokens[:-1], np.int32)])
         seq.pages = take(_ceil_div(len(ctx), ps))
         page_of = np.repeat(np.asarray(seq.pages, np.int32), ps)[: len(ctx)]
-        ids = np.full((g,), seq_ids_bg[seq.prompt, seq.sample], np.int32)
-        pos = np.full((g,), token_offsets_bg[seq.prompt, seq.sample], np.int32)
+        ids = np.full((g,), seq_ids_bg[seq.prompt][seq.sample], np.int32)
+        pos = np.full((g,), token_offsets_bg[seq.prompt][seq.sample], np.int32)
         return ctx, np.repeat(page_of[:, None], g, axis=1), 0, (ids, pos, lambda _: seat(sid))
 
     def prefill(entries: list[tuple[np.ndarray, np.ndarray, int, Any]]) -> None:
@@ -1835,6 +1848,8 @@ def run(
         def claim(b: int) -> tuple[list[int], int] | None:
             """``(shared prefix, pages needed)`` of another engine's prompt ``b`` when it can
             be admitted here now, else None."""
+            if b >= b_count and not fits(b):  # another process's
+                return None
             found = shared_prefix(b)
             need = None if unwritten.intersection(found) else room(b, found)
             return None if need is None else (found, need)
@@ -1860,6 +1875,8 @@ def run(
                 queue.open()  # the other engines may take this engine's last prompts
             # Out of prompts with room left: another engine's last waiting prompt.
             while queue is not None and not (resume or pending) and len(entries) < most:
+                if free < g:  # no room for any prompt (nor a look at other processes')
+                    break
                 taken = queue.steal(claim)
                 if taken is None:
                     break

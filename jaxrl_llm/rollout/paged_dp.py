@@ -12,8 +12,9 @@ tensor-parallel within the shard, replicated across shards), and the outputs are
 prompt order. On a one-device sub-mesh (a pure ``data`` mesh) an engine may use the
 accelerator attention kernels, which refuse a mesh of several devices. With
 ``PagedOptions.work_stealing`` (the default) a shard is where an engine starts: an engine out
-of prompts takes the prompts another engine of the process has waiting for room
-(:mod:`~jaxrl_llm.rollout.stealing`); the outputs are put back in prompt order all the same.
+of prompts takes the prompts another engine, of the process or of another process, has
+waiting for room (:mod:`~jaxrl_llm.rollout.stealing`); the outputs are put back in prompt
+order all the same.
 
 Equal tokens. Sample ``g`` of the batch's prompt ``b`` keeps its global sequence id
 ``b·G + g`` (``paged.run(seq_ids_bg=)``), so its token ``t`` is drawn with
@@ -43,8 +44,11 @@ such a process still takes part in the weights' reshard and the exchange below) 
 back theirs. It runs the engines of the data shards whose devices are all its own (its rows split
 over them as above) with the global sequence ids (its rows' offset in the global batch comes
 from an exchange of the row counts through the coordination service,
-:func:`~jaxrl_llm.distributed.host_allgather`, which no device work in flight delays); no other
-cross-process traffic but the weights' reshard. A data
+:func:`~jaxrl_llm.distributed.host_allgather`, which no device work in flight delays). With
+work stealing, prompts waiting for room are lent to the other processes' engines through the
+same service's key-value store and their outputs come back the same way
+(:class:`~jaxrl_llm.rollout.stealing.Lending`); no other cross-process traffic but the
+weights' reshard. A data
 shard whose devices span processes is refused (a clear error): its engine would need one
 scheduler driving two processes.
 
@@ -58,6 +62,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -72,6 +77,17 @@ from jaxrl_llm.models import sharding
 from jaxrl_llm.rollout import paged, stealing
 
 Params = dict[str, Any]
+
+_LENDING_PREFIX = "jaxrl_llm/paged_lending"
+_lending_last: list[str] = []  # the namespace of this process's previous call
+
+
+def _forget_lending(namespace: str) -> None:
+    """Deletes the previous call's lending keys (process 0, once every process has reached
+    this call's exchange, so none reads them any more) and remembers ``namespace``."""
+    if _lending_last and jax.process_index() == 0:
+        dist._kv_client().key_value_delete(_lending_last[0] + "/")
+    _lending_last[:] = [namespace]
 
 
 class DataParallelStats(paged.PagedStats):
@@ -380,10 +396,15 @@ def run_shards(
                 f"of the parameters' mesh {dict(mesh.shape)}; every process needs devices on it"
             )
         key_data = np.asarray(jax.random.key_data(rng))
-        counts_p, keys_p = dist.host_allgather(
-            (np.int32(b_count), key_data), what="paged engine: rows and rng key"
+        nonce = np.frombuffer(os.urandom(8), np.uint32)  # names this call's lending keys
+        longest_here = np.int32(max((len(p) for p in prompts), default=0))
+        counts_p, keys_p, nonces_p, longest_p = dist.host_allgather(
+            (np.int32(b_count), key_data, nonce, longest_here),
+            what="paged engine: rows and rng key",
         )
         offset = int(counts_p[: jax.process_index()].sum())
+        namespace = f"{_LENDING_PREFIX}/{nonces_p[0, 0]:08x}{nonces_p[0, 1]:08x}"
+        _forget_lending(namespace)
         if not (keys_p == key_data[None]).all():
             raise ValueError(
                 "generate(engine='paged'): processes passed different rng keys; pass the same key"
@@ -413,10 +434,20 @@ def run_shards(
         share = (-(-wb // d_count), wg, wp, wt)  # the largest data shard's prompts
 
     # Work stealing (``PagedOptions.work_stealing``, rollout/stealing.py): every engine sees
-    # all of this process's rows and starts with its share in a queue of its own.
-    queues = None
-    if len(todo) > 1 and (requested or options).work_stealing:
-        queues = stealing.PromptQueues([range(rows[d].start, rows[d].stop) for d in todo])
+    # all of this process's rows and starts with its share in a queue of its own; with
+    # several processes, the queues lend what waits to every process's engines.
+    queues = lending = None
+    steal = (requested or options).work_stealing
+    if steal and (multi or len(todo) > 1):
+        book = stealing.Rows(prompts, budgets_bg, seq_ids_bg, token_offsets_bg)
+        if multi:
+            book.longest = int(longest_p.max())  # any process's prompt may come here
+            lending = stealing.Lending(
+                dist._kv_client(), namespace, jax.process_index(), jax.process_count(), book
+            )
+        queues = stealing.PromptQueues(
+            [range(rows[d].start, rows[d].stop) for d in todo], book, lending
+        )
 
     def one(d: int) -> tuple[tuple[np.ndarray, ...], paged.PagedStats]:
         r, sub = rows[d], shards[d]
@@ -447,8 +478,8 @@ def run_shards(
                     **kwargs,
                 )
         except Exception as e:
-            if queues is not None:
-                queues.abort()  # the other engines stop waiting for this one's prompts
+            if queues is not None:  # the other engines stop waiting for this one's prompts
+                queues.abort(f"data shard {d}: {type(e).__name__}: {e}")
             where = f"whose prompt i is this call's prompt {r.start} + i"
             if queues is not None:
                 where = "its prompts numbered as the call's"
@@ -459,6 +490,8 @@ def run_shards(
             raise
 
     if not todo:  # a process with no rows in this call (a partial rollout's late segment)
+        if lending is not None:
+            lending.drained()  # nothing to lend; its engines run nothing, so take nothing
         t = max_new_tokens
         arrays = (
             np.zeros((0, g, t), np.int32),
@@ -479,6 +512,19 @@ def run_shards(
     )
     if queues is not None:  # each engine's rows are the prompts it ran: back in prompt order
         order = np.concatenate([np.asarray(r, np.int64) for r in queues.ran])
+        if lending is not None:  # other processes' prompts out, this one's back in
+            theirs = order >= b_count
+            lending.publish_results(
+                {int(b): tuple(x[i] for x in arrays) for i, b in enumerate(order) if theirs[i]}
+            )
+            back = lending.collect_results()
+            order = np.concatenate([order[~theirs], np.fromiter(back, np.int64, len(back))])
+            arrays = tuple(
+                np.concatenate([x[~theirs], np.stack([v[i] for v in back.values()])])
+                if back
+                else x[~theirs]
+                for i, x in enumerate(arrays)
+            )
         assert np.array_equal(np.sort(order), np.arange(b_count)), "work stealing lost a prompt"
         arrays = tuple(x[np.argsort(order)] for x in arrays)
     stats: list[paged.PagedStats | None] = [

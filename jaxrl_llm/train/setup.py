@@ -131,7 +131,7 @@ class Sampler:
         that sizes its default pool (``PagedOptions.memory_utilization``; None: not used).
       prefix_sharing: prompts of a call that begin alike share those pages in the paged
         engine (``PagedOptions.prefix_sharing``).
-      work_stealing: a process's data-parallel paged engines take each other's prompts
+      work_stealing: the data-parallel paged engines (of every process) take each other's prompts
         waiting for room (``PagedOptions.work_stealing``).
       mask_truncated: completions that hit ``max_new_tokens`` without a stop id get no loss
         tokens (their rewards still enter the group statistics).

@@ -351,6 +351,22 @@ for mode, temperature, key in (("greedy", 0.0, 0), ("sampled", 1.0, 5)):
     )
     for field in ("tokens", "mask", "logprobs", "truncated"):
         results[f"static/{mode}/{field}"] = np.asarray(getattr(out_, field))
+# Work stealing across the processes: one engine per process, one prompt at a time (2 slots,
+# G = 2); process 0's 4 prompts decode 47 steps each, process 1's one step each.
+small = paged.PagedOptions(page_size=4, num_slots=2, steps_per_dispatch=4, prefill_chunk=16)
+half = slice(0, 4) if pid == 0 else slice(4, 8)
+for mode, stealing in (("split", False), ("stealing", True)):
+    out_, stats = rollout.generate(
+        model, data["steal_ids"][half], data["steal_mask"][half], rng=jax.random.key(1),
+        temperature=1.0, max_new_tokens=48, num_samples=2, stop_token_ids=(),
+        max_new_tokens_bg=data["steal_budgets"][half], engine="paged", return_stats=True,
+        paged_options=dataclasses.replace(small, work_stealing=stealing),
+    )
+    for field in ("tokens", "mask", "logprobs", "truncated"):
+        results[f"lending/{mode}/{field}"] = np.asarray(getattr(out_, field))
+    results[f"lending/{mode}/stolen"] = stats.prompts_stolen
+    results[f"lending/{mode}/decode_steps"] = stats.decode_steps
+    results[f"lending/{mode}/pages_at_end"] = stats.pages_in_use_at_end
 try:  # each process its own key: both see the mismatch in the same gather, neither hangs
     rollout.generate(model, data["ids"][rows], data["mask"][rows], rng=jax.random.key(pid),
                      max_new_tokens=2, engine="paged")
@@ -411,11 +427,17 @@ def test_two_processes_get_the_one_device_tokens_of_their_rows(
 ):
     """Each process passes its rows and gets the one-device tokens for them: the paged engine
     on three layouts (uneven rows), and the static engine (its multi-process program, even
-    rows)."""
+    rows). Work stealing across the processes moves prompts that wait for room from the busy
+    process to the idle one and keeps the tokens."""
     hf, _ = tiny_pair("llama3")
     ids, mask, greedy, sampled = one_device
     hf.save_pretrained(tmp_path / "model")
-    np.savez(tmp_path / "batch.npz", ids=ids, mask=mask, budgets=BUDGETS, T=T, G=G)
+    steal_ids, steal_mask = prompts(seed=3, lengths=(5, 7, 6, 8, 5, 6, 7, 9))
+    steal_budgets = np.repeat(np.array([48] * 4 + [2] * 4, np.int32)[:, None], 2, axis=1)
+    np.savez(
+        tmp_path / "batch.npz", ids=ids, mask=mask, budgets=BUDGETS, T=T, G=G,
+        steal_ids=steal_ids, steal_mask=steal_mask, steal_budgets=steal_budgets,
+    )  # fmt: skip
     args = [str(tmp_path / "model"), str(tmp_path / "batch.npz")]
     got = run_two_processes(CHILD, args, tmp_path, "paged data-parallel", limit=240)
     for name in ("data2_tensor2", "fsdp4", "fsdp4_tp2"):
@@ -434,6 +456,17 @@ def test_two_processes_get_the_one_device_tokens_of_their_rows(
         )  # fmt: skip
         parts = {f: np.concatenate([g[f"static/{mode}/{f}"] for g in got]) for f in fields}
         assert_same(ref, rollout.Generation(**parts))
+    # Across processes: process 1 takes process 0's lent prompts (their outputs go back to
+    # process 0 through the store) and the tokens are the split run's.
+    for g in got:
+        for f in fields:
+            np.testing.assert_array_equal(g[f"lending/split/{f}"], g[f"lending/stealing/{f}"])
+        assert int(g["lending/split/stolen"]) == 0
+        assert int(g["lending/stealing/pages_at_end"]) == 0
+    assert [int(g["lending/split/decode_steps"]) for g in got] == [4 * 47, 4]
+    steps = [int(g["lending/stealing/decode_steps"]) for g in got]
+    assert max(steps) <= 3 * 47 and sum(steps) == 4 * 47 + 4, steps
+    assert int(got[1]["lending/stealing/stolen"]) >= 1
     for g in got:
         assert "processes passed different rng keys" in str(g["different_keys"])
         assert "data shard 0 of the mesh spans processes [0, 1]" in str(g["refused"])
