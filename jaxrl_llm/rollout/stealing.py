@@ -29,8 +29,9 @@ Across processes (:class:`Lending`, a ``jax.distributed`` job of several process
 process runs its own rows, and a process cannot reach another's queues, so prompts move
 through the key-value store of JAX's coordination service (where ``distributed.
 host_allgather`` exchanges host values). When an engine's queue opens, the process *lends*
-every prompt of that queue but its head: it publishes each one (its tokens, budgets,
-sequence ids and token offsets) under the call's namespace, in order. Any engine of any
+every prompt of that queue but its head: it publishes them (their tokens, budgets,
+sequence ids and token offsets; one blob per lending) under the call's namespace, in order.
+Within a process the open queues' heads are taken first, then the lent prompts. Any engine of any
 process with nothing of its own left to run and room for a lent prompt may take it, the
 lending process's own engines from the front (the order they would have run them in),
 the other processes' from the back; a prompt is taken by an atomic insert of its claim key
@@ -41,6 +42,8 @@ call when every process has emptied its queues and every lent prompt has been ta
 engines see the other processes' state through a snapshot of the store read at most every
 ``refresh_s`` (two reads: the processes' states, the claims). Each move costs a few store
 round trips (~0.3 ms each on one host), a prompt's tokens and its outputs: prompts, not KV.
+A lending process waits for the outputs of its prompts that another process ran until that
+process's call ends (it publishes them then); the step waits for every process anyway.
 """
 
 from __future__ import annotations
