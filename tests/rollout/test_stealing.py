@@ -162,13 +162,20 @@ def test_an_opened_queue_lends_all_but_its_head_and_each_lent_prompt_runs_once()
     assert lend1.collect_results() == {}  # it lent nothing
 
 
-def test_a_prompt_another_process_claimed_first_is_skipped_and_others_lend_in_turn():
+def _opened_pair(n0: int, n1: int):
+    """Process 0 with ``n0`` prompts, its queue opened (all but its head lent), and process 1
+    with ``n1``: ``(store, process 0's lending, process 1's rows and queues, the two engines)``."""
     store = FakeStore()
-    _, lend0, qs0 = _process(store, 0, 4, 0)
-    rows1, _, qs1 = _process(store, 1, 0, 8)
+    _, lend0, qs0 = _process(store, 0, n0, 0)
+    rows1, _, qs1 = _process(store, 1, n1, 2 * n0)
     e0, e1 = qs0.engine(0), qs1.engine(0)
     with e0.lock:
         e0.open()
+    return store, lend0, rows1, qs1, e0, e1
+
+
+def test_a_prompt_another_process_claimed_first_is_skipped_and_others_lend_in_turn():
+    store, lend0, rows1, _, _, e1 = _opened_pair(4, 0)
     store.key_value_set("call7/claim/0/2", "0")  # the owner took its last one meanwhile
     with e1.lock:
         b, _ = e1.steal(lambda b: True)
@@ -208,12 +215,7 @@ def test_a_thief_reads_each_prompt_from_its_lending():
 
 
 def test_a_failed_process_stops_the_others_and_its_outputs_are_not_waited_for():
-    store = FakeStore()
-    _, lend0, qs0 = _process(store, 0, 3, 0)
-    _, _, qs1 = _process(store, 1, 1, 6)
-    e0, e1 = qs0.engine(0), qs1.engine(0)
-    with e0.lock:
-        e0.open()
+    _, lend0, _, qs1, e0, e1 = _opened_pair(3, 1)
     with e1.lock:
         assert e1.popleft() == 0 and e1.steal(lambda b: True) is not None
     qs1.abort("data shard 1: ValueError: bad")
