@@ -1646,10 +1646,35 @@ def run(
                 parent = page
         return found
 
+    def outputs(bs: Sequence[int]) -> tuple[np.ndarray, ...]:
+        """The output rows of prompts ``bs``, every sample finished: tokens, mask, log-probs,
+        truncated (and, with ``full_logprobs``, the full-vocabulary log-probs)."""
+        n_rows, t = len(bs), max_new_tokens
+        tokens = np.full((n_rows, g, t), pad_token_id, np.int32)
+        mask = np.zeros((n_rows, g, t), bool)
+        logps = np.zeros((n_rows, g, t), np.float32)
+        truncated = np.zeros((n_rows, g), bool)
+        full = np.zeros((n_rows, g, t), np.float32) if full_logprobs else None
+        for r, b in enumerate(bs):
+            for i in range(g):
+                seq = finished[b * g + i]
+                n = len(seq.tokens)
+                tokens[r, i, :n] = seq.tokens
+                mask[r, i, :n] = True
+                logps[r, i, :n] = seq.logps
+                truncated[r, i] = not seq.stopped
+                if full is not None:
+                    full[r, i, :n] = seq.full_logps
+        return (tokens, mask, logps, truncated) + (() if full is None else (full,))
+
     def finish(s: int) -> None:
         seq = seqs.pop(s)
         release(seq.pages)
         finished[s] = seq
+        b = seq.prompt
+        if b >= b_count and all(b * g + i in finished for i in range(g)):
+            # another process's prompt: its output rows go back now
+            queue.send_back(b, tuple(x[0] for x in outputs([b])))
 
     def seat(sid: int) -> None:
         """Puts sequence ``sid`` (its KV cache written up to its last token) in a free slot."""
@@ -1995,27 +2020,12 @@ def run(
                     finish(sid)
                     slot_seq[slot] = -1
 
-    t = max_new_tokens
     # The output's row of each prompt run: all of them, or with shared queues the prompts
     # this engine ran, in prompt order.
     ran = sorted({seq.prompt for seq in finished.values()}) if queue is not None else range(b_count)
-    row = {b: r for r, b in enumerate(ran)}
     if queue is not None:
         queue.done(ran)
-    n_rows = len(ran)
-    tokens = np.full((n_rows, g, t), pad_token_id, np.int32)
-    mask = np.zeros((n_rows, g, t), bool)
-    logps = np.zeros((n_rows, g, t), np.float32)
-    truncated = np.zeros((n_rows, g), bool)
-    full = np.zeros((n_rows, g, t), np.float32) if full_logprobs else None
-    for seq in finished.values():
-        n, r = len(seq.tokens), row[seq.prompt]
-        tokens[r, seq.sample, :n] = seq.tokens
-        mask[r, seq.sample, :n] = True
-        logps[r, seq.sample, :n] = seq.logps
-        truncated[r, seq.sample] = not seq.stopped
-        if full is not None:
-            full[r, seq.sample, :n] = seq.full_logps
+    arrays = outputs(ran)
     assert not index, "paged scheduler: a released page is still in the prefix index"
     stats = PagedStats(
         alloc.peak,
@@ -2030,8 +2040,7 @@ def run(
         steps_run,
         0 if queue is None else queue.stolen,
     )
-    outputs = (tokens, mask, logps, truncated)
-    return (outputs if full is None else (*outputs, full)), stats
+    return arrays, stats
 
 
 def attention_kernel(

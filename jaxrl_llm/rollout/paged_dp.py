@@ -512,7 +512,7 @@ def run_shards(
     )
     if queues is not None:  # each engine's rows are the prompts it ran: back in prompt order
         order = np.concatenate([np.asarray(r, np.int64) for r in queues.ran])
-        if lending is not None:  # other processes' prompts out, this one's back in
+        if lending is not None:  # other processes' prompts out (sent as they finished), ours in
             theirs = order >= b_count
             lending.publish_results(
                 {int(b): tuple(x[i] for x in arrays) for i, b in enumerate(order) if theirs[i]}

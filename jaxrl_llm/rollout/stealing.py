@@ -42,8 +42,9 @@ call when every process has emptied its queues and every lent prompt has been ta
 engines see the other processes' state through a snapshot of the store read at most every
 ``refresh_s`` (two reads: the processes' states, the claims). Each move costs a few store
 round trips (~0.3 ms each on one host), a prompt's tokens and its outputs: prompts, not KV.
-A lending process waits for the outputs of its prompts that another process ran until that
-process's call ends (it publishes them then); the step waits for every process anyway.
+The outputs of another process's prompt are published as soon as its last sample finishes
+(``paged.run`` calls :meth:`EngineQueue.send_back`), so the lending process waits for them
+only as long as they decode, not for the rest of the thief's call.
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ class Lending:
         self._blobs: dict[tuple[int, int], dict[str, np.ndarray]] = {}  # (P, J) -> lending J
         self._fetched: dict[tuple[int, int], int] = {}  # another process's prompt -> its row
         self.claims: dict[tuple[int, int], int] = {}  # (P, K) -> the process that took it
+        self.published: set[int] = set()  # rows of other processes' prompts whose outputs went
         self._started = [False] * processes
         self._drained = [False] * processes
         self.failed: tuple[int, str] | None = None
@@ -296,11 +298,14 @@ class Lending:
 
     def publish_results(self, outputs: dict[int, tuple[np.ndarray, ...]]) -> None:
         """Publishes the outputs (each array's row) of the other processes' prompts that this
-        process ran, by row."""
+        process ran, by row (once each: :attr:`published`)."""
         for b, arrays in outputs.items():
+            if b in self.published:
+                continue
             p, k = self.rows.origin[b]
             blob = _pack(**{f"a{i}": x for i, x in enumerate(arrays)})
             self._kv.key_value_set_bytes(self._key("result", p, k), blob)
+            self.published.add(b)
 
     def collect_results(self) -> dict[int, tuple[np.ndarray, ...]]:
         """The outputs of this process's lent prompts that other processes ran, by this
@@ -486,6 +491,12 @@ class EngineQueue:
                 return
             while self._victim() is None and self.others_waiting():
                 self.lock.wait()
+
+    def send_back(self, b: int, outputs: tuple[np.ndarray, ...]) -> None:
+        """Row ``b`` is another process's prompt, finished here: its ``outputs`` (each
+        array's row) go to that process now, not at the end of this engine's run."""
+        with self.lock:
+            self._all.lending.publish_results({b: outputs})
 
     def done(self, ran: Sequence[int]) -> None:
         """Records the prompts this engine ran (their outputs' rows, in this order)."""

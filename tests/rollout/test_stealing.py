@@ -156,6 +156,8 @@ def test_an_opened_queue_lends_all_but_its_head_and_each_lent_prompt_runs_once()
     assert claims == {f"call7/claim/0/{k}": "0" for k in range(4)} | {"call7/claim/0/4": "1"}
     # Outputs: process 1 publishes its row of process 0's prompt, process 0 reads it back.
     lend1.publish_results({2: (np.full((2, 3), 7), np.array([True, False]))})
+    lend1.publish_results({2: (np.full((2, 3), 8), np.array([False, False]))})  # once only
+    assert lend1.published == {2}
     back = lend0.collect_results()
     assert list(back) == [5] and back[5][0].tolist() == [[7] * 3] * 2
     assert back[5][1].tolist() == [True, False]
