@@ -155,7 +155,8 @@ def test_an_opened_queue_lends_all_but_its_head_and_each_lent_prompt_runs_once()
     claims = {k: v for k, v in store.kv.items() if k.startswith("call7/claim/")}
     assert claims == {f"call7/claim/0/{k}": "0" for k in range(4)} | {"call7/claim/0/4": "1"}
     # Outputs: process 1 publishes its row of process 0's prompt, process 0 reads it back.
-    lend1.publish_results({2: (np.full((2, 3), 7), np.array([True, False]))})
+    e1.send_back(2, (np.full((2, 3), 7), np.array([True, False])))  # as the prompt finishes
+    assert "call7/result/0/4" in store.kv
     lend1.publish_results({2: (np.full((2, 3), 8), np.array([False, False]))})  # once only
     assert lend1.published == {2}
     back = lend0.collect_results()
