@@ -304,21 +304,33 @@ def _kv_client() -> Any:
     return client
 
 
-def _pack(leaves: list[np.ndarray], what: str) -> bytes:
+def npz_bytes(**arrays: Any) -> bytes:
+    """``arrays`` as one ``.npz`` blob (no pickle): how host values cross processes through
+    the coordination service's key-value store."""
     buf = io.BytesIO()
-    np.savez(buf, *leaves, **{_WHAT: np.asarray(what)})
+    np.savez(buf, **arrays)
     return buf.getvalue()
 
 
-def _unpack(blob: bytes, what: str, process: int, n: int) -> list[np.ndarray]:
+def npz_arrays(blob: bytes) -> dict[str, np.ndarray]:
+    """The arrays of an :func:`npz_bytes` blob, by name (object arrays refused)."""
     with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-        theirs = str(z[_WHAT])
-        if theirs != what:
-            raise RuntimeError(
-                f"host_allgather({what!r}): process {process} called host_allgather({theirs!r}) "
-                "at the same point; every process must make the same calls in the same order"
-            )
-        leaves = [z[f"arr_{i}"] for i in range(len(z.files) - 1)]
+        return {k: z[k] for k in z.files}
+
+
+def _pack(leaves: list[np.ndarray], what: str) -> bytes:
+    return npz_bytes(**{f"arr_{i}": x for i, x in enumerate(leaves)}, **{_WHAT: np.asarray(what)})
+
+
+def _unpack(blob: bytes, what: str, process: int, n: int) -> list[np.ndarray]:
+    z = npz_arrays(blob)
+    theirs = str(z[_WHAT])
+    if theirs != what:
+        raise RuntimeError(
+            f"host_allgather({what!r}): process {process} called host_allgather({theirs!r}) "
+            "at the same point; every process must make the same calls in the same order"
+        )
+    leaves = [z[f"arr_{i}"] for i in range(len(z) - 1)]
     if len(leaves) != n:
         raise RuntimeError(
             f"host_allgather({what!r}): process {process} sent {len(leaves)} arrays, this "
@@ -433,6 +445,8 @@ __all__ = [
     "initialize",
     "is_multiprocess",
     "is_primary",
+    "npz_arrays",
+    "npz_bytes",
     "one_collective_program_at_a_time",
     "process_rows",
     "resolve",

@@ -1495,8 +1495,9 @@ def run(
     returns the rows of the prompts it ran only, in the order of ``queue.done``'s record.
     When the queues carry their :class:`~jaxrl_llm.rollout.stealing.Rows`, the engine reads
     the prompts and per-sample arrays from them instead of its arguments: prompts another
-    process lent are appended there as they are taken (rows past the process's own), and
-    their outputs are rows of this engine's outputs like any other.
+    process lent are appended there as they are taken (rows past the process's own); their
+    outputs go back to that process as each finishes (:meth:`~jaxrl_llm.rollout.stealing.
+    EngineQueue.send_back`), so the engine's own outputs hold this process's rows only.
     """
     if queue is not None and queue.rows is not None:
         rows = queue.rows  # shared with the process's other engines
@@ -2020,9 +2021,11 @@ def run(
                     finish(sid)
                     slot_seq[slot] = -1
 
-    # The output's row of each prompt run: all of them, or with shared queues the prompts
-    # this engine ran, in prompt order.
-    ran = sorted({seq.prompt for seq in finished.values()}) if queue is not None else range(b_count)
+    # The output's row of each prompt run: all of them, or with shared queues this process's
+    # prompts this engine ran, in prompt order (another process's went back as they finished).
+    ran = range(b_count)
+    if queue is not None:
+        ran = sorted({seq.prompt for seq in finished.values() if seq.prompt < b_count})
     if queue is not None:
         queue.done(ran)
     arrays = outputs(ran)

@@ -512,17 +512,11 @@ def run_shards(
     )
     if queues is not None:  # each engine's rows are the prompts it ran: back in prompt order
         order = np.concatenate([np.asarray(r, np.int64) for r in queues.ran])
-        if lending is not None:  # other processes' prompts out (sent as they finished), ours in
-            theirs = order >= b_count
-            lending.publish_results(
-                {int(b): tuple(x[i] for x in arrays) for i, b in enumerate(order) if theirs[i]}
-            )
-            back = lending.collect_results()
-            order = np.concatenate([order[~theirs], np.fromiter(back, np.int64, len(back))])
+        back = {} if lending is None else lending.collect_results()
+        if back:  # this process's prompts that other processes ran
+            order = np.concatenate([order, np.fromiter(back, np.int64, len(back))])
             arrays = tuple(
-                np.concatenate([x[~theirs], np.stack([v[i] for v in back.values()])])
-                if back
-                else x[~theirs]
+                np.concatenate([x, np.stack([v[i] for v in back.values()])])
                 for i, x in enumerate(arrays)
             )
         assert np.array_equal(np.sort(order), np.arange(b_count)), "work stealing lost a prompt"

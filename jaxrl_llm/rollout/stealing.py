@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import io
 import threading
 import time
 from collections import deque
@@ -59,6 +58,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from jaxrl_llm.distributed import npz_arrays, npz_bytes
 
 
 class Rows:
@@ -102,17 +103,6 @@ class Rows:
         self.offsets.append(np.asarray(offsets, np.int32))
         self.origin[len(self.prompts) - 1] = origin
         return len(self.prompts) - 1
-
-
-def _pack(**arrays: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    return buf.getvalue()
-
-
-def _unpack(blob: bytes) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-        return {k: z[k] for k in z.files}
 
 
 class Lending:
@@ -168,7 +158,7 @@ class Lending:
         if not rows:
             return
         r = self.rows
-        blob = _pack(
+        blob = npz_bytes(
             lengths=np.asarray([len(r.prompts[b]) for b in rows], np.int32),
             tokens=np.concatenate([r.prompts[b] for b in rows]),
             budgets=np.stack([r.budgets[b] for b in rows]),
@@ -254,7 +244,7 @@ class Lending:
         if (p, k) not in self._fetched:
             j = bisect.bisect_right(self._ends[p], k)
             if (p, j) not in self._blobs:
-                self._blobs[p, j] = _unpack(
+                self._blobs[p, j] = npz_arrays(
                     self._kv.key_value_try_get_bytes(self._key("prompt", p, j))
                 )
             got, i = self._blobs[p, j], k - (self._ends[p][j - 1] if j else 0)
@@ -303,7 +293,7 @@ class Lending:
             if b in self.published:
                 continue
             p, k = self.rows.origin[b]
-            blob = _pack(**{f"a{i}": x for i, x in enumerate(arrays)})
+            blob = npz_bytes(**{f"a{i}": x for i, x in enumerate(arrays)})
             self._kv.key_value_set_bytes(self._key("result", p, k), blob)
             self.published.add(b)
 
@@ -328,7 +318,7 @@ class Lending:
                 if p == self.me:
                     break
                 try:
-                    got = _unpack(self._kv.blocking_key_value_get_bytes(key, 1000))
+                    got = npz_arrays(self._kv.blocking_key_value_get_bytes(key, 1000))
                 except Exception as e:  # the store's DEADLINE_EXCEEDED: not yet
                     if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e):
                         raise
