@@ -31,9 +31,17 @@ holds the two things the trainer needs on top of that:
    order, so the global order is the one a single process would see: process ``p`` owns the
    rows its devices hold under the batch sharding (:func:`process_rows`). Each process turns
    its block into the global array with ``jax.make_array_from_process_local_data``
-   (:func:`to_global`), and reads results back with
-   ``jax.experimental.multihost_utils`` (:func:`gather`, :func:`to_host`). In a single
-   process these are the identity (``process_rows`` is every row).
+   (:func:`to_global`), and reads results back with a compiled all-gather (:func:`gather`,
+   :func:`to_host`). In a single process these are the identity (``process_rows`` is every
+   row). Host values that every process holds whole go onto a sharding with :func:`put`.
+
+   Neither uses ``jax.experimental.multihost_utils.process_allgather`` (nor ``assert_equal``,
+   which ``jax.device_put`` runs for a host value onto a sharding over every process): it
+   reads the first local device's rows of its all-gather and returns, while the all-gather may
+   still run on this process's other devices. On CPU the next program's gloo collectives on
+   those devices then meet it in another order on each process, and gloo aborts ("op.preamble.
+   length <= op.nbytes ... Is there a distributed collective mismatch in your code?"; seen in
+   the two-process async test). Here every such program is waited for on all local devices.
 
 3. Host values. :func:`host_allgather` exchanges small host data (flags, stop signals, row
    counts, rewards, per-row lengths) through the key-value store of JAX's coordination
@@ -227,20 +235,56 @@ def to_global(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, x[rows], x.shape)
 
 
+def _spans_processes(sharding: jax.sharding.Sharding) -> bool:
+    return len({d.process_index for d in sharding.device_set}) > 1
+
+
+def _put_one(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+    if not _spans_processes(sharding) or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    value = np.asarray(x)  # a host value, or an array on this process's devices only
+    value = value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def put(tree: Any, shardings: Any) -> Any:
+    """``jax.device_put(tree, shardings)`` where every process passes the same host values.
+
+    ``shardings``: one sharding, or a tree of them that is a prefix of ``tree`` (as
+    ``jax.device_put``). A leaf already spread over several processes is moved by
+    ``jax.device_put``; any other leaf bound for a sharding over several processes (a numpy
+    array, a scalar, an array on this process's devices) is read on the host and each process
+    places the slices its devices hold (``jax.make_array_from_callback``). ``jax.device_put``
+    would first check with ``multihost_utils.assert_equal`` that every process passed the same
+    value: an all-gather it does not wait for on all local devices (module docstring)."""
+    if not is_multiprocess():
+        return jax.device_put(tree, shardings)
+    return jax.tree.map(
+        lambda s, sub: jax.tree.map(lambda x: _put_one(x, s), sub),
+        shardings,
+        tree,
+        is_leaf=lambda s: isinstance(s, jax.sharding.Sharding),
+    )
+
+
+def _first_shard(out: jax.Array) -> np.ndarray:
+    """The first local shard of ``out``, once ``out`` is ready on every local device: the
+    program that computed it must not still run collectives when the next one starts."""
+    return np.asarray(jax.block_until_ready(out).addressable_data(0))
+
+
 def gather(tree: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
     """Concatenates every process's rows (axis 0, in process order) into global host arrays;
     the identity in a single process. Each leaf must have the same shape on every process.
 
-    Over every device of the job (``multihost_utils.process_allgather``), or over ``mesh``'s
-    devices only when given: the async loop gathers a sampled batch over the rollout mesh,
-    idle then, while the train devices may still run the update (an all-device gather would
-    wait for it). Small host values go through :func:`host_allgather` instead."""
+    Over every device of the job, or over ``mesh``'s devices only when given: the async loop
+    gathers a sampled batch over the rollout mesh, idle then, while the train devices may still
+    run the update (an all-device gather would wait for it). Small host values go through
+    :func:`host_allgather` instead."""
     if not is_multiprocess():
         return tree
     if mesh is None:
-        from jax.experimental import multihost_utils
-
-        return multihost_utils.process_allgather(tree, tiled=True)
+        mesh = jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
     return jax.tree.map(lambda x: np.concatenate(list(x)), _stack_over(mesh, tree))
 
 
@@ -272,7 +316,7 @@ def _stack_over(mesh: jax.sharding.Mesh, tree: Any) -> Any:
             (len(devices), *x.shape), NamedSharding(flat, PartitionSpec("devices")), pieces
         )
         out = jax.jit(_identity, out_shardings=NamedSharding(flat, PartitionSpec()))(whole)
-        rows = np.asarray(out.addressable_data(0))
+        rows = _first_shard(out)
         return rows[[first[p] for p in sorted(first)]]
 
     return jax.tree.map(one, tree)
@@ -426,11 +470,17 @@ def one_collective_program_at_a_time() -> bool:
 
 
 def to_host(x: Any) -> np.ndarray:
-    """``np.asarray`` that also reads a global array spread over several processes (gathered)."""
+    """``np.asarray`` that also reads a global array spread over several processes: replicated
+    by a compiled all-gather on its own devices, waited for on all of them."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        sharding = x.sharding
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            raise TypeError(
+                f"to_host: a global array with a {type(sharding).__name__}; expected a "
+                "NamedSharding (the trainer's arrays all have one)"
+            )
+        replicated = sharding.update(spec=jax.sharding.PartitionSpec())
+        return _first_shard(jax.jit(_identity, out_shardings=replicated)(x))
     return np.asarray(x)
 
 
@@ -449,6 +499,7 @@ __all__ = [
     "npz_bytes",
     "one_collective_program_at_a_time",
     "process_rows",
+    "put",
     "resolve",
     "to_global",
     "to_host",

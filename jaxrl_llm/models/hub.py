@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm.models import weights
 from jaxrl_llm.models.config import (
     SUPPORTED_ARCHITECTURES,
@@ -561,11 +562,7 @@ def _kind(model: nnx.Module) -> tuple[str, int]:
 
 
 def _host_value(x: jax.Array) -> np.ndarray:
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(jax.device_get(x))
+    return dist.to_host(x)
 
 
 def _fetch_piece(path: tuple, value: jax.Array, layer: int | None) -> np.ndarray:

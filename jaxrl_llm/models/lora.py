@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_llm import distributed as dist
+
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS
@@ -135,8 +137,8 @@ def apply_lora(model: nnx.Module, config: LoRAConfig, *, rngs: nnx.Rngs) -> nnx.
             spec_b = shd.logical_to_spec(
                 (*axes[:n_lead], RANK_AXIS, *axes[n_in:]), b.shape, mesh, warn=False
             )
-            a = jax.device_put(a, jax.sharding.NamedSharding(mesh, spec_a))
-            b = jax.device_put(b, jax.sharding.NamedSharding(mesh, spec_b))
+            a = dist.put(a, jax.sharding.NamedSharding(mesh, spec_a))
+            b = dist.put(b, jax.sharding.NamedSharding(mesh, spec_b))
         proj.lora_a = nnx.LoRAParam(a, logical_axes=(*axes[:n_in], RANK_AXIS))
         proj.lora_b = nnx.LoRAParam(b, logical_axes=(*axes[:n_lead], RANK_AXIS, *axes[n_in:]))
         proj.lora_scale = float(config.scale)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm.models import lora, weights
 from jaxrl_llm.models.config import ModelConfig, UnsafeCheckpointError
 from jaxrl_llm.models.transformer import CausalLM
@@ -148,11 +149,7 @@ def _adapter_tree(arrays: dict[str, tuple[Any, Any]]) -> dict:
 
 
 def _host(x: jax.Array) -> np.ndarray:
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(jax.device_get(x), np.float32)
+    return np.asarray(dist.to_host(x), np.float32)
 
 
 def _peft_config(
@@ -560,7 +557,7 @@ def apply_adapter(
             current = var[...]
             value = jnp.asarray(values[attr], current.dtype)
             sharding = getattr(current, "sharding", None)
-            var[...] = jax.device_put(value, sharding) if sharding is not None else value
+            var[...] = dist.put(value, sharding) if sharding is not None else value
     return model
 
 

@@ -34,6 +34,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm import distributed as dist
+
 log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "tensor")
@@ -216,7 +218,7 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> 
     """Moves ``model``'s parameters onto ``mesh`` per ``rules`` (in place; returns ``model``)."""
     state = nnx.state(model, nnx.Param)
     shardings = param_shardings(state, mesh, rules)
-    values = jax.device_put(nnx.to_pure_dict(state), shardings)
+    values = dist.put(nnx.to_pure_dict(state), shardings)
     nnx.replace_by_pure_dict(state, values)
     nnx.update(model, state)
     return model

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm import memory_maps
 from jaxrl_llm.models import sharding
 from jaxrl_llm.models.config import ModelConfig
@@ -416,11 +417,13 @@ def _rollout_multiprocess(
             f"{jax.process_count()} processes); give each process B / processes prompts with "
             "B a multiple of data × fsdp"
         )
-    multihost_utils.assert_equal(
-        np.int64(ids.shape[1]),
-        "generate: processes passed prompts of different (padded) widths; pad the global "
-        "batch once and give each process its rows",
-    )
+    widths = dist.host_allgather(np.int64(ids.shape[1]), what="generate: prompt width")
+    if len(set(np.asarray(widths).tolist())) > 1:
+        raise ValueError(
+            f"generate: processes passed prompts of different (padded) widths "
+            f"{np.asarray(widths).tolist()} (process order); pad the global batch once and "
+            "give each process its rows"
+        )
     spec = jax.sharding.PartitionSpec(batch_axes)
     with jax.set_mesh(mesh):
         batch = NamedSharding(mesh, jax.sharding.PartitionSpec(batch_axes, None))

@@ -82,6 +82,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm.models import attention, grad_accumulation
 from jaxrl_llm.train import hostmem
 
@@ -541,8 +542,8 @@ def jit_step(
             )
         # Committed arrays laid out otherwise (e.g. replicated log-probs) are moved first: jit
         # refuses a mismatch. Both are no-ops for arrays already in place.
-        state = jax.device_put(state, state_sharding)
-        batch = jax.device_put(batch, batch_sharding)
+        state = dist.put(state, state_sharding)
+        batch = dist.put(batch, batch_sharding)
         with jax.set_mesh(mesh):
             return cache[treedef](state, batch, *consts)
 

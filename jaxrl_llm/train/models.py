@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrl_llm import distributed as dist
 from jaxrl_llm import models
 from jaxrl_llm.models import lora
 from jaxrl_llm.models import sharding as shd
@@ -244,8 +245,8 @@ def adapt(
         frozen_state, trainable_state = lora.split_states(model, trainable)
         params_sh = shd.param_shardings(trainable_state, mesh, rules)
         frozen_sh = shd.param_shardings(frozen_state, mesh, rules)
-        params = jax.device_put(params, params_sh)
-        frozen = jax.device_put(frozen, frozen_sh)
+        params = dist.put(params, params_sh)
+        frozen = dist.put(frozen, frozen_sh)
     return Adapted(graphdef, base_graphdef, params, params_sh, frozen, frozen_sh)
 
 

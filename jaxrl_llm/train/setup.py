@@ -758,7 +758,7 @@ def build_models(
             opt_sharding=sharding.opt_state,
             critic_opt_sharding=sharding.critic_opt_state,
         )
-        state = jax.device_put(state, sharding)
+        state = dist.put(state, sharding)
     models = Models(
         mesh=mesh,
         rules=rules,

@@ -464,8 +464,8 @@ def make_rl_step(
         if key not in cache:
             cache[key] = (jit_for(shape, g_sharding), [])
         jitted, names = cache[key]
-        state = jax.device_put(state, sharding)
-        groups = jax.device_put(groups, g_sharding)
+        state = dist.put(state, sharding)
+        groups = dist.put(groups, g_sharding)
         with jax.set_mesh(mesh):
             state, packed = jitted(state, groups, ref_params, frozen, plan)
         if not names:  # traced by the call above

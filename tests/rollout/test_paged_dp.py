@@ -303,6 +303,9 @@ from jaxrl_llm import distributed as dist
 
 port, pid, model_dir, batch, out = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
 dist.initialize(f"127.0.0.1:{port}", 2, pid)
+from tests.train.multiprocess_cli import refuse_process_allgather
+
+refuse_process_allgather()  # what jaxrl_llm must not use (see that module)
 
 import jax
 import numpy as np

@@ -532,7 +532,10 @@ def test_two_processes_split_train_like_one(tmp_path, staleness, partial):
         port = MP._free_port()
         logs = [tmp_path / f"process{i}.{life}.log" for i in range(2)]
         for i, log in enumerate(logs):
-            cmd = [sys.executable, "-m", "jaxrl_llm.cli", "train", "--config", str(config_path)]
+            # jaxrl_llm.cli, refusing multihost_utils.process_allgather (tests/train/
+            # multiprocess_cli.py: its all-gather is not waited for on every device; gloo aborts)
+            cmd = [sys.executable, "-m", "tests.train.multiprocess_cli", "train"]
+            cmd += ["--config", str(config_path)]
             cmd += ["--run-dir", str(tmp_path / "two"), "--no-progress"]
             cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
             cmd += ["--process-id", str(i)]

@@ -215,7 +215,7 @@ def _launch(children: list, config_path: Path, run_dir: Path, logs: list[Path], 
         cmd = [
             sys.executable,
             "-m",
-            "jaxrl_llm.cli",
+            "tests.train.multiprocess_cli",  # jaxrl_llm.cli, refusing process_allgather
             "train",
             "--config",
             str(config_path),
@@ -425,6 +425,9 @@ from jaxrl_llm import distributed as dist
 
 port, pid = sys.argv[1], int(sys.argv[2])
 dist.initialize(f"127.0.0.1:{port}", 2, pid)
+from tests.train.multiprocess_cli import refuse_process_allgather
+
+refuse_process_allgather()  # what jaxrl_llm must not use (see that module)
 
 import jax
 import jax.numpy as jnp
@@ -490,6 +493,27 @@ print("transfer", all(
     (np.asarray(moved[k].addressable_data(0)) == i).all() for i, k in enumerate(on_train)
 ))
 
+# dist.gather over every device, dist.to_host of a global array; dist.put: host values (and
+# arrays on this process's devices) onto a sharding over every process, with no check program
+# (jax.device_put would run multihost_utils.assert_equal, refused here as in the trainer's
+# two-process runs: tests/train/multiprocess_cli.py).
+every = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 2), ("p", "l"))
+print("gather", dist.gather({"r": np.full((1, 2), pid)})["r"].tolist())
+put = dist.put(
+    {"f": np.arange(8.0).reshape(4, 2), "i": np.int32(3), "local": jnp.ones(3)},
+    {"f": NamedSharding(every, P("p")), "i": NamedSharding(every, P()),
+     "local": NamedSharding(every, P())},
+)
+print("put", {k: (str(v.dtype), v.shape) for k, v in put.items()},
+      dist.to_host(put["f"]).tolist() == np.arange(8.0).reshape(4, 2).tolist(),
+      int(put["i"].addressable_data(0)), float(put["local"].addressable_data(1).sum()))
+print("put one sharding", dist.put((np.zeros(2), np.ones(2)), NamedSharding(every, P()))[1]
+      .addressable_data(0).tolist())
+try:
+    jax.device_put(np.zeros(2), NamedSharding(every, P()))
+except AssertionError as e:
+    print("refused:", str(e).splitlines()[0])
+
 try:  # another call at the same point: both processes raise, naming the other's call
     dist.host_allgather(np.int32(0), what=f"call of process {pid}")
 except RuntimeError as e:
@@ -517,7 +541,8 @@ def test_host_values_and_collective_programs_across_two_processes(tmp_path):
     """host_allgather: values in process order; no wait for device work; mismatched calls,
     shapes and a missing process are clear errors; the store is left with one key per process.
     And the checksums and reshards of many arrays, each a program with collectives, complete
-    with the values of one array at a time."""
+    with the values of one array at a time; ``dist.gather``, ``dist.to_host`` and
+    ``dist.put`` run without ``multihost_utils.process_allgather``."""
     port, children = _free_port(), []
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     t0 = time.monotonic()
@@ -543,6 +568,12 @@ def test_host_values_and_collective_programs_across_two_processes(tmp_path):
         assert "in flight True\n" in text, text
         assert "row sums (4,) True\nrow sums (2, 2) True\n" in text, text
         assert "checksums True\n" in text and "transfer True\n" in text, text
+        assert "gather [[0, 0], [1, 1]]\n" in text, text
+        assert (
+            "put {'f': ('float32', (4, 2)), 'i': ('int32', ()), 'local': ('float32', (3,))} "
+            "True 3 3.0\nput one sharding [1.0, 1.0]\n" in text
+        ), text
+        assert "refused: multihost_utils.process_allgather ran in a multi-process run" in text
         other = 1 - pid
         assert (
             f"mismatch: host_allgather('call of process {pid}'): process {other} called "
