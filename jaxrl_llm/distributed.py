@@ -240,7 +240,10 @@ def _spans_processes(sharding: jax.sharding.Sharding) -> bool:
 
 
 def _put_one(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
-    if not _spans_processes(sharding) or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        out = jax.device_put(x, sharding)  # a reshard: a program with collectives if it moves
+        return wait(out) if one_collective_program_at_a_time() else out
+    if not _spans_processes(sharding):
         return jax.device_put(x, sharding)
     value = np.asarray(x)  # a host value, or an array on this process's devices only
     value = value.astype(jax.dtypes.canonicalize_dtype(value.dtype), copy=False)
@@ -252,11 +255,14 @@ def put(tree: Any, shardings: Any) -> Any:
 
     ``shardings``: one sharding, or a tree of them that is a prefix of ``tree`` (as
     ``jax.device_put``). A leaf already spread over several processes is moved by
-    ``jax.device_put``; any other leaf bound for a sharding over several processes (a numpy
-    array, a scalar, an array on this process's devices) is read on the host and each process
-    places the slices its devices hold (``jax.make_array_from_callback``). ``jax.device_put``
-    would first check with ``multihost_utils.assert_equal`` that every process passed the same
-    value: an all-gather it does not wait for on all local devices (module docstring)."""
+    ``jax.device_put``, one leaf at a time on CPU (:func:`one_collective_program_at_a_time`:
+    each leaf's reshard is a program with collectives, and ``jax.device_put`` of a tree
+    dispatches them all at once); any other leaf bound for a sharding over several processes (a
+    numpy array, a scalar, an array on this process's devices) is read on the host and each
+    process places the slices its devices hold (``jax.make_array_from_callback``).
+    ``jax.device_put`` would first check with ``multihost_utils.assert_equal`` that every
+    process passed the same value: an all-gather it does not wait for on all local devices
+    (module docstring)."""
     if not is_multiprocess():
         return jax.device_put(tree, shardings)
     return jax.tree.map(
@@ -267,10 +273,17 @@ def put(tree: Any, shardings: Any) -> Any:
     )
 
 
+def wait(tree: Any) -> Any:
+    """``jax.block_until_ready(tree)``: every array ready on every local device. Read a
+    cross-process program's result through this: ``np.asarray`` / ``jax.device_get`` of a
+    replicated global array wait for one local device only, while the program may still run
+    collectives on the others (module docstring)."""
+    return jax.block_until_ready(tree)
+
+
 def _first_shard(out: jax.Array) -> np.ndarray:
-    """The first local shard of ``out``, once ``out`` is ready on every local device: the
-    program that computed it must not still run collectives when the next one starts."""
-    return np.asarray(jax.block_until_ready(out).addressable_data(0))
+    """The first local shard of ``out``, once ``out`` is ready on every local device."""
+    return np.asarray(wait(out).addressable_data(0))
 
 
 def gather(tree: Any, mesh: jax.sharding.Mesh | None = None) -> Any:
@@ -503,4 +516,5 @@ __all__ = [
     "resolve",
     "to_global",
     "to_host",
+    "wait",
 ]

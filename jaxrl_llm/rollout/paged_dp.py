@@ -174,7 +174,7 @@ def shard_params(params: Any, mesh: Mesh, shards: Sequence[Mesh]) -> list[Any]:
     ]
     moving = [i for i, t in enumerate(targets) if t is not None and leaves[i].sharding != t]
     if moving:  # one reshard of every leaf split over a batch axis (a collective)
-        moved = jax.device_put([leaves[i] for i in moving], [targets[i] for i in moving])
+        moved = dist.put([leaves[i] for i in moving], [targets[i] for i in moving])
         for i, x in zip(moving, moved, strict=True):
             leaves[i] = x
     for i, (x, ok) in enumerate(zip(leaves, on_mesh, strict=True)):
@@ -308,7 +308,7 @@ def regroup(
     rmesh = regroup_mesh(mesh, tensor_parallel)
     leaves, treedef = jax.tree.flatten(params)
     targets = [NamedSharding(rmesh, s) for s in _tensor_specs(graphdef, params, rmesh)]
-    return rmesh, jax.tree.unflatten(treedef, jax.device_put(leaves, targets))
+    return rmesh, jax.tree.unflatten(treedef, dist.put(leaves, targets))
 
 
 def engines(

@@ -349,7 +349,7 @@ def tree_checksums(tree: Any) -> dict[str, tuple[int, int]]:
     collective under several processes (every process passes the same global arrays)."""
     named = _named(tree)
     with _own_mesh(named):
-        sums = jax.device_get(_tree_checksums(named))
+        sums = jax.device_get(dist.wait(_tree_checksums(named)))
     return {name: (int(s[0]), int(s[1])) for name, s in sums.items()}
 
 

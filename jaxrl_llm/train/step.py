@@ -472,7 +472,7 @@ def make_rl_step(
             names.extend(traced_names.pop())
 
         def metrics() -> dict[str, float]:
-            values = np.asarray(jax.device_get(packed)).tolist()
+            values = np.asarray(jax.device_get(dist.wait(packed))).tolist()
             return dict(zip(names, values, strict=True))
 
         return state, metrics

@@ -481,7 +481,8 @@ arrays = {
     f"a{i}": dist.to_global(np.full((4, i + 1), i, np.float32), NamedSharding(mesh, P("data")))
     for i in range(64)
 }
-one_by_one = {k: np.asarray(checksums.array_checksum(x)).tolist() for k, x in arrays.items()}
+one_by_one = {k: np.asarray(dist.wait(checksums.array_checksum(x))).tolist()
+              for k, x in arrays.items()}
 print("checksums", all(checksums.compute_checksums(arrays) == one_by_one for _ in range(3)))
 local = [[d for d in jax.devices() if d.process_index == p] for p in range(2)]
 train = jax.sharding.Mesh(np.array([mine[0] for mine in local]), ("data",))
