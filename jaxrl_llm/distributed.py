@@ -241,8 +241,9 @@ def _spans_processes(sharding: jax.sharding.Sharding) -> bool:
 
 def _put_one(x: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        out = jax.device_put(x, sharding)  # a reshard: a program with collectives if it moves
-        return wait(out) if one_collective_program_at_a_time() else out
+        moves = not x.sharding.is_equivalent_to(sharding, x.ndim)
+        out = jax.device_put(x, sharding)  # if it moves: a reshard, a program with collectives
+        return wait(out) if moves and one_collective_program_at_a_time() else out
     if not _spans_processes(sharding):
         return jax.device_put(x, sharding)
     value = np.asarray(x)  # a host value, or an array on this process's devices only
@@ -486,13 +487,14 @@ def to_host(x: Any) -> np.ndarray:
     """``np.asarray`` that also reads a global array spread over several processes: replicated
     by a compiled all-gather on its own devices, waited for on all of them."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated:
-        sharding = x.sharding
-        if not isinstance(sharding, jax.sharding.NamedSharding):
-            raise TypeError(
-                f"to_host: a global array with a {type(sharding).__name__}; expected a "
-                "NamedSharding (the trainer's arrays all have one)"
+        sharding, everything = x.sharding, jax.sharding.PartitionSpec()
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            replicated = sharding.update(spec=everything)
+        else:  # the same devices in the same order, which jit requires of in and out
+            devices = np.array(sharding._device_assignment)
+            replicated = jax.sharding.NamedSharding(
+                jax.sharding.Mesh(devices, ("devices",)), everything
             )
-        replicated = sharding.update(spec=jax.sharding.PartitionSpec())
         return _first_shard(jax.jit(_identity, out_shardings=replicated)(x))
     return np.asarray(x)
 
