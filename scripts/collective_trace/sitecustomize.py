@@ -12,8 +12,9 @@ Use: put this folder first on ``PYTHONPATH`` and name a folder for the logs::
         python -m pytest -n 2 tests/train/test_async.py -k process
     python scripts/collective_trace/summary.py /tmp/trace
 
-Every process that imports ``jaxrl_llm.distributed`` (the test's children; not pytest's own
-processes) writes ``TRACE_DIR/trace.PID.log``:
+(Python imports the first ``sitecustomize`` on its path, so this one replaces any other for
+the run.) Every process that imports ``jaxrl_llm.distributed`` (the test's children; not
+pytest's own processes) writes ``TRACE_DIR/trace.PID.log``:
 
 - ``PROGRAM name sha=... collectives=N`` once per compiled program with collectives, and its
   collective instructions from the compiled HLO (shapes, replica groups);
