@@ -417,12 +417,11 @@ def _rollout_multiprocess(
             f"{jax.process_count()} processes); give each process B / processes prompts with "
             "B a multiple of data × fsdp"
         )
-    widths = dist.host_allgather(np.int64(ids.shape[1]), what="generate: prompt width")
-    if len(set(np.asarray(widths).tolist())) > 1:
+    widths = dist.host_allgather(np.int64(ids.shape[1]), what="generate: prompt width").tolist()
+    if len(set(widths)) > 1:
         raise ValueError(
-            f"generate: processes passed prompts of different (padded) widths "
-            f"{np.asarray(widths).tolist()} (process order); pad the global batch once and "
-            "give each process its rows"
+            f"generate: processes passed prompts of different (padded) widths {widths} "
+            "(process order); pad the global batch once and give each process its rows"
         )
     spec = jax.sharding.PartitionSpec(batch_axes)
     with jax.set_mesh(mesh):

@@ -2026,7 +2026,6 @@ def run(
     ran = range(b_count)
     if queue is not None:
         ran = sorted({seq.prompt for seq in finished.values() if seq.prompt < b_count})
-    if queue is not None:
         queue.done(ran)
     arrays = outputs(ran)
     assert not index, "paged scheduler: a released page is still in the prefix index"

@@ -87,8 +87,7 @@ def compute_checksums(arrays: Mapping[str, jax.typing.ArrayLike]) -> dict[str, l
     sums = []
     for x in arrays.values():
         s = array_checksum(jnp.asarray(x))
-        sums.append(np.asarray(dist.wait(s)) if serial else s)
-    sums = dist.wait(sums)
+        sums.append(np.asarray(dist.wait(s)) if serial else s)  # every local device
     return {name: [int(v) for v in np.asarray(s)] for name, s in zip(arrays, sums, strict=True)}
 
 
