@@ -265,6 +265,8 @@ def paged_main(args) -> None:
                 prefill_calls=stats.prefill_calls,
                 prefill_tokens=stats.prefill_tokens,
                 shared_prompt_tokens=stats.shared_prompt_tokens,
+                preemptions=stats.preemptions,
+                pool_pages=stats.pool_pages,
                 num_slots=options.num_slots if options else None,
             )
         print(json.dumps(row), flush=True)
@@ -373,6 +375,7 @@ def paged_main(args) -> None:
             num_slots=slots or None,
             steps_per_dispatch=args.steps_per_dispatch
             or rollout.paged.PagedOptions().steps_per_dispatch,
+            num_pages=(args.lt_pages if name == "long_tail" else 0) or None,
         )
         options = rollout.paged.resolve_options(
             options,
@@ -444,6 +447,13 @@ def main() -> None:
     )
     ap.add_argument("--lt-slots", type=int, default=0, help="long-tail decode slots (0: default)")
     ap.add_argument("--steps-per-dispatch", type=int, default=0, help="0: PagedOptions' default")
+    ap.add_argument(
+        "--lt-pages",
+        type=int,
+        default=0,
+        help="long-tail pool pages, trash page included (0: the default pool); a pool below the"
+        " live tokens preempts and recomputes",
+    )
     args = ap.parse_args()
     if args.paged:
         if args.out == "bench_results/bench_rollout.json":

@@ -18,8 +18,9 @@ and so the number of sequences decoding at once, follows the live tokens. Before
 dispatch every live slot takes the pages its next tokens need; when the pool cannot give them,
 the dispatch runs fewer steps, and when it cannot give even one step's, the most recently
 admitted sequence is preempted: its pages go back to the pool and it waits, first in the queue,
-to be recomputed (its prompt and tokens so far prefilled again, into pages of its own) and
-continued from the token it had reached with the same keys. Up to 32 admitted prompts are
+to be recomputed (its prompt and tokens so far prefilled again; with prefix sharing, from
+after the leading prompt pages still held, by its siblings or a prompt alike) and continued
+from the token it had reached with the same keys. Up to 32 admitted prompts are
 prefilled together, in chunks of at most ``prefill_chunk`` tokens (chunked prefill, Agrawal et
 al. 2023, "Sarathi"), between decode dispatches; each decode dispatch is a ``lax.while_loop`` of
 ``steps_per_dispatch`` one-token steps over the live slots, packed into the smallest power-of-two
@@ -191,8 +192,11 @@ class PagedOptions:
         written by an earlier prompt of the call and still held (or pinned for it), points its
         page table at them and is prefilled from there on. A prompt whose match another
         prompt of the same prefill call would write waits for the next call (SGLang's
-        in-batch deferral), so the common prefix is computed once. Preempted sequences are
-        recomputed into pages of their own. ``False``: every prompt's pages are its own.
+        in-batch deferral), so the common prefix is computed once. A preempted sequence is
+        recomputed the same way: from after its prompt's leading full pages that are still
+        held (by its G siblings, another prompt alike, or a sibling recomputed in an earlier
+        prefill call: siblings preempted together wait one call for the first one's prompt
+        pages). ``False``: every prompt's and every recomputed sequence's pages are its own.
       work_stealing: with several data-parallel engines in a process (``paged_dp``), an
         engine that has run its own share of the prompts and has room takes the last prompts
         another engine has waiting for room (:mod:`~jaxrl_llm.rollout.stealing`), so a share
@@ -227,8 +231,9 @@ class PagedStats(NamedTuple):
     many times a sequence was preempted (its pages taken back, to be recomputed), the
     pool's pages (the trash page included; :attr:`PagedOptions.num_pages` as run, after
     :attr:`PagedOptions.memory_utilization`), the context tokens the prefill calls ran
-    (recomputations included), the prompt tokens they did not run because another
-    prompt's pages held them (:attr:`PagedOptions.prefix_sharing`), and the decode steps
+    (recomputations included), the prompt tokens they did not run because pages already
+    held them (another prompt's, or for a recomputed sequence its siblings';
+    :attr:`PagedOptions.prefix_sharing`), and the decode steps
     the dispatches ran (a dispatch's ``steps_per_dispatch`` or fewer: the engine's
     sequential decode work, the time it takes where a step's time barely depends on its rows,
     as on an accelerator), and the prompts it took from another engine's queue, of its own
@@ -1632,14 +1637,16 @@ def run(
     def page_key(parent: int, prompt: np.ndarray, i: int) -> tuple[int, bytes]:
         return parent, prompt[i * ps : (i + 1) * ps].tobytes()
 
-    def shared_prefix(b: int) -> list[int]:
+    def shared_prefix(b: int, whole: bool = False) -> list[int]:
         """The held pages that hold prompt ``b``'s leading full pages, in order (none without
         prefix sharing): at most all but the page of its last token, which the prefill must
-        run to sample the first token."""
+        run to sample the first token (``whole``: every full page, for a context that goes on
+        past the prompt)."""
         found: list[int] = []
         if options.prefix_sharing:
             parent = -1
-            for i in range((len(prompts[b]) - 1) // ps):
+            p = len(prompts[b])
+            for i in range(p // ps if whole else (p - 1) // ps):
                 page = index.get(page_key(parent, prompts[b], i))
                 if page is None:
                     break
@@ -1713,19 +1720,7 @@ def run(
         alloc.share(found, refs=g)
         own = take(n_full - len(found), refs=g)
         shared = found + own
-        if options.prefix_sharing:  # found is the whole match: its own pages follow on
-            parent = found[-1] if found else -1
-            chain = list(found)
-            for i, page in enumerate(own, start=len(found)):
-                key = page_key(parent, prompts[b], i)
-                if key in index:  # the page of a last token, held by a prompt alike
-                    break
-                index[key], key_of[page], parent = page, key, page
-                unwritten.add(page)
-                chain.append(page)
-            if len(chain) > len(found):
-                alloc.share(chain)
-                pins.extend(chain)
+        register(b, found, own)
         shared_tokens += len(found) * ps
         tails = [take(1) for _ in range(g)] if tail else [[] for _ in range(g)]
         admitted = next(admissions)
@@ -1754,17 +1749,49 @@ def run(
 
         return prompts[b], page_of_jg, len(found) * ps, (seq_ids_bg[b], token_offsets_bg[b], start)
 
-    def recompute(sid: int) -> tuple[np.ndarray, np.ndarray, int, Any]:
+    def register(b: int, found: list[int], own: list[int]) -> None:
+        """Prompt ``b``'s full pages ``own``, which follow its shared prefix ``found`` (the
+        whole match) and are written by this admission's prefill, join the prefix index (up
+        to a page a prompt alike holds already), pinned with the prefix before them."""
+        if not options.prefix_sharing:
+            return
+        parent = found[-1] if found else -1
+        chain = list(found)
+        for i, page in enumerate(own, start=len(found)):
+            key = page_key(parent, prompts[b], i)
+            if key in index:  # the page of a last token, held by a prompt alike
+                break
+            index[key], key_of[page], parent = page, key, page
+            unwritten.add(page)
+            chain.append(page)
+        if len(chain) > len(found):
+            alloc.share(chain)
+            pins.extend(chain)
+
+    def resumed_prefix(sid: int) -> list[int]:
+        """The held pages of preempted sequence ``sid``'s leading full prompt pages (every one
+        when its context goes on past the prompt, i.e. it has fed a token of its own)."""
+        seq = seqs[sid]
+        return shared_prefix(seq.prompt, whole=len(seq.tokens) >= 2)
+
+    def recompute(sid: int, found: list[int]) -> tuple[np.ndarray, np.ndarray, int, Any]:
         """The prefill entry of preempted sequence ``sid``: its prompt and all its tokens but
-        the last (the next input), into pages of its own (every sample column the same); the
-        prefill's sampled token is not used."""
+        the last (the next input), after ``found`` (:func:`resumed_prefix`, shared, not run),
+        into pages of its own (every sample column the same); its own full prompt pages join
+        the prefix index for its siblings. The prefill's sampled token is not used."""
+        nonlocal shared_tokens
         seq = seqs[sid]
         ctx = np.concatenate([prompts[seq.prompt], np.asarray(seq.tokens[:-1], np.int32)])
-        seq.pages = take(_ceil_div(len(ctx), ps))
+        alloc.share(found)
+        own = take(_ceil_div(len(ctx), ps) - len(found))
+        seq.pages = found + own
+        register(seq.prompt, found, own[: max(seq.prompt_len // ps - len(found), 0)])
+        shared_tokens += len(found) * ps
         page_of = np.repeat(np.asarray(seq.pages, np.int32), ps)[: len(ctx)]
         ids = np.full((g,), seq_ids_bg[seq.prompt][seq.sample], np.int32)
         pos = np.full((g,), token_offsets_bg[seq.prompt][seq.sample], np.int32)
-        return ctx, np.repeat(page_of[:, None], g, axis=1), 0, (ids, pos, lambda _: seat(sid))
+        skip = len(found) * ps
+        return ctx, np.repeat(page_of[:, None], g, axis=1), skip, (ids, pos, lambda _: seat(sid))
 
     def prefill(entries: list[tuple[np.ndarray, np.ndarray, int, Any]]) -> None:
         """Prefills ``entries`` (context tokens, page of each token per sample ``[n, G]``,
@@ -1853,14 +1880,17 @@ def run(
         available = alloc.available
         while resume and len(entries) < most and free >= 1:
             seq = seqs[resume[0]]
+            found = resumed_prefix(resume[0])
+            if unwritten.intersection(found):
+                break  # a sibling recomputed in this call writes its prompt: the next call
             horizon = k if any(alive) or entries else 1
             ctx = seq.prompt_len + len(seq.tokens) - 1
-            need = _ceil_div(ctx + min(horizon, seq.budget - len(seq.tokens)), ps)
+            need = _ceil_div(ctx + min(horizon, seq.budget - len(seq.tokens)), ps) - len(found)
             if need > available:
                 break
             available -= need
             free -= 1
-            entries.append(recompute(resume.pop(0)))
+            entries.append(recompute(resume.pop(0), found))
         blocked = bool(resume)  # a sequence or prompt of this engine waits for slots or pages
         deferred = []
 

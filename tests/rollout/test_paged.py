@@ -188,6 +188,37 @@ def test_a_pool_smaller_than_the_live_tokens_preempts_and_recomputes_the_same_to
     assert_same(out, again, logp_atol=0.0)
 
 
+def test_a_recomputed_sequence_starts_after_the_prompt_pages_still_held(tiny_pair):
+    """Sharing on recompute (prefix sharing's default): a preempted sequence is prefilled
+    again from after its prompt's full pages that are still held, by its sibling, or by the
+    sibling recomputed first when both were preempted (the second waits one prefill call for
+    those pages). Tokens, log-probs and full log-probs equal those of a pool that never
+    preempts and of a tight pool that recomputes every page; fewer tokens are run and every
+    page comes back."""
+    _, model = tiny_pair("llama3")
+    ids, mask = prompts(seed=6, lengths=(13, 17, 9, 21, 14))  # 2-5 full pages of 4 tokens
+    kw = full_run(4, 1.0)
+    wide = dataclasses.replace(SMALL, num_slots=16)
+    ref, ref_stats = rollout.generate(model, ids, mask, paged_options=wide, **kw)
+    tight = dataclasses.replace(wide, num_pages=12)
+    own, own_stats = rollout.generate(
+        model, ids, mask, paged_options=dataclasses.replace(tight, prefix_sharing=False), **kw
+    )
+    out, stats = rollout.generate(model, ids, mask, paged_options=tight, **kw)
+    for run in (own, out):
+        assert_same(ref, run)
+        np.testing.assert_allclose(
+            np.asarray(run.full_logprobs), np.asarray(ref.full_logprobs), atol=1e-5
+        )
+    assert ref_stats.preemptions == 0 and own_stats.preemptions > 0 and stats.preemptions > 0
+    # No two prompts begin alike: every shared token is a recomputed sequence's.
+    assert ref_stats.shared_prompt_tokens == own_stats.shared_prompt_tokens == 0
+    assert stats.shared_prompt_tokens > 0 and stats.shared_prompt_tokens % 4 == 0
+    assert stats.prefill_tokens < own_stats.prefill_tokens
+    assert stats.pages_in_use_at_end == own_stats.pages_in_use_at_end == 0
+    assert stats.peak_pages <= 11
+
+
 def test_admission_follows_live_tokens_not_the_worst_case(tiny_pair):
     """A pool that holds two groups' worst case (7 pages each: 4-token prompts, G = 2, T =
     12) admits all four prompts in one prefill call when their tokens fit: each sequence here
