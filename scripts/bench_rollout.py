@@ -386,22 +386,24 @@ def paged_main(args) -> None:
         )
         per_sample = name == "long_tail"
         unshared = dataclasses.replace(options, prefix_sharing=False)
-        rows = [
-            run_engine("paged", ids, mask, g, t, budgets, 10, options, per_sample),
-            run_engine("static", ids, mask, g, t, budgets, 20, None, per_sample),
+        rows = [run_engine("paged", ids, mask, g, t, budgets, 10, options, per_sample)]
+        if not args.skip_static:
+            rows.append(run_engine("static", ids, mask, g, t, budgets, 20, None, per_sample))
+        rows.append(
             run_engine(
                 "paged", ids, mask, g, t, budgets, 10, unshared, per_sample, "paged_unshared"
-            ),
-        ]
+            )
+        )
         if args.lt_torch:
             rows.append(torch_row(ids, mask, g, t, budgets))
             if name == "long_tail":
                 rows.append(torch_batch_row(ids, mask, g, t, budgets))
         by_engine = {row["engine"]: row["useful_tokens_per_s"] for row in rows}
-        static = by_engine["static"]
+        static = by_engine.get("static")
         generate = by_engine.get("transformers_generate")
         for row in rows:
-            row["vs_static"] = round(row["useful_tokens_per_s"] / static, 2)
+            if static:
+                row["vs_static"] = round(row["useful_tokens_per_s"] / static, 2)
             if generate:
                 row["vs_transformers_generate"] = round(row["useful_tokens_per_s"] / generate, 2)
         result["workloads"][name] = {
@@ -447,6 +449,7 @@ def main() -> None:
     )
     ap.add_argument("--lt-slots", type=int, default=0, help="long-tail decode slots (0: default)")
     ap.add_argument("--steps-per-dispatch", type=int, default=0, help="0: PagedOptions' default")
+    ap.add_argument("--skip-static", action="store_true", help="--paged: no static-engine rows")
     ap.add_argument(
         "--lt-pages",
         type=int,

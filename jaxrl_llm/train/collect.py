@@ -149,8 +149,9 @@ def kv_metrics(rounds: list[np.ndarray]) -> dict[str, float]:
     pages were taken back to be recomputed. ``rollout/decode_dispatches``: the busiest
     engine's compiled decode calls, summed over rounds (the host's share of the rollout
     grows with it). ``rollout/prefix_shared_frac``: of the context tokens the prefills would
-    have run, the fraction they did not, because another prompt's pages held them (prefix
-    sharing; vLLM's prefix cache hit rate), over the engines and rounds.
+    have run, the fraction they did not, because pages already held them (another prompt's,
+    or a recomputed sequence's siblings': prefix sharing; vLLM's prefix cache hit rate), over
+    the engines and rounds.
     ``rollout/decode_steps``: the busiest engine's decode steps, summed over rounds (the
     rollout's critical path where a step's time barely depends on its rows, as on an
     accelerator); ``rollout/prompts_stolen``: the prompts data-parallel engines took from each
