@@ -123,8 +123,26 @@ class Case(NamedTuple):
         return dict(seed=self.seed, family=self.family, **self.draws)
 
 
-def draw(seed: int, check: str) -> Case:
-    """The case of ``seed`` (the same for every check, but for the kernel check's family)."""
+def least_pages(lengths: list[int], g: int, t: int, budgets: np.ndarray | None, page: int) -> int:
+    """The smallest pool (trash page included) the paged engine accepts for these prompts: each
+    prompt's G samples admitted with their first tokens, and each sample alone to its budget."""
+    need = 0
+    for b, p in enumerate(lengths):
+        per = [int(budgets[b, i]) if budgets is not None else t for i in range(g)]
+        n_full = p // page
+        first = [-(-p // page) for _ in per]  # the prompt and the first token's input
+        group = n_full + sum(max(q, n_full) - n_full for q in first)
+        alone = max(-(-(p + x - 1) // page) for x in per)
+        need = max(need, group, alone)
+    return need + 1
+
+
+def draw(seed: int, check: str, pressure: bool = False) -> Case:
+    """The case of ``seed`` (the same for every check, but for the kernel check's family).
+    ``pressure``: then a pool near the smallest the engine accepts, every slot open (``g`` to 16)
+    and prefix sharing on (drawn from another stream, so the rest of the case is the same):
+    sequences are preempted and recomputed in most cases, prefilled again after the prompt
+    pages their siblings still hold."""
     r = np.random.RandomState(seed)
     family = str(r.choice(sorted(FAMILIES)))
     if check == "kernel" and family not in KERNEL_FAMILIES:
@@ -181,6 +199,16 @@ def draw(seed: int, check: str) -> Case:
     )
     # Drawn last, so the earlier campaigns' seeds draw the same cases but for it.
     options = dataclasses.replace(options, work_stealing=bool(r.rand() < 0.7))
+    if pressure:
+        q = np.random.RandomState(seed + 7_919_000)
+        least = least_pages([len(x) for x in rows], g, t, budgets, page)
+        options = dataclasses.replace(
+            options,
+            num_pages=least + q.randint(0, max(2, least // 3)),
+            num_slots=int(q.randint(max(g, 4), 17)),
+            prefix_sharing=True,
+        )
+        pool = "pressure"
     draws = dict(
         prompt_lengths=[len(x) for x in rows],
         num_samples=int(g),
@@ -450,6 +478,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--seeds", default="0:100", help="S, A:B (A..B-1) or a comma list")
     ap.add_argument("--checks", default="engines,partial", help=f"comma list of {CHECKS}")
     ap.add_argument("--out", default=None, help="JSON summary path")
+    ap.add_argument(
+        "--pressure",
+        action="store_true",
+        help="pools near the smallest the engine accepts (preemption in most cases; not mp)",
+    )
     ap.add_argument("--mp-child", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.mp_child:  # one of the mp check's processes (launched by mp_campaign)
@@ -480,7 +513,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         checks = [c for c in checks if c != "mp"]
     for seed in seeds:
         for check in checks:
-            case = draw(seed, check)
+            case = draw(seed, check, args.pressure)
             model = tiny_model(case.family)
             t0 = time.perf_counter()
             cases += 1

@@ -48,6 +48,38 @@ def test_draws_are_seeded_and_cover_the_options():
     assert any(seg == 1 < t for seg, t in segments) and any(seg > t for seg, t in segments)
 
 
+def test_pressure_pools_are_the_smallest_the_engine_accepts():
+    """``--pressure``: the case is the seed's usual one but for the pool (at least the engine's
+    least, which the engine accepts and one page less it refuses), the slots and prefix
+    sharing."""
+    import dataclasses
+
+    for seed in range(6):
+        usual, tight = fuzz.draw(seed, "engines"), fuzz.draw(seed, "engines", pressure=True)
+        np.testing.assert_array_equal(usual.ids, tight.ids)
+        assert {k: v for k, v in usual.draws.items() if k not in ("pool", "options")} == {
+            k: v for k, v in tight.draws.items() if k not in ("pool", "options")
+        }
+        d = tight.draws
+        least = fuzz.least_pages(
+            d["prompt_lengths"],
+            d["num_samples"],
+            d["max_new_tokens"],
+            tight.kwargs["max_new_tokens_bg"],
+            tight.options.page_size,
+        )
+        assert least <= tight.options.num_pages < least + max(2, least // 3)
+        assert tight.options.prefix_sharing and d["pool"] == "pressure"
+        assert tight.options.num_slots >= d["num_samples"]
+        model = fuzz.tiny_model(tight.family)
+        smaller = dataclasses.replace(tight.options, num_pages=least - 1)
+        with pytest.raises(ValueError, match="num_pages"):
+            fuzz.paged_run(model, tight, smaller)
+    # The least pool runs (the last seed's case; the campaign checks the tokens).
+    _, stats = fuzz.paged_run(model, tight, dataclasses.replace(tight.options, num_pages=least))
+    assert stats.pool_pages == least and stats.pages_in_use_at_end == 0
+
+
 def test_a_wrong_token_is_a_failure_with_its_seed(monkeypatch, capsys):
     real = fuzz.paged_run
 
