@@ -35,6 +35,9 @@ one sample group's worst case, which forces preemption). Then it checks what mus
   wait in a collective), which is then reported for that seed, the rest of the seeds not run.
 
 A failing case prints its seed and its drawn configuration; ``--seeds S`` reruns it alone.
+``--pressure`` keeps each seed's case but draws its pool near the smallest the engine accepts,
+more slots and prefix sharing on, so that sequences are preempted and recomputed far more often
+(not the ``mp`` check).
 Output: one line per case, and with ``--out`` a JSON summary (cases, failures with seed, check,
 case and error, the machine). Exit status 1 when any check failed.
 
