@@ -132,9 +132,8 @@ def least_pages(lengths: list[int], g: int, t: int, budgets: np.ndarray | None, 
     need = 0
     for b, p in enumerate(lengths):
         per = [int(budgets[b, i]) if budgets is not None else t for i in range(g)]
-        n_full = p // page
-        first = [-(-p // page) for _ in per]  # the prompt and the first token's input
-        group = n_full + sum(max(q, n_full) - n_full for q in first)
+        n_full = p // page  # shared by the G samples; each has its own partial last page
+        group = n_full + g * (-(-p // page) - n_full)
         alone = max(-(-(p + x - 1) // page) for x in per)
         need = max(need, group, alone)
     return need + 1
@@ -142,10 +141,10 @@ def least_pages(lengths: list[int], g: int, t: int, budgets: np.ndarray | None, 
 
 def draw(seed: int, check: str, pressure: bool = False) -> Case:
     """The case of ``seed`` (the same for every check, but for the kernel check's family).
-    ``pressure``: then a pool near the smallest the engine accepts, every slot open (``g`` to 16)
+    ``pressure``: then a pool near the smallest the engine accepts, 4 to 16 slots (at least G)
     and prefix sharing on (drawn from another stream, so the rest of the case is the same):
-    sequences are preempted and recomputed in most cases, prefilled again after the prompt
-    pages their siblings still hold."""
+    sequences are preempted and recomputed in about half the cases, prefilled again after the
+    prompt pages their siblings still hold."""
     r = np.random.RandomState(seed)
     family = str(r.choice(sorted(FAMILIES)))
     if check == "kernel" and family not in KERNEL_FAMILIES:
@@ -484,7 +483,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--pressure",
         action="store_true",
-        help="pools near the smallest the engine accepts (preemption in most cases; not mp)",
+        help="pools near the smallest the engine accepts (preemption in about half the cases; not"
+        " mp)",
     )
     ap.add_argument("--mp-child", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
