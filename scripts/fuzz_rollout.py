@@ -129,14 +129,8 @@ class Case(NamedTuple):
 def least_pages(lengths: list[int], g: int, t: int, budgets: np.ndarray | None, page: int) -> int:
     """The smallest pool (trash page included) the paged engine accepts for these prompts: each
     prompt's G samples admitted with their first tokens, and each sample alone to its budget."""
-    need = 0
-    for b, p in enumerate(lengths):
-        per = [int(budgets[b, i]) if budgets is not None else t for i in range(g)]
-        n_full = p // page  # shared by the G samples; each has its own partial last page
-        group = n_full + g * (-(-p // page) - n_full)
-        alone = max(-(-(p + x - 1) // page) for x in per)
-        need = max(need, group, alone)
-    return need + 1
+    per_bg = np.full((len(lengths), g), t) if budgets is None else budgets
+    return 1 + max(paged.least_prompt_pages(p, per_bg[b], page) for b, p in enumerate(lengths))
 
 
 def draw(seed: int, check: str, pressure: bool = False) -> Case:

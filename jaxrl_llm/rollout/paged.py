@@ -908,6 +908,25 @@ class _Seq:
     stopped: bool = False
 
 
+def prompt_group_pages(
+    prompt_len: int, budgets_g: Sequence[int], page_size: int, horizon: int
+) -> int:
+    """Pages a prompt's G samples (budgets ``budgets_g``) hold with up to ``horizon`` tokens
+    each decoded: the shared full prompt pages once, then each sample's partial last prompt
+    page and new pages."""
+    n_full = prompt_len // page_size
+    per = [_ceil_div(prompt_len + min(horizon, int(x)) - 1, page_size) for x in budgets_g]
+    return n_full + sum(max(q, n_full) - n_full for q in per)
+
+
+def least_prompt_pages(prompt_len: int, budgets_g: Sequence[int], page_size: int) -> int:
+    """The pool pages (trash page excluded) :func:`run` needs for a prompt: admitted, its
+    prompt and first tokens' pages; alone, each sample must be able to finish (every other
+    sequence preempted)."""
+    alone = max(_ceil_div(prompt_len + int(x) - 1, page_size) for x in budgets_g)
+    return max(prompt_group_pages(prompt_len, budgets_g, page_size, 1), alone)
+
+
 def pool_pages(
     num_seqs: int, longest_prompt: int, max_new_tokens: int, options: PagedOptions | None = None
 ) -> int:
@@ -1564,19 +1583,10 @@ def run(
     stop_set = {int(s) for s in stop_ids if s >= 0}
 
     def group_pages(b: int, horizon: int) -> int:
-        """Pages prompt ``b``'s G samples hold with up to ``horizon`` tokens each decoded: the
-        shared full prompt pages once, then each sample's partial last prompt page and new
-        pages."""
-        p = len(prompts[b])
-        n_full = p // ps
-        per = [_ceil_div(p + min(horizon, int(budgets_bg[b][i])) - 1, ps) for i in range(g)]
-        return n_full + sum(max(q, n_full) - n_full for q in per)
+        return prompt_group_pages(len(prompts[b]), budgets_bg[b], ps, horizon)
 
     def least_pages(b: int) -> int:
-        """The pool prompt ``b`` needs: admitted, its prompt and first tokens' pages; alone,
-        each sample must be able to finish (every other sequence preempted)."""
-        alone = max(_ceil_div(len(prompts[b]) + int(x) - 1, ps) for x in budgets_bg[b])
-        return max(group_pages(b, 1), alone)
+        return least_prompt_pages(len(prompts[b]), budgets_bg[b], ps)
 
     def fits(b: int) -> bool:
         """Whether another process's prompt ``b`` fits this engine: its page tables (sized
@@ -1768,15 +1778,9 @@ def run(
             alloc.share(chain)
             pins.extend(chain)
 
-    def resumed_prefix(sid: int) -> list[int]:
-        """The held pages of preempted sequence ``sid``'s leading full prompt pages (every one
-        when its context goes on past the prompt, i.e. it has fed a token of its own)."""
-        seq = seqs[sid]
-        return shared_prefix(seq.prompt, whole=len(seq.tokens) >= 2)
-
     def recompute(sid: int, found: list[int]) -> tuple[np.ndarray, np.ndarray, int, Any]:
         """The prefill entry of preempted sequence ``sid``: its prompt and all its tokens but
-        the last (the next input), after ``found`` (:func:`resumed_prefix`, shared, not run),
+        the last (the next input), after ``found`` (its held leading prompt pages, not run),
         into pages of its own (every sample column the same); its own full prompt pages join
         the prefix index for its siblings. The prefill's sampled token is not used."""
         nonlocal shared_tokens
@@ -1786,11 +1790,11 @@ def run(
         own = take(_ceil_div(len(ctx), ps) - len(found))
         seq.pages = found + own
         register(seq.prompt, found, own[: max(seq.prompt_len // ps - len(found), 0)])
-        shared_tokens += len(found) * ps
+        skip = len(found) * ps
+        shared_tokens += skip
         page_of = np.repeat(np.asarray(seq.pages, np.int32), ps)[: len(ctx)]
         ids = np.full((g,), seq_ids_bg[seq.prompt][seq.sample], np.int32)
         pos = np.full((g,), token_offsets_bg[seq.prompt][seq.sample], np.int32)
-        skip = len(found) * ps
         return ctx, np.repeat(page_of[:, None], g, axis=1), skip, (ids, pos, lambda _: seat(sid))
 
     def prefill(entries: list[tuple[np.ndarray, np.ndarray, int, Any]]) -> None:
@@ -1880,7 +1884,8 @@ def run(
         available = alloc.available
         while resume and len(entries) < most and free >= 1:
             seq = seqs[resume[0]]
-            found = resumed_prefix(resume[0])
+            # its held leading prompt pages: every one once its context goes past the prompt
+            found = shared_prefix(seq.prompt, whole=len(seq.tokens) >= 2)
             if unwritten.intersection(found):
                 break  # a sibling recomputed in this call writes its prompt: the next call
             horizon = k if any(alive) or entries else 1
