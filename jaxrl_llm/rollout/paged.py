@@ -1056,21 +1056,24 @@ def max_prefill_group(num_prompts: int, num_samples: int, num_slots: int) -> int
 
 
 def prefill_chunk_shape(
-    start: int, tokens: int, prefill_chunk: int, page_size: int, kernel: KernelSpec | None
+    start: int, tokens: int, prefill_chunk: int, page_size: int
 ) -> tuple[int, int]:
     """``(width, table_pages)`` of the prefill chunk at prompt offset ``start`` whose longest
     row has ``tokens`` tokens in it: the width bucket (:func:`_chunk_width`, at most
     ``prefill_chunk``) and the page table's width, covering ``start + width`` tokens (the chunk
-    is written first and read from the pool too; with a kernel, in multiples of
-    :data:`_MIN_TABLE_TOKENS` tokens). ``start`` is a multiple of ``prefill_chunk``, or, for
-    rows that begin after a shared prefix, the rows' largest offset, a multiple of the page
-    size (the table widths of a run: one per prefix length and chunk width)."""
+    is written first and read from the pool too), in multiples of :data:`_MIN_TABLE_TOKENS`
+    tokens, as decode's. ``start`` is a multiple of ``prefill_chunk``, or, for rows that begin
+    after a shared prefix (a prompt's, or a preempted sequence's on recompute), the rows'
+    largest offset, any multiple of the page size: without the rounding each prefix length
+    would compile its own table width.
+
+    The reference attention and the kernels take the same widths: a table entry past a row's
+    context is :data:`pages.TRASH_PAGE`, masked by position. On the reference path, whose cost
+    grows with the width, the rounding adds fewer than ``_MIN_TABLE_TOKENS`` keys per query,
+    small beside a chunk's matmuls."""
     width = min(prefill_chunk, _chunk_width(tokens))
-    pages = _ceil_div(start + width, page_size)
-    if kernel is not None:
-        step = _table_step(page_size)
-        pages = _ceil_div(pages, step) * step
-    return width, pages
+    step = _table_step(page_size)
+    return width, _ceil_div(_ceil_div(start + width, page_size), step) * step
 
 
 def _make_static(
@@ -1228,7 +1231,7 @@ def worst_case_programs(
     # A chunk begins at a multiple of the chunk, or with a shared prefix at any page.
     step = ps if options.prefix_sharing else chunk
     shapes = [
-        prefill_chunk_shape(start, min(chunk, longest - start), chunk, ps, kernel)
+        prefill_chunk_shape(start, min(chunk, longest - start), chunk, ps)
         for start in range(0, longest, step)
     ]
     c, cover = max(shapes, key=lambda wp: wp[0] * wp[1])
@@ -1814,10 +1817,10 @@ def run(
             end_r = [len(entries[e][0]) for e in rows_e]
             length_r = [min(chunk, n - o) for n, o in zip(end_r, offset_r, strict=True)]
             # The chunk is written first and read from the pool too: the table covers
-            # offset + width_c (the reference exactly, the kernels in multiples of 128
-            # tokens). Chunk widths are bucketed and offsets are multiples of the chunk, or
-            # past a shared prefix its length: a few table widths.
-            width_c, cover = prefill_chunk_shape(max(offset_r), max(length_r), chunk, ps, kernel)
+            # offset + width_c, in multiples of 128 tokens. Chunk widths are bucketed and
+            # offsets are multiples of the chunk, or past a shared prefix its length: a few
+            # table widths.
+            width_c, cover = prefill_chunk_shape(max(offset_r), max(length_r), chunk, ps)
             tok = np.zeros((rows, width_c), np.int32)
             valid = np.zeros((rows, width_c), bool)
             wpage = np.full((rows, width_c, g), TRASH_PAGE, np.int32)
