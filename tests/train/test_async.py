@@ -510,8 +510,10 @@ def test_two_processes_split_train_like_one(tmp_path, staleness, partial):
     this process's devices, the same train and rollout mesh shapes); staleness 2 with partial
     rollouts of 3-token segments: each process samples its share of every segment, the run is
     stopped by SIGTERM to process 0 during update 1 (both stop after step 1, whose checkpoint
-    holds batch 3 in flight) and relaunched, and it ends as the uninterrupted one-process run
-    (the batches, their versions, the updates)."""
+    holds batch 3 in flight) and relaunched; that second life is killed with SIGKILL, both
+    processes, as step 2's checkpoint is being written (a lost node or a preempted slice:
+    nothing is saved, a half-written checkpoint may be left), and relaunched again; the run
+    ends as the uninterrupted one-process run (the batches, their versions, the updates)."""
     import signal
     import subprocess
     import sys
@@ -525,10 +527,13 @@ def test_two_processes_split_train_like_one(tmp_path, staleness, partial):
     tiny = MP.REPO / "configs" / "tiny.yaml"
     config_path.write_text(MP_CONFIG.format(tiny=tiny, staleness=staleness, partial=partial))
     env = MP._child_env(2)  # the suite's XLA flags, two devices each
-    children, phases = [], tmp_path / "phases0.log"
+    children = []
     t0 = time.monotonic()
 
     def launch(life: int) -> list:
+        nonlocal t0
+        t0 = time.monotonic()  # the waits' limits count from the life's launch
+        phases = tmp_path / f"phases0.{life}.log"  # process 0's phases
         port = MP._free_port()
         logs = [tmp_path / f"process{i}.{life}.log" for i in range(2)]
         for i, log in enumerate(logs):
@@ -539,7 +544,7 @@ def test_two_processes_split_train_like_one(tmp_path, staleness, partial):
             cmd += ["--run-dir", str(tmp_path / "two"), "--no-progress"]
             cmd += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
             cmd += ["--process-id", str(i)]
-            watched = {PHASE_LOG_ENV: str(phases)} if partial and life == 0 and i == 0 else {}
+            watched = {PHASE_LOG_ENV: str(phases)} if partial and life < 2 and i == 0 else {}
             with log.open("w") as out:
                 children.append(
                     subprocess.Popen(
@@ -552,13 +557,17 @@ def test_two_processes_split_train_like_one(tmp_path, staleness, partial):
                 )
         return logs
 
+    def wait_for(life: int, mark: str, logs: list) -> None:
+        phases = tmp_path / f"phases0.{life}.log"
+        while mark not in (phases.read_text() if phases.exists() else ""):
+            assert children[0].poll() is None, MP._tail(logs[0])
+            assert time.monotonic() - t0 < MP.TIMEOUT_S, MP._tail(logs[0])
+            time.sleep(0.05)
+
     try:
         logs = launch(0)
         if partial:  # SIGTERM to process 0 once update 1 is dispatched
-            while "update 1 " not in (phases.read_text() if phases.exists() else ""):
-                assert children[0].poll() is None, MP._tail(logs[0])
-                assert time.monotonic() - t0 < MP.TIMEOUT_S, MP._tail(logs[0])
-                time.sleep(0.05)
+            wait_for(0, "update 1 ", logs)
             children[0].send_signal(signal.SIGTERM)
             codes = [child.wait(timeout=MP.TIMEOUT_S) for child in children]
             assert codes == [143, 143], (codes, MP._tail(logs[0]), MP._tail(logs[1]))
@@ -571,6 +580,16 @@ def test_two_processes_split_train_like_one(tmp_path, staleness, partial):
             ]
             children.clear()
             logs = launch(1)
+            # SIGKILL to both once step 2's checkpoint write has begun (it runs in the
+            # background): the relaunch resumes from step 1 or, if the write was done, step 2
+            wait_for(1, "save 2 ", logs)
+            for child in children:
+                child.kill()
+            assert [child.wait(timeout=60) for child in children] == [-9, -9]
+            with Checkpointer(tmp_path / "two" / "checkpoints") as ckpt:
+                assert ckpt.latest_step() in (1, 2), ckpt.all_steps()
+            children.clear()
+            logs = launch(2)
         # the one-process reference meanwhile
         config = load_config(config_path, [] if staleness else ["placement.mode=colocated"])
         loop.train(config, run_dir=tmp_path / "one", progress=False, log=_quiet)
