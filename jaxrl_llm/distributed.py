@@ -340,6 +340,7 @@ def _stack_over(mesh: jax.sharding.Mesh, tree: Any) -> Any:
 # Host values across processes, without devices.
 
 _KV_PREFIX = "jaxrl_llm/host_allgather"
+_KV_BARRIER = _KV_PREFIX + "/barrier"  # one id for every round: the service counts its uses
 _WHAT = "__what__"
 _kv_lock = threading.Lock()
 _kv_rounds = itertools.count()
@@ -404,19 +405,23 @@ def host_allgather(tree: Any, *, what: str, tiled: bool = False, timeout_s: floa
     ``multihost_utils.process_allgather`` for host data; one process: its own values so
     shaped.
 
-    The values go through the coordination service's key-value store (each process publishes
-    one ``.npz`` blob under a key of this call's round and reads the others'), not through
-    devices: no compiled program, nothing waits for device work in flight, and no collective
-    runs beside another program's. For small data: the store moves ~15 MB/s (two processes
-    on one host: 8 MiB each in 0.4 s, 64 MiB in 3–4 s), so batches of tokens go over the
-    devices (:func:`gather`). Every process must call it, in the same order (like a
-    collective), with the same ``what`` (checked) and tree structure. Each process deletes
-    its earlier keys at the end of a round that every process reached (so every process has
-    read them): the store holds one key per process.
+    The values go through the coordination service's key-value store, not through devices:
+    no compiled program, nothing waits for device work in flight, and no collective runs
+    beside another program's. Each process publishes one ``.npz`` blob under a key of this
+    call's round, waits at the service's barrier, reads the round's folder in one request and
+    deletes its key of the round before: 4 requests per process to the coordinator (process
+    0's service), ``4·N`` a call for ``N`` processes, where one blocking read per other
+    process's key made it ``N·(N+1)`` (``scripts/bench_store_scale.py`` measures both). For
+    small data: the store moves ~15 MB/s (two processes on one host: 8 MiB each in 0.4 s, 64
+    MiB in 3–4 s), and every process receives every blob, so batches of tokens go over the
+    devices (:func:`gather`). Every process must call it, in the same order (like a collective),
+    with the same ``what`` (checked) and tree structure. Each process deletes its earlier
+    keys at the end of a round that every process reached (so every process has read them):
+    the store holds one key per process.
 
     Raises:
-      TimeoutError: a process did not publish within ``timeout_s`` (crashed, or took another
-        path).
+      TimeoutError: a process did not reach the round within ``timeout_s`` (crashed, or took
+        another path; the processes that had not published are named).
       RuntimeError: another process was at a different call (``what``) or sent another tree.
       ValueError: the shapes do not stack (or tile) across processes.
     """
@@ -436,24 +441,21 @@ def host_allgather(tree: Any, *, what: str, tiled: bool = False, timeout_s: floa
             r = next(_kv_rounds)
             key = f"{_KV_PREFIX}/{r}/"
             client.key_value_set_bytes(key + str(me), _pack(leaves, what))
-            per_process = []
             try:
-                for p in range(count):
-                    if p == me:
-                        per_process.append(leaves)
-                        continue
-                    try:
-                        blob = client.blocking_key_value_get_bytes(
-                            key + str(p), int(timeout_s * 1e3)
-                        )
-                    except Exception as e:  # jax raises its runtime error on a deadline
-                        raise TimeoutError(
-                            f"host_allgather({what!r}) round {r}: process {p} published "
-                            f"nothing within {timeout_s:.0f} s ({e}); every process must make "
-                            "the same calls in the same order (did it fail, or take another "
-                            "path?)"
-                        ) from e
-                    per_process.append(_unpack(blob, what, p, len(leaves)))
+                try:
+                    client.wait_at_barrier(_KV_BARRIER, int(timeout_s * 1e3))
+                except Exception as e:  # jax raises its runtime error (deadline, a dead task)
+                    absent = _unpublished(client, key, count)
+                    raise TimeoutError(
+                        f"host_allgather({what!r}) round {r}: processes {absent} published "
+                        f"nothing within {timeout_s:.0f} s ({e}); every process must make the "
+                        "same calls in the same order (did one fail, or take another path?)"
+                    ) from e
+                blobs = dict(client.key_value_dir_get_bytes(key))
+                per_process = [
+                    leaves if p == me else _unpack(blobs[key + str(p)], what, p, len(leaves))
+                    for p in range(count)
+                ]
                 for old in _kv_last:  # every process has read it: they all published round r
                     client.key_value_delete(old)
                 _kv_last.clear()
@@ -470,6 +472,15 @@ def host_allgather(tree: Any, *, what: str, tiled: bool = False, timeout_s: floa
             )
         out.append(np.concatenate(parts) if tiled else np.stack(parts))
     return jax.tree.unflatten(treedef, out)
+
+
+def _unpublished(client: Any, key: str, count: int) -> list[int]:
+    """The processes without a key under ``key`` (a round's folder) in the store."""
+    try:
+        published = {k for k, _ in client.key_value_dir_get_bytes(key)}
+    except Exception:  # the service itself is gone: nothing is known
+        return list(range(count))
+    return [p for p in range(count) if key + str(p) not in published]
 
 
 def one_collective_program_at_a_time() -> bool:

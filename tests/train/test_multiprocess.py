@@ -582,4 +582,4 @@ def test_host_values_and_collective_programs_across_two_processes(tmp_path):
         ), text
         assert "keys 2\n" in text and "done" in text, text
     assert "timeout: host_allgather('alone') round " in _tail(logs[0], 20000)
-    assert ": process 1 published nothing within 2 s" in _tail(logs[0], 20000)
+    assert ": processes [1] published nothing within 2 s" in _tail(logs[0], 20000)
