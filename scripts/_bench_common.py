@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import socket
 
 import jax
 
@@ -19,6 +20,14 @@ quiet_cpu_platform()
 # The instruction-set extensions that move a CPU's matmul peak (XLA:CPU and torch pick their
 # kernels by them): recorded beside every figure, as `lscpu`'s flags.
 _ISA_PREFIXES = ("avx", "amx", "fma", "f16c")
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (the coordinator of a multi-process run the
+    script starts on this host)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def cpu_info(path: str = "/proc/cpuinfo") -> dict:

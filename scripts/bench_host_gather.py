@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -92,12 +91,10 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=300, help="the program's iterations")
     parser.add_argument("--out", default="bench_results/host_gather.json")
     args = parser.parse_args()
-    from _bench_common import machine_info
+    from _bench_common import free_port, machine_info
 
     info = machine_info()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host" not in f]
     env = dict(
         os.environ,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -73,12 +72,6 @@ print("RESULT " + json.dumps({k: statistics.median(v) for k, v in times.items()}
 """
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(n: int, rounds: int) -> dict:
     env = {
         **os.environ,
@@ -86,7 +79,9 @@ def run(n: int, rounds: int) -> dict:
         "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
-    port, children = _free_port(), []
+    from _bench_common import free_port
+
+    port, children = free_port(), []
     t0 = time.monotonic()
     for i in range(n):
         cmd = [sys.executable, "-c", CHILD, str(port), str(i), str(n), str(rounds)]
@@ -124,7 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     from _bench_common import machine_info
 
-    result = {**machine_info(), "load_avg_before": os.getloadavg(), "command": sys.argv}
+    result = {**machine_info(), "command": sys.argv}
     result["rows"] = []
     for n in args.processes:
         row = run(n, args.rounds)

@@ -47,7 +47,7 @@ if __name__ == "__main__":
     _force_devices(sys.argv[1:])
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _bench_common import machine_info  # noqa: E402
+from _bench_common import free_port, machine_info  # noqa: E402
 from bench_rollout import long_tail_budgets  # noqa: E402
 
 
@@ -76,7 +76,6 @@ def _processes(args: argparse.Namespace, argv: list[str]) -> dict:
     """Runs the script as ``args.processes`` processes (``--child``) on this host and merges
     what each wrote: per mode, the engines' figures in process order, the slowest process's
     seconds, and the agreement of the whole batch's outputs."""
-    import socket
     import subprocess
     import tempfile
 
@@ -84,9 +83,7 @@ def _processes(args: argparse.Namespace, argv: list[str]) -> dict:
 
     from jaxrl_llm import rollout
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COORDINATOR")}
     flags = [f for f in env.get("XLA_FLAGS", "").split() if "force_host_platform" not in f]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={args.engines}"])

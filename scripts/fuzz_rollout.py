@@ -61,7 +61,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from _bench_common import machine_info
+from _bench_common import free_port, machine_info
 from flax import nnx
 
 from jaxrl_llm import rollout
@@ -378,13 +378,10 @@ def mp_campaign(seeds: list[int]) -> Iterator[tuple[int, dict[str, Any], str | N
     one-device reference meanwhile and compares. Yields ``(seed, facts, error or None)`` as
     each seed is compared."""
     import os
-    import socket
     import tempfile
     from pathlib import Path
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform" not in f]
     env = {
         **os.environ,
