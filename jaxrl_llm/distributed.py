@@ -19,6 +19,11 @@ holds the two things the trainer needs on top of that:
                              arguments, which reads the cluster (Cloud TPU VMs, SLURM
                              ``srun`` steps, Open MPI, Kubernetes); also used for any of
                              the three above that is not given
+   heartbeat timeout         ``--heartbeat-timeout S`` (JAX's default 100 s): how long the
+                             other processes go on after one stops answering (killed, out of
+                             memory, a lost host) before JAX ends them
+   start-up timeout          ``--init-timeout S`` (JAX's default 300 s): how long each process
+                             waits for all N to connect
    ========================  ==========================================================
 
    (JAX 0.10 itself reads ``JAX_COORDINATOR_ADDRESS``, ``JAX_COORDINATOR_PORT`` for detected
@@ -80,6 +85,8 @@ class Settings:
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
+    heartbeat_timeout_s: int | None = None  # None: JAX's default (100 s)
+    init_timeout_s: int | None = None  # None: JAX's default (300 s)
 
 
 def _int_setting(value: Any, what: str) -> int | None:
@@ -106,12 +113,15 @@ def resolve(
     process_id: int | None = None,
     *,
     auto: bool = False,
+    heartbeat_timeout_s: int | None = None,
+    init_timeout_s: int | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Settings | None:
     """The settings for ``jax.distributed.initialize``, or ``None`` for a single-process run.
 
     Flags win over environment variables. Explicit settings must be complete (coordinator,
-    N and I together) unless ``auto`` lets JAX detect the rest.
+    N and I together) unless ``auto`` lets JAX detect the rest. The two timeouts (whole
+    seconds ≥ 1) apply to a multi-process run only.
 
     Raises:
       DistributedError: an incomplete or invalid combination, naming the flag or variable.
@@ -126,8 +136,27 @@ def resolve(
         process_id, id_what = env[PROCESS_ID_ENV], PROCESS_ID_ENV
     n = _int_setting(num_processes, n_what)
     i = _int_setting(process_id, id_what)
+    timeouts, timeout_flags = {}, []
+    for field, flag, value in (
+        ("heartbeat_timeout_s", "--heartbeat-timeout", heartbeat_timeout_s),
+        ("init_timeout_s", "--init-timeout", init_timeout_s),
+    ):
+        seconds = _int_setting(value, flag)
+        if seconds is not None and seconds < 1:
+            raise DistributedError(f"{flag} = {seconds}: expected whole seconds ≥ 1")
+        if seconds is not None:
+            timeouts[field] = seconds
+            timeout_flags.append(flag)
+    if coordinator is None and n is None and i is None and not auto:
+        if timeout_flags:
+            raise DistributedError(
+                f"{' and '.join(timeout_flags)} given for a single-process run: it applies "
+                "with --coordinator, --num-processes and --process-id (or their variables, or "
+                "--distributed)"
+            )
+        return None
     if coordinator is None and n is None and i is None:
-        return Settings() if auto else None
+        return Settings(**timeouts)
     if coordinator is not None:
         _check_coordinator(str(coordinator), coord_what)
     if n is not None and n < 1:
@@ -155,7 +184,7 @@ def resolve(
             f"{COORDINATOR_ENV}, {NUM_PROCESSES_ENV}, {PROCESS_ID_ENV}), or --distributed to "
             "let JAX detect the cluster (TPU VM, SLURM, Open MPI)"
         )
-    return Settings(coordinator=coordinator, num_processes=n, process_id=i)
+    return Settings(coordinator=coordinator, num_processes=n, process_id=i, **timeouts)
 
 
 def initialize(
@@ -164,6 +193,8 @@ def initialize(
     process_id: int | None = None,
     *,
     auto: bool = False,
+    heartbeat_timeout_s: int | None = None,
+    init_timeout_s: int | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Settings | None:
     """Starts ``jax.distributed`` for the :func:`resolve` d settings (nothing without any).
@@ -171,17 +202,31 @@ def initialize(
     Must run before any JAX computation or device query in the process (JAX raises
     otherwise). Returns the settings used, or ``None`` when the run is single-process.
     """
-    settings = resolve(coordinator, num_processes, process_id, auto=auto, environ=environ)
+    settings = resolve(
+        coordinator,
+        num_processes,
+        process_id,
+        auto=auto,
+        heartbeat_timeout_s=heartbeat_timeout_s,
+        init_timeout_s=init_timeout_s,
+        environ=environ,
+    )
     if settings is None:
         return None
     if jax.distributed.is_initialized():
         return settings
     if jax.config.jax_cpu_collectives_implementation is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    timeouts = {}
+    if settings.heartbeat_timeout_s is not None:
+        timeouts["heartbeat_timeout_seconds"] = settings.heartbeat_timeout_s
+    if settings.init_timeout_s is not None:
+        timeouts["initialization_timeout"] = settings.init_timeout_s
     jax.distributed.initialize(
         coordinator_address=settings.coordinator,
         num_processes=settings.num_processes,
         process_id=settings.process_id,
+        **timeouts,
     )
     return settings
 

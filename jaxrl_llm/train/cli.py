@@ -145,6 +145,19 @@ def _add_distributed_args(p: argparse.ArgumentParser) -> None:
         help="let JAX detect the cluster (Cloud TPU VM, SLURM srun, Open MPI) for what is not "
         "given; also read from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID",
     )
+    g.add_argument(
+        "--heartbeat-timeout",
+        type=int,
+        metavar="S",
+        help="seconds the other processes go on after one stops answering (killed, out of "
+        "memory, a lost host) before the run ends (default: JAX's, 100)",
+    )
+    g.add_argument(
+        "--init-timeout",
+        type=int,
+        metavar="S",
+        help="seconds each process waits at start for all N to connect (default: JAX's, 300)",
+    )
 
 
 def _init_distributed(args: argparse.Namespace) -> bool:
@@ -156,7 +169,14 @@ def _init_distributed(args: argparse.Namespace) -> bool:
     """
     from jaxrl_llm import distributed as dist
 
-    dist.initialize(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
+    dist.initialize(
+        args.coordinator,
+        args.num_processes,
+        args.process_id,
+        auto=args.distributed,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        init_timeout_s=args.init_timeout,
+    )
     return dist.is_primary()
 
 

@@ -79,6 +79,13 @@ def test_flags_and_environment():
     assert dist.resolve(process_id=0, environ=env) == dist.Settings("h:99", 2, 0)  # flag wins
     # With --distributed, whatever is missing is left to JAX's cluster detection.
     assert dist.resolve(num_processes=2, auto=True, environ={}) == dist.Settings(None, 2, None)
+    # The timeouts go with any multi-process run; None leaves JAX's defaults.
+    assert dist.resolve("h:1", 2, 0, heartbeat_timeout_s=20, environ={}) == dist.Settings(
+        "h:1", 2, 0, heartbeat_timeout_s=20
+    )
+    assert dist.resolve(auto=True, heartbeat_timeout_s="30", init_timeout_s=600, environ={}) == (
+        dist.Settings(heartbeat_timeout_s=30, init_timeout_s=600)
+    )
 
 
 @pytest.mark.parametrize(
@@ -91,6 +98,17 @@ def test_flags_and_environment():
         (dict(coordinator="10.0.0.1", num_processes=2, process_id=0), {}, r"HOST:PORT"),
         ({}, {"JAX_PROCESS_ID": "one"}, r"JAX_PROCESS_ID = 'one': expected an integer"),
         ({}, {"JAX_COORDINATOR_ADDRESS": "h:1"}, r"JAX_COORDINATOR_ADDRESS given without"),
+        (
+            dict(heartbeat_timeout_s=0, coordinator="h:1", num_processes=2, process_id=0),
+            {},
+            r"--heartbeat-timeout = 0: expected whole seconds ≥ 1",
+        ),
+        (dict(init_timeout_s="soon", auto=True), {}, r"--init-timeout = 'soon': expected an int"),
+        (
+            dict(heartbeat_timeout_s=30, init_timeout_s=60),
+            {},
+            r"--heartbeat-timeout and --init-timeout given for a single-process run",
+        ),
     ],
 )
 def test_bad_settings_name_what_was_wrong(kwargs, env, message):
@@ -113,11 +131,26 @@ def test_every_run_command_takes_the_multiprocess_flags(command):
     def settings(argv):
         a = build_parser().parse_args([command, "--config", "c.yaml", "--run-dir", "r", *argv])
         assert a.overrides == ["optim.lr=1e-6"]
-        return a.coordinator, a.num_processes, a.process_id, a.distributed
+        return (
+            a.coordinator,
+            a.num_processes,
+            a.process_id,
+            a.distributed,
+            a.heartbeat_timeout,
+            a.init_timeout,
+        )
 
-    assert settings(["optim.lr=1e-6"]) == (None, None, None, False)
+    assert settings(["optim.lr=1e-6"]) == (None, None, None, False, None, None)
     flags = ["--coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", "1"]
-    assert settings([*flags, "--distributed", "optim.lr=1e-6"]) == ("10.0.0.1:1234", 2, 1, True)
+    flags += ["--heartbeat-timeout", "20", "--init-timeout", "900"]
+    assert settings([*flags, "--distributed", "optim.lr=1e-6"]) == (
+        "10.0.0.1:1234",
+        2,
+        1,
+        True,
+        20,
+        900,
+    )
 
 
 @pytest.mark.parametrize("command", ["evaluate", "export"])
@@ -151,13 +184,14 @@ def test_only_process_0_prints_evaluate_and_export(primary, monkeypatch, capsys,
     argv = ["--config", str(REPO / "configs/tiny.yaml"), "--run-dir", str(tmp_path)]
     flags = ["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0"]
     for command in ("evaluate", "export"):
-        assert main([command, *argv, *flags]) == 0
+        assert main([command, *argv, *flags, "--heartbeat-timeout", "15"]) == 0
         out = capsys.readouterr().out
         if primary:
             assert "restored step 2" in out and ("accuracy" in out or "exported to" in out)
         else:
             assert out == ""
-    assert started == [(("127.0.0.1:1234", 2, 0), {"auto": False})] * 2
+    timeouts = {"heartbeat_timeout_s": 15, "init_timeout_s": None}
+    assert started == [(("127.0.0.1:1234", 2, 0), {"auto": False, **timeouts})] * 2
 
 
 def test_single_process_rows_are_every_row():
@@ -583,3 +617,54 @@ def test_host_values_and_collective_programs_across_two_processes(tmp_path):
         assert "keys 2\n" in text and "done" in text, text
     assert "timeout: host_allgather('alone') round " in _tail(logs[0], 20000)
     assert ": processes [1] published nothing within 2 s" in _tail(logs[0], 20000)
+
+
+HEARTBEAT_CHILD = """\
+import sys, time
+
+from jaxrl_llm import distributed as dist
+
+port, pid = sys.argv[1], int(sys.argv[2])
+dist.initialize(f"127.0.0.1:{port}", 2, pid, heartbeat_timeout_s=3)
+
+import jax
+
+print("up", jax.process_count(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_a_dead_process_ends_the_others_after_the_heartbeat_timeout(tmp_path):
+    """``heartbeat_timeout_s`` reaches JAX's coordination service: when process 1 is killed,
+    process 0 ends ~3 s later (JAX's default is 100 s, which this test would not see)."""
+    port, children = _free_port(), []
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    try:
+        for i, log in enumerate(logs):
+            cmd = [sys.executable, "-c", HEARTBEAT_CHILD, str(port), str(i)]
+            with log.open("w") as out:
+                children.append(
+                    subprocess.Popen(
+                        cmd, cwd=REPO, env=_child_env(), stdout=out, stderr=subprocess.STDOUT
+                    )
+                )
+        deadline = time.monotonic() + 180
+        while not all("up 2" in _tail(log) for log in logs):
+            assert all(c.poll() is None for c in children), [_tail(log) for log in logs]
+            assert time.monotonic() < deadline, [_tail(log) for log in logs]
+            time.sleep(0.2)
+        children[1].kill()
+        killed = time.monotonic()
+        try:
+            code = children[0].wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"process 0 still running 60 s after process 1 died:\n{_tail(logs[0])}")
+        waited = time.monotonic() - killed
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait(timeout=30)
+    assert code != 0 and waited < 30, (code, waited, _tail(logs[0]))
+    assert "another task died" in _tail(logs[0], 20000), _tail(logs[0])
