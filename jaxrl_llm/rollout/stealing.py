@@ -299,34 +299,44 @@ class Lending:
 
     def collect_results(self) -> dict[int, tuple[np.ndarray, ...]]:
         """The outputs of this process's lent prompts that other processes ran, by this
-        process's row: waits for each as long as no process has failed.
+        process's row: waits for them as long as no process has failed. Reads every result
+        already published at once (one read of the call's result folder), then waits on the
+        first missing one and reads the folder again: a few store round trips however many
+        prompts moved, not one per prompt.
 
         Raises:
           RuntimeError: a process failed (or a lent prompt ran nowhere: a bug)."""
         self.refresh(force=True)
         out: dict[int, tuple[np.ndarray, ...]] = {}
+        waiting: dict[int, int] = {}  # lent prompt k -> its row here, run by another process
         for k, (b, _) in enumerate(self.lent):
-            key = self._key("result", self.me, k)
-            while True:
-                if self.failed is not None:
-                    raise RuntimeError(
-                        f"work stealing: process {self.failed[0]} failed: {self.failed[1]}"
-                    )
-                p = self.claims.get((self.me, k))
-                if p is None:  # every engine here has stopped: a prompt is lost
-                    raise RuntimeError(f"work stealing: lent prompt {k} (row {b}) ran nowhere")
-                if p == self.me:
-                    break
-                try:
-                    got = npz_arrays(self._kv.blocking_key_value_get_bytes(key, 1000))
-                except Exception as e:  # the store's DEADLINE_EXCEEDED: not yet
-                    if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e):
-                        raise
-                    self.refresh(force=True)  # a failure ends the wait
-                    continue
-                out[b] = tuple(got[f"a{i}"] for i in range(len(got)))
+            self._check_failed()
+            p = self.claims.get((self.me, k))
+            if p is None:  # every engine here has stopped: a prompt is lost
+                raise RuntimeError(f"work stealing: lent prompt {k} (row {b}) ran nowhere")
+            if p != self.me:
+                waiting[k] = b
+        folder = self._key("result", self.me) + "/"
+        while waiting:
+            for key, blob in self._kv.key_value_dir_get_bytes(folder):
+                k = int(key.rsplit("/", 1)[-1])
+                if k in waiting:
+                    got = npz_arrays(blob)
+                    out[waiting.pop(k)] = tuple(got[f"a{i}"] for i in range(len(got)))
+            if not waiting:
                 break
+            self._check_failed()
+            try:  # until the first missing result is published (or a second passes)
+                self._kv.blocking_key_value_get_bytes(folder + str(min(waiting)), 1000)
+            except Exception as e:  # the store's DEADLINE_EXCEEDED: not yet
+                if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e):
+                    raise
+                self.refresh(force=True)  # a failure ends the wait
         return out
+
+    def _check_failed(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"work stealing: process {self.failed[0]} failed: {self.failed[1]}")
 
 
 class PromptQueues:

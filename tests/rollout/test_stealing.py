@@ -79,10 +79,16 @@ class FakeStore:
         self.kv: dict[str, object] = {}
         self.cond = threading.Condition()
         self.calls = 0
+        self.calls_by_thread: dict[int, int] = {}
+
+    def _count(self):
+        self.calls += 1
+        me = threading.get_ident()
+        self.calls_by_thread[me] = self.calls_by_thread.get(me, 0) + 1
 
     def key_value_set(self, key, value, allow_overwrite=False):
         with self.cond:
-            self.calls += 1
+            self._count()
             if key in self.kv and not allow_overwrite:
                 raise RuntimeError(f"ALREADY_EXISTS: key {key} already exists.")
             self.kv[key] = value
@@ -92,22 +98,24 @@ class FakeStore:
 
     def key_value_try_get_bytes(self, key):
         with self.cond:
-            self.calls += 1
+            self._count()
             if key not in self.kv:
                 raise RuntimeError(f"NOT_FOUND: Config key {key} not found.")
             return self.kv[key]
 
     def blocking_key_value_get_bytes(self, key, timeout_ms):
         with self.cond:
-            self.calls += 1
+            self._count()
             if not self.cond.wait_for(lambda: key in self.kv, timeout_ms / 1e3):
                 raise RuntimeError(f"DEADLINE_EXCEEDED: GetKeyValue() timed out with key: {key}")
             return self.kv[key]
 
     def key_value_dir_get(self, prefix):
         with self.cond:
-            self.calls += 1
+            self._count()
             return [(k, v) for k, v in sorted(self.kv.items()) if k.startswith(prefix)]
+
+    key_value_dir_get_bytes = key_value_dir_get
 
     def key_value_delete(self, prefix):
         with self.cond:
@@ -163,6 +171,31 @@ def test_an_opened_queue_lends_all_but_its_head_and_each_lent_prompt_runs_once()
     assert list(back) == [5] and back[5][0].tolist() == [[7] * 3] * 2
     assert back[5][1].tolist() == [True, False]
     assert lend1.collect_results() == {}  # it lent nothing
+
+
+def test_the_outputs_of_many_moved_prompts_come_back_in_a_few_store_reads():
+    store, lend0, rows1, qs1, _, e1 = _opened_pair(6, 0)  # process 0 lends rows 1..5
+    with e1.lock:
+        taken = [e1.steal(lambda b: True)[0] for _ in range(5)]  # process 1 takes them all
+    assert [rows1.origin[b] for b in taken] == [(0, k) for k in (4, 3, 2, 1, 0)]
+    e1.send_back(taken[0], (np.full((2, 3), 4), np.array([True, True])))
+    lend1 = qs1.lending
+    lend1.publish_results({b: (np.full((2, 3), rows1.origin[b][1]),) for b in taken[1:3]})
+    late = {b: (np.full((2, 3), rows1.origin[b][1]),) for b in taken[3:]}
+    publisher = threading.Timer(0.3, lend1.publish_results, (late,))
+    publisher.start()  # two outputs come later: the lending process waits for them
+    store.calls_by_thread.clear()
+    back = lend0.collect_results()
+    publisher.join()
+    assert sorted(back) == [1, 2, 3, 4, 5]
+    assert all(back[b][0].tolist() == [[b - 1] * 3] * 2 for b in back)
+    assert back[5][1].tolist() == [True, True]
+    # Two reads to refresh, one of the result folder (3 outputs there), one wait for the
+    # late ones, one more folder read: 5 requests (a read per prompt made 7; a hundred
+    # prompts would make no more), and 4 more for each second the late ones took (a wait that
+    # timed out, a refresh, a folder read).
+    calls = store.calls_by_thread[threading.get_ident()]
+    assert calls >= 5 and (calls - 5) % 4 == 0, calls
 
 
 def _opened_pair(n0: int, n1: int):
