@@ -36,8 +36,9 @@ one sample group's worst case, which forces preemption). Then it checks what mus
 
 A failing case prints its seed and its drawn configuration; ``--seeds S`` reruns it alone.
 ``--pressure`` keeps each seed's case but draws its pool near the smallest the engine accepts,
-more slots and prefix sharing on, so that sequences are preempted and recomputed far more often
-(not the ``mp`` check).
+more slots and prefix sharing on, so that sequences are preempted and recomputed far more often;
+in the ``mp`` check also prompts wait for room, so that more of them move across the processes
+and their outputs come back through the store.
 Output: one line per case, and with ``--out`` a JSON summary (cases, failures with seed, check,
 case and error, the machine). Exit status 1 when any check failed.
 
@@ -337,7 +338,7 @@ def mp_draws(case: Case) -> tuple[dict[str, int], int, int]:
     return sizes, tp, int(r.randint(1, case.kwargs["max_new_tokens"] + 3))
 
 
-def mp_child(port: int, pid: int, seeds: list[int], out_dir: str) -> None:
+def mp_child(port: int, pid: int, seeds: list[int], out_dir: str, pressure: bool = False) -> None:
     """One of the ``mp`` check's two processes: each seed's partial rollout on the drawn layout
     of both processes' devices, its outputs saved as ``{out_dir}/{seed}.{pid}.npz``."""
     from pathlib import Path
@@ -346,7 +347,7 @@ def mp_child(port: int, pid: int, seeds: list[int], out_dir: str) -> None:
 
     dist.initialize(f"127.0.0.1:{port}", 2, pid)
     for seed in seeds:
-        case = draw(seed, "mp")
+        case = draw(seed, "mp", pressure)
         sizes, tp, segment = mp_draws(case)
         sharded = on_mesh(tiny_model(case.family), sizes, jax.devices())
         options = dataclasses.replace(case.options, tensor_parallel=tp)
@@ -373,7 +374,9 @@ def mp_child(port: int, pid: int, seeds: list[int], out_dir: str) -> None:
         print(f"done {seed}", flush=True)
 
 
-def mp_campaign(seeds: list[int]) -> Iterator[tuple[int, dict[str, Any], str | None]]:
+def mp_campaign(
+    seeds: list[int], pressure: bool = False
+) -> Iterator[tuple[int, dict[str, Any], str | None]]:
     """Runs the ``mp`` check of ``seeds``: two processes sample, this one computes each seed's
     one-device reference meanwhile and compares. Yields ``(seed, facts, error or None)`` as
     each seed is compared."""
@@ -389,11 +392,11 @@ def mp_campaign(seeds: list[int]) -> Iterator[tuple[int, dict[str, Any], str | N
         "JAX_PLATFORMS": "cpu",
     }
     with tempfile.TemporaryDirectory(prefix="fuzz_mp_") as tmp:
-        yield from _mp_compare(seeds, port, env, Path(tmp))
+        yield from _mp_compare(seeds, port, env, Path(tmp), pressure)
 
 
 def _mp_compare(
-    seeds: list[int], port: int, env: dict[str, str], out_dir: Any
+    seeds: list[int], port: int, env: dict[str, str], out_dir: Any, pressure: bool = False
 ) -> Iterator[tuple[int, dict[str, Any], str | None]]:
     import subprocess
 
@@ -401,12 +404,13 @@ def _mp_compare(
     children, logs = [], [out_dir / f"process{i}.log" for i in range(2)]
     for pid, log in enumerate(logs):
         cmd = [sys.executable, __file__, "--mp-child", str(port), str(pid), seed_list, str(out_dir)]
+        cmd += ["--pressure"] if pressure else []
         with log.open("w") as f:
             children.append(subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT))
     start, finished = time.perf_counter(), False
     try:
         for seed in seeds:
-            case = draw(seed, "mp")
+            case = draw(seed, "mp", pressure)
             ref, _ = paged_run(tiny_model(case.family), case, case.options)
             sizes, tp, segment = mp_draws(case)
             facts = dict(mesh=sizes, tensor_parallel=tp, segment=segment)
@@ -474,14 +478,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument(
         "--pressure",
         action="store_true",
-        help="pools near the smallest the engine accepts (preemption in about half the cases; not"
-        " mp)",
+        help="pools near the smallest the engine accepts (preemption in about half the cases; in "
+        "mp, prompts that wait for room, so more of them move across the processes)",
     )
     ap.add_argument("--mp-child", nargs=4, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.mp_child:  # one of the mp check's processes (launched by mp_campaign)
         port, pid, seeds, out_dir = args.mp_child
-        mp_child(int(port), int(pid), parse_seeds(seeds), out_dir)
+        mp_child(int(port), int(pid), parse_seeds(seeds), out_dir, args.pressure)
         return {"failures": []}
     checks = [c for c in args.checks.split(",") if c]
     unknown = sorted(set(checks) - set(CHECKS))
@@ -495,12 +499,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     failures, cases, start = [], 0, time.perf_counter()
     seeds = parse_seeds(args.seeds)
     if "mp" in checks:
-        for seed, facts, error in mp_campaign(seeds):
+        for seed, facts, error in mp_campaign(seeds, args.pressure):
             cases += 1
             if error is None:
                 print(f"ok seed {seed} mp {draw(seed, 'mp').family} {facts}", flush=True)
                 continue
-            case = draw(seed, "mp")
+            case = draw(seed, "mp", args.pressure)
             failures.append(dict(seed=seed, check="mp", case=case.describe(), error=error))
             print(f"FAIL seed {seed} mp {facts}: {error}", flush=True)
             print(json.dumps(case.describe()), flush=True)

@@ -106,3 +106,27 @@ def test_bad_arguments_are_clear_errors():
         fuzz.main(["--seeds", "x"])
     with pytest.raises(SystemExit, match=r"unknown \['speed'\]"):
         fuzz.main(["--checks", "engines,speed"])
+
+
+def test_pressure_reaches_the_mp_check_s_processes(monkeypatch):
+    """``--pressure --checks mp``: both processes draw the pressured case (a stand-in for the
+    processes records their commands and ends at once; the campaign then reports them)."""
+    import subprocess
+
+    launched = []
+
+    class Ended:
+        def __init__(self, cmd, **kwargs):
+            launched.append(cmd)
+
+        def poll(self):
+            return 1
+
+        def wait(self, timeout=None):
+            return 1
+
+    monkeypatch.setattr(subprocess, "Popen", Ended)
+    (seed, _, error), *rest = list(fuzz.mp_campaign([SEED], pressure=True))
+    assert seed == SEED and "processes ended [1, 1]" in error and rest == []
+    assert [("--pressure" in cmd) for cmd in launched] == [True, True]
+    assert [cmd[cmd.index("--mp-child") + 2] for cmd in launched] == ["0", "1"]
