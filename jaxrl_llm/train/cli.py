@@ -15,8 +15,8 @@ once. ``evaluate`` and ``export`` read
 prints the message and exits with status 2.
 
 All three take the multi-process flags (``--coordinator``, ``--num-processes``, ``--process-id``,
-``--distributed``; docs/scaling.md): every process runs the same command, and process 0 alone
-prints and writes files.
+``--distributed``, and JAX's ``--heartbeat-timeout`` / ``--init-timeout``; docs/scaling.md):
+every process runs the same command, and process 0 alone prints and writes files.
 """
 
 from __future__ import annotations
