@@ -668,3 +668,34 @@ def test_a_dead_process_ends_the_others_after_the_heartbeat_timeout(tmp_path):
                 child.wait(timeout=30)
     assert code != 0 and waited < 30, (code, waited, _tail(logs[0]))
     assert "another task died" in _tail(logs[0], 20000), _tail(logs[0])
+
+
+@pytest.mark.slow
+def test_a_process_whose_peers_never_come_ends_after_the_init_timeout(tmp_path):
+    """``init_timeout_s`` reaches JAX: process 0 of 2 started alone gives up after ~2 s of
+    waiting (JAX's default is 300 s, which this test would not see)."""
+    child = "\n".join(
+        [
+            "import sys",
+            "from jaxrl_llm import distributed as dist",
+            "dist.initialize(f'127.0.0.1:{sys.argv[1]}', 2, 0, init_timeout_s=2)",
+            "print('up', flush=True)",
+        ]
+    )
+    log = tmp_path / "process0.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-c", child, str(_free_port())],
+            cwd=REPO,
+            env=_child_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        code = process.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=30)
+        pytest.fail(f"process 0 still waiting for its peer after 120 s:\n{_tail(log)}")
+    assert code != 0 and "up" not in _tail(log).splitlines(), _tail(log)
+    assert "DEADLINE_EXCEEDED" in _tail(log, 20000), _tail(log)
