@@ -11,7 +11,9 @@ within groups and the update is not zero) twice on the same global mesh ``data=2
   so both processes restore the step-1 checkpoint (orbax, on every process) and do step 2.
 
 Both must end with the same parameters, within ``atol = 1e-5``, so resuming a multi-process
-run continues it exactly like an uninterrupted run. Not bit for bit: both runs
+run continues it exactly like an uninterrupted run. So must a third run: a copy of the two
+processes' step-1 run directory resumed by one process (this one, on the same ``data=2`` mesh
+over its 2 devices), as a job relaunched on fewer hosts would. Not bit for bit: both runs
 compile one global program for the same mesh, and the gradient all-reduce (XLA's in-process
 one vs gloo's) adds two partial sums, which is exact, but the host-fed arrays of the advantage
 chain and the forward passes are single-device arrays in one process and batch-sharded global
@@ -31,6 +33,7 @@ blocking CI.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -384,6 +387,7 @@ def test_two_processes_end_with_the_parameters_of_one(tmp_path):
     config_path = tmp_path / "mp.yaml"
     config_path.write_text(CONFIG.format(tiny=REPO / "configs" / "tiny.yaml"))
     multi_dir, single_dir = tmp_path / "two", tmp_path / "one"
+    moved_dir = tmp_path / "two_then_one"  # the two processes' step 1, resumed by one process
     first = [tmp_path / f"first{i}.log" for i in range(2)]
     second = [tmp_path / f"second{i}.log" for i in range(2)]
     children: list = []
@@ -395,8 +399,13 @@ def test_two_processes_end_with_the_parameters_of_one(tmp_path):
         train(config, run_dir=single_dir, progress=False, log=lambda *_: None)
         _wait(children, first, t0, "first launch (--max-steps 1)")
         assert sorted(p.name for p in (multi_dir / "checkpoints").iterdir()) == ["1"]
+        shutil.copytree(multi_dir, moved_dir)
         t0 = time.monotonic()
         _launch(children, config_path, multi_dir, second)  # resumes from step 1
+        # Meanwhile one process (this one, 2 devices) resumes a copy of the same checkpoint: a
+        # run saved by N processes resumes on another process count (orbax reads global arrays).
+        resumed = []
+        train(config, run_dir=moved_dir, progress=False, log=resumed.append)
         _wait(children[2:], second, t0, "second launch (resume)")
     finally:
         for child in children:
@@ -404,10 +413,13 @@ def test_two_processes_end_with_the_parameters_of_one(tmp_path):
                 child.kill()
                 child.wait(timeout=30)
 
-    one, two = _params(single_dir), _params(multi_dir)
-    assert sorted(one) == sorted(two)
+    one, two, moved = _params(single_dir), _params(multi_dir), _params(moved_dir)
+    assert sorted(one) == sorted(two) == sorted(moved)
     for name in one:
         np.testing.assert_allclose(two[name], one[name], rtol=0, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(moved[name], one[name], rtol=0, atol=1e-5, err_msg=name)
+    assert any("from step 1" in str(line) for line in resumed), resumed
+    assert sorted(p.name for p in (moved_dir / "checkpoints").iterdir()) == ["1", "2"]
 
     # Written once, by process 0: one line per step and evaluation, the same numbers (the first
     # launch also evaluated at its last step, 1).
