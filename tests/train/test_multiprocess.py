@@ -240,6 +240,23 @@ def _params(run_dir: Path) -> dict[str, np.ndarray]:
     return load_file(run_dir / "export" / "model.safetensors")
 
 
+def _start_children(
+    children: list, code: str, logs: list[Path], *args: str, devices: int = 1
+) -> None:
+    """Starts ``python -c code PORT I *args`` for each process ``I`` of ``len(logs)`` on one free
+    port (appended to ``children`` as they start, so that the caller kills them however this
+    fails; output in ``logs``)."""
+    port = _free_port()
+    for i, log in enumerate(logs):
+        cmd = [sys.executable, "-c", code, str(port), str(i), *args]
+        with log.open("w") as out:
+            children.append(
+                subprocess.Popen(
+                    cmd, cwd=REPO, env=_child_env(devices), stdout=out, stderr=subprocess.STDOUT
+                )
+            )
+
+
 def _tail(path: Path, n: int = 3000) -> str:
     return path.read_text(errors="replace")[-n:] if path.exists() else "(no output)"
 
@@ -355,18 +372,11 @@ print("saved", flush=True)
 
 @pytest.mark.slow
 def test_processes_agree_on_the_fallback_from_an_unreadable_step(tmp_path):
-    port, children = _free_port(), []
+    children: list = []
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     t0 = time.monotonic()
     try:
-        for i, log in enumerate(logs):
-            cmd = [sys.executable, "-c", FALLBACK_CHILD, str(port), str(i), str(tmp_path / "c")]
-            with log.open("w") as out:
-                children.append(
-                    subprocess.Popen(
-                        cmd, cwd=REPO, env=_child_env(), stdout=out, stderr=subprocess.STDOUT
-                    )
-                )
+        _start_children(children, FALLBACK_CHILD, logs, str(tmp_path / "c"))
         _wait(children, logs, t0, "fallback", limit=120)  # ~6 s; a disagreement hangs
     finally:
         for child in children:
@@ -590,18 +600,11 @@ def test_host_values_and_collective_programs_across_two_processes(tmp_path):
     And the checksums and reshards of many arrays, each a program with collectives, complete
     with the values of one array at a time; ``dist.gather``, ``dist.to_host`` and
     ``dist.put`` run without ``multihost_utils.process_allgather``."""
-    port, children = _free_port(), []
+    children: list = []
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     t0 = time.monotonic()
     try:
-        for i, log in enumerate(logs):
-            cmd = [sys.executable, "-c", HOST_CHILD, str(port), str(i)]
-            with log.open("w") as out:
-                children.append(
-                    subprocess.Popen(
-                        cmd, cwd=REPO, env=_child_env(2), stdout=out, stderr=subprocess.STDOUT
-                    )
-                )
+        _start_children(children, HOST_CHILD, logs, devices=2)
         _wait(children, logs, t0, "host_allgather", limit=180)
     finally:
         for child in children:
@@ -650,17 +653,10 @@ time.sleep(600)
 def test_a_dead_process_ends_the_others_after_the_heartbeat_timeout(tmp_path):
     """``heartbeat_timeout_s`` reaches JAX's coordination service: when process 1 is killed,
     process 0 ends ~3 s later (JAX's default is 100 s, which this test would not see)."""
-    port, children = _free_port(), []
+    children: list = []
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
     try:
-        for i, log in enumerate(logs):
-            cmd = [sys.executable, "-c", HEARTBEAT_CHILD, str(port), str(i)]
-            with log.open("w") as out:
-                children.append(
-                    subprocess.Popen(
-                        cmd, cwd=REPO, env=_child_env(), stdout=out, stderr=subprocess.STDOUT
-                    )
-                )
+        _start_children(children, HEARTBEAT_CHILD, logs)
         deadline = time.monotonic() + 180
         while not all("up 2" in _tail(log) for log in logs):
             assert all(c.poll() is None for c in children), [_tail(log) for log in logs]
@@ -690,19 +686,13 @@ def test_a_process_whose_peers_never_come_ends_after_the_init_timeout(tmp_path):
         [
             "import sys",
             "from jaxrl_llm import distributed as dist",
-            "dist.initialize(f'127.0.0.1:{sys.argv[1]}', 2, 0, init_timeout_s=2)",
+            "dist.initialize(f'127.0.0.1:{sys.argv[1]}', 2, int(sys.argv[2]), init_timeout_s=2)",
             "print('up', flush=True)",
         ]
     )
-    log = tmp_path / "process0.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-c", child, str(_free_port())],
-            cwd=REPO,
-            env=_child_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    log, started = tmp_path / "process0.log", []
+    _start_children(started, child, [log])  # process 0 only
+    (process,) = started
     try:
         code = process.wait(timeout=120)
     except subprocess.TimeoutExpired:
