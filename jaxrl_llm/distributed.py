@@ -74,6 +74,13 @@ NUM_PROCESSES_ENV = "JAX_NUM_PROCESSES"
 PROCESS_ID_ENV = "JAX_PROCESS_ID"
 
 
+# Settings field -> its flag, and the name ``jax.distributed.initialize`` takes it by.
+_TIMEOUTS = {
+    "heartbeat_timeout_s": ("--heartbeat-timeout", "heartbeat_timeout_seconds"),
+    "init_timeout_s": ("--init-timeout", "initialization_timeout"),
+}
+
+
 class DistributedError(ValueError):
     """Distributed settings that cannot start a run (the message names the flag or variable)."""
 
@@ -136,27 +143,27 @@ def resolve(
         process_id, id_what = env[PROCESS_ID_ENV], PROCESS_ID_ENV
     n = _int_setting(num_processes, n_what)
     i = _int_setting(process_id, id_what)
-    timeouts, timeout_flags = {}, []
-    for field, flag, value in (
-        ("heartbeat_timeout_s", "--heartbeat-timeout", heartbeat_timeout_s),
-        ("init_timeout_s", "--init-timeout", init_timeout_s),
+    timeouts = {}
+    for field, value in (
+        ("heartbeat_timeout_s", heartbeat_timeout_s),
+        ("init_timeout_s", init_timeout_s),
     ):
+        flag = _TIMEOUTS[field][0]
         seconds = _int_setting(value, flag)
         if seconds is not None and seconds < 1:
             raise DistributedError(f"{flag} = {seconds}: expected whole seconds ≥ 1")
         if seconds is not None:
             timeouts[field] = seconds
-            timeout_flags.append(flag)
-    if coordinator is None and n is None and i is None and not auto:
-        if timeout_flags:
+    if coordinator is None and n is None and i is None:
+        if auto:
+            return Settings(**timeouts)
+        if timeouts:
             raise DistributedError(
-                f"{' and '.join(timeout_flags)} given for a single-process run: it applies "
-                "with --coordinator, --num-processes and --process-id (or their variables, or "
-                "--distributed)"
+                f"{' and '.join(_TIMEOUTS[f][0] for f in timeouts)} given for a single-process "
+                "run: it applies with --coordinator, --num-processes and --process-id (or their "
+                "variables, or --distributed)"
             )
         return None
-    if coordinator is None and n is None and i is None:
-        return Settings(**timeouts)
     if coordinator is not None:
         _check_coordinator(str(coordinator), coord_what)
     if n is not None and n < 1:
@@ -217,11 +224,11 @@ def initialize(
         return settings
     if jax.config.jax_cpu_collectives_implementation is None:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    timeouts = {}
-    if settings.heartbeat_timeout_s is not None:
-        timeouts["heartbeat_timeout_seconds"] = settings.heartbeat_timeout_s
-    if settings.init_timeout_s is not None:
-        timeouts["initialization_timeout"] = settings.init_timeout_s
+    timeouts = {
+        jax_name: getattr(settings, field)
+        for field, (_, jax_name) in _TIMEOUTS.items()
+        if getattr(settings, field) is not None
+    }
     jax.distributed.initialize(
         coordinator_address=settings.coordinator,
         num_processes=settings.num_processes,

@@ -309,8 +309,9 @@ class Lending:
         self.refresh(force=True)
         out: dict[int, tuple[np.ndarray, ...]] = {}
         waiting: dict[int, int] = {}  # lent prompt k -> its row here, run by another process
-        for k, (b, _) in enumerate(self.lent):
+        if self.lent:
             self._check_failed()
+        for k, (b, _) in enumerate(self.lent):
             p = self.claims.get((self.me, k))
             if p is None:  # every engine here has stopped: a prompt is lost
                 raise RuntimeError(f"work stealing: lent prompt {k} (row {b}) ran nowhere")

@@ -38,6 +38,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -240,21 +241,31 @@ def _params(run_dir: Path) -> dict[str, np.ndarray]:
     return load_file(run_dir / "export" / "model.safetensors")
 
 
-def _start_children(
-    children: list, code: str, logs: list[Path], *args: str, devices: int = 1
+def _spawn(
+    children: list, logs: list[Path], argv: Callable[[int, int], list[str]], devices: int = 1
 ) -> None:
-    """Starts ``python -c code PORT I *args`` for each process ``I`` of ``len(logs)`` on one free
-    port (appended to ``children`` as they start, so that the caller kills them however this
-    fails; output in ``logs``)."""
+    """Starts ``python *argv(PORT, I)`` for each process ``I`` of ``len(logs)``, on one free port
+    (appended to ``children`` as they start, so that the caller kills them however this fails;
+    output in ``logs``)."""
     port = _free_port()
     for i, log in enumerate(logs):
-        cmd = [sys.executable, "-c", code, str(port), str(i), *args]
         with log.open("w") as out:
             children.append(
                 subprocess.Popen(
-                    cmd, cwd=REPO, env=_child_env(devices), stdout=out, stderr=subprocess.STDOUT
+                    [sys.executable, *argv(port, i)],
+                    cwd=REPO,
+                    env=_child_env(devices),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
                 )
             )
+
+
+def _start_children(
+    children: list, code: str, logs: list[Path], *args: str, devices: int = 1
+) -> None:
+    """:func:`_spawn` of ``python -c code PORT I *args``."""
+    _spawn(children, logs, lambda port, i: ["-c", code, str(port), str(i), *args], devices)
 
 
 def _tail(path: Path, n: int = 3000) -> str:
@@ -264,10 +275,9 @@ def _tail(path: Path, n: int = 3000) -> str:
 def _launch(children: list, config_path: Path, run_dir: Path, logs: list[Path], *extra: str):
     """Starts the two processes of one multi-process ``train`` (appended to ``children``, so
     that the caller kills them however this fails; output in ``logs``)."""
-    port = _free_port()
-    for i, log in enumerate(logs):
-        cmd = [
-            sys.executable,
+
+    def argv(port: int, i: int) -> list[str]:
+        return [
             "-m",
             "tests.train.multiprocess_cli",  # jaxrl_llm.cli, refusing process_allgather
             "train",
@@ -285,12 +295,8 @@ def _launch(children: list, config_path: Path, run_dir: Path, logs: list[Path], 
             *extra,
             "mesh.data=2",
         ]
-        with log.open("w") as out:
-            children.append(
-                subprocess.Popen(
-                    cmd, cwd=REPO, env=_child_env(), stdout=out, stderr=subprocess.STDOUT
-                )
-            )
+
+    _spawn(children, logs, argv)
 
 
 def _wait(children: list, logs: list[Path], started: float, what: str, limit=TIMEOUT_S) -> None:
