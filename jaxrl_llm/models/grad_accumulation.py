@@ -21,7 +21,8 @@ The LM head goes the same way (:func:`map_chunks`): the log-probs are formed chu
 each chunk recomputed in the backward pass, and a plain ``lax.scan`` over the chunks sums the
 head's gradient in a carry of its own, a ``[V, D]`` float32 buffer beside the accumulator (for
 a 1B Llama's 128,256 × 2,048 head, 1 GiB). The fused chunk loop adds each chunk's head
-gradient into the head's accumulator instead.
+gradient into the head's accumulator instead, optionally in blocks of the head's rows, so
+that not even one chunk's whole ``[V, D]`` gradient exists beside the accumulator.
 
 The match is by identity: the leaves the layer scan (or the chunk loop) reads must be the very
 arrays being differentiated (no cast or copy in between), every floating-point leaf of the
@@ -177,26 +178,39 @@ def scan(
 
 
 def map_chunks(
-    fn: Callable[..., Any],
+    project: Callable[[jax.Array, Any, Any], Any],
+    reduce: Callable[[Any, Any], Any],
     weight: jax.Array,
     xs: Any,
     ids: Any,
     *,
     prepare: Callable[[jax.Array], Any] = lambda w: None,
+    weight_block_rows: int | None = None,
 ) -> Any | None:
-    """``lax.map`` of ``fn(weight, prepare(weight), x_k, ids_k)`` over the chunks ``k`` of
-    ``(xs, ids)`` (leading axis ``K``), whose backward pass adds ``weight``'s gradient into its
-    accumulator; None where that does not apply (no :func:`accumulating_into` block, ``weight``
-    not one of the differentiated arrays or its accumulator already handed out, non-float
-    ``xs`` or outputs, non-integer ``ids``): then the caller runs the plain loop.
+    """``lax.map`` of ``reduce(project(weight, prepare(weight), x_k), ids_k)`` over the chunks
+    ``k`` of ``(xs, ids)`` (leading axis ``K``), whose backward pass adds ``weight``'s gradient
+    into its accumulator; None where that does not apply (no :func:`accumulating_into` block,
+    ``weight`` not one of the differentiated arrays or its accumulator already handed out,
+    non-float ``xs`` or outputs, non-integer ``ids``): then the caller runs the plain loop.
 
-    ``xs`` are differentiated (their cotangents come back per chunk), ``ids`` are not (token
-    ids). ``prepare`` runs once per pass, outside the chunks (a cast of the weight); its output
-    gets no gradient, so ``fn`` must send the gradient to ``weight`` itself (as
+    ``project`` is the product with the weight (the LM head's logits ``z = x Wᵀ``), ``reduce``
+    what follows it (log-probs of the targets ``ids``). ``xs`` are differentiated (their
+    cotangents come back per chunk), ``ids`` are not (token ids). ``prepare`` runs once per
+    pass, outside the chunks (a cast of the weight); its output gets no gradient, so
+    ``project`` must send the gradient to ``weight`` itself (as
     :func:`~jaxrl_llm.models.transformer.low_precision_dot` does with its ``b_cast``). No
     chunk's intermediates are saved: the backward pass recomputes each chunk, as
-    ``jax.checkpoint`` on ``fn`` would, so the backward holds the accumulator and one chunk's
-    weight gradient, never a separate sum of the chunks'.
+    ``jax.checkpoint`` would, so the backward holds the accumulator and one chunk's weight
+    gradient, never a separate sum of the chunks'.
+
+    ``weight_block_rows``: form that one chunk's weight gradient ``∂z/∂W = dzᵀ x`` in blocks of
+    this many rows of ``weight``, each added into its rows of the accumulator before the next
+    is formed. Then the backward never holds a whole ``[V, D]`` gradient beside the
+    accumulator: on XLA:CPU, which writes the product to a buffer of its own before the add,
+    that is a temporary the size of the weight (108 MiB for SmolLM2's head). It requires
+    ``project`` to be row-wise in the weight: ``z[..., v]`` reads only ``weight[v]`` (and the
+    prepared ``weight[v]``), and ``z``'s last axis runs over the weight's rows, as a product
+    ``x Wᵀ`` is. None: one block.
     """
     sink = _SINK.get()
     if sink is None:
@@ -210,32 +224,55 @@ def map_chunks(
         return None
     first_x, first_i = jax.tree.map(lambda a: a[0], (xs, ids))
     cast = jax.eval_shape(prepare, weight)
-    converted, consts = jax.closure_convert(fn, weight, cast, first_x, first_i)
-    out_shape = jax.eval_shape(converted, weight, cast, first_x, first_i, *consts)
+    project_c, k_p = jax.closure_convert(project, weight, cast, first_x)
+    z_shape = jax.eval_shape(project_c, weight, cast, first_x, *k_p)
+    reduce_c, k_r = jax.closure_convert(reduce, z_shape, first_i)
+    out_shape = jax.eval_shape(reduce_c, z_shape, first_i, *k_r)
     if not all(map(_is_inexact, jax.tree.leaves(out_shape))):
         return None
+    rows = weight.shape[0]
+    if weight_block_rows is not None:
+        if weight_block_rows < 1:
+            raise ValueError(f"map_chunks: weight_block_rows = {weight_block_rows}; expected ≥ 1")
+        if not isinstance(z_shape, jax.ShapeDtypeStruct) or z_shape.shape[-1:] != (rows,):
+            raise ValueError(
+                "map_chunks: weight_block_rows needs project to return one array whose last "
+                f"axis runs over the weight's {rows} rows; it returned {z_shape}"
+            )
+    block = rows if weight_block_rows is None else min(weight_block_rows, rows)
+    full, rest = divmod(rows, block)
+
+    def block_of(size: int) -> tuple[Callable[..., Any], list[Any]]:
+        """``project`` traced at a block's shape (its consts: arguments of ``run``)."""
+        shape = lambda a: jax.ShapeDtypeStruct((size, *a.shape[1:]), a.dtype)
+        return jax.closure_convert(project, shape(weight), jax.tree.map(shape, cast), first_x)
+
+    block_fns = {size: block_of(size) for size in {block, rest} - {0, rows}}
+    k_b = {size: list(k) for size, (_, k) in block_fns.items()}
     sink.handed.update(claimed)
     (index,) = claimed
 
-    def chunks(w: jax.Array, xs: Any, k: list[jax.Array]) -> Any:
+    def chunks(w: jax.Array, xs: Any, k_p: list[jax.Array], k_r: list[jax.Array]) -> Any:
         c = prepare(w)
-        return jax.lax.map(lambda per: converted(w, c, per[0], per[1], *k), (xs, ids))
+        return jax.lax.map(
+            lambda per: reduce_c(project_c(w, c, per[0], *k_p), per[1], *k_r), (xs, ids)
+        )
 
     @jax.custom_vjp
-    def run(w: jax.Array, acc: jax.Array, xs: Any, k: list[jax.Array]) -> Any:
-        del acc
-        return chunks(w, xs, k)
+    def run(w: jax.Array, acc: jax.Array, xs: Any, k_p: list, k_r: list, k_b: dict) -> Any:
+        del acc, k_b
+        return chunks(w, xs, k_p, k_r)
 
-    def fwd(w: Any, acc: Any, xs: Any, k: Any):
-        w, acc, xs, k = jax.tree.map(
+    def fwd(w: Any, acc: Any, xs: Any, k_p: Any, k_r: Any, k_b: Any):
+        w, acc, xs, k_p, k_r, k_b = jax.tree.map(
             lambda p: p.value,
-            (w, acc, xs, k),
+            (w, acc, xs, k_p, k_r, k_b),
             is_leaf=lambda p: isinstance(p, jax.custom_derivatives.CustomVJPPrimal),
         )
-        return chunks(w, xs, k), (w, acc, xs, k)
+        return chunks(w, xs, k_p, k_r), (w, acc, xs, k_p, k_r, k_b)
 
     def bwd(res: tuple, ct_outs: Any) -> tuple:
-        w, acc, xs, k = res
+        w, acc, xs, k_p, k_r, k_b = res
         sink.added.add(index)  # traced now, inside the gradient's trace
         c = jax.lax.stop_gradient(prepare(w))
         # Outputs nobody differentiates (a logged entropy) are left out of the recomputation.
@@ -245,23 +282,52 @@ def map_chunks(
         keep = [not isinstance(t, jax.custom_derivatives.SymbolicZero) for t in ct_leaves]
         cts = [t for t, kept in zip(ct_leaves, keep, strict=True) if kept]
 
-        def kept_outs(w_: jax.Array, x_: Any, i: Any, kk: list[jax.Array]) -> list[jax.Array]:
-            outs = jax.tree.leaves(converted(w_, c, x_, i, *kk))
+        def kept_outs(z: Any, i: Any, kk: list[jax.Array]) -> list[jax.Array]:
+            outs = jax.tree.leaves(reduce_c(z, i, *kk))
             return [o for o, kept in zip(outs, keep, strict=True) if kept]
 
-        def body(carry: tuple, per: tuple) -> tuple[tuple, Any]:
-            acc, ct_k = carry
-            x, i, ct = per
-            _, vjp = jax.vjp(lambda w_, x_, kk: kept_outs(w_, x_, i, kk), w, x, k)
-            d_w, d_x, d_k = vjp(ct)
-            return (acc + d_w.astype(acc.dtype), jax.tree.map(jnp.add, ct_k, d_k)), d_x
+        def add_weight_grad(acc: jax.Array, x: Any, d_z: Any, lo: Any, size: int) -> jax.Array:
+            """``acc[lo : lo + size] += ∂/∂W[lo : lo + size]`` of ``⟨d_z, project(W, x)⟩``."""
 
-        ct_k0 = jax.tree.map(jnp.zeros_like, k)
-        (acc, d_k), d_xs = jax.lax.scan(body, (acc, ct_k0), (xs, ids, cts))
-        return acc, None, d_xs, d_k
+            def part(a: Any) -> Any:
+                return jax.lax.dynamic_slice_in_dim(a, lo, size, 0)
+
+            if size == rows:  # one block: no slicing
+                _, vjp = jax.vjp(lambda w_: project_c(w_, c, x, *k_p), w)
+                return acc + vjp(d_z)[0].astype(acc.dtype)
+            w_b, c_b = part(w), jax.tree.map(part, c)
+            d_z_b = jax.lax.dynamic_slice_in_dim(d_z, lo, size, d_z.ndim - 1)
+            project_b = block_fns[size][0]
+            _, vjp = jax.vjp(lambda w_: project_b(w_, c_b, x, *k_b[size]), w_b)
+            (d_w,) = vjp(d_z_b)
+            return jax.lax.dynamic_update_slice_in_dim(
+                acc, part(acc) + d_w.astype(acc.dtype), lo, 0
+            )
+
+        def body(carry: tuple, per: tuple) -> tuple[tuple, Any]:
+            acc, ct_kp, ct_kr = carry
+            x, i, ct = per
+            z, vjp_p = jax.vjp(lambda x_, kk: project_c(w, c, x_, *kk), x, k_p)
+            _, vjp_r = jax.vjp(lambda z_, kk: kept_outs(z_, i, kk), z, k_r)
+            d_z, d_kr = vjp_r(ct)
+            d_x, d_kp = vjp_p(d_z)  # the weight's part of this pullback is not formed
+            if full == 1:
+                acc = add_weight_grad(acc, x, d_z, 0, block)
+            else:  # the blocks one at a time, in place
+                acc = jax.lax.fori_loop(
+                    0, full, lambda j, a: add_weight_grad(a, x, d_z, j * block, block), acc
+                )
+            if rest:
+                acc = add_weight_grad(acc, x, d_z, full * block, rest)
+            add = lambda a, b: jax.tree.map(jnp.add, a, b)
+            return (acc, add(ct_kp, d_kp), add(ct_kr, d_kr)), d_x
+
+        zeros = lambda k: jax.tree.map(jnp.zeros_like, k)
+        (acc, d_kp, d_kr), d_xs = jax.lax.scan(body, (acc, zeros(k_p), zeros(k_r)), (xs, ids, cts))
+        return acc, None, d_xs, d_kp, d_kr, None
 
     run.defvjp(fwd, bwd, symbolic_zeros=True)
-    return run(weight, sink.acc[index], xs, list(consts))
+    return run(weight, sink.acc[index], xs, list(k_p), list(k_r), k_b)
 
 
 __all__ = ["accumulating_into", "map_chunks", "scan"]

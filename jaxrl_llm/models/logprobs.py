@@ -55,6 +55,33 @@ def model_block_rows(lm: CausalLM) -> int:
     return block_rows(lm.config.vocab_size, accelerator=attention.trace_platform() != "cpu")
 
 
+HEAD_GRAD_BLOCK_BYTES = 128 * 2**20
+"""On CPU, the float32 bytes of the head's gradient that one block of a fused backward pass
+forms before adding it into the head's accumulator
+(:func:`~jaxrl_llm.models.grad_accumulation.map_chunks`'s ``weight_block_rows``). XLA:CPU
+writes a product to a buffer of its own before the add, so in one block a chunk's whole head
+gradient is a temporary. In blocks, the XLA temporaries of a micro-batched fp32 update (8 x 128
+tokens, micro-batches of 2) fall from 5.74 to 5.14 GiB for Llama-3.2-1B's shape and from 6.81
+to 6.18 GiB for Qwen2.5-1.5B's; with 4,096-token micro-batches the activations set the peak
+and the saving is 16 and 156 MiB (BENCHMARKS.md, "The LM head's gradient in blocks";
+``scripts/bench_head_grad_blocks.py``). SmolLM2's 108 MiB head stays one block: in two its
+update's temporaries grew by 19 MiB (the cotangent's block is a copy), and the issue-5
+update's peak, which is in the optimizer, did not fall."""
+
+
+def model_head_grad_rows(lm: CausalLM) -> int | None:
+    """The head rows of one block of its fused gradient: on CPU as many as fit
+    :data:`HEAD_GRAD_BLOCK_BYTES` of float32. None (one block) on an accelerator, where a
+    GPU's GEMM or a TPU's output fusion can add a product into its accumulator as it forms it
+    (not measured), and under a mesh with a ``tensor`` axis, which splits the head's
+    vocabulary: a block at a traced offset along a split axis is not a local slice."""
+    if attention.trace_platform() != "cpu":
+        return None
+    if jax.sharding.get_abstract_mesh().shape.get("tensor", 1) > 1:
+        return None
+    return max(1, HEAD_GRAD_BLOCK_BYTES // (4 * lm.config.hidden_size))
+
+
 def hidden_logprobs(
     lm: CausalLM,
     h_bnd: jax.Array,
@@ -92,10 +119,10 @@ def hidden_logprobs(
     h_kbcd = h_bnd.reshape(b, chunks, c, d).swapaxes(0, 1)
     y_kbc = targets_bn.reshape(b, chunks, c).swapaxes(0, 1)
 
-    def _chunk(
-        w_vd: jax.Array, head_vd: jax.Array | None, h_bcd: jax.Array, y_bc: jax.Array
-    ) -> tuple[jax.Array, ...]:
-        logits_bcv = lm.logits(h_bcd, head_vd=head_vd, weight_vd=w_vd)
+    def _logits(w_vd: jax.Array, head_vd: jax.Array | None, h_bcd: jax.Array) -> jax.Array:
+        return lm.logits(h_bcd, head_vd=head_vd, weight_vd=w_vd)
+
+    def _reduce(logits_bcv: jax.Array, y_bc: jax.Array) -> tuple[jax.Array, ...]:
         if with_entropy:
             return core_logprobs.token_logprobs_and_entropy(
                 logits_bcv, y_bc, temperature=temperature
@@ -109,10 +136,18 @@ def hidden_logprobs(
     w_vd = lm.head_weight()
     prepare = lambda w: lm.head_cast(w, h_bnd.dtype)  # a bf16 head is cast once
     # Inside a micro-batch loop the head's gradient goes straight into its accumulator.
-    outs_k = grad_accumulation.map_chunks(_chunk, w_vd, h_kbcd, y_kbc, prepare=prepare)
+    outs_k = grad_accumulation.map_chunks(
+        _logits,
+        _reduce,
+        w_vd,
+        h_kbcd,
+        y_kbc,
+        prepare=prepare,
+        weight_block_rows=model_head_grad_rows(lm),
+    )
     if outs_k is None:
         head_vd = prepare(w_vd)
-        chunk = jax.checkpoint(lambda h_bcd, y_bc: _chunk(w_vd, head_vd, h_bcd, y_bc))
+        chunk = jax.checkpoint(lambda h_bcd, y_bc: _reduce(_logits(w_vd, head_vd, h_bcd), y_bc))
         if chunks == 1:  # no loop
             outs_k = tuple(o[None] for o in chunk(h_kbcd[0], y_kbc[0]))
         else:

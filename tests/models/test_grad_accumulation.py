@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxrl_llm import models
 from jaxrl_llm.models import grad_accumulation as ga
+from jaxrl_llm.models import logprobs, sharding
 from jaxrl_llm.models.logprobs import completion_logprobs
 from jaxrl_llm.models.tiny import tiny_random_config
 from jaxrl_llm.models.transformer import CausalLM
@@ -204,20 +205,28 @@ def test_the_fused_program_holds_one_layer_gradient_fewer():
 
 
 @pytest.mark.parametrize(
-    "tied,dtype,remat,entropy",
+    "tied,dtype,remat,entropy,block_rows",
     [
-        (True, "float32", "full", None),
-        (False, "float32", "none", "logged"),
-        (True, "bfloat16", "full", "bonus"),
-        (False, "float32", "full", "bonus"),
+        (True, "float32", "full", None, None),
+        (False, "float32", "none", "logged", None),
+        (True, "bfloat16", "full", "bonus", None),
+        (False, "float32", "full", "bonus", None),
+        (True, "float32", "full", None, 30),  # 3 blocks of 30 rows and one of 7
+        (True, "bfloat16", "full", "bonus", 1),  # 97 blocks of one row
+        (False, "float32", "none", "logged", 40),  # 2 blocks of 40 and one of 17
     ],
 )
-def test_the_head_gradient_goes_into_its_accumulator(tied, dtype, remat, entropy):
+def test_the_head_gradient_goes_into_its_accumulator(
+    tied, dtype, remat, entropy, block_rows, monkeypatch
+):
     """The chunked log-probs' head gradient is added into the head's accumulator (tied: the
     embedding's, which also takes the lookup's gradient; untied: ``lm_head``'s), with or
     without remat, bf16 states included, with an entropy that is only logged (its backward
-    is not recomputed) or in the loss; equal to the whole batch's and the plain loop's."""
+    is not recomputed) or in the loss, in one block or in blocks of the head's rows; equal to
+    the whole batch's and the plain loop's."""
     model = _tiny(tie_word_embeddings=tied, dtype=dtype, remat=remat)
+    rows = model.config.vocab_size if block_rows is None else block_rows
+    monkeypatch.setattr(logprobs, "HEAD_GRAD_BLOCK_BYTES", 4 * model.config.hidden_size * rows)
     kw = {"sums": logprob_sums, "entropy": entropy}
     whole, fused_whole = gradient(model, None, **kw)
     micro, fused_micro = gradient(model, MICRO, **kw)
@@ -250,6 +259,57 @@ def test_the_fused_program_holds_one_head_gradient_fewer():
         for off in ("map_chunks", None)
     )
     assert plain - fused >= 0.9 * head_bytes, (plain, fused, head_bytes)
+
+
+def test_the_head_gradient_in_blocks_holds_less_than_in_one(monkeypatch):
+    """XLA:CPU writes one chunk's whole ``[V, D]`` head gradient to a buffer of its own before
+    adding it into the accumulator; formed in blocks of rows, only a block is (here an eighth
+    of the head; the head dominates this model's parameters)."""
+    model = _tiny(vocab_size=4096, hidden_size=128, head_dim=32)
+    graphdef, params = nnx.split(model, nnx.Param)
+    head_bytes = params["model"]["embed_tokens"]["embedding"][...].nbytes
+    temps = {}
+    for blocks in (1, 8):
+        monkeypatch.setattr(logprobs, "HEAD_GRAD_BLOCK_BYTES", head_bytes // blocks)
+        temps[blocks] = update_temp_bytes(params, logprob_sums(graphdef), 4096)
+    assert temps[1] - temps[8] >= 0.5 * head_bytes, (temps, head_bytes)
+
+
+def test_the_head_gradient_is_blocked_only_where_the_head_is_whole_on_each_device():
+    model = _tiny()
+    rows = logprobs.HEAD_GRAD_BLOCK_BYTES // (4 * model.config.hidden_size)
+    assert logprobs.model_head_grad_rows(model) == rows
+    for name, blocked in (("fsdp", True), ("fsdp_tp", False)):  # fsdp_tp splits the vocabulary
+        mesh, _ = sharding.preset(name, jax.devices()[:4], tensor=2)
+        with jax.set_mesh(mesh):
+            assert logprobs.model_head_grad_rows(model) == (rows if blocked else None), name
+
+
+def _one_chunk_loss(weight_block_rows, project):
+    """``map_chunks`` inside an accumulation block, over one chunk of a [5, 3] weight."""
+    w, acc = jnp.ones((5, 3)), jnp.zeros((5, 3))
+    xs, ids = jnp.ones((1, 2, 3)), jnp.zeros((1, 2), jnp.int32)
+
+    def loss(w):
+        with ga.accumulating_into([w], [acc]):
+            out = ga.map_chunks(
+                project, lambda z, i: jnp.sum(z), w, xs, ids, weight_block_rows=weight_block_rows
+            )
+        return jnp.sum(out)
+
+    return jax.grad(loss)(w)
+
+
+def test_head_gradient_blocks_are_checked():
+    def x_wt(w, c, x):
+        return x @ w.T
+
+    # Σ z = Σ x Wᵀ over two rows of ones: 2 for every element, in blocks of 2, 2 and 1 rows.
+    np.testing.assert_array_equal(_one_chunk_loss(2, x_wt), np.full((5, 3), 2.0))
+    with pytest.raises(ValueError, match="weight_block_rows = 0; expected ≥ 1"):
+        _one_chunk_loss(0, x_wt)
+    with pytest.raises(ValueError, match="last axis runs over the weight's 5 rows"):
+        _one_chunk_loss(2, lambda w, c, x: x @ w.T @ jnp.ones((5, 4)))
 
 
 def test_accumulators_must_match_the_parameters():

@@ -1,0 +1,119 @@
+"""XLA:CPU update temporaries with the LM head's fused gradient in one block and in blocks.
+
+For each model (a folder name of ``jaxrl_llm/configs/models`` such as ``llama-3.2-1b``,
+``default`` for SmolLM2, or an HF folder; only its config is read, the weights are abstract),
+compiles, without running it, a
+micro-batched Adam update of ``−Σ log π(y_t)`` through the chunked log-probs
+(``models.logprobs.completion_logprobs``), fp32, ``remat="full"``, the state donated as the
+trainer's is: once with the head's gradient formed in one block per chunk, once in blocks of
+``models.logprobs.HEAD_GRAD_BLOCK_BYTES`` (what the trainer does on CPU). Reports XLA's
+temporaries of each (``memory_analysis().temp_size_in_bytes``) and writes JSON.
+
+    python scripts/bench_head_grad_blocks.py --models default qwen2.5-1.5b llama-3.2-1b \\
+        --out bench_results/head_grad_blocks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def update_temp_bytes(model_name: str, rows: int, seq: int, micro: int, block_bytes: int) -> dict:
+    """The compiled update's temporaries for the model at ``model_name``, its head's gradient
+    in blocks of ``block_bytes`` (one block when that is above the head's size)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxrl_llm.config.schema import ModelLoadConfig
+    from jaxrl_llm.models import logprobs
+    from jaxrl_llm.models.transformer import CausalLM
+    from jaxrl_llm.train import accumulate
+    from jaxrl_llm.train.plan import model_config
+
+    shipped = ROOT / "jaxrl_llm/configs/models" / model_name
+    path = str(shipped) if shipped.is_dir() else model_name
+    settings = ModelLoadConfig(path=path, dtype="float32", remat="full")
+    config = model_config(settings, accelerator=False)
+    model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def sums(params, micro_batch):
+        tokens, mask = micro_batch
+        lm = nnx.merge(graphdef, params)
+        logp = logprobs.completion_logprobs(lm, tokens, mask)
+        total = -jnp.sum(logp * mask[:, 1:])
+        return total, {"nll": (total, jnp.sum(mask[:, 1:]).astype(jnp.float32))}
+
+    trainee = accumulate.Trainee("policy", optax.adam(1e-6), sums, lambda mb: jnp.float32(1.0))
+    batch = (jax.ShapeDtypeStruct((rows, seq), jnp.int32), jax.ShapeDtypeStruct((rows, seq), bool))
+    update = jax.jit(
+        lambda p, o, b: accumulate.optimize((trainee,), (p,), (o,), b, micro_batch_size=micro)[:2],
+        donate_argnums=(0, 1),
+    )
+    saved = logprobs.HEAD_GRAD_BLOCK_BYTES
+    logprobs.HEAD_GRAD_BLOCK_BYTES = block_bytes
+    try:
+        t0 = time.perf_counter()
+        compiled = update.lower(params, jax.eval_shape(trainee.tx.init, params), batch).compile()
+        seconds = time.perf_counter() - t0
+    finally:
+        logprobs.HEAD_GRAD_BLOCK_BYTES = saved
+    head = config.vocab_size * config.hidden_size * 4
+    return {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_layers,
+        "head_mib": round(head / 2**20, 1),
+        "blocks": -(-head // block_bytes),
+        "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1),
+        "compile_s": round(seconds, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["default", "qwen2.5-1.5b", "llama-3.2-1b"])
+    ap.add_argument("--rows", type=int, default=8, help="sequences in the update's batch")
+    ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
+    ap.add_argument("--out", default="bench_results/head_grad_blocks.json")
+    args = ap.parse_args(argv)
+    if args.rows % args.micro:
+        raise SystemExit(f"--micro {args.micro} must divide --rows {args.rows}")
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _bench_common import machine_info  # importing it pins JAX to the CPU, as the CLI does
+
+    from jaxrl_llm.models import logprobs
+
+    machine = machine_info()
+    results = []
+    for name in args.models:
+        one, blocked = (
+            update_temp_bytes(name, args.rows, args.seq, args.micro, b)
+            for b in (2**62, logprobs.HEAD_GRAD_BLOCK_BYTES)
+        )
+        row = {"model": name, "one_block": one, "blocks": blocked}
+        row["saved_mib"] = round(one["temp_mib"] - blocked["temp_mib"], 1)
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    machine["load_avg_after"] = os.getloadavg()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"machine": machine, "command": " ".join(sys.argv), "results": results}
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
