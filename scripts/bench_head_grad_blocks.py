@@ -9,8 +9,13 @@ trainer's is: once with the head's gradient formed in one block per chunk, once 
 ``models.logprobs.HEAD_GRAD_BLOCK_BYTES`` (what the trainer does on CPU). Reports XLA's
 temporaries of each (``memory_analysis().temp_size_in_bytes``) and writes JSON.
 
+``--topologies``: also ``jaxrl-llm plan``'s update program of ``bench_accelerator.py``'s 1B GRPO
+plan run (FSDP over the target's devices) for each target, one block against blocks: a TPU
+slice (libtpu compiles it without a TPU) or GPUs (JAX's CUDA plugin without a GPU, the
+``gpu-plan`` extra and ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``; docs/plan.md).
+
     python scripts/bench_head_grad_blocks.py --models default qwen2.5-1.5b llama-3.2-1b \\
-        --out bench_results/head_grad_blocks.json
+        --topologies v5p-8 h200-8 h200-1 --out bench_results/head_grad_blocks.json
 """
 
 from __future__ import annotations
@@ -79,12 +84,37 @@ def update_temp_bytes(model_name: str, rows: int, seq: int, micro: int, block_by
     }
 
 
+def plan_update_temps(topology: str, block_bytes: int) -> dict:
+    """The update program's temporaries per device in ``jaxrl-llm plan`` of the 1B GRPO plan
+    run of ``bench_accelerator.py`` on ``topology``, the head's gradient in blocks of
+    ``block_bytes``."""
+    import bench_accelerator
+
+    from jaxrl_llm.config.validation import load_config
+    from jaxrl_llm.models import logprobs
+    from jaxrl_llm.train import plan as P
+
+    spec = bench_accelerator.SHAPES["device"]["plan"]
+    config = load_config(spec["config"], spec["overrides"])
+    saved = logprobs.HEAD_GRAD_BLOCK_BYTES
+    logprobs.HEAD_GRAD_BLOCK_BYTES = block_bytes
+    try:
+        update = P.plan_run(config, P.parse_target(topology)).update
+    finally:
+        logprobs.HEAD_GRAD_BLOCK_BYTES = saved
+    return {
+        "temp_gib": round(update.temporaries / 2**30, 3),
+        "compile_s": round(update.compile_s, 1),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", nargs="+", default=["default", "qwen2.5-1.5b", "llama-3.2-1b"])
+    ap.add_argument("--models", nargs="*", default=["default", "qwen2.5-1.5b", "llama-3.2-1b"])
     ap.add_argument("--rows", type=int, default=8, help="sequences in the update's batch")
     ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
+    ap.add_argument("--topologies", nargs="*", default=[], help="plan targets, e.g. v5p-8 h200-8")
     ap.add_argument("--out", default="bench_results/head_grad_blocks.json")
     args = ap.parse_args(argv)
     if args.rows % args.micro:
@@ -106,10 +136,17 @@ def main(argv: list[str] | None = None) -> dict:
         row["saved_mib"] = round(one["temp_mib"] - blocked["temp_mib"], 1)
         results.append(row)
         print(json.dumps(row), flush=True)
+    plans = []
+    for topology in args.topologies:
+        one, blocked = (
+            plan_update_temps(topology, b) for b in (2**62, logprobs.HEAD_GRAD_BLOCK_BYTES)
+        )
+        plans.append({"topology": topology, "one_block": one, "blocks": blocked})
+        print(json.dumps(plans[-1]), flush=True)
     machine["load_avg_after"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine, "command": " ".join(sys.argv), "results": results}
+    result = {"machine": machine, "command": " ".join(sys.argv), "results": results, "plans": plans}
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return result

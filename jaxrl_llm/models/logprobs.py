@@ -56,27 +56,27 @@ def model_block_rows(lm: CausalLM) -> int:
 
 
 HEAD_GRAD_BLOCK_BYTES = 128 * 2**20
-"""On CPU, the float32 bytes of the head's gradient that one block of a fused backward pass
-forms before adding it into the head's accumulator
-(:func:`~jaxrl_llm.models.grad_accumulation.map_chunks`'s ``weight_block_rows``). XLA:CPU
-writes a product to a buffer of its own before the add, so in one block a chunk's whole head
-gradient is a temporary. In blocks, the XLA temporaries of a micro-batched fp32 update (8 x 128
-tokens, micro-batches of 2) fall from 5.74 to 5.14 GiB for Llama-3.2-1B's shape and from 6.81
-to 6.18 GiB for Qwen2.5-1.5B's; with 4,096-token micro-batches the activations set the peak
-and the saving is 16 and 156 MiB (BENCHMARKS.md, "The LM head's gradient in blocks";
-``scripts/bench_head_grad_blocks.py``). SmolLM2's 108 MiB head stays one block: in two its
-update's temporaries grew by 19 MiB (the cotangent's block is a copy), and the issue-5
-update's peak, which is in the optimizer, did not fall."""
+"""The float32 bytes of the head's gradient that one block of a fused backward pass forms
+before adding it into the head's accumulator
+(:func:`~jaxrl_llm.models.grad_accumulation.map_chunks`'s ``weight_block_rows``); a head that
+fits one block (SmolLM2's 108 MiB) is not split.
+
+In one block a chunk's whole head gradient is a temporary: XLA:CPU writes the product to a
+buffer of its own before the add, and under FSDP every backend forms it whole on each device,
+as a partial sum over the device's rows, before the reduce-scatter. In blocks, a 1B Llama GRPO
+update (bench_accelerator's plan run) holds 2.30 → 1.55 GiB of temporaries per GPU on 8 H200s
+and 4.35 → 3.08 GiB per chip on a v5p-8 (deviceless compiles; one H200: no change), and a
+micro-batched fp32 update on CPU of Llama-3.2-1B's shape 5.74 → 5.14 GiB (BENCHMARKS.md, "The
+LM head's gradient in blocks"; ``scripts/bench_head_grad_blocks.py``). SmolLM2's head in two
+blocks grew its update's temporaries by 19 MiB (the cotangent's block is a copy), and the
+issue-5 update's peak, which is in the optimizer, did not fall."""
 
 
 def model_head_grad_rows(lm: CausalLM) -> int | None:
-    """The head rows of one block of its fused gradient: on CPU as many as fit
-    :data:`HEAD_GRAD_BLOCK_BYTES` of float32. None (one block) on an accelerator, where a
-    GPU's GEMM or a TPU's output fusion can add a product into its accumulator as it forms it
-    (not measured), and under a mesh with a ``tensor`` axis, which splits the head's
-    vocabulary: a block at a traced offset along a split axis is not a local slice."""
-    if attention.trace_platform() != "cpu":
-        return None
+    """The head rows of one block of its fused gradient: as many as fit
+    :data:`HEAD_GRAD_BLOCK_BYTES` of float32. None (one block) under a mesh with a ``tensor``
+    axis, which splits the head's vocabulary: a block at a traced offset along a split axis is
+    not a local slice."""
     if jax.sharding.get_abstract_mesh().shape.get("tensor", 1) > 1:
         return None
     return max(1, HEAD_GRAD_BLOCK_BYTES // (4 * lm.config.hidden_size))

@@ -285,6 +285,20 @@ def test_the_head_gradient_is_blocked_only_where_the_head_is_whole_on_each_devic
             assert logprobs.model_head_grad_rows(model) == (rows if blocked else None), name
 
 
+def test_head_gradient_blocks_of_an_fsdp_sharded_head_equal_one_device(monkeypatch):
+    """Blocks along the vocabulary of a head whose embedding axis is split over ``fsdp`` (the
+    partial sums over each device's rows are reduce-scattered block by block)."""
+    whole, _ = gradient(_tiny(), None, sums=logprob_sums)  # one device, no accumulator
+    monkeypatch.setattr(logprobs, "HEAD_GRAD_BLOCK_BYTES", 4 * 64 * 30)  # 3 blocks of 30 + 7
+    mesh, rules = sharding.preset("fsdp", jax.devices()[:2])
+    model = sharding.shard_model(_tiny(), mesh, rules)
+    with jax.set_mesh(mesh):
+        assert logprobs.model_head_grad_rows(model) == 30
+        micro, fused = gradient(model, MICRO, sums=logprob_sums)
+    assert fused["map_chunks"] == 1
+    assert max_diff(whole, micro) < 1e-5 * scale(whole)
+
+
 def _one_chunk_loss(weight_block_rows, project):
     """``map_chunks`` inside an accumulation block, over one chunk of a [5, 3] weight."""
     w, acc = jnp.ones((5, 3)), jnp.zeros((5, 3))
