@@ -30,25 +30,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def update_temp_bytes(model_name: str, rows: int, seq: int, micro: int, block_bytes: int) -> dict:
-    """The compiled update's temporaries for the model at ``model_name``, its head's gradient
-    in blocks of ``block_bytes`` (one block when that is above the head's size)."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
+def _model_config(model_name: str, layers: int | None = None):
+    """The fp32, ``remat="full"`` config of ``model_name`` (optionally with ``layers`` layers)."""
     from jaxrl_llm.config.schema import ModelLoadConfig
-    from jaxrl_llm.models import logprobs
-    from jaxrl_llm.models.transformer import CausalLM
-    from jaxrl_llm.train import accumulate
     from jaxrl_llm.train.plan import model_config
 
     shipped = ROOT / "jaxrl_llm/configs/models" / model_name
     path = str(shipped) if shipped.is_dir() else model_name
     settings = ModelLoadConfig(path=path, dtype="float32", remat="full")
     config = model_config(settings, accelerator=False)
-    model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
+    return config if layers is None else config.replace(num_layers=layers)
+
+
+def _compiled_update(model, rows: int, seq: int, micro: int, block_bytes: int):
+    """The micro-batched Adam update of ``model`` (abstract or not) on ``rows x seq`` tokens,
+    compiled with the head's gradient in blocks of ``block_bytes``; with its initial state."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    from jaxrl_llm.models import logprobs
+    from jaxrl_llm.train import accumulate
+
     graphdef, params = nnx.split(model, nnx.Param)
 
     def sums(params, micro_batch):
@@ -64,14 +68,29 @@ def update_temp_bytes(model_name: str, rows: int, seq: int, micro: int, block_by
         lambda p, o, b: accumulate.optimize((trainee,), (p,), (o,), b, micro_batch_size=micro)[:2],
         donate_argnums=(0, 1),
     )
+    opt = jax.eval_shape(trainee.tx.init, params)
     saved = logprobs.HEAD_GRAD_BLOCK_BYTES
     logprobs.HEAD_GRAD_BLOCK_BYTES = block_bytes
     try:
-        t0 = time.perf_counter()
-        compiled = update.lower(params, jax.eval_shape(trainee.tx.init, params), batch).compile()
-        seconds = time.perf_counter() - t0
+        compiled = update.lower(params, opt, batch).compile()
     finally:
         logprobs.HEAD_GRAD_BLOCK_BYTES = saved
+    return compiled, (params, trainee.tx.init)
+
+
+def update_temp_bytes(model_name: str, rows: int, seq: int, micro: int, block_bytes: int) -> dict:
+    """The compiled update's temporaries for the model at ``model_name`` (abstract weights),
+    its head's gradient in blocks of ``block_bytes`` (one block when that is above the head's
+    size)."""
+    from flax import nnx
+
+    from jaxrl_llm.models.transformer import CausalLM
+
+    config = _model_config(model_name)
+    model = nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0)))
+    t0 = time.perf_counter()
+    compiled, _ = _compiled_update(model, rows, seq, micro, block_bytes)
+    seconds = time.perf_counter() - t0
     head = config.vocab_size * config.hidden_size * 4
     return {
         "vocab_size": config.vocab_size,
@@ -82,6 +101,38 @@ def update_temp_bytes(model_name: str, rows: int, seq: int, micro: int, block_by
         "temp_mib": round(compiled.memory_analysis().temp_size_in_bytes / 2**20, 1),
         "compile_s": round(seconds, 1),
     }
+
+
+def time_update(model_name: str, layers: int, rows: int, seq: int, micro: int, rounds: int):
+    """Seconds of the update (random weights, ``layers`` layers of ``model_name``'s shape), one
+    block and blocks alternating in each of ``rounds`` rounds after a first call each."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxrl_llm.models import logprobs
+    from jaxrl_llm.models.transformer import CausalLM
+
+    config = _model_config(model_name, layers)
+    rng = np.random.default_rng(0)
+    batch = (
+        rng.integers(0, config.vocab_size, (rows, seq)).astype(np.int32),
+        np.ones((rows, seq), bool),
+    )
+    runs = {}
+    for name, block_bytes in (("one_block", 2**62), ("blocks", logprobs.HEAD_GRAD_BLOCK_BYTES)):
+        model = CausalLM(config, rngs=nnx.Rngs(0))
+        compiled, (params, init) = _compiled_update(model, rows, seq, micro, block_bytes)
+        runs[name] = [compiled, (params, init(params))]
+    seconds = {name: [] for name in runs}
+    for r in range(rounds + 1):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            (params,), (opt,) = jax.block_until_ready(run[0](*run[1], batch))
+            run[1] = (params, opt)  # the state was donated
+            if r:  # the first call of each is left out
+                seconds[name].append(round(time.perf_counter() - t0, 2))
+    return {"model": model_name, "layers": layers, "rows": rows, "seq": seq, "seconds": seconds}
 
 
 def plan_update_temps(topology: str, block_bytes: int) -> dict:
@@ -115,6 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--topologies", nargs="*", default=[], help="plan targets, e.g. v5p-8 h200-8")
+    ap.add_argument("--time", nargs="*", default=[], help="models to time (random weights)")
+    ap.add_argument("--time-layers", type=int, default=2, help="their layers when timed")
+    ap.add_argument("--time-rounds", type=int, default=3)
     ap.add_argument("--out", default="bench_results/head_grad_blocks.json")
     args = ap.parse_args(argv)
     if args.rows % args.micro:
@@ -143,10 +197,17 @@ def main(argv: list[str] | None = None) -> dict:
         )
         plans.append({"topology": topology, "one_block": one, "blocks": blocked})
         print(json.dumps(plans[-1]), flush=True)
+    timed = []
+    for name in args.time:
+        timed.append(
+            time_update(name, args.time_layers, args.rows, args.seq, args.micro, args.time_rounds)
+        )
+        print(json.dumps(timed[-1]), flush=True)
     machine["load_avg_after"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine, "command": " ".join(sys.argv), "results": results, "plans": plans}
+    result["timed"] = timed
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return result

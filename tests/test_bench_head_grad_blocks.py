@@ -13,6 +13,7 @@ def test_bench_head_grad_blocks_on_the_tiny_model(tmp_path, monkeypatch):
     monkeypatch.setattr(logprobs, "HEAD_GRAD_BLOCK_BYTES", 2**20)
     out = tmp_path / "blocks.json"
     argv = ["--models", "tiny-random", "--rows", "4", "--seq", "16", "--micro", "2"]
+    argv += ["--time", "tiny-random", "--time-layers", "1", "--time-rounds", "1"]
     result = bench.main([*argv, "--out", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert "cpu" in result["machine"] and len(result["machine"]["load_avg_after"]) == 3
@@ -21,3 +22,6 @@ def test_bench_head_grad_blocks_on_the_tiny_model(tmp_path, monkeypatch):
     assert (one["vocab_size"], one["hidden_size"]) == (49152, 64)
     assert one["blocks"] == 1 and blocked["blocks"] == 12  # 12 MiB in blocks of 1 MiB
     assert row["saved_mib"] >= 0.4 * one["head_mib"], row
+    (timed,) = result["timed"]
+    assert timed["layers"] == 1 and timed["rows"] == 4
+    assert [len(v) for v in timed["seconds"].values()] == [1, 1]
