@@ -206,8 +206,9 @@ def map_chunks(
     ``weight_block_rows``: form that one chunk's weight gradient ``∂z/∂W = dzᵀ x`` in blocks of
     this many rows of ``weight``, each added into its rows of the accumulator before the next
     is formed. Then the backward never holds a whole ``[V, D]`` gradient beside the
-    accumulator: on XLA:CPU, which writes the product to a buffer of its own before the add,
-    that is a temporary the size of the weight (108 MiB for SmolLM2's head). It requires
+    accumulator: a temporary the size of the weight on XLA:CPU, which writes the product to a
+    buffer of its own before the add, and under FSDP on every backend, where each device forms
+    its partial sum before the reduce-scatter. It requires
     ``project`` to be row-wise in the weight: ``z[..., v]`` reads only ``weight[v]`` (and the
     prepared ``weight[v]``), and ``z``'s last axis runs over the weight's rows, as a product
     ``x Wᵀ`` is. None: one block.
