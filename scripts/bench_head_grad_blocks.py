@@ -21,6 +21,7 @@ slice (libtpu compiles it without a TPU) or GPUs (JAX's CUDA plugin without a GP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -28,6 +29,27 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+ONE_BLOCK = 2**62  # block bytes above any head's: one block
+
+
+@contextlib.contextmanager
+def head_blocks(block_bytes: int):
+    """Traces within the block form the head's gradient in blocks of ``block_bytes``."""
+    from jaxrl_llm.models import logprobs
+
+    saved = logprobs.HEAD_GRAD_BLOCK_BYTES
+    logprobs.HEAD_GRAD_BLOCK_BYTES = block_bytes
+    try:
+        yield
+    finally:
+        logprobs.HEAD_GRAD_BLOCK_BYTES = saved
+
+
+def one_and_blocks(measure):
+    """``measure(block_bytes)`` in one block and in the trainer's blocks."""
+    from jaxrl_llm.models import logprobs
+
+    return measure(ONE_BLOCK), measure(logprobs.HEAD_GRAD_BLOCK_BYTES)
 
 
 def _model_config(model_name: str, layers: int | None = None):
@@ -69,12 +91,8 @@ def _compiled_update(model, rows: int, seq: int, micro: int, block_bytes: int):
         donate_argnums=(0, 1),
     )
     opt = jax.eval_shape(trainee.tx.init, params)
-    saved = logprobs.HEAD_GRAD_BLOCK_BYTES
-    logprobs.HEAD_GRAD_BLOCK_BYTES = block_bytes
-    try:
+    with head_blocks(block_bytes):
         compiled = update.lower(params, opt, batch).compile()
-    finally:
-        logprobs.HEAD_GRAD_BLOCK_BYTES = saved
     return compiled, (params, trainee.tx.init)
 
 
@@ -110,7 +128,6 @@ def time_update(model_name: str, layers: int, rows: int, seq: int, micro: int, r
     import numpy as np
     from flax import nnx
 
-    from jaxrl_llm.models import logprobs
     from jaxrl_llm.models.transformer import CausalLM
 
     config = _model_config(model_name, layers)
@@ -119,11 +136,13 @@ def time_update(model_name: str, layers: int, rows: int, seq: int, micro: int, r
         rng.integers(0, config.vocab_size, (rows, seq)).astype(np.int32),
         np.ones((rows, seq), bool),
     )
-    runs = {}
-    for name, block_bytes in (("one_block", 2**62), ("blocks", logprobs.HEAD_GRAD_BLOCK_BYTES)):
+
+    def build(block_bytes: int) -> list:
         model = CausalLM(config, rngs=nnx.Rngs(0))
         compiled, (params, init) = _compiled_update(model, rows, seq, micro, block_bytes)
-        runs[name] = [compiled, (params, init(params))]
+        return [compiled, (params, init(params))]
+
+    runs = dict(zip(("one_block", "blocks"), one_and_blocks(build), strict=True))
     seconds = {name: [] for name in runs}
     for r in range(rounds + 1):
         for name, run in runs.items():
@@ -142,17 +161,12 @@ def plan_update_temps(topology: str, block_bytes: int) -> dict:
     import bench_accelerator
 
     from jaxrl_llm.config.validation import load_config
-    from jaxrl_llm.models import logprobs
     from jaxrl_llm.train import plan as P
 
     spec = bench_accelerator.SHAPES["device"]["plan"]
     config = load_config(spec["config"], spec["overrides"])
-    saved = logprobs.HEAD_GRAD_BLOCK_BYTES
-    logprobs.HEAD_GRAD_BLOCK_BYTES = block_bytes
-    try:
+    with head_blocks(block_bytes):
         update = P.plan_run(config, P.parse_target(topology)).update
-    finally:
-        logprobs.HEAD_GRAD_BLOCK_BYTES = saved
     return {
         "temp_gib": round(update.temporaries / 2**30, 3),
         "compile_s": round(update.compile_s, 1),
@@ -177,14 +191,11 @@ def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from _bench_common import machine_info  # importing it pins JAX to the CPU, as the CLI does
 
-    from jaxrl_llm.models import logprobs
-
     machine = machine_info()
     results = []
     for name in args.models:
-        one, blocked = (
-            update_temp_bytes(name, args.rows, args.seq, args.micro, b)
-            for b in (2**62, logprobs.HEAD_GRAD_BLOCK_BYTES)
+        one, blocked = one_and_blocks(
+            lambda b, name=name: update_temp_bytes(name, args.rows, args.seq, args.micro, b)
         )
         row = {"model": name, "one_block": one, "blocks": blocked}
         row["saved_mib"] = round(one["temp_mib"] - blocked["temp_mib"], 1)
@@ -192,9 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(row), flush=True)
     plans = []
     for topology in args.topologies:
-        one, blocked = (
-            plan_update_temps(topology, b) for b in (2**62, logprobs.HEAD_GRAD_BLOCK_BYTES)
-        )
+        one, blocked = one_and_blocks(lambda b, t=topology: plan_update_temps(t, b))
         plans.append({"topology": topology, "one_block": one, "blocks": blocked})
         print(json.dumps(plans[-1]), flush=True)
     timed = []

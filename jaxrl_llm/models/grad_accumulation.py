@@ -243,13 +243,15 @@ def map_chunks(
     block = rows if weight_block_rows is None else min(weight_block_rows, rows)
     full, rest = divmod(rows, block)
 
-    def block_of(size: int) -> tuple[Callable[..., Any], list[Any]]:
-        """``project`` traced at a block's shape (its consts: arguments of ``run``)."""
-        shape = lambda a: jax.ShapeDtypeStruct((size, *a.shape[1:]), a.dtype)
-        return jax.closure_convert(project, shape(weight), jax.tree.map(shape, cast), first_x)
-
-    block_fns = {size: block_of(size) for size in {block, rest} - {0, rows}}
-    k_b = {size: list(k) for size, (_, k) in block_fns.items()}
+    # ``project`` traced at each block's shape; its consts ``k_b`` are arguments of ``run``.
+    block_fns: dict[int, Callable[..., Any]] = {}
+    k_b: dict[int, list[Any]] = {}
+    for size in {block, rest} - {0, rows}:
+        shape = lambda a, size=size: jax.ShapeDtypeStruct((size, *a.shape[1:]), a.dtype)
+        block_fns[size], k = jax.closure_convert(
+            project, shape(weight), jax.tree.map(shape, cast), first_x
+        )
+        k_b[size] = list(k)
     sink.handed.update(claimed)
     (index,) = claimed
 
@@ -298,8 +300,7 @@ def map_chunks(
                 return acc + vjp(d_z)[0].astype(acc.dtype)
             w_b, c_b = part(w), jax.tree.map(part, c)
             d_z_b = jax.lax.dynamic_slice_in_dim(d_z, lo, size, d_z.ndim - 1)
-            project_b = block_fns[size][0]
-            _, vjp = jax.vjp(lambda w_: project_b(w_, c_b, x, *k_b[size]), w_b)
+            _, vjp = jax.vjp(lambda w_: block_fns[size](w_, c_b, x, *k_b[size]), w_b)
             (d_w,) = vjp(d_z_b)
             return jax.lax.dynamic_update_slice_in_dim(
                 acc, part(acc) + d_w.astype(acc.dtype), lo, 0
