@@ -9,8 +9,13 @@ trainer's is: once with the head's gradient formed in one block per chunk, once 
 ``models.logprobs.HEAD_GRAD_BLOCK_BYTES`` (what the trainer does on CPU). Reports XLA's
 temporaries of each (``memory_analysis().temp_size_in_bytes``) and writes JSON.
 
+With ``--micro`` equal to ``--rows`` (one micro-batch) there is no running sum: the head's
+gradient goes into an accumulator of its own (``grad_accumulation.own_accumulators``), one
+block against blocks as well.
+
 ``--topologies``: also ``jaxrl-llm plan``'s update program of ``bench_accelerator.py``'s 1B GRPO
-plan run (FSDP over the target's devices) for each target, one block against blocks: a TPU
+plan run (FSDP over the target's devices; ``--plan-overrides`` on top, e.g.
+``optim.micro_batch_size=64`` for one micro-batch) for each target, one block against blocks: a TPU
 slice (libtpu compiles it without a TPU) or GPUs (JAX's CUDA plugin without a GPU, the
 ``gpu-plan`` extra and ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``; docs/plan.md).
 
@@ -154,17 +159,17 @@ def time_update(model_name: str, layers: int, rows: int, seq: int, micro: int, r
     return {"model": model_name, "layers": layers, "rows": rows, "seq": seq, "seconds": seconds}
 
 
-def plan_update_temps(topology: str, block_bytes: int) -> dict:
+def plan_update_temps(topology: str, block_bytes: int, overrides: list[str] = ()) -> dict:
     """The update program's temporaries per device in ``jaxrl-llm plan`` of the 1B GRPO plan
-    run of ``bench_accelerator.py`` on ``topology``, the head's gradient in blocks of
-    ``block_bytes``."""
+    run of ``bench_accelerator.py`` on ``topology`` (with ``overrides`` on top), the head's
+    gradient in blocks of ``block_bytes``."""
     import bench_accelerator
 
     from jaxrl_llm.config.validation import load_config
     from jaxrl_llm.train import plan as P
 
     spec = bench_accelerator.SHAPES["device"]["plan"]
-    config = load_config(spec["config"], spec["overrides"])
+    config = load_config(spec["config"], [*spec["overrides"], *overrides])
     with head_blocks(block_bytes):
         update = P.plan_run(config, P.parse_target(topology)).update
     return {
@@ -180,6 +185,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--topologies", nargs="*", default=[], help="plan targets, e.g. v5p-8 h200-8")
+    ap.add_argument(
+        "--plan-overrides",
+        nargs="*",
+        default=[],
+        help="config overrides of the plan run, e.g. optim.micro_batch_size=64 (one micro-batch)",
+    )
     ap.add_argument("--time", nargs="*", default=[], help="models to time (random weights)")
     ap.add_argument("--time-layers", type=int, default=2, help="their layers when timed")
     ap.add_argument("--time-rounds", type=int, default=3)
@@ -203,8 +214,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(row), flush=True)
     plans = []
     for topology in args.topologies:
-        one, blocked = one_and_blocks(lambda b, t=topology: plan_update_temps(t, b))
+        one, blocked = one_and_blocks(
+            lambda b, t=topology: plan_update_temps(t, b, args.plan_overrides)
+        )
         plans.append({"topology": topology, "one_block": one, "blocks": blocked})
+        plans[-1]["overrides"] = args.plan_overrides
         print(json.dumps(plans[-1]), flush=True)
     timed = []
     for name in args.time:

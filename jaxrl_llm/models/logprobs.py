@@ -69,7 +69,12 @@ and 4.35 → 3.08 GiB per chip on a v5p-8 (deviceless compiles; one H200: no cha
 micro-batched fp32 update on CPU of Llama-3.2-1B's shape 5.74 → 5.14 GiB (BENCHMARKS.md, "The
 LM head's gradient in blocks"; ``scripts/bench_head_grad_blocks.py``). SmolLM2's head in two
 blocks grew its update's temporaries by 19 MiB (the cotangent's block is a copy), and the
-issue-5 update's peak, which is in the optimizer, did not fall."""
+issue-5 update's peak, which is in the optimizer, did not fall.
+
+A minibatch of one micro-batch has no accumulator to add into; its head gradient goes into one
+of its own, in the same blocks (:func:`~jaxrl_llm.models.grad_accumulation.own_accumulators`):
+the plan run in one micro-batch 2.07 → 1.38 GiB per GPU on 8 H200s; on a v5p-8 3.65 → 2.89 GiB
+per chip in micro-batches of 8 rows but 3.65 → 3.81 in one of 64 (docs/models.md)."""
 
 
 def model_head_grad_rows(lm: CausalLM) -> int | None:

@@ -257,6 +257,24 @@ def _grad_into(
     return out, treedef.unflatten(summed)
 
 
+def _grad_one(
+    trainee: Trainee, sums: SumsFn, params: Any, micro: Any
+) -> tuple[jax.Array, dict[str, Pair], Any]:
+    """(loss_sum, metric pairs, ∇ loss_sum) of a minibatch that is one micro-batch: no running
+    sum, so no zero-initialised accumulator (its gradient-sized buffer would be live beside the
+    backward's gradients: the whole-batch packed update of SmolLM2-135M held 1.72 GiB of XLA
+    temporaries with one, 1.22 without), except the LM head's, which its chunk loop makes for
+    itself in the backward pass to add each chunk's gradient into in blocks
+    (:func:`~jaxrl_llm.models.grad_accumulation.own_accumulators`)."""
+
+    def own(p: Any) -> tuple[jax.Array, dict[str, Pair]]:
+        with grad_accumulation.own_accumulators(p, trainee.param_sharding):
+            return sums(p, micro)
+
+    (loss, aux), grads = jax.value_and_grad(own, has_aux=True)(params)
+    return loss, aux, grads
+
+
 def _accumulate(
     trainee: Trainee, params: Any, mb: Any, constrain: Callable[[Any], Any], context: Any = None
 ) -> tuple[jax.Array, dict[str, Pair], Any]:
@@ -265,8 +283,7 @@ def _accumulate(
     grad_fn = jax.value_and_grad(sums, has_aux=True)
     num_micro = jax.tree.leaves(mb)[0].shape[0]
     if num_micro == 1:
-        (loss, aux), grads = grad_fn(params, constrain(_first(mb)))
-        return loss, aux, grads
+        return _grad_one(trainee, sums, params, constrain(_first(mb)))
 
     def body(
         carry: tuple[jax.Array, dict[str, Pair], Any], micro: Any
@@ -297,12 +314,8 @@ def _accumulate_ragged(
     sums = _sums(trainee, context)
     grad_fn = jax.value_and_grad(sums, has_aux=True)
     micro_at = lambda k: constrain(jax.tree.map(lambda x: x[k], mb.micro))
-    if jax.tree.leaves(mb.micro)[0].shape[0] == 1:
-        # One slot, so count == 1: no loop and no zero-initialised accumulator, whose extra
-        # gradient-sized buffer would otherwise be live beside the backward's gradients (the
-        # whole-batch packed update of SmolLM2-135M: XLA temporaries 1.72 -> 1.22 GiB).
-        (loss, aux), grads = grad_fn(params, (mb.shared, micro_at(0)))
-        return loss, aux, grads
+    if jax.tree.leaves(mb.micro)[0].shape[0] == 1:  # one slot, so count == 1: no loop
+        return _grad_one(trainee, sums, params, (mb.shared, micro_at(0)))
     (loss_shape, aux_shape), grad_shape = jax.eval_shape(grad_fn, params, (mb.shared, micro_at(0)))
     zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), tree)
     grads0 = zeros(grad_shape)

@@ -87,11 +87,16 @@ def logprob_sums(graphdef, *, passes=1, entropy=None):
 FUSED = ("scan", "map_chunks")  # the fused loops: the layer stack's, the LM head's
 
 
-def gradient(model, micro, *, fused=True, sums=ce_sums, **sums_kw):
-    """The accumulated gradient of one update, and how many of each fused loop ran fused."""
+def gradient(model, micro, *, fused=True, laid_out=False, sums=ce_sums, **sums_kw):
+    """The accumulated gradient of one update, and how many of each fused loop ran fused;
+    ``laid_out``: the accumulators laid out like the parameters (as the trainer's are)."""
     graphdef, params = nnx.split(model, nnx.Param)
     trainee = acc.Trainee(
-        "m", grad_capture(), sums(graphdef, **sums_kw), lambda mb: jnp.float32(1.0)
+        "m",
+        grad_capture(),
+        sums(graphdef, **sums_kw),
+        lambda mb: jnp.float32(1.0),
+        param_sharding=jax.tree.map(lambda x: x.sharding, params) if laid_out else None,
     )
     counts = dict.fromkeys(FUSED, 0)
     plain = {name: getattr(ga, name) for name in FUSED}
@@ -173,16 +178,19 @@ def test_remat_other_than_full_is_not_fused():
     assert fused["scan"] == 0
 
 
-def update_temp_bytes(params, sums, vocab: int, *, turned_off: str | None = None) -> int:
+def update_temp_bytes(
+    params, sums, vocab: int, *, turned_off: str | None = None, micro: int | None = MICRO
+) -> int:
     """XLA's temporaries of a micro-batched Adam update with the state donated (as the
-    trainer's); ``turned_off``: one of :data:`FUSED`, made to fall back to the plain loop."""
+    trainer's); ``turned_off``: one of :data:`FUSED`, made to fall back to the plain loop;
+    ``micro``: rows per micro-batch (None: one micro-batch)."""
     trainee = acc.Trainee("m", optax.adam(1e-3), sums, lambda mb: jnp.float32(1.0))
     plain = getattr(ga, turned_off) if turned_off else None
     if turned_off:
         setattr(ga, turned_off, lambda *a, **k: None)
     try:
         fn = jax.jit(
-            lambda p, o, b: acc.optimize((trainee,), (p,), (o,), b, micro_batch_size=MICRO)[:2],
+            lambda p, o, b: acc.optimize((trainee,), (p,), (o,), b, micro_batch_size=micro)[:2],
             donate_argnums=(0, 1),
         )
         compiled = fn.lower(params, trainee.tx.init(params), batch(vocab)).compile()
@@ -228,13 +236,16 @@ def test_the_head_gradient_goes_into_its_accumulator(
     rows = model.config.vocab_size if block_rows is None else block_rows
     monkeypatch.setattr(logprobs, "HEAD_GRAD_BLOCK_BYTES", 4 * model.config.hidden_size * rows)
     kw = {"sums": logprob_sums, "entropy": entropy}
-    whole, fused_whole = gradient(model, None, **kw)
+    whole, _ = gradient(model, None, fused=False, **kw)  # no loop, no accumulator
+    own, fused_own = gradient(model, None, **kw)  # no loop, the head's own accumulator
     micro, fused_micro = gradient(model, MICRO, **kw)
     plain, _ = gradient(model, MICRO, fused=False, **kw)
-    assert fused_whole["map_chunks"] == 0 and fused_micro["map_chunks"] == 1
+    assert fused_own == {"scan": 0, "map_chunks": 1}
+    assert fused_micro["map_chunks"] == 1
     assert fused_micro["scan"] == (remat == "full")
     tol = 1e-5 if dtype == "float32" else 2e-2
     assert scale(whole) > 1e-2
+    assert max_diff(whole, own) < tol * scale(whole)
     assert max_diff(whole, micro) < tol * scale(whole)
     assert max_diff(plain, micro) < tol * scale(whole)
 
@@ -275,6 +286,22 @@ def test_the_head_gradient_in_blocks_holds_less_than_in_one(monkeypatch):
     assert temps[1] - temps[8] >= 0.5 * head_bytes, (temps, head_bytes)
 
 
+def test_one_micro_batch_forms_the_head_gradient_in_blocks_of_its_own_accumulator(monkeypatch):
+    """With one micro-batch there is no running sum, but the plain chunk loop still forms each
+    chunk's whole head gradient before adding it to its carry; the head's own accumulator takes
+    it in blocks (an eighth of the head here)."""
+    model = _tiny(vocab_size=4096, hidden_size=128, head_dim=32)
+    graphdef, params = nnx.split(model, nnx.Param)
+    head_bytes = params["model"]["embed_tokens"]["embedding"][...].nbytes
+    monkeypatch.setattr(logprobs, "HEAD_GRAD_BLOCK_BYTES", head_bytes // 8)
+    sums = logprob_sums(graphdef)
+    plain, own = (
+        update_temp_bytes(params, sums, 4096, turned_off=off, micro=None)
+        for off in ("map_chunks", None)
+    )
+    assert plain - own >= 0.5 * head_bytes, (plain, own, head_bytes)
+
+
 def test_the_head_gradient_is_blocked_only_where_the_head_is_whole_on_each_device():
     model = _tiny()
     rows = logprobs.HEAD_GRAD_BLOCK_BYTES // (4 * model.config.hidden_size)
@@ -288,15 +315,17 @@ def test_the_head_gradient_is_blocked_only_where_the_head_is_whole_on_each_devic
 def test_head_gradient_blocks_of_an_fsdp_sharded_head_equal_one_device(monkeypatch):
     """Blocks along the vocabulary of a head whose embedding axis is split over ``fsdp`` (the
     partial sums over each device's rows are reduce-scattered block by block)."""
-    whole, _ = gradient(_tiny(), None, sums=logprob_sums)  # one device, no accumulator
+    whole, _ = gradient(_tiny(), None, fused=False, sums=logprob_sums)  # one device, plain
     monkeypatch.setattr(logprobs, "HEAD_GRAD_BLOCK_BYTES", 4 * 64 * 30)  # 3 blocks of 30 + 7
     mesh, rules = sharding.preset("fsdp", jax.devices()[:2])
     model = sharding.shard_model(_tiny(), mesh, rules)
     with jax.set_mesh(mesh):
         assert logprobs.model_head_grad_rows(model) == 30
-        micro, fused = gradient(model, MICRO, sums=logprob_sums)
-    assert fused["map_chunks"] == 1
+        micro, fused = gradient(model, MICRO, laid_out=True, sums=logprob_sums)
+        own, fused_own = gradient(model, None, laid_out=True, sums=logprob_sums)  # its own
+    assert fused["map_chunks"] == 1 and fused_own["map_chunks"] == 1
     assert max_diff(whole, micro) < 1e-5 * scale(whole)
+    assert max_diff(whole, own) < 1e-5 * scale(whole)
 
 
 def _one_chunk_loss(weight_block_rows, project):
@@ -330,5 +359,13 @@ def test_accumulators_must_match_the_parameters():
     with (
         pytest.raises(ValueError, match="params has 2 leaves but acc has 1"),
         ga.accumulating_into([jnp.zeros(2), jnp.zeros(3)], [jnp.zeros(2)]),
+    ):
+        pass
+
+
+def test_own_accumulators_need_one_sharding_per_parameter():
+    with (
+        pytest.raises(ValueError, match="params has 2 leaves but shardings has 1"),
+        ga.own_accumulators([jnp.zeros(2), jnp.zeros(3)], [None]),
     ):
         pass
