@@ -39,7 +39,10 @@ Fused accumulation. Each micro-batch's gradient is taken inside
 layer scan is rematerialised (``remat="full"``) adds its layers' gradients into the
 accumulator inside its backward pass, so the micro-batch's stacked layer gradient is never a
 second gradient-sized buffer beside the sum; the other leaves are added after the gradient.
-The sums are the same either way (tested against the plain accumulation).
+The sums are the same either way (tested against the plain accumulation). A minibatch of one
+micro-batch has no running sum; only the LM head's chunk loop then makes an accumulator of its
+own (:func:`~jaxrl_llm.models.grad_accumulation.own_accumulators`), to add each chunk's head
+gradient into in blocks.
 
 Non-finite updates. A non-finite gradient (one NaN/inf anywhere makes its global norm
 non-finite) or loss sum skips that trainee's update inside the jit (a ``lax.cond``, or a
@@ -56,7 +59,8 @@ from a trainee's schedule (:func:`make_step`), and ``update/nonfinite``.
 Sharding. With a mesh, :func:`jit_step` jits with in/out shardings (the batch's leading axis over
 the batch mesh axes, the state as given, metrics replicated) and donates the state;
 :func:`batch_constrainer` keeps every micro-batch split over the batch axes, and a trainee's
-``param_sharding`` lays out its gradient accumulators like its parameters.
+``param_sharding`` lays out its gradient accumulators (the head's own included) like its
+parameters.
 
 Use::
 

@@ -369,3 +369,23 @@ def test_own_accumulators_need_one_sharding_per_parameter():
         ga.own_accumulators([jnp.zeros(2), jnp.zeros(3)], [None]),
     ):
         pass
+
+
+def test_own_accumulators_take_heads_of_several_chunks_only():
+    """A head of one chunk stays plain (its product is the gradient); over two chunks of two
+    rows of ones, in blocks of 2, 2 and 1 rows, ∂/∂W Σ x Wᵀ is 4 everywhere."""
+    ran = []
+
+    def loss(w, chunks):
+        xs, ids = jnp.ones((chunks, 2, 3)), jnp.zeros((chunks, 2), jnp.int32)
+        with ga.own_accumulators([w]):
+            out = ga.map_chunks(
+                lambda w, c, x: x @ w.T, lambda z, i: jnp.sum(z), w, xs, ids, weight_block_rows=2
+            )
+        ran.append(out is not None)
+        return jnp.sum(out) if out is not None else jnp.sum(w)
+
+    w = jnp.arange(15.0).reshape(5, 3)
+    jax.grad(loss)(w, 1)
+    np.testing.assert_array_equal(jax.grad(loss)(w, 2), np.full((5, 3), 4.0))
+    assert ran == [False, True]
