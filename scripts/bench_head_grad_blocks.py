@@ -217,8 +217,8 @@ def main(argv: list[str] | None = None) -> dict:
         one, blocked = one_and_blocks(
             lambda b, t=topology: plan_update_temps(t, b, args.plan_overrides)
         )
-        plans.append({"topology": topology, "one_block": one, "blocks": blocked})
-        plans[-1]["overrides"] = args.plan_overrides
+        plan = {"topology": topology, "overrides": args.plan_overrides}
+        plans.append(plan | {"one_block": one, "blocks": blocked})
         print(json.dumps(plans[-1]), flush=True)
     timed = []
     for name in args.time:
@@ -229,8 +229,8 @@ def main(argv: list[str] | None = None) -> dict:
     machine["load_avg_after"] = os.getloadavg()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"machine": machine, "command": " ".join(sys.argv), "results": results, "plans": plans}
-    result["timed"] = timed
+    result = {"machine": machine, "command": " ".join(sys.argv)}
+    result |= {"results": results, "plans": plans, "timed": timed}
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return result
